@@ -1,0 +1,71 @@
+"""The step-kernel protocol: one attention block of a ring step, forward and backward."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional, Protocol, runtime_checkable
+
+from torch import Tensor
+
+__all__ = ["StepForward", "StepKernel"]
+
+
+@dataclass
+class StepForward:
+    """Result of one block's forward.
+
+    out: in the input layout and the query dtype.
+    lse: float32 [B, Nq, Sq]; -inf for rows that see no key.
+    seed, offset: int64 [1] CPU tensors the kernel used for dropout (None, or
+        tensor([0]), when there is no dropout).
+    """
+
+    out: Tensor
+    lse: Tensor
+    seed: Optional[Tensor]
+    offset: Optional[Tensor]
+
+
+@runtime_checkable
+class StepKernel(Protocol):
+    """Computes attention of a query block against one K/V block.
+
+    ``causal`` means the diagonal block (Sq == Skv, left-up causal mask).
+    K/V may have fewer heads than Q (GQA, Nq % Nkv == 0); kernels handle it.
+    """
+
+    name: str
+
+    def forward(
+        self,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        *,
+        layout: str,
+        head_num: int,
+        scale: float,
+        keep_prob: float,
+        causal: bool,
+    ) -> StepForward: ...
+
+    def backward(
+        self,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        dout: Tensor,
+        out: Tensor,
+        lse: Tensor,
+        *,
+        layout: str,
+        head_num: int,
+        scale: float,
+        keep_prob: float,
+        causal: bool,
+        seed: Optional[Tensor],
+        offset: Optional[Tensor],
+    ) -> tuple[Tensor, Tensor, Tensor]:
+        """Gradients of this block given the FINAL merged ``out`` (query dtype) and
+        float32 ``lse`` of these query rows; returns dq, dk, dv (float32 allowed)."""
+        ...

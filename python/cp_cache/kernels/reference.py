@@ -1,0 +1,99 @@
+"""Reference step kernel: the block attention math in plain torch (float32), any device."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from .. import layout as L
+from .base import StepForward
+
+__all__ = ["ReferenceKernel"]
+
+
+def _expand_kv(x: Tensor, groups: int) -> Tensor:
+    # [B, Nkv, S, D] -> [B, Nkv*groups, S, D]; query head h uses kv head h // groups
+    return x if groups == 1 else x.repeat_interleave(groups, dim=1)
+
+
+def _reduce_kv(x: Tensor, groups: int) -> Tensor:
+    # [B, Nkv*groups, S, D] -> [B, Nkv, S, D], summing each group
+    if groups == 1:
+        return x
+    b, n, s, d = x.shape
+    return x.view(b, n // groups, groups, s, d).sum(dim=2)
+
+
+class ReferenceKernel:
+    """Plain-torch step kernel. No dropout (keep_prob < 1 raises NotImplementedError)."""
+
+    name = "reference"
+
+    def _prepare(self, q, k, v, layout, head_num, keep_prob):
+        if keep_prob != 1.0:
+            raise NotImplementedError(
+                f"the reference step kernel does not implement dropout (keep_prob={keep_prob}); "
+                "use the npu kernel"
+            )
+        qd = L.dims(q, layout, head_num)
+        nkv = L.heads_of(k, layout, qd.head_dim)
+        if head_num % nkv:
+            raise ValueError(f"head_num={head_num} is not a multiple of the K/V head count {nkv}")
+        groups = head_num // nkv
+        qb = L.to_bnsd(q, layout, head_num).float()
+        kb = _expand_kv(L.to_bnsd(k, layout, nkv).float(), groups)
+        vb = _expand_kv(L.to_bnsd(v, layout, nkv).float(), groups)
+        return qb, kb, vb, nkv, groups
+
+    @staticmethod
+    def _scores(qb: Tensor, kb: Tensor, scale: float, causal: bool) -> Tensor:
+        s = torch.matmul(qb, kb.transpose(-1, -2)) * scale
+        if causal:
+            sq, sk = s.shape[-2], s.shape[-1]
+            mask = torch.ones(sq, sk, dtype=torch.bool, device=s.device).triu(1)
+            s = s.masked_fill(mask, float("-inf"))
+        return s
+
+    @staticmethod
+    def _probs(s: Tensor, lse: Tensor) -> Tensor:
+        # exp(s - lse) with -inf rows giving 0, never NaN
+        safe = torch.where(torch.isneginf(lse), torch.zeros_like(lse), lse)
+        return torch.exp(s - safe.unsqueeze(-1))
+
+    def forward(self, q, k, v, *, layout, head_num, scale, keep_prob, causal) -> StepForward:
+        qb, kb, vb, _, _ = self._prepare(q, k, v, layout, head_num, keep_prob)
+        s = self._scores(qb, kb, scale, causal)
+        lse = torch.logsumexp(s, dim=-1)
+        p = self._probs(s, lse)
+        out = torch.matmul(p, vb)
+        return StepForward(
+            out=L.from_bnsd(out.to(q.dtype), layout),
+            lse=lse.float(),
+            seed=None,
+            offset=None,
+        )
+
+    def backward(
+        self, q, k, v, dout, out, lse, *, layout, head_num, scale, keep_prob, causal,
+        seed: Optional[Tensor] = None, offset: Optional[Tensor] = None,
+    ):
+        qb, kb, vb, nkv, groups = self._prepare(q, k, v, layout, head_num, keep_prob)
+        dob = L.to_bnsd(dout, layout, head_num).float()
+        ob = L.to_bnsd(out, layout, head_num).float()
+        s = self._scores(qb, kb, scale, causal)
+        p = self._probs(s, lse.float())
+        dv = torch.matmul(p.transpose(-1, -2), dob)
+        dp = torch.matmul(dob, vb.transpose(-1, -2))
+        delta = (dob * ob).sum(dim=-1, keepdim=True)
+        ds = p * (dp - delta)
+        dq = torch.matmul(ds, kb) * scale
+        dk = torch.matmul(ds.transpose(-1, -2), qb) * scale
+        dk = _reduce_kv(dk, groups)
+        dv = _reduce_kv(dv, groups)
+        return (
+            L.from_bnsd(dq, layout),
+            L.from_bnsd(dk, layout),
+            L.from_bnsd(dv, layout),
+        )

@@ -1,0 +1,359 @@
+"""Ring attention over a 1-D process group, forward and backward, on any step kernel.
+
+Each rank keeps its query block; the K/V blocks travel around the ring (rank r
+sends to r+1 and receives from r-1). Step i on rank r uses the block of group
+rank ``(r - i) % W``. The next block's transfer is posted before the current
+block is computed and waited after, so at most two K/V blocks are alive.
+Step results are merged in float32 with the log-sum-exp rule.
+
+Causal rules (torch's ``_templated_ring_attention``):
+
+* without load balancing rank r holds contiguous chunk r: step 0 is the causal
+  diagonal block, blocks from lower ranks are full, from higher ranks skipped;
+* with head-tail load balancing rank r holds chunks r and 2W-1-r of 2W: step 0
+  is causal over the whole local block, a block from a lower rank is seen by
+  all local queries through its first half ("kv_head"), a block from a higher
+  rank is seen fully by the second half of the local queries ("q_tail").
+
+Backward sends the K/V around again; the float32 dK/dV accumulators travel
+with their block and return to its owner after one extra hop.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from . import layout as L
+from .kernels.base import StepKernel
+
+__all__ = [
+    "RingStep",
+    "RingConfig",
+    "RingForward",
+    "RingBackward",
+    "ring_attention_forward",
+    "ring_attention_backward",
+    "step_part",
+]
+
+log = logging.getLogger("cp_cache")
+
+PARTS = ("causal", "full", "q_tail", "kv_head", "skip")
+
+
+@dataclass
+class RingStep:
+    index: int  # 0..W-1
+    source_rank: int  # group rank whose K/V block this step used: (rank - index) % W
+    part: str  # "causal" | "full" | "q_tail" | "kv_head" | "skip"
+    seed: Optional[Tensor]
+    offset: Optional[Tensor]
+
+
+@dataclass
+class RingConfig:
+    world_size: int
+    rank: int
+    causal: bool
+    load_balance: bool
+    layout: str
+    head_num: int
+    scale: float
+    keep_prob: float
+
+
+@dataclass
+class RingForward:
+    out: Tensor
+    lse: Tensor
+    steps: list[RingStep]
+    bytes_sent: int
+
+
+@dataclass
+class RingBackward:
+    dq: Tensor
+    dk: Tensor
+    dv: Tensor
+    bytes_sent: int
+
+
+def step_part(rank: int, index: int, world_size: int, causal: bool, load_balance: bool) -> str:
+    """Which part of the block pair step ``index`` on ``rank`` computes."""
+    if not causal:
+        return "full"
+    if index == 0:
+        return "causal"
+    source = (rank - index) % world_size
+    if source < rank:
+        return "kv_head" if load_balance else "full"
+    return "q_tail" if load_balance else "skip"
+
+
+# ---------------------------------------------------------------- checks
+
+
+def _group_info(config: RingConfig, group) -> tuple[int, int, object]:
+    """(world size, rank, group) after checking the config against the group."""
+    if config.world_size < 1:
+        raise ValueError(f"world_size must be >= 1, got {config.world_size}")
+    if group is None and config.world_size > 1:
+        if not (dist.is_available() and dist.is_initialized()):
+            raise ValueError(
+                f"world_size={config.world_size} needs a process group, but group is None "
+                "and torch.distributed is not initialized"
+            )
+        group = dist.group.WORLD
+    if group is None:
+        size, rank = 1, 0
+    else:
+        size, rank = dist.get_world_size(group), dist.get_rank(group)
+    if size != config.world_size:
+        raise ValueError(f"config.world_size={config.world_size} but the process group has {size} ranks")
+    if rank != config.rank:
+        raise ValueError(f"config.rank={config.rank} but this process is rank {rank} of the group")
+    return size, rank, group
+
+
+def _check_inputs(q: Tensor, k: Tensor, v: Tensor, config: RingConfig) -> tuple[L.Dims, int]:
+    lay = L.check_layout(config.layout)
+    qd = L.dims(q, lay, config.head_num)
+    if k.shape != v.shape:
+        raise ValueError(
+            f"key and value shapes differ: key {tuple(k.shape)}, value {tuple(v.shape)} "
+            f"(input_layout={lay!r}, sequence dim {L.seq_dim(lay)})"
+        )
+    nkv = L.heads_of(k, lay, qd.head_dim)
+    kd = L.dims(k, lay, nkv)
+    if kd.batch != qd.batch or kd.head_dim != qd.head_dim:
+        raise ValueError(
+            f"query {tuple(q.shape)} and key {tuple(k.shape)} disagree on batch or head size "
+            f"(input_layout={lay!r})"
+        )
+    if config.head_num % nkv:
+        raise ValueError(f"head_num={config.head_num} is not a multiple of the K/V head count {nkv}")
+    if config.causal and kd.seq != qd.seq:
+        raise ValueError(
+            f"causal ring attention needs equal local query and key lengths, got {qd.seq} and {kd.seq}"
+        )
+    if config.causal and config.load_balance and qd.seq % 2:
+        raise ValueError(
+            f"load balancing needs an even local sequence length, got {qd.seq} "
+            f"(input_layout={lay!r}, world_size={config.world_size})"
+        )
+    if not 0.0 < config.keep_prob <= 1.0:
+        raise ValueError(f"keep_prob must be in (0, 1], got {config.keep_prob}")
+    return qd, nkv
+
+
+# ---------------------------------------------------------------- communication
+
+
+class _Exchange:
+    """One ring shift of a list of tensors: send to the next rank, receive from the previous."""
+
+    def __init__(self, tensors: list[Tensor], group, rank: int, size: int, tag: int):
+        nxt = dist.get_global_rank(group, (rank + 1) % size)
+        prv = dist.get_global_rank(group, (rank - 1) % size)
+        self.recv = [torch.empty_like(t, memory_format=torch.contiguous_format) for t in tensors]
+        ops = [dist.P2POp(dist.isend, t, nxt, group, tag + j) for j, t in enumerate(tensors)]
+        ops += [dist.P2POp(dist.irecv, r, prv, group, tag + j) for j, r in enumerate(self.recv)]
+        self.nbytes = sum(t.nbytes for t in tensors)
+        self._works = dist.batch_isend_irecv(ops)
+
+    def wait(self) -> list[Tensor]:
+        for w in self._works:
+            w.wait()
+        self._works = None  # drop every reference to the sent and received buffers
+        recv, self.recv = self.recv, None
+        return recv
+
+
+_TAG_KV = 0
+_TAG_DKV = 2
+
+
+# ---------------------------------------------------------------- merge
+
+
+def _merge(acc_out: Tensor, acc_lse: Tensor, out_i: Tensor, lse_i: Tensor, layout: str, head_num: int) -> None:
+    """In place: acc <- logsumexp-merge(acc, step). acc_out float32 in ``layout``, lse [B, N, S]."""
+    new_lse = torch.logaddexp(acc_lse, lse_i)
+    # rows with no key seen on either side keep -inf and a zero output (never NaN)
+    ref = torch.where(torch.isneginf(new_lse), torch.zeros_like(new_lse), new_lse)
+    w_old = L.lse_view(torch.exp(acc_lse - ref), layout)
+    w_new = L.lse_view(torch.exp(lse_i - ref), layout)
+    o = L.as_4d(acc_out, layout, head_num)
+    o.mul_(w_old).add_(L.as_4d(out_i, layout, head_num).float() * w_new)
+    acc_lse.copy_(new_lse)
+
+
+# ---------------------------------------------------------------- forward
+
+
+def ring_attention_forward(
+    q: Tensor, k: Tensor, v: Tensor, config: RingConfig, *, group, kernel: StepKernel
+) -> RingForward:
+    """Ring attention of the local queries against every rank's K/V block.
+
+    Returns the merged output (query dtype, input layout), the float32 LSE
+    [B, Nq, Sq], the per-step records (for backward) and the bytes sent.
+    """
+    size, rank, group = _group_info(config, group)
+    qd, _ = _check_inputs(q, k, v, config)
+    lay, hn = config.layout, config.head_num
+    half = qd.seq // 2
+
+    acc_out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+    acc_lse = torch.full((qd.batch, hn, qd.seq), float("-inf"), dtype=torch.float32, device=q.device)
+    kw = dict(layout=lay, head_num=hn, scale=config.scale, keep_prob=config.keep_prob)
+
+    steps: list[RingStep] = []
+    bytes_sent = 0
+    cur_k, cur_v = k.contiguous(), v.contiguous()
+    for i in range(size):
+        ex = None
+        if i < size - 1:
+            ex = _Exchange([cur_k, cur_v], group, rank, size, _TAG_KV)
+            bytes_sent += ex.nbytes
+        source = (rank - i) % size
+        part = step_part(rank, i, size, config.causal, config.load_balance)
+        seed = offset = None
+        if part != "skip":
+            if part == "q_tail":
+                qs, ks, vs = L.narrow_seq(q, lay, half, qd.seq - half), cur_k, cur_v
+            elif part == "kv_head":
+                kh = cur_k.size(L.seq_dim(lay)) // 2
+                qs, ks, vs = q, L.narrow_seq(cur_k, lay, 0, kh), L.narrow_seq(cur_v, lay, 0, kh)
+            else:
+                qs, ks, vs = q, cur_k, cur_v
+            res = kernel.forward(qs, ks, vs, causal=(part == "causal"), **kw)
+            seed, offset = res.seed, res.offset
+            if part == "q_tail":
+                _merge(
+                    L.narrow_seq(acc_out, lay, half, qd.seq - half),
+                    acc_lse.narrow(2, half, qd.seq - half),
+                    res.out, res.lse, lay, hn,
+                )
+            else:
+                _merge(acc_out, acc_lse, res.out, res.lse, lay, hn)
+            del res, qs, ks, vs
+        steps.append(RingStep(index=i, source_rank=source, part=part, seed=seed, offset=offset))
+        if ex is not None:
+            cur_k, cur_v = ex.wait()
+            del ex
+    log.debug("ring forward rank %d/%d: parts %s, %d bytes sent", rank, size, [s.part for s in steps], bytes_sent)
+    return RingForward(out=acc_out.to(q.dtype), lse=acc_lse, steps=steps, bytes_sent=bytes_sent)
+
+
+# ---------------------------------------------------------------- backward
+
+
+def ring_attention_backward(
+    dout: Tensor,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    out: Tensor,
+    lse: Tensor,
+    steps: list[RingStep],
+    config: RingConfig,
+    *,
+    group,
+    kernel: StepKernel,
+) -> RingBackward:
+    """Gradients of the local q and of this rank's own K/V block.
+
+    ``out``/``lse`` are the forward's merged results, ``steps`` its records
+    (parts and seeds are reused as recorded).
+    """
+    size, rank, group = _group_info(config, group)
+    if len(steps) != size:
+        raise RuntimeError(f"backward got {len(steps)} ring steps for a world size of {size}")
+    for i, st in enumerate(steps):
+        if st.index != i or st.source_rank != (rank - i) % size or st.part not in PARTS:
+            raise RuntimeError(
+                f"ring step record {i} (index={st.index}, source_rank={st.source_rank}, part={st.part!r}) "
+                f"does not belong to rank {rank} of {size}"
+            )
+    qd, _ = _check_inputs(q, k, v, config)
+    if dout.shape != q.shape or out.shape != q.shape:
+        raise ValueError(
+            f"dout {tuple(dout.shape)} and out {tuple(out.shape)} must have the query's shape {tuple(q.shape)}"
+        )
+    if tuple(lse.shape) != (qd.batch, config.head_num, qd.seq):
+        raise ValueError(f"lse has shape {tuple(lse.shape)}, expected {(qd.batch, config.head_num, qd.seq)}")
+    lay, hn = config.layout, config.head_num
+    sd = L.seq_dim(lay)
+    half = qd.seq // 2
+    lse = lse.float()
+    kw = dict(layout=lay, head_num=hn, scale=config.scale, keep_prob=config.keep_prob)
+
+    dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+    bytes_sent = 0
+    cur_k, cur_v = k.contiguous(), v.contiguous()
+    dkv_ex: Optional[_Exchange] = None
+    dk_acc = dv_acc = None
+    for i, st in enumerate(steps):
+        kv_ex = None
+        if i < size - 1:
+            kv_ex = _Exchange([cur_k, cur_v], group, rank, size, _TAG_KV)
+            bytes_sent += kv_ex.nbytes
+        part = st.part
+        grads = None
+        if part != "skip":
+            if part == "q_tail":
+                n = qd.seq - half
+                qs, ks, vs = L.narrow_seq(q, lay, half, n), cur_k, cur_v
+                dos, os_ = L.narrow_seq(dout, lay, half, n), L.narrow_seq(out, lay, half, n)
+                ls = lse.narrow(2, half, n)
+            elif part == "kv_head":
+                kh = cur_k.size(sd) // 2
+                qs, ks, vs = q, L.narrow_seq(cur_k, lay, 0, kh), L.narrow_seq(cur_v, lay, 0, kh)
+                dos, os_, ls = dout, out, lse
+            else:
+                qs, ks, vs, dos, os_, ls = q, cur_k, cur_v, dout, out, lse
+            grads = kernel.backward(
+                qs, ks, vs, dos, os_, ls, causal=(part == "causal"), seed=st.seed, offset=st.offset, **kw
+            )
+            del qs, ks, vs, dos, os_, ls
+            if part == "q_tail":
+                L.narrow_seq(dq, lay, half, qd.seq - half).add_(grads[0])
+            else:
+                dq.add_(grads[0])
+        # the accumulators of the block held at this step
+        if i == 0:
+            dk_acc = torch.zeros(cur_k.shape, dtype=torch.float32, device=k.device)
+            dv_acc = torch.zeros(cur_v.shape, dtype=torch.float32, device=v.device)
+        else:
+            dk_acc, dv_acc = dkv_ex.wait()
+            dkv_ex = None
+        if grads is not None:
+            if part == "kv_head":
+                kh = cur_k.size(sd) // 2
+                L.narrow_seq(dk_acc, lay, 0, kh).add_(grads[1])
+                L.narrow_seq(dv_acc, lay, 0, kh).add_(grads[2])
+            else:
+                dk_acc.add_(grads[1])
+                dv_acc.add_(grads[2])
+            grads = None
+        if size > 1:
+            dkv_ex = _Exchange([dk_acc, dv_acc], group, rank, size, _TAG_DKV)
+            bytes_sent += dkv_ex.nbytes
+            dk_acc = dv_acc = None
+        if kv_ex is not None:
+            cur_k, cur_v = kv_ex.wait()
+            del kv_ex
+    if dkv_ex is not None:
+        # one extra hop brings this rank's own block's gradients home
+        dk_acc, dv_acc = dkv_ex.wait()
+    log.debug("ring backward rank %d/%d: %d bytes sent", rank, size, bytes_sent)
+    return RingBackward(
+        dq=dq.to(q.dtype), dk=dk_acc.to(k.dtype), dv=dv_acc.to(v.dtype), bytes_sent=bytes_sent
+    )

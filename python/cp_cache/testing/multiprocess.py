@@ -1,0 +1,145 @@
+"""Run a function on several ranks, each in its own spawned process, over loopback.
+
+``run_ranks(fn, world_size, *args)`` starts ``world_size`` processes (start
+method "spawn"), each initialises ``torch.distributed`` with a TCP store on
+127.0.0.1, calls ``fn(rank, world_size, *args)`` and sends its return value
+back (pickled, so tensors are copied, not shared). ``fn`` must be importable by
+name (a module-level function). Any failing rank or the overall timeout kills
+the rank processes this call started and raises RuntimeError with every
+rank's traceback.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import pickle
+import queue as queue_mod
+import socket
+import time
+import traceback
+from datetime import timedelta
+from typing import Any, Callable
+
+__all__ = ["run_ranks", "free_port"]
+
+log = logging.getLogger("cp_cache")
+
+_LOOPBACK = "127.0.0.1"
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that is free right now."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((_LOOPBACK, 0))
+        return int(s.getsockname()[1])
+
+
+def _rank_main(fn, rank: int, world_size: int, port: int, backend: str, timeout: float, args, results) -> None:
+    # keep gloo on the loopback interface
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    os.environ["MASTER_ADDR"] = _LOOPBACK
+    os.environ["MASTER_PORT"] = str(port)
+    try:
+        import torch
+        import torch.distributed as dist
+
+        torch.set_num_threads(1)
+        dist.init_process_group(
+            backend,
+            init_method=f"tcp://{_LOOPBACK}:{port}",
+            rank=rank,
+            world_size=world_size,
+            timeout=timedelta(seconds=timeout),
+        )
+        try:
+            value = fn(rank, world_size, *args)
+        finally:
+            dist.destroy_process_group()
+        payload = ("ok", rank, pickle.dumps(value))
+    except BaseException:  # noqa: BLE001 - reported to the parent
+        payload = ("error", rank, traceback.format_exc())
+    results.put(payload)
+
+
+def run_ranks(
+    fn: Callable[..., Any],
+    world_size: int,
+    *args: Any,
+    timeout: float = 120.0,
+    backend: str = "gloo",
+) -> list:
+    """Run ``fn(rank, world_size, *args)`` on ``world_size`` spawned ranks; their results by rank."""
+    import torch.multiprocessing as mp
+
+    if world_size < 1:
+        raise ValueError(f"world_size must be >= 1, got {world_size}")
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    port = free_port()
+    procs = []
+    for r in range(world_size):
+        p = ctx.Process(
+            target=_rank_main,
+            args=(fn, r, world_size, port, backend, timeout, args, results),
+            name=f"cp_cache-rank{r}",
+            daemon=True,
+        )
+        p.start()
+        procs.append(p)
+    log.debug("run_ranks: started %s on %d ranks (port %d, pids %s)",
+              getattr(fn, "__name__", fn), world_size, port, [p.pid for p in procs])
+
+    values: dict[int, Any] = {}
+    errors: dict[int, str] = {}
+    deadline = time.monotonic() + timeout
+    reason = None
+    try:
+        while len(values) + len(errors) < world_size:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                reason = f"timed out after {timeout:.0f} s"
+                break
+            try:
+                kind, rank, data = results.get(timeout=min(left, 0.5))
+            except queue_mod.Empty:
+                dead = [
+                    p for r, p in enumerate(procs)
+                    if r not in values and r not in errors and not p.is_alive()
+                ]
+                if dead:
+                    # give a queued message a moment to arrive before declaring the rank lost
+                    try:
+                        kind, rank, data = results.get(timeout=2.0)
+                    except queue_mod.Empty:
+                        for p in dead:
+                            r = procs.index(p)
+                            errors[r] = f"rank {r} (pid {p.pid}) exited with code {p.exitcode} without a result"
+                        continue
+                else:
+                    continue
+            if kind == "ok":
+                values[rank] = pickle.loads(data)
+            else:
+                errors[rank] = data
+                # other ranks are likely blocked on this one: collect briefly, then stop
+                deadline = min(deadline, time.monotonic() + 3.0)
+                reason = reason or f"rank {rank} failed"
+    finally:
+        for p in procs:
+            p.join(timeout=5.0 if reason is None else 0.1)
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+                p.join(timeout=5.0)
+        results.close()
+
+    if errors or reason is not None or len(values) < world_size:
+        lines = [f"run_ranks({getattr(fn, '__name__', fn)}, world_size={world_size}): {reason or 'ranks failed'}"]
+        for r in range(world_size):
+            if r in errors:
+                lines.append(f"--- rank {r} ---\n{errors[r]}")
+            elif r not in values:
+                lines.append(f"--- rank {r} --- no result (killed or hung)")
+        raise RuntimeError("\n".join(lines))
+    return [values[r] for r in range(world_size)]

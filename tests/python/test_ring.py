@@ -1,0 +1,437 @@
+"""Ring attention (cp_cache.ring) against a dense float64 single-process reference.
+
+The ranks run in spawned processes over gloo on loopback (W = 2, 4) or in this
+process (W = 1, no group). Each spawned run executes the whole case matrix
+once and returns the local results; every test then checks one case.
+"""
+
+from __future__ import annotations
+
+import math
+import weakref
+import zlib
+from dataclasses import dataclass, replace
+
+import pytest
+import torch
+
+from cp_cache import layout as L
+from cp_cache.kernels import NpuKernel, ReferenceKernel, get_kernel
+from cp_cache.ring import (
+    RingConfig,
+    RingStep,
+    ring_attention_backward,
+    ring_attention_forward,
+    step_part,
+)
+from cp_cache.testing.multiprocess import run_ranks
+
+try:
+    from cp_cache.testing import dropout_keep_mask, install_npu_emulator
+
+    HAVE_EMULATOR = True
+except ImportError:  # the emulator is optional for these tests
+    HAVE_EMULATOR = False
+
+LAYOUTS = ("BNSD", "BSND", "BSH", "SBH")
+MODES = ("causal_lb", "causal", "full")
+
+
+@dataclass(frozen=True)
+class Case:
+    layout: str
+    mode: str  # causal_lb | causal | full
+    gqa: bool
+    dtype: str  # float32 | bfloat16
+    kernel: str  # reference | npu
+    keep_prob: float = 1.0
+    B: int = 3
+    Nq: int = 3
+    D: int = 8
+    s_local: int = 6
+
+    @property
+    def name(self) -> str:
+        g = "gqa" if self.gqa else "mha"
+        kp = "" if self.keep_prob == 1.0 else f"-drop{self.keep_prob}"
+        return f"{self.kernel}-{self.layout}-{self.mode}-{g}-{self.dtype}{kp}"
+
+    @property
+    def causal(self) -> bool:
+        return self.mode != "full"
+
+    @property
+    def load_balance(self) -> bool:
+        return self.mode == "causal_lb"
+
+    @property
+    def nkv(self) -> int:
+        return 1 if self.gqa else self.Nq
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return getattr(torch, self.dtype)
+
+
+def _cases() -> list[Case]:
+    kernels = ["reference"] + (["npu"] if HAVE_EMULATOR else [])
+    out = []
+    for kernel in kernels:
+        for lay in LAYOUTS:
+            for mode in MODES:
+                for gqa in (False, True):
+                    out.append(Case(lay, mode, gqa, "float32", kernel))
+        # bf16: a subset (every layout, every mode once)
+        for i, lay in enumerate(LAYOUTS):
+            for mode in MODES:
+                out.append(Case(lay, mode, bool(i % 2), "bfloat16", kernel))
+    if HAVE_EMULATOR:
+        for mode in MODES:
+            out.append(Case("BSND", mode, True, "float32", "npu", keep_prob=0.75))
+    return out
+
+
+CASES = _cases()
+
+
+# ---------------------------------------------------------------- inputs and sharding
+
+
+def _full_inputs(case: Case, world: int):
+    """Full-sequence q, k, v, dout as float64 [B, N, S, D] (values rounded to the case dtype)."""
+    S = case.s_local * world
+    g = torch.Generator().manual_seed(zlib.crc32(f"{case.name}/{world}".encode()))
+    shape_q = (case.B, case.Nq, S, case.D)
+    shape_kv = (case.B, case.nkv, S, case.D)
+    q, dout = (torch.randn(shape_q, generator=g, dtype=torch.float64) for _ in range(2))
+    k, v = (torch.randn(shape_kv, generator=g, dtype=torch.float64) for _ in range(2))
+    dt = case.torch_dtype
+    return [t.to(dt).double() for t in (q, k, v, dout)]
+
+
+def _rank_positions(case: Case, world: int, rank: int) -> torch.Tensor:
+    """Global sequence positions held by ``rank`` (head-tail chunks under load balancing)."""
+    s = case.s_local
+    if case.load_balance:
+        c = s // 2
+        a, b = rank, 2 * world - 1 - rank
+        return torch.cat([torch.arange(a * c, (a + 1) * c), torch.arange(b * c, (b + 1) * c)])
+    return torch.arange(rank * s, (rank + 1) * s)
+
+
+def _shard(x_bnsd: torch.Tensor, case: Case, pos: torch.Tensor, dtype) -> torch.Tensor:
+    local = x_bnsd.index_select(2, pos)
+    return L.from_bnsd(local, case.layout).to(dtype)
+
+
+def _config(case: Case, world: int, rank: int) -> RingConfig:
+    return RingConfig(
+        world_size=world,
+        rank=rank,
+        causal=case.causal,
+        load_balance=case.load_balance,
+        layout=case.layout,
+        head_num=case.Nq,
+        scale=1.0 / math.sqrt(case.D),
+        keep_prob=case.keep_prob,
+    )
+
+
+class _Watch:
+    """Wraps a kernel; at each call counts the received K/V blocks that are still alive."""
+
+    def __init__(self, kernel, own_k):
+        self.inner = kernel
+        self.name = kernel.name
+        self.own = id(own_k)
+        self.refs: list[weakref.ref] = []
+        self.max_alive = 0
+
+    def _see(self, k):
+        base = k if k._base is None else k._base
+        if id(base) != self.own and not any(r() is base for r in self.refs):
+            self.refs.append(weakref.ref(base))
+        self.max_alive = max(self.max_alive, sum(r() is not None for r in self.refs))
+
+    def forward(self, q, k, v, **kw):
+        self._see(k)
+        return self.inner.forward(q, k, v, **kw)
+
+    def backward(self, q, k, v, *a, **kw):
+        self._see(k)
+        return self.inner.backward(q, k, v, *a, **kw)
+
+
+def _run_cases(rank: int, world: int, cases: list[Case], group) -> dict:
+    if any(c.kernel == "npu" for c in cases):
+        install_npu_emulator(route_sdpa=False)
+    results = {}
+    for case in cases:
+        q, k, v, dout = _full_inputs(case, world)
+        pos = _rank_positions(case, world, rank)
+        dt = case.torch_dtype
+        ql, kl, vl, dl = (_shard(t, case, pos, dt) for t in (q, k, v, dout))
+        cfg = _config(case, world, rank)
+        kernel = _Watch(get_kernel(case.kernel), kl)
+        torch.manual_seed(1234 + rank)
+        fwd = ring_attention_forward(ql, kl, vl, cfg, group=group, kernel=kernel)
+        max_alive_fwd = kernel.max_alive
+        kernel = _Watch(get_kernel(case.kernel), kl)
+        bwd = ring_attention_backward(dl, ql, kl, vl, fwd.out, fwd.lse, fwd.steps, cfg, group=group, kernel=kernel)
+        results[case.name] = dict(
+            out=fwd.out, lse=fwd.lse, dq=bwd.dq, dk=bwd.dk, dv=bwd.dv,
+            fwd_bytes=fwd.bytes_sent, bwd_bytes=bwd.bytes_sent,
+            block_bytes=kl.nbytes + vl.nbytes,
+            steps=[(s.index, s.source_rank, s.part, None if s.seed is None else int(s.seed[0]),
+                    None if s.offset is None else int(s.offset[0])) for s in fwd.steps],
+            max_alive=max(max_alive_fwd, kernel.max_alive),
+            dtypes=(fwd.out.dtype, fwd.lse.dtype, bwd.dq.dtype, bwd.dk.dtype, bwd.dv.dtype),
+        )
+    return results
+
+
+def _ring_rank(rank: int, world: int, cases: list[Case]) -> dict:
+    import torch.distributed as dist
+
+    return _run_cases(rank, world, cases, dist.group.WORLD)
+
+
+_RESULTS: dict[int, list[dict]] = {}
+
+
+def _results(world: int) -> list[dict]:
+    if world not in _RESULTS:
+        if world == 1:
+            _RESULTS[world] = [_run_cases(0, 1, CASES, None)]
+        else:
+            _RESULTS[world] = run_ranks(_ring_rank, world, CASES, timeout=180.0)
+    return _RESULTS[world]
+
+
+# ---------------------------------------------------------------- dense reference
+
+
+def _dense(q, k, v, case: Case, keep=None, dtype=torch.float64):
+    """Dense attention over the full sequence in ``dtype``; q/k/v/keep in [B, N, S, D]/[B, N, S, S]."""
+    groups = case.Nq // case.nkv
+    qq, kk, vv = (t.detach().to(dtype).requires_grad_(True) for t in (q, k, v))
+    ke, ve = kk.repeat_interleave(groups, 1), vv.repeat_interleave(groups, 1)
+    s = torch.matmul(qq, ke.transpose(-1, -2)) * (1.0 / math.sqrt(case.D))
+    if case.causal:
+        S = s.shape[-1]
+        s = s.masked_fill(torch.ones(S, S, dtype=torch.bool).triu(1), float("-inf"))
+    lse = torch.logsumexp(s.double(), -1)
+    p = torch.softmax(s, -1)
+    if keep is not None:
+        p = p * keep.to(dtype) / case.keep_prob
+    out = torch.matmul(p, ve)
+    return qq, kk, vv, out, lse
+
+
+def _dense_grads(q, k, v, dout, case, keep=None, dtype=torch.float64):
+    qq, kk, vv, out, lse = _dense(q, k, v, case, keep, dtype)
+    dq, dk, dv = torch.autograd.grad(out, (qq, kk, vv), dout.to(dtype))
+    return {"out": out.detach(), "lse": lse.detach(), "dq": dq, "dk": dk, "dv": dv}
+
+
+def _gather(results: list[dict], case: Case, world: int) -> dict:
+    """Reassemble the per-rank results into full-sequence float64 [B, N, S, D] tensors."""
+    S = case.s_local * world
+    full = {}
+    for key, heads in (("out", case.Nq), ("dq", case.Nq), ("dk", case.nkv), ("dv", case.nkv)):
+        t = torch.zeros(case.B, heads, S, case.D, dtype=torch.float64)
+        for r, res in enumerate(results):
+            t[:, :, _rank_positions(case, world, r)] = L.to_bnsd(res[case.name][key], case.layout, heads).double()
+        full[key] = t
+    lse = torch.zeros(case.B, case.Nq, S, dtype=torch.float64)
+    for r, res in enumerate(results):
+        lse[:, :, _rank_positions(case, world, r)] = res[case.name]["lse"].double()
+    full["lse"] = lse
+    return full
+
+
+def _keep_mask(results: list[dict], case: Case, world: int) -> torch.Tensor:
+    """The full [B, Nq, S, S] keep mask assembled from every rank's recorded step seeds."""
+    S = case.s_local * world
+    keep = torch.ones(case.B, case.Nq, S, S, dtype=torch.bool)
+    for r, res in enumerate(results):
+        qpos = _rank_positions(case, world, r)
+        for index, source, part, seed, offset in res[case.name]["steps"]:
+            kpos = _rank_positions(case, world, source)
+            if part == "skip":
+                continue
+            if part == "q_tail":
+                qpos_i, kpos_i = qpos[len(qpos) // 2:], kpos
+            elif part == "kv_head":
+                qpos_i, kpos_i = qpos, kpos[: len(kpos) // 2]
+            else:
+                qpos_i, kpos_i = qpos, kpos
+            m = dropout_keep_mask(seed, offset, (case.B, case.Nq, len(qpos_i), len(kpos_i)), case.keep_prob)
+            keep[:, :, qpos_i.view(-1, 1), kpos_i.view(1, -1)] = m
+    return keep
+
+
+def _rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a - b).abs().max() / b.abs().max().clamp_min(1e-12))
+
+
+# ---------------------------------------------------------------- tests
+
+
+WORLDS = (1, 2, 4)
+
+
+@pytest.mark.parametrize("world", WORLDS)
+@pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
+def test_ring_matches_dense(world, case):
+    results = _results(world)
+    q, k, v, dout = _full_inputs(case, world)
+    keep = _keep_mask(results, case, world) if case.keep_prob < 1 else None
+    ref = _dense_grads(q, k, v, dout, case, keep)
+    got = _gather(results, case, world)
+    dt = case.torch_dtype
+    for r, res in enumerate(results):
+        assert res[case.name]["dtypes"] == (dt, torch.float32, dt, dt, dt)
+    if dt == torch.float32:
+        for key in ("out", "lse", "dq", "dk", "dv"):
+            err = _rel_err(got[key], ref[key])
+            assert err < 2e-5, f"{case.name} W={world} {key}: relative error {err:.3g}"
+    else:
+        low = _dense_grads(q, k, v, dout, case, keep, dtype=dt)
+        for key in ("out", "dq", "dk", "dv"):
+            err = _rel_err(got[key], ref[key])
+            base = _rel_err(low[key].double(), ref[key])
+            assert err <= 3 * base + 1e-2, f"{case.name} W={world} {key}: {err:.3g} vs dense bf16 {base:.3g}"
+        assert _rel_err(got["lse"], ref["lse"]) < 1e-2
+
+
+@pytest.mark.parametrize("world", WORLDS)
+def test_bytes_and_liveness(world):
+    """Forward sends exactly (W-1) K/V blocks; backward adds W float32 dK/dV blocks; <= 2 blocks alive."""
+    results = _results(world)
+    for case in CASES:
+        for r, res in enumerate(results):
+            rr = res[case.name]
+            block = rr["block_bytes"]
+            assert rr["fwd_bytes"] == (world - 1) * block, (case.name, r)
+            item = torch.empty((), dtype=case.torch_dtype).element_size()
+            dkv = block // item * 4
+            expect_bwd = (world - 1) * block + (world * dkv if world > 1 else 0)
+            assert rr["bwd_bytes"] == expect_bwd, (case.name, r)
+            # the caller keeps its own block; besides it at most the block being computed is
+            # alive when the kernel runs (plus the one in flight, which the kernel has not seen)
+            assert rr["max_alive"] <= 1, (case.name, r, rr["max_alive"])
+
+
+@pytest.mark.parametrize("world", WORLDS)
+def test_step_parts_match_rule(world):
+    results = _results(world)
+    for case in CASES:
+        for r, res in enumerate(results):
+            steps = res[case.name]["steps"]
+            assert [s[1] for s in steps] == [(r - i) % world for i in range(world)]
+            assert [s[2] for s in steps] == [
+                step_part(r, i, world, case.causal, case.load_balance) for i in range(world)
+            ]
+            for s in steps:
+                if s[2] == "skip":
+                    assert s[3] is None and s[4] is None
+
+
+def test_step_part_rule():
+    # rank 1 of 4, causal: sources 1, 0, 3, 2
+    assert [step_part(1, i, 4, True, False) for i in range(4)] == ["causal", "full", "skip", "skip"]
+    assert [step_part(1, i, 4, True, True) for i in range(4)] == ["causal", "kv_head", "q_tail", "q_tail"]
+    assert [step_part(3, i, 4, True, True) for i in range(4)] == ["causal", "kv_head", "kv_head", "kv_head"]
+    assert [step_part(0, i, 4, False, False) for i in range(4)] == ["full"] * 4
+
+
+def test_no_nan_with_empty_rows():
+    """A merge of -inf LSE rows (nothing seen yet / a skipped step) gives no NaN."""
+    from cp_cache.ring import _merge
+
+    out = torch.zeros(1, 2, 3, 4)
+    lse = torch.full((1, 2, 3), float("-inf"))
+    _merge(out, lse, torch.zeros(1, 2, 3, 4), torch.full((1, 2, 3), float("-inf")), "BNSD", 2)
+    assert not out.isnan().any() and torch.isneginf(lse).all()
+    step = torch.ones(1, 2, 3, 4)
+    _merge(out, lse, step, torch.zeros(1, 2, 3), "BNSD", 2)
+    assert torch.equal(out, step) and torch.equal(lse, torch.zeros(1, 2, 3))
+    _merge(out, lse, torch.full((1, 2, 3, 4), 7.0), torch.full((1, 2, 3), float("-inf")), "BNSD", 2)
+    assert torch.equal(out, step)
+
+
+def test_causal_skip_no_nan():
+    """Causal without load balancing on W = 2 ranks: rank 0 skips a step; outputs finite."""
+    for world in (2, 4):
+        for res in _results(world):
+            for case in CASES:
+                rr = res[case.name]
+                for key in ("out", "lse", "dq", "dk", "dv"):
+                    assert torch.isfinite(rr[key].float()).all(), (case.name, key)
+
+
+def _small(layout="BNSD", s=6, b=1, n=2, nkv=2, d=8):
+    q = L.from_bnsd(torch.randn(b, n, s, d), layout)
+    kv = L.from_bnsd(torch.randn(b, nkv, s, d), layout)
+    return q, kv, kv.clone()
+
+
+def _cfg(**kw):
+    base = dict(world_size=1, rank=0, causal=True, load_balance=True, layout="BNSD",
+                head_num=2, scale=0.3, keep_prob=1.0)
+    base.update(kw)
+    return RingConfig(**base)
+
+
+def test_odd_local_length_with_load_balance():
+    q, k, v = _small(s=5)
+    with pytest.raises(ValueError, match="even local sequence length.*5"):
+        ring_attention_forward(q, k, v, _cfg(), group=None, kernel=ReferenceKernel())
+    # fine without load balancing
+    ring_attention_forward(q, k, v, _cfg(load_balance=False), group=None, kernel=ReferenceKernel())
+
+
+def test_steps_world_mismatch():
+    q, k, v = _small()
+    cfg = _cfg()
+    fwd = ring_attention_forward(q, k, v, cfg, group=None, kernel=ReferenceKernel())
+    extra = fwd.steps + [RingStep(1, 0, "full", None, None)]
+    with pytest.raises(RuntimeError, match="2 ring steps for a world size of 1"):
+        ring_attention_backward(q, q, k, v, fwd.out, fwd.lse, extra, cfg, group=None, kernel=ReferenceKernel())
+    with pytest.raises(ValueError, match="world_size=2"):
+        ring_attention_forward(q, k, v, _cfg(world_size=2, rank=1), group=None, kernel=ReferenceKernel())
+
+
+def test_bad_inputs():
+    q, k, v = _small()
+    ker = ReferenceKernel()
+    with pytest.raises(ValueError, match="key and value shapes differ"):
+        ring_attention_forward(q, k, v[:, :, :4], _cfg(), group=None, kernel=ker)
+    with pytest.raises(NotImplementedError, match="input_layout='TND'"):
+        ring_attention_forward(q, k, v, _cfg(layout="TND"), group=None, kernel=ker)
+    with pytest.raises(ValueError, match="'XYZ'"):
+        ring_attention_forward(q, k, v, _cfg(layout="XYZ"), group=None, kernel=ker)
+    with pytest.raises(ValueError, match="head_num=2"):
+        ring_attention_forward(q, k[:, :1].repeat(1, 3, 1, 1), v[:, :1].repeat(1, 3, 1, 1), _cfg(), group=None, kernel=ker)
+    with pytest.raises(NotImplementedError, match="keep_prob"):
+        ring_attention_forward(q, k, v, _cfg(keep_prob=0.9), group=None, kernel=ker)
+
+
+def test_get_kernel():
+    assert get_kernel("reference").name == "reference"
+    assert get_kernel("npu").name == "npu"
+    with pytest.raises(ValueError, match="'nope'"):
+        get_kernel("nope")
+    assert get_kernel().name in ("npu", "reference")
+
+
+def test_run_ranks_reports_failure():
+    with pytest.raises(RuntimeError, match="rank 1"):
+        run_ranks(_fail_on_rank1, 2, timeout=60.0)
+
+
+def _fail_on_rank1(rank, world):
+    if rank == 1:
+        raise ValueError("boom on rank 1")
+    return rank
