@@ -122,9 +122,10 @@ def heads_of(x: Tensor, layout: str, head_dim: int) -> int:
 
 
 def as_4d(x: Tensor, layout: str, head_num: int) -> Tensor:
-    """A 4-D view of ``x`` (BSH -> [B, S, N, D], SBH -> [S, B, N, D]; 4-D layouts unchanged)."""
+    """A 4-D view of ``x`` (BSH -> [B, S, N, D], SBH -> [S, B, N, D]; 4-D layouts and
+    tensors that already are the 4-D view are returned unchanged)."""
     check_layout(layout)
-    if layout in ("BNSD", "BSND"):
+    if layout in ("BNSD", "BSND") or x.dim() == 4:
         return x
     a, b, h = x.shape
     return x.view(a, b, head_num, h // head_num)

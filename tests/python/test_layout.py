@@ -1,0 +1,55 @@
+"""cp_cache.layout: sequence dims, 4-D views, LSE broadcasting, narrowing."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from cp_cache import layout as L
+
+B, N, S, D = 3, 2, 5, 4
+
+
+@pytest.mark.parametrize("lay", L.LAYOUTS)
+def test_roundtrip_and_views(lay):
+    x = torch.randn(B, N, S, D)
+    y = L.from_bnsd(x, lay)
+    assert y.is_contiguous()
+    assert y.size(L.seq_dim(lay)) == S
+    assert L.dims(y, lay, N) == L.Dims(B, N, S, D)
+    assert torch.equal(L.to_bnsd(y, lay, N), x)
+    v = L.as_4d(y, lay, N)
+    assert v.data_ptr() == y.data_ptr() and v.dim() == 4
+    # narrowing is a view, on the layout form and on the 4-D view alike
+    part = L.narrow_seq(y, lay, 2, 3)
+    assert part.data_ptr() == y.narrow(L.seq_dim(lay), 2, 1).data_ptr()
+    assert part._base is y
+    assert torch.equal(L.to_bnsd(part, lay, N), x[:, :, 2:5])
+    assert torch.equal(L.to_bnsd(L.narrow_seq(v, lay, 2, 3), lay, N), x[:, :, 2:5])
+
+
+@pytest.mark.parametrize("lay", L.LAYOUTS)
+def test_lse_view_broadcasts(lay):
+    x = torch.randn(B, N, S, D)
+    lse = torch.randn(B, N, S)
+    y = L.as_4d(L.from_bnsd(x, lay), lay, N) * L.lse_view(lse, lay)
+    assert torch.allclose(L.to_bnsd(y, lay, N), x * lse.unsqueeze(-1))
+
+
+def test_heads_of_gqa():
+    k = L.from_bnsd(torch.randn(B, 1, S, D), "BSH")
+    assert L.heads_of(k, "BSH", D) == 1
+    assert L.heads_of(L.from_bnsd(torch.randn(B, 3, S, D), "SBH"), "SBH", D) == 3
+
+
+def test_errors():
+    with pytest.raises(NotImplementedError, match="input_layout='TND'"):
+        L.seq_dim("TND")
+    with pytest.raises(ValueError, match="'NSD'"):
+        L.check_layout("NSD")
+    with pytest.raises(ValueError, match="4-D"):
+        L.dims(torch.randn(2, 3, 4), "BNSD", 2)
+    with pytest.raises(ValueError, match="not divisible by head_num=3"):
+        L.dims(torch.randn(2, 3, 8), "BSH", 3)
+    with pytest.raises(ValueError, match="head_num=2"):
+        L.dims(torch.randn(2, 3, 4, 5), "BNSD", 2)
