@@ -731,14 +731,14 @@ def _causal_mask(device: torch.device) -> torch.Tensor:
 
 
 def _local_device(x: Any) -> Optional[torch.device]:
+    """The device a tensor's data lives on; for a DTensor, that of its local shard.
+
+    A DTensor is a wrapper subclass created with its local tensor's device, so
+    ``.device`` answers for both without touching the data (no to_local(), no
+    item()).
+    """
     if not isinstance(x, torch.Tensor):
         return None
-    try:
-        from torch.distributed.tensor import DTensor
-    except Exception:  # pragma: no cover - torch without distributed
-        DTensor = None
-    if DTensor is not None and isinstance(x, DTensor):
-        return x.to_local().device
     return x.device
 
 
