@@ -1,6 +1,5 @@
 """Tests of cp_cache.testing.npu_emulator against a dense float64 reference."""
 
-import math
 import os
 import subprocess
 import sys
