@@ -30,8 +30,15 @@ std::string describe(const at::Tensor& tensor) {
     return "an undefined tensor";
   }
   std::ostringstream out;
-  out << "a tensor of dtype " << tensor.scalar_type() << ", shape " << tensor.sizes()
-      << " on " << tensor.device();
+  out << "a tensor of dtype " << tensor.scalar_type();
+  if (tensor.is_nested()) {
+    out << ", nested";
+  } else if (tensor.layout() == at::kStrided) {
+    out << ", shape " << tensor.sizes();
+  } else {
+    out << ", layout " << tensor.layout();
+  }
+  out << " on " << tensor.device();
   return out.str();
 }
 

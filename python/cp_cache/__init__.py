@@ -7,6 +7,8 @@ process-wide store and the autograd engine state the handlers rely on.
 
 from __future__ import annotations
 
+import torch  # noqa: F401  (loads libtorch before the extension)
+
 from . import _C
 from ._C import StepCache, StepCacheStore
 
