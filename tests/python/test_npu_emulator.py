@@ -17,7 +17,7 @@ from cp_cache.testing import (
 )
 from cp_cache.testing import npu_emulator as emu
 
-ORIGINAL_SDPA = F.scaled_dot_product_attention
+ORIGINAL_SDPA = torch._C._nn.scaled_dot_product_attention  # what F exposes when nothing patched it
 INT_MAX = 2147483647
 LOWEST = float(torch.finfo(torch.float32).min)
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -25,12 +25,17 @@ REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 
 @pytest.fixture(scope="module", autouse=True)
 def emulator():
+    # Other test modules may have installed the emulator (possibly without the route): leave the
+    # process as this module found it.
     was_installed = emulator_installed()
+    was_routed = F.scaled_dot_product_attention is emu.scaled_dot_product_attention
     assert install_npu_emulator(route_sdpa=True) is True
     yield
-    if not was_installed:
-        uninstall_npu_emulator()
-        assert F.scaled_dot_product_attention is ORIGINAL_SDPA
+    uninstall_npu_emulator()
+    assert F.scaled_dot_product_attention is ORIGINAL_SDPA
+    assert not emulator_installed()
+    if was_installed:
+        assert install_npu_emulator(route_sdpa=was_routed) is True
 
 
 def v3(*args, **kwargs):
