@@ -140,16 +140,18 @@ def _config(case: Case, world: int, rank: int) -> RingConfig:
 class _Watch:
     """Wraps a kernel; at each call counts the received K/V blocks that are still alive."""
 
-    def __init__(self, kernel, own_k):
+    def __init__(self, kernel):
         self.inner = kernel
         self.name = kernel.name
-        self.own = id(own_k)
+        self.own = None  # the block of step 0 (never skipped): this rank's own
         self.refs: list[weakref.ref] = []
         self.max_alive = 0
 
     def _see(self, k):
         base = k if k._base is None else k._base
-        if id(base) != self.own and not any(r() is base for r in self.refs):
+        if self.own is None:
+            self.own = base
+        elif base is not self.own and not any(r() is base for r in self.refs):
             self.refs.append(weakref.ref(base))
         self.max_alive = max(self.max_alive, sum(r() is not None for r in self.refs))
 
@@ -172,11 +174,11 @@ def _run_cases(rank: int, world: int, cases: list[Case], group) -> dict:
         dt = case.torch_dtype
         ql, kl, vl, dl = (_shard(t, case, pos, dt) for t in (q, k, v, dout))
         cfg = _config(case, world, rank)
-        kernel = _Watch(get_kernel(case.kernel), kl)
+        kernel = _Watch(get_kernel(case.kernel))
         torch.manual_seed(1234 + rank)
         fwd = ring_attention_forward(ql, kl, vl, cfg, group=group, kernel=kernel)
-        max_alive_fwd = kernel.max_alive
-        kernel = _Watch(get_kernel(case.kernel), kl)
+        max_alive_fwd, seen_fwd = kernel.max_alive, len(kernel.refs)
+        kernel = _Watch(get_kernel(case.kernel))
         bwd = ring_attention_backward(dl, ql, kl, vl, fwd.out, fwd.lse, fwd.steps, cfg, group=group, kernel=kernel)
         results[case.name] = dict(
             out=fwd.out, lse=fwd.lse, dq=bwd.dq, dk=bwd.dk, dv=bwd.dv,
@@ -185,6 +187,7 @@ def _run_cases(rank: int, world: int, cases: list[Case], group) -> dict:
             steps=[(s.index, s.source_rank, s.part, None if s.seed is None else int(s.seed[0]),
                     None if s.offset is None else int(s.offset[0])) for s in fwd.steps],
             max_alive=max(max_alive_fwd, kernel.max_alive),
+            blocks_seen=(seen_fwd, len(kernel.refs)),
             dtypes=(fwd.out.dtype, fwd.lse.dtype, bwd.dq.dtype, bwd.dk.dtype, bwd.dv.dtype),
         )
     return results
@@ -301,7 +304,7 @@ def test_ring_matches_dense(world, case):
         for key in ("out", "dq", "dk", "dv"):
             err = _rel_err(got[key], ref[key])
             base = _rel_err(low[key].double(), ref[key])
-            assert err <= 3 * base + 1e-2, f"{case.name} W={world} {key}: {err:.3g} vs dense bf16 {base:.3g}"
+            assert err <= 3 * base + 4e-3, f"{case.name} W={world} {key}: {err:.3g} vs dense bf16 {base:.3g}"
         assert _rel_err(got["lse"], ref["lse"]) < 1e-2
 
 
@@ -321,6 +324,9 @@ def test_bytes_and_liveness(world):
             # the caller keeps its own block; besides it at most the block being computed is
             # alive when the kernel runs (plus the one in flight, which the kernel has not seen)
             assert rr["max_alive"] <= 1, (case.name, r, rr["max_alive"])
+            # the watch did see every received block the kernel ran on (so the check is real)
+            ran = sum(1 for s in rr["steps"] if s[0] > 0 and s[2] != "skip")
+            assert rr["blocks_seen"] == (ran, ran), (case.name, r)
 
 
 @pytest.mark.parametrize("world", WORLDS)
