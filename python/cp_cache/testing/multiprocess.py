@@ -37,7 +37,8 @@ def free_port() -> int:
 
 def _rank_main(fn, rank: int, world_size: int, port: int, backend: str, timeout: float, args, results) -> None:
     # keep gloo on the loopback interface
-    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    if os.path.exists("/sys/class/net/lo"):
+        os.environ["GLOO_SOCKET_IFNAME"] = "lo"
     os.environ["MASTER_ADDR"] = _LOOPBACK
     os.environ["MASTER_PORT"] = str(port)
     try:
@@ -114,7 +115,10 @@ def run_ranks(
                     except queue_mod.Empty:
                         for p in dead:
                             r = procs.index(p)
-                            errors[r] = f"rank {r} (pid {p.pid}) exited with code {p.exitcode} without a result"
+                            errors[r] = (
+                                f"rank {r} (pid {p.pid}) exited with code {p.exitcode} without a result "
+                                "(it died before running fn, e.g. while importing; see its stderr)"
+                            )
                         continue
                 else:
                     continue
