@@ -441,3 +441,18 @@ def _fail_on_rank1(rank, world):
     if rank == 1:
         raise ValueError("boom on rank 1")
     return rank
+
+
+def test_run_ranks_timeout_kills_ranks():
+    import time
+
+    start = time.monotonic()
+    with pytest.raises(RuntimeError, match="timed out"):
+        run_ranks(_hang, 1, timeout=8.0)
+    assert time.monotonic() - start < 30.0
+
+
+def _hang(rank, world):
+    import time
+
+    time.sleep(600)
