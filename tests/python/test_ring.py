@@ -27,7 +27,12 @@ from cp_cache.ring import (
 from cp_cache.testing.multiprocess import run_ranks
 
 try:
-    from cp_cache.testing import dropout_keep_mask, install_npu_emulator
+    from cp_cache.testing import (
+        dropout_keep_mask,
+        emulator_installed,
+        install_npu_emulator,
+        uninstall_npu_emulator,
+    )
 
     HAVE_EMULATOR = True
 except ImportError:  # the emulator is optional for these tests
@@ -205,7 +210,13 @@ _RESULTS: dict[int, list[dict]] = {}
 def _results(world: int) -> list[dict]:
     if world not in _RESULTS:
         if world == 1:
-            _RESULTS[world] = [_run_cases(0, 1, CASES, None)]
+            # in this process: leave the emulator as we found it for other test modules
+            was_installed = HAVE_EMULATOR and emulator_installed()
+            try:
+                _RESULTS[world] = [_run_cases(0, 1, CASES, None)]
+            finally:
+                if HAVE_EMULATOR and not was_installed:
+                    uninstall_npu_emulator()
         else:
             _RESULTS[world] = run_ranks(_ring_rank, world, CASES, timeout=180.0)
     return _RESULTS[world]
