@@ -41,6 +41,7 @@ PYBIND11_MODULE(_C, m) {
       .def_property_readonly("id", &StepCache::id)
       .def_property_readonly("graph_task_id", &StepCache::graph_task_id)
       .def_property_readonly("thread_id", &StepCache::thread_id)
+      .def_property("pairing_key", &StepCache::pairing_key, &StepCache::set_pairing_key)
       .def_property_readonly("num_steps", &StepCache::num_steps)
       .def_property_readonly("owned_bytes", &StepCache::owned_bytes)
       .def("add_step", &StepCache::add_step, py::arg("tag"), py::arg("tensors"))
@@ -72,7 +73,7 @@ PYBIND11_MODULE(_C, m) {
       .def("is_handle", &StepCacheStore::is_handle, py::arg("tensor"))
       .def("release", &StepCacheStore::release, py::arg("handle"))
       .def("push", &StepCacheStore::push, py::arg("cache"))
-      .def("pop", &StepCacheStore::pop, py::arg("expected_id") = py::none())
+      .def("pop", &StepCacheStore::pop, py::arg("expected_key") = py::none())
       .def_property_readonly("depth", &StepCacheStore::depth)
       .def("clear", &StepCacheStore::clear)
       .def_property("max_stack_depth", &StepCacheStore::max_stack_depth,

@@ -17,7 +17,8 @@ StepCache::StepCache(uint64_t id, std::shared_ptr<CacheCounters> counters)
     : id_(id),
       graph_task_id_(current_graph_task_id()),
       thread_id_(current_thread_id()),
-      counters_(std::move(counters)) {
+      counters_(std::move(counters)),
+      pairing_key_(id) {
   TORCH_CHECK(counters_, "StepCache ", id, " needs the counters of its store");
   counters_->on_created();
 }
@@ -49,6 +50,16 @@ void StepCache::add_step(std::string tag, std::vector<at::Tensor> tensors) {
   if (new_bytes > 0) {
     counters_->add_bytes(new_bytes);
   }
+}
+
+uint64_t StepCache::pairing_key() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return pairing_key_;
+}
+
+void StepCache::set_pairing_key(uint64_t key) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  pairing_key_ = key;
 }
 
 size_t StepCache::num_steps() const {

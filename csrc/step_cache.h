@@ -38,6 +38,12 @@ class StepCache {
   int64_t graph_task_id() const { return graph_task_id_; }
   uint64_t thread_id() const { return thread_id_; }
 
+  // What a backward names to claim this cache from the stack (default: the
+  // id). A content fingerprint lets a checkpoint recompute, whose own push is
+  // skipped, claim the original forward's entry when both computed the same.
+  uint64_t pairing_key() const;
+  void set_pairing_key(uint64_t key);
+
   void add_step(std::string tag, std::vector<at::Tensor> tensors);
   size_t num_steps() const;
   StepRecord step(size_t index) const;
@@ -58,6 +64,7 @@ class StepCache {
   const std::shared_ptr<CacheCounters> counters_;
 
   mutable std::mutex mutex_;
+  uint64_t pairing_key_;
   std::vector<StepRecord> steps_;
   std::map<std::string, MetadataValue> metadata_;
   std::unordered_set<const void*> storages_;

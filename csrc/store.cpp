@@ -146,26 +146,27 @@ bool StepCacheStore::push(std::shared_ptr<StepCache> cache) {
   return true;
 }
 
-std::shared_ptr<StepCache> StepCacheStore::pop(std::optional<uint64_t> expected_id) {
+std::shared_ptr<StepCache> StepCacheStore::pop(std::optional<uint64_t> expected_key) {
   std::shared_ptr<StepCache> top;
   {
     std::lock_guard<std::mutex> lock(stack_mutex_);
     TORCH_CHECK(
         !stack_.empty(),
-        "cp_cache: pop from an empty step-cache stack", 
-        expected_id ? " (backward expected cache " + std::to_string(*expected_id) + ")" : "",
+        "cp_cache: pop from an empty step-cache stack",
+        expected_key ? " (backward expected key " + std::to_string(*expected_key) + ")" : "",
         ": this backward has no forward entry (a second backward of the same "
         "graph, or a forward that skipped its push); the stack policy cannot "
         "serve it, the handle policy can");
-    const uint64_t top_id = stack_.back()->id();
+    const auto& candidate = stack_.back();
     TORCH_CHECK(
-        !expected_id || *expected_id == top_id,
-        "cp_cache: step-cache stack mis-pairing: backward expected cache ",
-        expected_id.value_or(0), " but the top of the stack is cache ", top_id,
-        " (depth ", stack_.size(),
+        !expected_key || *expected_key == candidate->pairing_key(),
+        "cp_cache: step-cache stack mis-pairing: backward expected key ",
+        expected_key.value_or(0), " but the top of the stack is cache ",
+        candidate->id(), " with key ", candidate->pairing_key(), " (depth ",
+        stack_.size(),
         "); backwards ran in another order than their forwards (pipeline "
-        "schedules, threads). The stack policy cannot serve this order; the "
-        "handle policy can");
+        "schedules, threads) or a recompute drew other dropout seeds. The "
+        "stack policy cannot serve this; the handle policy can");
     top = std::move(stack_.back());
     stack_.pop_back();
     counters_->on_popped();

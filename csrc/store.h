@@ -22,7 +22,7 @@ namespace cp_cache {
 //
 // Stack discipline (the LIFO baseline): push() in forward unless the thread
 // runs an autograd graph task (a checkpoint recompute), pop() in backward,
-// checking the id the forward recorded.
+// checking the pairing key (by default the cache id) the forward recorded.
 class StepCacheStore {
  public:
   explicit StepCacheStore(std::optional<int64_t> max_stack_depth = std::nullopt);
@@ -40,7 +40,7 @@ class StepCacheStore {
   bool release(const at::Tensor& handle);
 
   bool push(std::shared_ptr<StepCache> cache);
-  std::shared_ptr<StepCache> pop(std::optional<uint64_t> expected_id = std::nullopt);
+  std::shared_ptr<StepCache> pop(std::optional<uint64_t> expected_key = std::nullopt);
   int64_t depth() const;
   int64_t clear();
   std::optional<int64_t> max_stack_depth() const;

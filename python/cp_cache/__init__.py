@@ -41,3 +41,9 @@ def reset_peak() -> None:
 def current_graph_task_id() -> int:
     """The autograd engine's graph task id on this thread (-1 outside a backward), read in C++."""
     return _C.current_graph_task_id()
+
+
+from . import testing  # noqa: E402
+from .dispatch import context_parallel, disable, enable, enabled  # noqa: E402
+
+__all__ += ["context_parallel", "disable", "enable", "enabled", "testing"]

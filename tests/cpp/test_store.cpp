@@ -132,10 +132,17 @@ TEST(StackTest, LifoWithIdCheck) {
   EXPECT_EQ(store.pop(second_id)->id(), second_id);
   EXPECT_EQ(store.pop()->id(), first_id);
   EXPECT_EQ(store.stats().live_entries, 0);
+
+  auto keyed = store.create();
+  keyed->set_pairing_key(77);
+  EXPECT_TRUE(store.push(keyed));
+  EXPECT_THROW(store.pop(keyed->id()), c10::Error);
+  EXPECT_EQ(store.pop(77), keyed);
+  keyed.reset();
   EXPECT_THROW(store.pop(), c10::Error);
   const auto stats = store.stats();
-  EXPECT_EQ(stats.pushed, 2);
-  EXPECT_EQ(stats.popped, 2);
+  EXPECT_EQ(stats.pushed, 3);
+  EXPECT_EQ(stats.popped, 3);
   EXPECT_EQ(stats.stack_depth, 0);
 }
 

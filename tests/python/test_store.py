@@ -96,11 +96,15 @@ def test_stack_lifo_mispairing_and_limits(store):
     assert store.push(first) and store.push(second)
     del first, second
     assert store.depth == 2 and store.stats()["stack_depth"] == 2
-    with pytest.raises(RuntimeError, match=f"expected cache {ids[0]} but the top of the stack is cache {ids[1]}"):
+    with pytest.raises(RuntimeError, match=f"expected key {ids[0]} but the top of the stack is cache {ids[1]} with key {ids[1]}"):
         store.pop(ids[0])
     assert store.depth == 2
     assert store.pop(ids[1]).id == ids[1]
     assert store.pop().id == ids[0]
+    keyed = store.create()
+    keyed.pairing_key = 12345
+    store.push(keyed)
+    assert store.pop(12345) is keyed
     with pytest.raises(RuntimeError, match="empty step-cache stack"):
         store.pop()
     store.max_stack_depth = 1
@@ -111,7 +115,7 @@ def test_stack_lifo_mispairing_and_limits(store):
     with pytest.raises(ValueError, match="max_stack_depth must be positive"):
         store.max_stack_depth = 0
     stats = store.stats()
-    assert stats["live_entries"] == 0 and stats["pushed"] == 3 and stats["popped"] == 2
+    assert stats["live_entries"] == 0 and stats["pushed"] == 4 and stats["popped"] == 3
 
 
 def test_peak_and_reset(store):
