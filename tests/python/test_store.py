@@ -105,6 +105,7 @@ def test_stack_lifo_mispairing_and_limits(store):
     keyed.pairing_key = 12345
     store.push(keyed)
     assert store.pop(12345) is keyed
+    del keyed
     with pytest.raises(RuntimeError, match="empty step-cache stack"):
         store.pop()
     store.max_stack_depth = 1
