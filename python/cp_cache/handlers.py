@@ -297,13 +297,13 @@ def fusion_attention_backward(op_call, args, kwargs):
     started = time.perf_counter()
     a = bind_arguments(op_call, args, kwargs)
     layout = L.check_layout(a["input_layout"])
-    _is_causal(a, layout)  # same argument checks as the forward
+    causal = _is_causal(a, layout)  # same argument checks as the forward
     cache = _claim_cache(a["seed"])
     config, kernel_name = _config_from_cache(cache)
     called = dict(layout=layout, head_num=int(a["head_num"]), scale=float(a["scale_value"]),
-                  keep_prob=float(a["keep_prob"]))
+                  keep_prob=float(a["keep_prob"]), causal=causal)
     recorded = dict(layout=config.layout, head_num=config.head_num, scale=config.scale,
-                    keep_prob=config.keep_prob)
+                    keep_prob=config.keep_prob, causal=config.causal)
     if called != recorded:
         raise RuntimeError(
             f"cp_cache: backward called with {called} but its forward (cache {cache.id}) ran with "
