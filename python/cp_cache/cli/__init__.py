@@ -1,0 +1,33 @@
+"""Command line of cp_cache: ``python -m cp_cache demo | bench | doctor``.
+
+* ``demo``: trains a tiny decoder under context parallelism (2 CPU ranks by
+  default) with full activation checkpointing and dropout, under the handle and
+  the stack policy, and prints loss parity and step-cache liveness per step;
+* ``bench``: memory, overhead, traffic and accuracy figures, JSON + PNG;
+* ``doctor``: what is installed, built and in use, and what to do about it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def main(argv: list[str] | None = None) -> int:
+    from . import bench, demo, doctor
+
+    parser = argparse.ArgumentParser(prog="python -m cp_cache", description=__doc__.split("\n\n")[0])
+    commands = parser.add_subparsers(dest="command", metavar="{demo,bench,doctor}")
+    for module in (demo, bench, doctor):
+        sub = commands.add_parser(module.NAME, help=module.HELP, description=module.__doc__)
+        module.add_arguments(sub)
+        sub.set_defaults(run=module.run)
+    args = parser.parse_args(argv)
+    if args.command is None:
+        parser.print_help()
+        return 2
+    return int(args.run(args) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

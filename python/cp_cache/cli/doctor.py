@@ -1,0 +1,118 @@
+"""Report what cp_cache finds on this machine and what to do about anything missing."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import sys
+
+NAME = "doctor"
+HELP = "versions, native extension, policy, NPU ops or emulator, and what to do when something is missing"
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    pass
+
+
+def _check(label: str, ok: bool | None, detail: str, todo: list[str], fix: str | None = None) -> None:
+    mark = {True: "ok  ", False: "FAIL", None: "info"}[ok]
+    print(f"[{mark}] {label:<22} {detail}")
+    if ok is False and fix:
+        todo.append(fix)
+
+
+def run(args: argparse.Namespace) -> int:
+    todo: list[str] = []
+    print("cp_cache doctor")
+    _check("python", sys.version_info >= (3, 10), f"{platform.python_version()} ({sys.executable})", todo,
+           "use Python 3.10 or newer")
+    try:
+        import torch
+    except Exception as e:  # noqa: BLE001
+        _check("torch", False, f"not importable: {e}", todo, "run make build (it installs torch==2.13.0 in .venv)")
+        return _finish(todo)
+    _check("torch", True, torch.__version__, todo)
+
+    npu_version, npu_error = None, None
+    try:
+        import torch_npu  # noqa: F401
+
+        npu_version = getattr(torch_npu, "__version__", "unknown version")
+    except ImportError:
+        pass
+    except Exception as e:  # noqa: BLE001 - a broken torch_npu must not crash the doctor
+        npu_error = f"{type(e).__name__}: {e}"
+    if npu_version:
+        try:
+            count = torch.npu.device_count() if torch.npu.is_available() else 0
+        except Exception:  # noqa: BLE001
+            count = 0
+        _check("torch_npu", True, f"{npu_version}, {count} NPU(s) visible", todo)
+    elif npu_error:
+        _check("torch_npu", False, f"import failed: {npu_error}", todo,
+               "fix the torch_npu install (CANN environment: source set_env.sh) or uninstall it to use the emulator")
+    else:
+        _check("torch_npu", None, "not installed (CPU: the emulator stands in for the NPU ops)", todo)
+
+    try:
+        from cp_cache import _C
+
+        _check("native extension", True, f"loaded from {_C.__file__}", todo)
+    except Exception as e:  # noqa: BLE001
+        _check("native extension", False, f"cp_cache._C does not load: {type(e).__name__}: {e}", todo,
+               "run make build (builds cp_cache._C in place)")
+        return _finish(todo)
+
+    import cp_cache
+    from cp_cache.dispatch import POLICY_ENV, resolve_policy
+
+    try:
+        policy = resolve_policy(None)
+        source = f"from {POLICY_ENV}" if os.environ.get(POLICY_ENV) else f"default; set {POLICY_ENV} to change"
+        _check("policy", True, f"{policy} ({source})", todo)
+    except ValueError as e:
+        _check("policy", False, str(e), todo, f"set {POLICY_ENV}=handle or {POLICY_ENV}=stack")
+
+    from cp_cache.kernels.npu import available
+    from cp_cache.testing import emulator_installed
+
+    if available() and not emulator_installed():
+        _check("attention ops", True, "real torch.ops.npu.npu_fusion_attention_v3 (torch_npu)", todo)
+    else:
+        from cp_cache.testing import install_npu_emulator, uninstall_npu_emulator
+
+        try:
+            installed = install_npu_emulator(route_sdpa=False)
+            if installed:
+                uninstall_npu_emulator()
+            _check("attention ops", None, "no real NPU ops: the CPU emulator installs and will be used "
+                   "(cp_cache.testing.install_npu_emulator())", todo)
+        except Exception as e:  # noqa: BLE001
+            _check("attention ops", False, f"neither the real ops nor the emulator: {e}", todo,
+                   "import torch_npu on Ascend, or check the torch version (2.13 expected)")
+    try:
+        import numpy
+
+        _check("numpy", True, f"{numpy.__version__} (needed by torch's CP sharding rules)", todo)
+    except ImportError:
+        _check("numpy", False, "missing (torch's context_parallel imports it)", todo, "run make build")
+    try:
+        import matplotlib
+
+        _check("matplotlib", True, f"{matplotlib.__version__} (bench plots)", todo)
+    except ImportError:
+        _check("matplotlib", False, "missing (bench writes JSON only)", todo, "run make build")
+    s = cp_cache.stats()
+    _check("store", True, f"live_entries={s['live_entries']}, stack_depth={s['stack_depth']}", todo)
+    return _finish(todo)
+
+
+def _finish(todo: list[str]) -> int:
+    if todo:
+        print("\nto do:")
+        for item in dict.fromkeys(todo):
+            print(f"  - {item}")
+        return 1
+    print("\nall good: try `make demo` or `python -m cp_cache demo`")
+    return 0
