@@ -1,5 +1,436 @@
-"""placeholder"""
+"""Benchmarks of the CP attention path: memory held between forward and backward,
+handler overhead, bytes sent, numerical error, and the store's own cost.
+
+Sections (``--only`` picks some):
+
+* ``memory``: step-cache bytes alive between forward and backward, per layer, for
+  TinyDecoder under ``cp_cache.context_parallel`` (layers x W x checkpoint mode x
+  policy), next to what torch_npu's original entry holds for the same shapes
+  (computed from the shapes; formula in the JSON);
+* ``overhead``: per attention call, the handler's own time (CallRecord.overhead_seconds:
+  handler time minus kernels and communication) against the ring time, W = 1, 2, 4;
+* ``traffic``: bytes sent per rank per call, forward and backward, against the ring
+  minimum (W-1) * (K + V block bytes), with and without GQA;
+* ``accuracy``: max error of output and gradients versus a float64 dense reference,
+  fp32 and bf16, against W;
+* ``store``: the store micro-benchmark (bench/bench_store.py).
+
+Benchmarks measure and report; they assert nothing about timings. On CPU the
+attention kernel is the emulator (plain torch), so kernel times are CPU times:
+compare the handler overhead with them only as orders of magnitude.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import math
+import platform
+import statistics
+import time
+from pathlib import Path
+
+from ._common import fmt_bytes, launch, table
+
 NAME = "bench"
-HELP = "benchmarks"
-def add_arguments(p): pass
-def run(args): return 0
+HELP = "memory, overhead, traffic and accuracy benchmarks; JSON and a PNG plot under --out"
+
+SECTIONS = ("memory", "overhead", "traffic", "accuracy", "store")
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--out", type=Path, default=Path("results"), help="results folder (default results/)")
+    p.add_argument("--quick", action="store_true", help="tiny shapes and few repeats (for tests)")
+    p.add_argument("--only", nargs="+", choices=SECTIONS, help="run only these sections")
+    p.add_argument("--worlds", type=int, nargs="+", default=None, help="CP world sizes (default 1 2 4)")
+
+
+def _plan(quick: bool, worlds: list[int] | None) -> dict:
+    if quick:
+        return dict(
+            worlds=worlds or [1, 2], layers=[1, 2], modes=["none", "non_reentrant"],
+            model=dict(batch=1, seq=32, dim=32, heads=4, kv_heads=4),
+            attn=dict(batch=1, heads=4, seq=64, head_dim=16), repeats=3, warmup=1,
+            store=dict(number=2000, repeat=2),
+        )
+    return dict(
+        worlds=worlds or [1, 2, 4], layers=[1, 2, 4],
+        modes=["none", "non_reentrant", "reentrant", "selective_save_attention"],
+        model=dict(batch=1, seq=128, dim=32, heads=4, kv_heads=4),
+        attn=dict(batch=1, heads=8, seq=1024, head_dim=64), repeats=5, warmup=1,
+        store=dict(number=100_000, repeat=5),
+    )
+
+
+# ---------------------------------------------------------------- one rank
+
+
+def _memory(plan: dict, rank: int, world_size: int, mesh) -> list[dict]:
+    import torch
+
+    import cp_cache
+    from ..testing.models import ModelConfig, TinyDecoder, loss_fn, make_batch
+    from ._shapes import torch_npu_entry_bytes
+
+    m = plan["model"]
+    rows = []
+    for policy in ("handle", "stack"):
+        cp_cache.enable(policy=policy)
+        for mode in plan["modes"]:
+            for layers in plan["layers"]:
+                torch.manual_seed(0)
+                config = ModelConfig(dim=m["dim"], heads=m["heads"], kv_heads=m["kv_heads"], layers=layers,
+                                     max_seq=m["seq"], dropout=0.1)
+                model = TinyDecoder(config, checkpoint=mode)
+                tokens, labels, positions = make_batch(m["batch"], m["seq"], config.vocab, seed=1)
+                before = cp_cache.stats()
+                with cp_cache.context_parallel(mesh, buffers=[tokens, labels, positions],
+                                               buffer_seq_dims=[1, 1, 1]):
+                    loss = loss_fn(model(tokens, positions), labels)
+                    held = cp_cache.stats()
+                    loss.backward()
+                after = cp_cache.stats()
+                del loss, model
+                entries = held["live_entries"] - before["live_entries"]
+                nbytes = held["live_bytes"] - before["live_bytes"]
+                npu = torch_npu_entry_bytes(m["batch"], m["heads"], m["seq"] // world_size,
+                                            m["dim"] // m["heads"], 4, world_size)
+                rows.append(dict(
+                    world_size=world_size, policy=policy, checkpoint=mode, layers=layers,
+                    held_entries=entries, held_bytes=nbytes, held_bytes_per_layer=nbytes / layers,
+                    left_after_backward=after["live_entries"] - before["live_entries"],
+                    torch_npu_bytes_per_layer=npu["total"], torch_npu_bytes=npu["total"] * layers,
+                ))
+        cp_cache.disable()
+    return rows
+
+
+def _head_tail(seq: int, world_size: int):
+    """Global positions in head-tail order: rank r holds chunks r and 2W-1-r of 2W."""
+    import torch
+
+    chunk = seq // (2 * world_size)
+    order = []
+    for r in range(world_size):
+        for c in (r, 2 * world_size - 1 - r):
+            order.extend(range(c * chunk, (c + 1) * chunk))
+    return torch.tensor(order)
+
+
+def _dense_reference(q, k, v, dy, groups: int):
+    """Causal attention in float64 and its gradients."""
+    import torch
+
+    q, k, v = (t.detach().double().requires_grad_() for t in (q, k, v))
+    ke, ve = (t.repeat_interleave(groups, dim=1) for t in (k, v))
+    s = (q @ ke.transpose(-1, -2)) / math.sqrt(q.size(-1))
+    n = s.size(-1)
+    s = s.masked_fill(torch.ones(n, n, dtype=torch.bool).triu(1), float("-inf"))
+    out = torch.softmax(s, dim=-1) @ ve
+    out.backward(dy.double())
+    return out.detach(), q.grad, k.grad, v.grad
+
+
+def _attention_call(plan_attn: dict, kv_heads: int, dtype, mesh, world_size: int, seed: int = 0):
+    """One causal CP attention call (forward + backward) through the v3 op on DTensors.
+    Returns the gathered output and gradients in global order, and the inputs."""
+    import torch
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    from ..kernels.npu import causal_mask
+
+    a = plan_attn
+    g = torch.Generator().manual_seed(seed)
+    b, n, s, d = a["batch"], a["heads"], a["seq"], a["head_dim"]
+    q = torch.randn(b, n, s, d, generator=g, dtype=torch.float64)
+    k = torch.randn(b, kv_heads, s, d, generator=g, dtype=torch.float64)
+    v = torch.randn(b, kv_heads, s, d, generator=g, dtype=torch.float64)
+    dy = torch.randn(b, n, s, d, generator=g, dtype=torch.float64)
+    order = _head_tail(s, world_size)
+    inverse = torch.argsort(order)
+    dist_ = [distribute_tensor(t.index_select(2, order).to(dtype), mesh, [Shard(2)]) for t in (q, k, v, dy)]
+    qd, kd, vd = (t.requires_grad_() for t in dist_[:3])
+    out = torch.ops.npu.npu_fusion_attention_v3(
+        qd, kd, vd, n, "BNSD", atten_mask=causal_mask(torch.device("cpu")), scale=1.0 / math.sqrt(d),
+        sparse_mode=2, next_tockens=0,
+    )[0]
+    out.backward(dist_[3])
+    gathered = [t.detach().full_tensor().index_select(2, inverse) for t in (out, qd.grad, kd.grad, vd.grad)]
+    return gathered, (q, k, v, dy)
+
+
+def _overhead_traffic(plan: dict, rank: int, world_size: int, mesh) -> list[dict]:
+    import torch
+
+    import cp_cache
+    from ..handlers import STATE
+
+    a = plan["attn"]
+    rows = []
+    cp_cache.enable(policy="handle")
+    with cp_cache.context_parallel(mesh):
+        for kv_heads in (a["heads"], max(1, a["heads"] // 4)):
+            samples = {k: [] for k in ("fwd_handler", "fwd_ring", "fwd_over", "bwd_handler", "bwd_ring",
+                                       "bwd_over")}
+            for i in range(plan["warmup"] + plan["repeats"]):
+                _attention_call(a, kv_heads, torch.float32, mesh, world_size, seed=i)
+                if i < plan["warmup"]:
+                    continue
+                f, bw = STATE.last_forward, STATE.last_backward
+                samples["fwd_handler"].append(f.handler_seconds)
+                samples["fwd_ring"].append(f.ring_seconds)
+                samples["fwd_over"].append(f.overhead_seconds)
+                samples["bwd_handler"].append(bw.handler_seconds)
+                samples["bwd_ring"].append(bw.ring_seconds)
+                samples["bwd_over"].append(bw.overhead_seconds)
+            block = a["batch"] * kv_heads * (a["seq"] // world_size) * a["head_dim"] * 4  # one K block, fp32
+            minimum = (world_size - 1) * 2 * block
+            rows.append(dict(
+                world_size=world_size, rank=rank, kv_heads=kv_heads, heads=a["heads"],
+                gqa=kv_heads != a["heads"],
+                **{f"{k}_us_median": statistics.median(v) * 1e6 for k, v in samples.items()},
+                fwd_bytes_sent=STATE.last_forward.bytes_sent, bwd_bytes_sent=STATE.last_backward.bytes_sent,
+                ring_minimum_bytes=minimum, kv_block_bytes=2 * block,
+            ))
+    cp_cache.disable()
+    return rows
+
+
+def _accuracy(plan: dict, rank: int, world_size: int, mesh) -> list[dict]:
+    import torch
+
+    import cp_cache
+
+    a = plan["attn"]
+    rows = []
+    cp_cache.enable(policy="handle")
+    with cp_cache.context_parallel(mesh):
+        for dtype in (torch.float32, torch.bfloat16):
+            for kv_heads in (a["heads"],):
+                got, (q, k, v, dy) = _attention_call(a, kv_heads, dtype, mesh, world_size, seed=123)
+                if rank != 0:
+                    continue
+                ref = _dense_reference(q, k, v, dy, a["heads"] // kv_heads)
+                errors = {}
+                for name, x, y in zip(("out", "dq", "dk", "dv"), got, ref):
+                    diff = (x.double() - y).abs()
+                    errors[f"{name}_max_abs"] = float(diff.max())
+                    errors[f"{name}_rel"] = float(diff.norm() / y.norm())
+                rows.append(dict(world_size=world_size, dtype=str(dtype).replace("torch.", ""), **errors))
+    cp_cache.disable()
+    return rows
+
+
+def bench_rank(rank: int, world_size: int, plan: dict, sections: list[str]) -> dict:
+    import torch
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from ._common import rank_device, setup_ops
+
+    ops = setup_ops()
+    device = rank_device(rank)
+    mesh = init_device_mesh(device.type, (world_size,))
+    out = dict(rank=rank, world_size=world_size, ops=ops, torch=torch.__version__)
+    if "memory" in sections:
+        out["memory"] = _memory(plan, rank, world_size, mesh)
+    if "overhead" in sections or "traffic" in sections:
+        out["calls"] = _overhead_traffic(plan, rank, world_size, mesh)
+    if "accuracy" in sections:
+        out["accuracy"] = _accuracy(plan, rank, world_size, mesh)
+    return out
+
+
+# ---------------------------------------------------------------- driver
+
+
+def _store_bench(plan: dict) -> dict | None:
+    """bench/bench_store.py of the source tree, when it is there."""
+    path = Path(__file__).resolve().parents[3] / "bench" / "bench_store.py"
+    if not path.exists():
+        return None
+    spec = importlib.util.spec_from_file_location("cp_cache_bench_store", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.run(plan["store"]["number"], plan["store"]["repeat"])
+
+
+def _collect(per_world: list[list[dict]], key: str, all_ranks: bool = False) -> list[dict]:
+    rows = []
+    for results in per_world:
+        for r in results if all_ranks else results[:1]:
+            rows.extend(r.get(key, []))
+    return rows
+
+
+def _print_summary(report: dict) -> None:
+    from ._shapes import torch_npu_entry_bytes
+
+    mem = report.get("memory")
+    if mem:
+        print("\nmemory: step-cache bytes alive between forward and backward, per layer (rank 0)")
+        rows = [[r["world_size"], r["checkpoint"], r["layers"], r["policy"], r["held_entries"],
+                 fmt_bytes(r["held_bytes_per_layer"]), fmt_bytes(r["torch_npu_bytes_per_layer"]),
+                 r["left_after_backward"]]
+                for r in mem if r["layers"] == max(x["layers"] for x in mem)]
+        print(table(["W", "checkpoint", "layers", "policy", "entries held", "bytes/layer",
+                     "torch_npu bytes/layer", "left after bwd"], rows))
+    calls = report.get("calls")
+    if calls:
+        print("\noverhead and traffic per attention call (rank 0, medians)")
+        rows = [[r["world_size"], f"{r['heads']}/{r['kv_heads']}",
+                 f"{r['fwd_over_us_median']:.0f}", f"{r['fwd_ring_us_median']:.0f}",
+                 f"{r['bwd_over_us_median']:.0f}", f"{r['bwd_ring_us_median']:.0f}",
+                 fmt_bytes(r["fwd_bytes_sent"]), fmt_bytes(r["bwd_bytes_sent"]), fmt_bytes(r["ring_minimum_bytes"])]
+                for r in calls if r["rank"] == 0]
+        print(table(["W", "heads q/kv", "fwd overhead us", "fwd ring us", "bwd overhead us", "bwd ring us",
+                     "fwd sent", "bwd sent", "ring minimum"], rows))
+    acc = report.get("accuracy")
+    if acc:
+        print("\nerror versus a float64 dense reference (max abs)")
+        rows = [[r["world_size"], r["dtype"]] + [f"{r[f'{n}_max_abs']:.1e}" for n in ("out", "dq", "dk", "dv")]
+                for r in acc]
+        print(table(["W", "dtype", "out", "dq", "dk", "dv"], rows))
+    store = report.get("store")
+    if store:
+        print("\nstore (ns per call): " + ", ".join(f"{k} {v}" for k, v in store["ns_per_call"].items()))
+    ref = report["torch_npu_reference_shapes"]
+    print(f"\ntorch_npu's original entry at {ref['shapes']}: {fmt_bytes(ref['per_layer'])} per layer, "
+          f"{fmt_bytes(ref['model'])} for {ref['layers']} layers (computed)")
+
+
+def _reference_shapes() -> dict:
+    """torch_npu's entry at a large-model shape (computed, not measured)."""
+    from ._shapes import torch_npu_entry_bytes
+
+    b, n, seq, d, w, layers = 1, 32, 131072, 128, 8, 32
+    entry = torch_npu_entry_bytes(b, n, seq // w, d, 2, w)
+    return dict(shapes=f"B={b}, N={n}, S={seq} over W={w} (S_local={seq // w}), D={d}, bf16",
+                layers=layers, per_layer=entry["total"], model=entry["total"] * layers, parts=entry)
+
+
+def run(args: argparse.Namespace) -> int:
+    from ._shapes import FORMULA
+
+    sections = list(args.only or SECTIONS)
+    plan = _plan(args.quick, args.worlds)
+    started = time.perf_counter()
+    per_world = []
+    rank_sections = [s for s in sections if s != "store"]
+    if rank_sections:
+        for world_size in plan["worlds"]:
+            print(f"bench: W={world_size} ({', '.join(rank_sections)}) ...", flush=True)
+            results = launch(bench_rank, world_size, plan, rank_sections, timeout=900.0)
+            if results is None:
+                return 0  # torchrun rank > 0
+            per_world.append(results)
+    report = dict(
+        meta=dict(
+            python=platform.python_version(), machine=platform.machine(),
+            torch=per_world[0][0]["torch"] if per_world else None,
+            ops=per_world[0][0]["ops"] if per_world else None, quick=args.quick, plan=plan,
+            note="CPU timings with the emulator kernel; overhead = handler time minus ring time",
+        ),
+        torch_npu_formula=FORMULA,
+        torch_npu_reference_shapes=_reference_shapes(),
+    )
+    if "memory" in sections:
+        report["memory"] = _collect(per_world, "memory")
+    if "overhead" in sections or "traffic" in sections:
+        report["calls"] = _collect(per_world, "calls", all_ranks=True)
+    if "accuracy" in sections:
+        report["accuracy"] = _collect(per_world, "accuracy")
+    if "store" in sections:
+        print("bench: store micro-benchmark ...", flush=True)
+        report["store"] = _store_bench(plan)
+    report["meta"]["seconds"] = round(time.perf_counter() - started, 1)
+
+    args.out.mkdir(parents=True, exist_ok=True)
+    json_path = args.out / "bench.json"
+    json_path.write_text(json.dumps(report, indent=2))
+    _print_summary(report)
+    png_path = args.out / "bench.png"
+    plotted = _plot(report, png_path)
+    print(f"\nwritten: {json_path}")
+    print(f"written: {png_path}" if plotted else "no plot (matplotlib missing: run make build)")
+    print(f"bench took {report['meta']['seconds']:.1f} s")
+    return 0
+
+
+def _plot(report: dict, path: Path) -> bool:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    fig, axes = plt.subplots(2, 2, figsize=(12, 9))
+    (ax_mem, ax_over), (ax_traffic, ax_acc) = axes
+
+    mem = report.get("memory") or []
+    if mem:
+        w = max(r["world_size"] for r in mem)
+        for policy, mode, style in (("handle", "none", "o-"), ("handle", "non_reentrant", "s-"),
+                                    ("stack", "non_reentrant", "^--"), ("stack", "none", "v--")):
+            pts = sorted((r["layers"], r["held_bytes"]) for r in mem
+                         if r["world_size"] == w and r["policy"] == policy and r["checkpoint"] == mode)
+            if pts:
+                ax_mem.plot(*zip(*pts), style, label=f"cp_cache {policy}, checkpoint={mode}")
+        pts = sorted({(r["layers"], r["torch_npu_bytes"]) for r in mem if r["world_size"] == w})
+        ax_mem.plot(*zip(*pts), "k:", marker="x", label="torch_npu original (computed)")
+        ax_mem.set_yscale("symlog", linthresh=16)
+        ax_mem.set_xlabel("layers")
+        ax_mem.set_ylabel("bytes alive between forward and backward (rank 0)")
+        ax_mem.set_title(f"step-cache memory held, W={w}")
+        ax_mem.legend(fontsize=8, loc="center right")
+        ax_mem.set_xticks(sorted({r["layers"] for r in mem}))
+
+    calls = [r for r in report.get("calls") or [] if r["rank"] == 0]
+    if calls:
+        for gqa, marker in ((False, "o"), (True, "x")):
+            rows = sorted((r for r in calls if r["gqa"] == gqa), key=lambda r: r["world_size"])
+            if not rows:
+                continue
+            ws = [r["world_size"] for r in rows]
+            tag = "GQA" if gqa else "MHA"
+            ax_over.plot(ws, [r["fwd_over_us_median"] for r in rows], marker + "-", label=f"fwd handler overhead ({tag})")
+            ax_over.plot(ws, [r["bwd_over_us_median"] for r in rows], marker + "--", label=f"bwd handler overhead ({tag})")
+            ax_over.plot(ws, [r["fwd_ring_us_median"] for r in rows], marker + ":", label=f"fwd ring: kernels + comm ({tag})")
+            ratio_f = [r["fwd_bytes_sent"] / r["ring_minimum_bytes"] if r["ring_minimum_bytes"] else float("nan") for r in rows]
+            ratio_b = [r["bwd_bytes_sent"] / r["ring_minimum_bytes"] if r["ring_minimum_bytes"] else float("nan") for r in rows]
+            ax_traffic.plot(ws, ratio_f, marker + "-", label=f"forward ({tag})")
+            ax_traffic.plot(ws, ratio_b, marker + "--", label=f"backward ({tag})")
+        ax_over.set_yscale("log")
+        for ax in (ax_over, ax_traffic):
+            ax.set_xticks(sorted({r["world_size"] for r in calls}))
+        ax_over.set_xlabel("W")
+        ax_over.set_ylabel("microseconds per attention call (median)")
+        ax_over.set_title("handler overhead vs ring time (CPU, emulator kernel)")
+        ax_over.legend(fontsize=7)
+        ax_traffic.set_xlabel("W")
+        ax_traffic.set_ylabel("bytes sent / ((W-1) * K+V block bytes)")
+        ax_traffic.set_title("bytes sent per rank per call vs the ring minimum")
+        ax_traffic.legend(fontsize=8)
+
+    acc = report.get("accuracy") or []
+    if acc:
+        for dtype, marker in (("float32", "o"), ("bfloat16", "s")):
+            rows = sorted((r for r in acc if r["dtype"] == dtype), key=lambda r: r["world_size"])
+            if rows:
+                ws = [r["world_size"] for r in rows]
+                ax_acc.plot(ws, [r["out_max_abs"] for r in rows], marker + "-", label=f"out ({dtype})")
+                ax_acc.plot(ws, [max(r["dq_max_abs"], r["dk_max_abs"], r["dv_max_abs"]) for r in rows],
+                            marker + "--", label=f"max of dq, dk, dv ({dtype})")
+        ax_acc.set_yscale("log")
+        ax_acc.set_xticks(sorted({r["world_size"] for r in acc}))
+        ax_acc.set_xlabel("W")
+        ax_acc.set_ylabel("max abs error vs float64 dense")
+        ax_acc.set_title("numerical error vs W")
+        ax_acc.legend(fontsize=8)
+    fig.suptitle("cp_cache benchmarks (" + ("quick, " if report["meta"]["quick"] else "")
+                 + f"torch {report['meta']['torch']}, {report['meta']['ops']} ops)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return True

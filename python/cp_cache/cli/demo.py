@@ -17,7 +17,9 @@ step's peak.
 from __future__ import annotations
 
 import argparse
+import json
 import time
+from pathlib import Path
 from typing import Any
 
 from ._common import Progress, fmt_bytes, launch, table, under_torchrun
@@ -47,6 +49,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--heads", type=int, default=4)
     p.add_argument("--kv-heads", type=int, default=2, help="K/V heads (GQA when fewer than --heads)")
     p.add_argument("--lr", type=float, default=1e-2)
+    p.add_argument("--json", type=Path, default=None, help="also write the measured rows to this JSON file")
 
 
 # ---------------------------------------------------------------- one rank
@@ -347,5 +350,10 @@ def run(args: argparse.Namespace) -> int:
     ]))
     print("\nverdict: " + _verdict(summaries, opts, world_size))
     print(f"\ntotal {time.perf_counter() - started:.1f} s")
+    if args.json is not None:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(dict(options=opts, world_size=world_size, runs=runs,
+                                             summaries=summaries, parity_tolerance=PARITY_TOL), indent=2))
+        print(f"written: {args.json}")
     ok = all(s["max_parity"] <= PARITY_TOL for s in summaries)
     return 0 if ok else 1

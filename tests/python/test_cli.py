@@ -1,0 +1,84 @@
+"""python -m cp_cache demo | bench | doctor, run as a user would (subprocesses)."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def _run(*args, timeout=240):
+    env = dict(os.environ)
+    for name in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK", "CP_CACHE_POLICY"):
+        env.pop(name, None)  # a spawned run, whatever launched pytest
+    proc = subprocess.run([sys.executable, "-m", "cp_cache", *args], cwd=REPO, env=env, capture_output=True,
+                          text=True, timeout=timeout)
+    return proc
+
+
+def test_demo_short_run_parity_and_no_live_caches(tmp_path):
+    out = tmp_path / "demo.json"
+    proc = _run("demo", "--steps", "2", "--ranks", "2", "--seq-len", "32", "--layers", "2", "--dim", "32",
+                "--json", str(out))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    text = proc.stdout
+    for expected in ("policy = handle", "policy = stack", "eval 1-proc", "|diff|", "held fwd->bwd",
+                     "side by side", "verdict:"):
+        assert expected in text, text
+    report = json.loads(out.read_text())
+    runs = {r["policy"]: r for r in report["runs"]}
+    assert set(runs) == {"handle", "stack"}
+    for run in runs.values():
+        assert len(run["rows"]) == 2
+        for row in run["rows"]:
+            assert row["parity"] <= report["parity_tolerance"], row
+        assert run["grad_diff"] < 1e-5
+    for row in runs["handle"]["rows"]:
+        # full checkpointing: nothing held between forward and backward, nothing left after the step
+        assert (row["live_fwd"], row["live_bwd"], row["live_eval"]) == (0, 0, 0), row
+        assert (row["bytes_fwd"], row["bytes_bwd"], row["bytes_eval"]) == (0, 0, 0), row
+    for row in runs["stack"]["rows"]:
+        assert row["new_fwd"] == 2, row  # one entry per layer from forward to backward
+    # the same seed trains to the same losses under both policies
+    assert [r["train_loss"] for r in runs["handle"]["rows"]] == [r["train_loss"] for r in runs["stack"]["rows"]]
+
+
+def test_bench_quick_writes_json_and_png(tmp_path):
+    proc = _run("bench", "--quick", "--worlds", "2", "--out", str(tmp_path))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    report = json.loads((tmp_path / "bench.json").read_text())
+    assert (tmp_path / "bench.png").stat().st_size > 10_000
+    assert f"written: {tmp_path / 'bench.json'}" in proc.stdout
+    for key in ("memory", "calls", "accuracy", "store", "torch_npu_formula"):
+        assert key in report, key
+    handle_ckpt = [r for r in report["memory"] if r["policy"] == "handle" and r["checkpoint"] == "non_reentrant"]
+    assert handle_ckpt and all(r["held_entries"] == 0 for r in handle_ckpt)
+    for r in report["calls"]:
+        assert r["fwd_bytes_sent"] == r["ring_minimum_bytes"], r  # forward sends each K/V block once
+    assert all(r["out_max_abs"] < 1e-4 for r in report["accuracy"] if r["dtype"] == "float32")
+
+
+def test_doctor_reports_versions_extension_and_ops():
+    proc = _run("doctor", timeout=120)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    text = proc.stdout
+    for expected in ("python", "torch", "torch_npu", "native extension", "policy", "attention ops"):
+        assert expected in text, text
+    assert "all good" in text
+
+
+def test_doctor_flags_a_bad_policy():
+    env_policy = dict(os.environ, CP_CACHE_POLICY="lifo")
+    proc = subprocess.run([sys.executable, "-m", "cp_cache", "doctor"], cwd=REPO, env=env_policy,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 1
+    assert "CP_CACHE_POLICY=handle" in proc.stdout
+
+
+def test_no_command_prints_help():
+    proc = _run(timeout=60)
+    assert proc.returncode == 2
+    assert "demo" in proc.stdout and "bench" in proc.stdout and "doctor" in proc.stdout
