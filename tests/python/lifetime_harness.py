@@ -204,7 +204,8 @@ def add(a: dict | None, b: dict) -> dict:
 def rel_err(got: dict, ref: dict) -> float:
     worst = 0.0
     for name, r in ref.items():
-        worst = max(worst, float((got[name] - r).abs().max() / r.abs().max().clamp_min(1e-12)))
+        diff = (got[name].detach() - r.detach()).abs().max()
+        worst = max(worst, float(diff / r.detach().abs().max().clamp_min(1e-12)))
     return worst
 
 
