@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import copy
 import logging
-import math
 from dataclasses import dataclass
 
 import pytest
@@ -19,6 +18,7 @@ import torch
 import torch.nn.functional as F
 
 import cp_cache
+from attention_reference import dense_attention, rank_positions, rel_err
 from cp_cache import handlers
 from cp_cache import layout as L
 from cp_cache.testing import emulator_installed, install_npu_emulator, uninstall_npu_emulator
@@ -129,12 +129,6 @@ def _train(spec: Spec, mesh, world: int) -> dict:
 # ---------------------------------------------------------------- SDPA route, rank side
 
 
-def _head_tail(world: int, rank: int, seq: int) -> torch.Tensor:
-    c = seq // (2 * world)
-    a, b = rank, 2 * world - 1 - rank
-    return torch.cat([torch.arange(a * c, (a + 1) * c), torch.arange(b * c, (b + 1) * c)])
-
-
 def _sdpa_inputs(world: int):
     g = torch.Generator().manual_seed(11)
     B, N, S, D = 3, 3, 4 * world, 8
@@ -164,7 +158,7 @@ def _sdpa_route(rank: int, world: int, mesh) -> dict:
 
     # without buffers: only the dispatcher part (shards made by hand, head-tail)
     q, k, v, dout = _sdpa_inputs(world)
-    pos = _head_tail(world, rank, q.size(2))
+    pos = rank_positions(world, rank, q.size(2) // world, load_balance=True)
     ql, kl, vl = (t[:, :, pos].clone().requires_grad_() for t in (q, k, v))
     calls = handlers.STATE.last_forward.calls
     with cp_cache.context_parallel(mesh):
@@ -331,22 +325,14 @@ def test_handle_and_stack_policies_same_numbers(world, kv_heads):
 # ---------------------------------------------------------------- tests: SDPA route
 
 
-def _dense_causal(q, k, v, dout):
-    qq, kk, vv = (t.double().requires_grad_() for t in (q, k, v))
-    s = qq @ kk.transpose(-1, -2) / math.sqrt(q.size(-1))
-    n = s.size(-1)
-    out = torch.softmax(s.masked_fill(torch.ones(n, n, dtype=torch.bool).triu(1), float("-inf")), -1) @ vv
-    return {"out": out.detach(), **dict(zip(("dq", "dk", "dv"), torch.autograd.grad(out, (qq, kk, vv), dout.double())))}
-
-
 def _check_against_dense(world: int, per_rank: list[dict]):
     q, k, v, dout = _sdpa_inputs(world)
-    ref = _dense_causal(q, k, v, dout)
+    ref = dense_attention(q, k, v, dout, causal=True)
     for key in ("out", "dq", "dk", "dv"):
         got = torch.zeros_like(ref[key])
         for r, part in enumerate(per_rank):
-            got[:, :, _head_tail(world, r, q.size(2))] = part[key].double()
-        err = float((got - ref[key]).abs().max() / ref[key].abs().max())
+            got[:, :, rank_positions(world, r, q.size(2) // world, load_balance=True)] = part[key].double()
+        err = rel_err(got, ref[key])
         assert err < 1e-5, (key, err)
 
 

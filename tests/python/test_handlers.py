@@ -10,15 +10,23 @@ from __future__ import annotations
 
 import logging
 import math
-import zlib
 from dataclasses import dataclass
 
 import pytest
 import torch
 
 import cp_cache
+from attention_reference import (
+    AttentionCase,
+    case_dense,
+    case_positions,
+    full_inputs,
+    gather,
+    keep_mask,
+    rel_err,
+    shard,
+)
 from cp_cache import layout as L
-from cp_cache.testing import dropout_keep_mask
 from cp_cache.testing.multiprocess import run_ranks
 
 LAYOUTS = ("BNSD", "BSND", "BSH", "SBH")
@@ -37,11 +45,7 @@ def no_live_caches():
 
 
 @dataclass(frozen=True)
-class Case:
-    layout: str
-    mode: str  # causal_lb | causal | full
-    gqa: bool
-    dtype: str  # float32 | bfloat16
+class Case(AttentionCase):
     call: str = "kw"  # kw: every argument by name; pos: every argument positionally
     keep_prob: float = 1.0
     sparse_mode: int = 2  # for the causal modes: 2 (left-up) or 3 (right-down)
@@ -62,24 +66,12 @@ class Case:
         return "-".join(parts)
 
     @property
-    def causal(self) -> bool:
-        return self.mode != "full"
-
-    @property
-    def load_balance(self) -> bool:
-        return self.mode == "causal_lb"
-
-    @property
     def nq(self) -> int:
         return 6 if self.gqa else 3
 
     @property
     def nkv(self) -> int:
         return 2 if self.gqa else 3
-
-    @property
-    def torch_dtype(self) -> torch.dtype:
-        return getattr(torch, self.dtype)
 
 
 def _cases() -> list[Case]:
@@ -105,29 +97,6 @@ def _cases() -> list[Case]:
 CASES = _cases()
 DROPOUT_CASES = [c for c in CASES if c.keep_prob < 1]
 EXACT_CASES = [c for c in CASES if c.keep_prob == 1]
-
-
-def _full_inputs(case: Case, world: int):
-    """Full-sequence q, k, v, dout as float64 [B, N, S, D], values representable in the case dtype."""
-    S = case.s_local * world
-    g = torch.Generator().manual_seed(zlib.crc32(f"{case.name}/{world}".encode()))
-    q, dout = (torch.randn(case.B, case.nq, S, case.D, generator=g, dtype=torch.float64) for _ in range(2))
-    k, v = (torch.randn(case.B, case.nkv, S, case.D, generator=g, dtype=torch.float64) for _ in range(2))
-    return [t.to(case.torch_dtype).double() for t in (q, k, v, dout)]
-
-
-def _positions(case_or_lb, world: int, rank: int, s_local: int) -> torch.Tensor:
-    """Global sequence positions of ``rank``'s block (head-tail chunks r, 2W-1-r when load balancing)."""
-    lb = case_or_lb.load_balance if isinstance(case_or_lb, Case) else bool(case_or_lb)
-    if lb:
-        c = s_local // 2
-        a, b = rank, 2 * world - 1 - rank
-        return torch.cat([torch.arange(a * c, (a + 1) * c), torch.arange(b * c, (b + 1) * c)])
-    return torch.arange(rank * s_local, (rank + 1) * s_local)
-
-
-def _local(x_bnsd: torch.Tensor, case: Case, pos: torch.Tensor) -> torch.Tensor:
-    return L.from_bnsd(x_bnsd.index_select(2, pos), case.layout).to(case.torch_dtype)
 
 
 # ---------------------------------------------------------------- rank side
@@ -167,9 +136,9 @@ def _run_case(case: Case, rank: int, world: int, mesh) -> dict:
     from cp_cache import handlers
 
     _set_lb(case.load_balance)
-    q, k, v, dout = _full_inputs(case, world)
-    pos = _positions(case, world, rank, case.s_local)
-    ql, kl, vl, dl = (_local(t, case, pos) for t in (q, k, v, dout))
+    q, k, v, dout = full_inputs(case, world)
+    pos = case_positions(case, world, rank)
+    ql, kl, vl, dl = (shard(t, case, pos) for t in (q, k, v, dout))
     placements = (Shard(L.seq_dim(case.layout)),)
     qd, kd, vd = (DTensor.from_local(t.clone(), mesh, placements).requires_grad_() for t in (ql, kl, vl))
     dd = DTensor.from_local(dl, mesh, placements)
@@ -339,63 +308,17 @@ def _results(world: int) -> list[dict]:
     return _RESULTS[world]
 
 
-# ---------------------------------------------------------------- dense reference
-
-
-def _dense(q, k, v, dout, case: Case, keep=None, dtype=torch.float64) -> dict:
-    groups = case.nq // case.nkv
-    qq, kk, vv = (t.to(dtype).requires_grad_() for t in (q, k, v))
-    s = qq @ kk.repeat_interleave(groups, 1).transpose(-1, -2) * (1.0 / math.sqrt(case.D))
-    if case.causal:
-        n = s.shape[-1]
-        s = s.masked_fill(torch.ones(n, n, dtype=torch.bool).triu(1), float("-inf"))
-    p = torch.softmax(s, -1)
-    if keep is not None:
-        p = p * keep.to(dtype) / case.keep_prob
-    out = p @ vv.repeat_interleave(groups, 1)
-    dq, dk, dv = torch.autograd.grad(out, (qq, kk, vv), dout.to(dtype))
-    return {"out": out.detach(), "lse": torch.logsumexp(s.detach().double(), -1), "dq": dq, "dk": dk, "dv": dv}
-
-
-def _gather(results: list[dict], case: Case, world: int) -> dict:
-    S = case.s_local * world
-    full = {}
-    for key, heads in (("out", case.nq), ("dq", case.nq), ("dk", case.nkv), ("dv", case.nkv)):
-        t = torch.zeros(case.B, heads, S, case.D, dtype=torch.float64)
-        for r, res in enumerate(results):
-            t[:, :, _positions(case, world, r, case.s_local)] = L.to_bnsd(res[case.name][key], case.layout, heads).double()
-        full[key] = t
-    lse = torch.zeros(case.B, case.nq, S, dtype=torch.float64)
-    for r, res in enumerate(results):
-        lse[:, :, _positions(case, world, r, case.s_local)] = res[case.name]["lse"]
-    full["lse"] = lse
-    return full
+# ---------------------------------------------------------------- dropout masks on the full sequence
 
 
 def _keep_mask(results: list[dict], case: Case, world: int) -> torch.Tensor:
-    """The full [B, Nq, S, S] keep mask from every rank's per-step seeds (step i used rank (r-i)%W's block)."""
-    S = case.s_local * world
-    keep = torch.zeros(case.B, case.nq, S, S, dtype=torch.bool)
+    """The full keep mask from every rank's steps, recorded as (part, [seed, offset]) ([] when
+    skipped); step i of rank r used rank (r-i)%W's block."""
+    steps = []
     for r, res in enumerate(results):
-        qpos = _positions(case, world, r, case.s_local)
-        for i, (part, owned) in enumerate(res[case.name]["steps"]):
-            kpos = _positions(case, world, (r - i) % world, case.s_local)
-            if part == "skip":
-                continue
-            if part == "q_tail":
-                qpos_i, kpos_i = qpos[len(qpos) // 2:], kpos
-            elif part == "kv_head":
-                qpos_i, kpos_i = qpos, kpos[: len(kpos) // 2]
-            else:
-                qpos_i, kpos_i = qpos, kpos
-            seed, offset = owned
-            m = dropout_keep_mask(seed, offset, (case.B, case.nq, len(qpos_i), len(kpos_i)), case.keep_prob)
-            keep[:, :, qpos_i.view(-1, 1), kpos_i.view(1, -1)] = m
-    return keep
-
-
-def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    return float((a - b).abs().max() / b.abs().max().clamp_min(1e-12))
+        recorded = res[case.name]["steps"]
+        steps.append([((r - i) % world, part, *(owned or (None, None))) for i, (part, owned) in enumerate(recorded)])
+    return keep_mask(steps, case, world)
 
 
 # errors measured per (world, dtype, key); reported by test_report_max_errors
@@ -409,12 +332,12 @@ MEASURED: dict = {}
 @pytest.mark.parametrize("case", EXACT_CASES, ids=lambda c: c.name)
 def test_matches_dense(world, case):
     results = _results(world)
-    q, k, v, dout = _full_inputs(case, world)
-    ref = _dense(q, k, v, dout, case)
-    low = _dense(q, k, v, dout, case, dtype=torch.bfloat16) if case.dtype == "bfloat16" else None
-    got = _gather(results, case, world)
+    q, k, v, dout = full_inputs(case, world)
+    ref = case_dense(q, k, v, dout, case)
+    low = case_dense(q, k, v, dout, case, dtype=torch.bfloat16) if case.dtype == "bfloat16" else None
+    got = gather([res[case.name] for res in results], case, world)
     for key in ("out", "lse", "dq", "dk", "dv"):
-        err = _rel(got[key], ref[key])
+        err = rel_err(got[key], ref[key])
         slot = MEASURED.setdefault((world, case.dtype, key), [0.0, ""])
         if err > slot[0]:
             slot[:] = [err, case.name]
@@ -423,7 +346,7 @@ def test_matches_dense(world, case):
         elif key == "lse":
             assert err < 1e-2, f"{case.name} W={world} lse: {err:.3g}"
         else:
-            base = _rel(low[key].double(), ref[key])
+            base = rel_err(low[key].double(), ref[key])
             assert err <= 2 * base + 2e-3, f"{case.name} W={world} {key}: {err:.3g} vs dense bf16 {base:.3g}"
 
 
@@ -431,7 +354,7 @@ def test_matches_dense(world, case):
 @pytest.mark.parametrize("case", DROPOUT_CASES, ids=lambda c: c.name)
 def test_dropout_matches_dense_under_same_masks(world, case):
     results = _results(world)
-    q, k, v, dout = _full_inputs(case, world)
+    q, k, v, dout = full_inputs(case, world)
     keep = _keep_mask(results, case, world)
     # the masks really drop something (over the pairs attention sees), and differ between steps
     S = keep.shape[-1]
@@ -440,13 +363,13 @@ def test_dropout_matches_dense_under_same_masks(world, case):
     assert abs(kept - case.keep_prob) < 0.1, kept
     seeds = {tuple(owned) for res in results for part, owned in res[case.name]["steps"] if part != "skip"}
     assert len(seeds) == sum(1 for res in results for part, _ in res[case.name]["steps"] if part != "skip")
-    ref = _dense(q, k, v, dout, case, keep)
-    got = _gather(results, case, world)
+    ref = case_dense(q, k, v, dout, case, keep)
+    got = gather([res[case.name] for res in results], case, world)
     for key in ("out", "lse", "dq", "dk", "dv"):
-        err = _rel(got[key], ref[key])
+        err = rel_err(got[key], ref[key])
         assert err < 1e-5, f"{case.name} W={world} {key}: relative error {err:.3g}"
     # and not equal to the dense computation without dropout
-    assert _rel(got["out"], _dense(q, k, v, dout, case)["out"]) > 1e-2
+    assert rel_err(got["out"], case_dense(q, k, v, dout, case)["out"]) > 1e-2
 
 
 @pytest.mark.parametrize("world", WORLDS)

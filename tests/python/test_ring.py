@@ -9,12 +9,21 @@ from __future__ import annotations
 
 import math
 import weakref
-import zlib
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import pytest
 import torch
 
+from attention_reference import (
+    AttentionCase,
+    case_dense,
+    case_positions,
+    full_inputs,
+    gather,
+    keep_mask,
+    rel_err,
+    shard,
+)
 from cp_cache import layout as L
 from cp_cache.kernels import NpuKernel, ReferenceKernel, get_kernel
 from cp_cache.ring import (
@@ -28,7 +37,6 @@ from cp_cache.testing.multiprocess import run_ranks
 
 try:
     from cp_cache.testing import (
-        dropout_keep_mask,
         emulator_installed,
         install_npu_emulator,
         uninstall_npu_emulator,
@@ -43,15 +51,11 @@ MODES = ("causal_lb", "causal", "full")
 
 
 @dataclass(frozen=True)
-class Case:
-    layout: str
-    mode: str  # causal_lb | causal | full
-    gqa: bool
-    dtype: str  # float32 | bfloat16
+class Case(AttentionCase):
     kernel: str  # reference | npu
     keep_prob: float = 1.0
     B: int = 3
-    Nq: int = 3
+    nq: int = 3
     D: int = 8
     s_local: int = 6
 
@@ -62,20 +66,8 @@ class Case:
         return f"{self.kernel}-{self.layout}-{self.mode}-{g}-{self.dtype}{kp}"
 
     @property
-    def causal(self) -> bool:
-        return self.mode != "full"
-
-    @property
-    def load_balance(self) -> bool:
-        return self.mode == "causal_lb"
-
-    @property
     def nkv(self) -> int:
-        return 1 if self.gqa else self.Nq
-
-    @property
-    def torch_dtype(self) -> torch.dtype:
-        return getattr(torch, self.dtype)
+        return 1 if self.gqa else self.nq
 
 
 def _cases() -> list[Case]:
@@ -99,34 +91,7 @@ def _cases() -> list[Case]:
 CASES = _cases()
 
 
-# ---------------------------------------------------------------- inputs and sharding
-
-
-def _full_inputs(case: Case, world: int):
-    """Full-sequence q, k, v, dout as float64 [B, N, S, D] (values rounded to the case dtype)."""
-    S = case.s_local * world
-    g = torch.Generator().manual_seed(zlib.crc32(f"{case.name}/{world}".encode()))
-    shape_q = (case.B, case.Nq, S, case.D)
-    shape_kv = (case.B, case.nkv, S, case.D)
-    q, dout = (torch.randn(shape_q, generator=g, dtype=torch.float64) for _ in range(2))
-    k, v = (torch.randn(shape_kv, generator=g, dtype=torch.float64) for _ in range(2))
-    dt = case.torch_dtype
-    return [t.to(dt).double() for t in (q, k, v, dout)]
-
-
-def _rank_positions(case: Case, world: int, rank: int) -> torch.Tensor:
-    """Global sequence positions held by ``rank`` (head-tail chunks under load balancing)."""
-    s = case.s_local
-    if case.load_balance:
-        c = s // 2
-        a, b = rank, 2 * world - 1 - rank
-        return torch.cat([torch.arange(a * c, (a + 1) * c), torch.arange(b * c, (b + 1) * c)])
-    return torch.arange(rank * s, (rank + 1) * s)
-
-
-def _shard(x_bnsd: torch.Tensor, case: Case, pos: torch.Tensor, dtype) -> torch.Tensor:
-    local = x_bnsd.index_select(2, pos)
-    return L.from_bnsd(local, case.layout).to(dtype)
+# ---------------------------------------------------------------- rank side
 
 
 def _config(case: Case, world: int, rank: int) -> RingConfig:
@@ -136,7 +101,7 @@ def _config(case: Case, world: int, rank: int) -> RingConfig:
         causal=case.causal,
         load_balance=case.load_balance,
         layout=case.layout,
-        head_num=case.Nq,
+        head_num=case.nq,
         scale=1.0 / math.sqrt(case.D),
         keep_prob=case.keep_prob,
     )
@@ -174,10 +139,9 @@ def _run_cases(rank: int, world: int, cases: list[Case], group) -> dict:
         install_npu_emulator(route_sdpa=False)
     results = {}
     for case in cases:
-        q, k, v, dout = _full_inputs(case, world)
-        pos = _rank_positions(case, world, rank)
-        dt = case.torch_dtype
-        ql, kl, vl, dl = (_shard(t, case, pos, dt) for t in (q, k, v, dout))
+        q, k, v, dout = full_inputs(case, world)
+        pos = case_positions(case, world, rank)
+        ql, kl, vl, dl = (shard(t, case, pos) for t in (q, k, v, dout))
         cfg = _config(case, world, rank)
         kernel = _Watch(get_kernel(case.kernel))
         torch.manual_seed(1234 + rank)
@@ -222,71 +186,12 @@ def _results(world: int) -> list[dict]:
     return _RESULTS[world]
 
 
-# ---------------------------------------------------------------- dense reference
-
-
-def _dense(q, k, v, case: Case, keep=None, dtype=torch.float64):
-    """Dense attention over the full sequence in ``dtype``; q/k/v/keep in [B, N, S, D]/[B, N, S, S]."""
-    groups = case.Nq // case.nkv
-    qq, kk, vv = (t.detach().to(dtype).requires_grad_(True) for t in (q, k, v))
-    ke, ve = kk.repeat_interleave(groups, 1), vv.repeat_interleave(groups, 1)
-    s = torch.matmul(qq, ke.transpose(-1, -2)) * (1.0 / math.sqrt(case.D))
-    if case.causal:
-        S = s.shape[-1]
-        s = s.masked_fill(torch.ones(S, S, dtype=torch.bool).triu(1), float("-inf"))
-    lse = torch.logsumexp(s.double(), -1)
-    p = torch.softmax(s, -1)
-    if keep is not None:
-        p = p * keep.to(dtype) / case.keep_prob
-    out = torch.matmul(p, ve)
-    return qq, kk, vv, out, lse
-
-
-def _dense_grads(q, k, v, dout, case, keep=None, dtype=torch.float64):
-    qq, kk, vv, out, lse = _dense(q, k, v, case, keep, dtype)
-    dq, dk, dv = torch.autograd.grad(out, (qq, kk, vv), dout.to(dtype))
-    return {"out": out.detach(), "lse": lse.detach(), "dq": dq, "dk": dk, "dv": dv}
-
-
-def _gather(results: list[dict], case: Case, world: int) -> dict:
-    """Reassemble the per-rank results into full-sequence float64 [B, N, S, D] tensors."""
-    S = case.s_local * world
-    full = {}
-    for key, heads in (("out", case.Nq), ("dq", case.Nq), ("dk", case.nkv), ("dv", case.nkv)):
-        t = torch.zeros(case.B, heads, S, case.D, dtype=torch.float64)
-        for r, res in enumerate(results):
-            t[:, :, _rank_positions(case, world, r)] = L.to_bnsd(res[case.name][key], case.layout, heads).double()
-        full[key] = t
-    lse = torch.zeros(case.B, case.Nq, S, dtype=torch.float64)
-    for r, res in enumerate(results):
-        lse[:, :, _rank_positions(case, world, r)] = res[case.name]["lse"].double()
-    full["lse"] = lse
-    return full
+# ---------------------------------------------------------------- dropout masks on the full sequence
 
 
 def _keep_mask(results: list[dict], case: Case, world: int) -> torch.Tensor:
-    """The full [B, Nq, S, S] keep mask assembled from every rank's recorded step seeds."""
-    S = case.s_local * world
-    keep = torch.ones(case.B, case.Nq, S, S, dtype=torch.bool)
-    for r, res in enumerate(results):
-        qpos = _rank_positions(case, world, r)
-        for index, source, part, seed, offset in res[case.name]["steps"]:
-            kpos = _rank_positions(case, world, source)
-            if part == "skip":
-                continue
-            if part == "q_tail":
-                qpos_i, kpos_i = qpos[len(qpos) // 2:], kpos
-            elif part == "kv_head":
-                qpos_i, kpos_i = qpos, kpos[: len(kpos) // 2]
-            else:
-                qpos_i, kpos_i = qpos, kpos
-            m = dropout_keep_mask(seed, offset, (case.B, case.Nq, len(qpos_i), len(kpos_i)), case.keep_prob)
-            keep[:, :, qpos_i.view(-1, 1), kpos_i.view(1, -1)] = m
-    return keep
-
-
-def _rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
-    return float((a - b).abs().max() / b.abs().max().clamp_min(1e-12))
+    """The full keep mask from every rank's recorded steps (index, source, part, seed, offset)."""
+    return keep_mask([[s[1:] for s in res[case.name]["steps"]] for res in results], case, world)
 
 
 # ---------------------------------------------------------------- tests
@@ -299,24 +204,24 @@ WORLDS = (1, 2, 4)
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
 def test_ring_matches_dense(world, case):
     results = _results(world)
-    q, k, v, dout = _full_inputs(case, world)
+    q, k, v, dout = full_inputs(case, world)
     keep = _keep_mask(results, case, world) if case.keep_prob < 1 else None
-    ref = _dense_grads(q, k, v, dout, case, keep)
-    got = _gather(results, case, world)
+    ref = case_dense(q, k, v, dout, case, keep)
+    got = gather([res[case.name] for res in results], case, world)
     dt = case.torch_dtype
     for r, res in enumerate(results):
         assert res[case.name]["dtypes"] == (dt, torch.float32, dt, dt, dt)
     if dt == torch.float32:
         for key in ("out", "lse", "dq", "dk", "dv"):
-            err = _rel_err(got[key], ref[key])
+            err = rel_err(got[key], ref[key])
             assert err < 2e-5, f"{case.name} W={world} {key}: relative error {err:.3g}"
     else:
-        low = _dense_grads(q, k, v, dout, case, keep, dtype=dt)
+        low = case_dense(q, k, v, dout, case, keep, dtype=dt)
         for key in ("out", "dq", "dk", "dv"):
-            err = _rel_err(got[key], ref[key])
-            base = _rel_err(low[key].double(), ref[key])
+            err = rel_err(got[key], ref[key])
+            base = rel_err(low[key].double(), ref[key])
             assert err <= 3 * base + 4e-3, f"{case.name} W={world} {key}: {err:.3g} vs dense bf16 {base:.3g}"
-        assert _rel_err(got["lse"], ref["lse"]) < 1e-2
+        assert rel_err(got["lse"], ref["lse"]) < 1e-2
 
 
 @pytest.mark.parametrize("world", WORLDS)

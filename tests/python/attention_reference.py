@@ -1,0 +1,174 @@
+"""Shared machinery of the context-parallel attention tests (test_ring.py, test_handlers.py,
+test_cp_model.py): the case description, full-sequence inputs, head-tail sharding, the dense
+float64 reference, and reassembling per-rank results (and dropout masks) on the full sequence.
+
+Tensors "on the full sequence" are [B, N, S, D] (attention probabilities and keep masks
+[B, N, S, S]) with S = s_local * world. Rank ``r`` holds the positions
+``rank_positions(world, r, s_local, load_balance)``.
+
+Rank processes started by ``run_ranks`` (spawn) unpickle the test modules' cases and so
+import this module too: it must stay importable by name from tests/python.
+"""
+
+from __future__ import annotations
+
+import math
+import zlib
+from dataclasses import dataclass
+
+import torch
+
+from cp_cache import layout as L
+
+
+@dataclass(frozen=True)
+class AttentionCase:
+    """One attention problem: layout, mask mode, MHA or GQA, dtype.
+
+    Subclasses add the remaining fields and must provide ``name`` (unique; also seeds the
+    inputs), ``nq`` / ``nkv`` (query and key/value heads), ``B``, ``D``, ``s_local`` (local
+    sequence length per rank) and ``keep_prob``.
+    """
+
+    layout: str  # BNSD | BSND | BSH | SBH
+    mode: str  # causal_lb | causal | full
+    gqa: bool
+    dtype: str  # float32 | bfloat16
+
+    @property
+    def causal(self) -> bool:
+        return self.mode != "full"
+
+    @property
+    def load_balance(self) -> bool:
+        return self.mode == "causal_lb"
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return getattr(torch, self.dtype)
+
+
+# ---------------------------------------------------------------- inputs and sharding
+
+
+def full_inputs(case: AttentionCase, world: int) -> list[torch.Tensor]:
+    """Full-sequence q, k, v, dout as float64 [B, N, S, D], values rounded to the case dtype.
+
+    Seeded by the case name and the world size, so every rank and the reference draw the same.
+    """
+    S = case.s_local * world
+    g = torch.Generator().manual_seed(zlib.crc32(f"{case.name}/{world}".encode()))
+    q, dout = (torch.randn(case.B, case.nq, S, case.D, generator=g, dtype=torch.float64) for _ in range(2))
+    k, v = (torch.randn(case.B, case.nkv, S, case.D, generator=g, dtype=torch.float64) for _ in range(2))
+    return [t.to(case.torch_dtype).double() for t in (q, k, v, dout)]
+
+
+def rank_positions(world: int, rank: int, s_local: int, load_balance: bool) -> torch.Tensor:
+    """Global sequence positions held by ``rank``, in local order.
+
+    With load balancing: the head-tail chunks ``rank`` and ``2W-1-rank`` of length s_local/2;
+    without: the contiguous block ``rank``.
+    """
+    if load_balance:
+        c = s_local // 2
+        a, b = rank, 2 * world - 1 - rank
+        return torch.cat([torch.arange(a * c, (a + 1) * c), torch.arange(b * c, (b + 1) * c)])
+    return torch.arange(rank * s_local, (rank + 1) * s_local)
+
+
+def case_positions(case: AttentionCase, world: int, rank: int) -> torch.Tensor:
+    """``rank_positions`` for the case's local length and load balancing."""
+    return rank_positions(world, rank, case.s_local, case.load_balance)
+
+
+def shard(x_bnsd: torch.Tensor, case: AttentionCase, pos: torch.Tensor) -> torch.Tensor:
+    """The positions ``pos`` of a full-sequence [B, N, S, D] tensor, in the case layout and dtype."""
+    return L.from_bnsd(x_bnsd.index_select(2, pos), case.layout).to(case.torch_dtype)
+
+
+# ---------------------------------------------------------------- dense reference
+
+
+def dense_attention(q, k, v, dout, causal: bool, keep=None, keep_prob: float = 1.0,
+                    dtype=torch.float64) -> dict:
+    """Single-process attention on the full sequence, forward and backward, in ``dtype``.
+
+    q/dout [B, Nq, S, D], k/v [B, Nkv, S, D] (GQA: Nq a multiple of Nkv); scale 1/sqrt(D);
+    ``causal``: the global lower-triangular mask; ``keep`` (optional [B, Nq, S, S] bool):
+    dropout applied to the probabilities, scaled by 1/keep_prob. Returns "out", "lse"
+    (float64, [B, Nq, S], before dropout), "dq", "dk", "dv".
+    """
+    groups = q.size(1) // k.size(1)
+    qq, kk, vv = (t.detach().to(dtype).requires_grad_(True) for t in (q, k, v))
+    s = qq @ kk.repeat_interleave(groups, 1).transpose(-1, -2) * (1.0 / math.sqrt(q.size(-1)))
+    if causal:
+        n = s.shape[-1]
+        s = s.masked_fill(torch.ones(n, n, dtype=torch.bool).triu(1), float("-inf"))
+    p = torch.softmax(s, -1)
+    if keep is not None:
+        p = p * keep.to(dtype) / keep_prob
+    out = p @ vv.repeat_interleave(groups, 1)
+    dq, dk, dv = torch.autograd.grad(out, (qq, kk, vv), dout.to(dtype))
+    return {"out": out.detach(), "lse": torch.logsumexp(s.detach().double(), -1), "dq": dq, "dk": dk, "dv": dv}
+
+
+def case_dense(q, k, v, dout, case: AttentionCase, keep=None, dtype=torch.float64) -> dict:
+    """``dense_attention`` with the case's causal mask and keep_prob."""
+    return dense_attention(q, k, v, dout, case.causal, keep, case.keep_prob, dtype)
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    """max|a - b| / max|b| (b: the reference)."""
+    return float((a - b).abs().max() / b.abs().max().clamp_min(1e-12))
+
+
+# ---------------------------------------------------------------- per-rank results on the full sequence
+
+
+def gather(per_rank: list[dict], case: AttentionCase, world: int) -> dict:
+    """Reassemble per-rank local results into full-sequence float64 tensors.
+
+    ``per_rank[r]`` holds rank r's "out", "dq", "dk", "dv" in the case layout and its "lse"
+    [B, Nq, s_local]; returns them as [B, N, S, D] / [B, Nq, S].
+    """
+    S = case.s_local * world
+    full = {}
+    for key, heads in (("out", case.nq), ("dq", case.nq), ("dk", case.nkv), ("dv", case.nkv)):
+        t = torch.zeros(case.B, heads, S, case.D, dtype=torch.float64)
+        for r, res in enumerate(per_rank):
+            t[:, :, case_positions(case, world, r)] = L.to_bnsd(res[key], case.layout, heads).double()
+        full[key] = t
+    lse = torch.zeros(case.B, case.nq, S, dtype=torch.float64)
+    for r, res in enumerate(per_rank):
+        lse[:, :, case_positions(case, world, r)] = res["lse"].double()
+    full["lse"] = lse
+    return full
+
+
+def keep_mask(steps_per_rank: list[list[tuple]], case: AttentionCase, world: int) -> torch.Tensor:
+    """The full [B, Nq, S, S] dropout keep mask rebuilt from every rank's ring steps.
+
+    ``steps_per_rank[r]`` lists rank r's steps as (source rank, part, seed, offset); the step
+    covered rank r's queries against the source's keys, restricted by ``part`` ("skip": none,
+    "q_tail": the query tail half, "kv_head": the key head half, otherwise all), with the mask
+    ``cp_cache.testing.dropout_keep_mask(seed, offset, ...)``. Pairs no step covers stay True.
+    """
+    from cp_cache.testing import dropout_keep_mask
+
+    S = case.s_local * world
+    keep = torch.ones(case.B, case.nq, S, S, dtype=torch.bool)
+    for r, steps in enumerate(steps_per_rank):
+        qpos = case_positions(case, world, r)
+        for source, part, seed, offset in steps:
+            if part == "skip":
+                continue
+            kpos = case_positions(case, world, source)
+            if part == "q_tail":
+                qpos_i, kpos_i = qpos[len(qpos) // 2:], kpos
+            elif part == "kv_head":
+                qpos_i, kpos_i = qpos, kpos[: len(kpos) // 2]
+            else:
+                qpos_i, kpos_i = qpos, kpos
+            m = dropout_keep_mask(seed, offset, (case.B, case.nq, len(qpos_i), len(kpos_i)), case.keep_prob)
+            keep[:, :, qpos_i.view(-1, 1), kpos_i.view(1, -1)] = m
+    return keep
