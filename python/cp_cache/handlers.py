@@ -25,6 +25,7 @@ from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 from . import _C
 from . import layout as L
 from .kernels import get_kernel
+from .kernels.npu import lse_from_stats, stats_from_lse
 from .ring import RingConfig, RingStep, ring_attention_backward, ring_attention_forward
 
 log = logging.getLogger("cp_cache")
@@ -38,7 +39,6 @@ _CAUSAL_SPARSE_MODES = (2, 3)  # left-up / right-down: the same for a square glo
 _MASK_AS_GIVEN_MODES = (0, 1)
 _UNSUPPORTED_WHEN_SET = ("pse", "padding_mask", "prefix", "actual_seq_qlen", "actual_seq_kvlen", "sink")
 _STATS_SEQ_DIM = 2  # softmax_max / softmax_sum are [B, N, S, 8]
-_STATS_WIDTH = 8
 
 
 @dataclass
@@ -253,9 +253,7 @@ def fusion_attention_forward(op_call, args, kwargs):
         seed_slot = _slot_tensor(cache.pairing_key)
     del cache
 
-    stats_shape = (*result.lse.shape, _STATS_WIDTH)
-    softmax_max = result.lse.unsqueeze(-1).expand(stats_shape).contiguous()
-    softmax_sum = torch.ones(stats_shape, dtype=torch.float32, device=q.device)
+    softmax_max, softmax_sum = stats_from_lse(result.lse)
     stats_placements = (Shard(_STATS_SEQ_DIM),)
     outputs = (
         _wrap(result.out, mesh, placements),
@@ -320,7 +318,7 @@ def fusion_attention_backward(op_call, args, kwargs):
         )
     q, k, v, dy, out = (tensors[name].to_local() for name in tensors)
     softmax_max, softmax_sum = (_local(a[name], name) for name in ("softmax_max", "softmax_sum"))
-    lse = softmax_max[..., 0].float() + torch.log(softmax_sum[..., 0].float())
+    lse = lse_from_stats(softmax_max, softmax_sum)
     steps = _steps_from_cache(cache, config)
     del cache
     ring_started = time.perf_counter()

@@ -9,6 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from cp_cache.kernels.npu import causal_mask
 from cp_cache.testing import (
     dropout_keep_mask,
     emulator_installed,
@@ -601,7 +602,7 @@ def test_route_calls_v3_op_like_torch_npu():
     assert kw["scale"] == pytest.approx(0.25)
     mask = kw["atten_mask"]
     assert mask.dtype == torch.bool and mask.shape == (2048, 2048) and torch.equal(mask, COMPRESSED)
-    assert emu._causal_mask(torch.device("cpu")) is emu._causal_mask(torch.device("cpu"))  # cached
+    assert mask is causal_mask(torch.device("cpu")) is causal_mask(torch.device("cpu"))  # one cached mask
     kw = calls[1]
     assert kw["sparse_mode"] == 0 and not kw["atten_mask"].any()  # inverted: nothing masked out
 

@@ -82,6 +82,8 @@ from typing import Any, Optional, Sequence
 import torch
 import torch.nn.functional as F
 
+from ..kernels.npu import causal_mask
+
 __all__ = [
     "install_npu_emulator",
     "uninstall_npu_emulator",
@@ -712,24 +714,6 @@ def _backward_v1(ctx, grad_out, *unused_grads):
 # ---------------------------------------------------------------------------
 
 _ORIGINAL_SDPA = None
-_CAUSAL_MASKS: dict = {}
-_CAUSAL_LOCK = threading.Lock()
-
-
-def _causal_mask(device: torch.device) -> torch.Tensor:
-    key = str(device)
-    mask = _CAUSAL_MASKS.get(key)
-    if mask is None:
-        with _CAUSAL_LOCK:
-            mask = _CAUSAL_MASKS.get(key)
-            if mask is None:
-                mask = torch.triu(
-                    torch.ones(_COMPRESSED_MASK_SIZE, _COMPRESSED_MASK_SIZE, dtype=torch.bool, device=device), 1
-                )
-                _CAUSAL_MASKS[key] = mask
-    return mask
-
-
 def _local_device(x: Any) -> Optional[torch.device]:
     """The device a tensor's data lives on; for a DTensor, that of its local shard.
 
@@ -785,7 +769,7 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
         keep_prob=1.0 - float(dropout_p),
     )
     if is_causal:
-        kwargs.update(atten_mask=_causal_mask(devices[0]), sparse_mode=2, next_tockens=0)
+        kwargs.update(atten_mask=causal_mask(devices[0]), sparse_mode=2, next_tockens=0)
     elif attn_mask is not None:
         kwargs.update(atten_mask=_npu_mask_from_bool(attn_mask, B, nq, Sq, Skv), sparse_mode=0)
     out = torch.ops.npu.npu_fusion_attention_v3(query, key, value, nq, "BNSD", **kwargs)
@@ -895,5 +879,4 @@ def uninstall_npu_emulator() -> None:
         _uninstall_route()
         while _LIBS:
             _LIBS.pop()._destroy()
-        _CAUSAL_MASKS.clear()
         _INSTALLED = False
