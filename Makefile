@@ -7,12 +7,13 @@ DEPS_STAMP := $(VENV)/.cp_cache-deps
 EXT_STAMP := build/.extension-built
 GTEST_BIN := build/cpp/cp_cache_tests
 NATIVE_SOURCES := $(wildcard csrc/*.cpp csrc/*.h)
+WHEELS_STAMP := .cache/torch_npu/.fetched
 GTEST_SOURCES := $(wildcard tests/cpp/*.cpp) CMakeLists.txt
 TORCH_VERSION ?= 2.13.0
 # The demo/bench flags: make demo DEMO_ARGS="--steps 10"
 DEMO_ARGS ?=
 
-.PHONY: all build test pytest ctest demo bench doctor clean
+.PHONY: all build test pytest ctest demo bench doctor clean torch-npu-wheels
 
 all: test
 
@@ -28,12 +29,19 @@ $(DEPS_STAMP): | $(PY)
 		SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
 		$$SUDO apt-get update -q && $$SUDO apt-get install -y -q libgtest-dev; \
 	fi
-	$(PY) -c "import site, pathlib; pathlib.Path(site.getsitepackages()[0], 'cp_cache-src.pth').write_text('$(CURDIR)/python\n')"
 	touch $@
 
-$(EXT_STAMP): $(DEPS_STAMP) $(NATIVE_SOURCES) setup.py
-	$(PY) setup.py --quiet build_ext --inplace
+# The package, installed editable into .venv (its extension built in place under python/).
+$(EXT_STAMP): $(DEPS_STAMP) $(NATIVE_SOURCES) csrc/sources.txt setup.py pyproject.toml
+	$(PY) -m pip install --quiet --no-build-isolation --no-deps -e .
 	@mkdir -p build && touch $@
+
+# torch_npu's Python files (its CP handlers, op schemas, meta functions), fetched once from
+# the package index into .cache/torch_npu: the ground truth of the coexistence and fidelity
+# tests and of `compare`.
+$(WHEELS_STAMP): $(EXT_STAMP)
+	$(PY) -m cp_cache.testing.torch_npu_wheel fetch
+	@touch $@
 
 $(GTEST_BIN): $(DEPS_STAMP) $(NATIVE_SOURCES) $(GTEST_SOURCES)
 	$(VENV)/bin/cmake -S . -B build/cpp -G Ninja \
@@ -43,7 +51,9 @@ $(GTEST_BIN): $(DEPS_STAMP) $(NATIVE_SOURCES) $(GTEST_SOURCES)
 
 build: $(EXT_STAMP) $(GTEST_BIN)
 
-pytest: $(EXT_STAMP)
+torch-npu-wheels: $(WHEELS_STAMP)
+
+pytest: $(EXT_STAMP) $(WHEELS_STAMP)
 	$(PY) -m pytest tests/python
 
 ctest: $(GTEST_BIN)
@@ -63,4 +73,4 @@ doctor: $(EXT_STAMP)
 	$(PY) -m cp_cache doctor
 
 clean:
-	rm -rf build python/cp_cache/_C*.so
+	rm -rf build python/cp_cache/_C*.so python/*.egg-info

@@ -1,21 +1,33 @@
 """cp_cache: context-parallel ring attention for Ascend NPUs with a native step-cache store.
 
 The step cache of each attention call travels through autograd as a handle
-tensor whose storage owns it (see DESIGN.md); this module exposes the
-process-wide store and the autograd engine state the handlers rely on.
+tensor whose storage owns it (see DESIGN.md). ``cp_cache.testing`` (the CPU
+emulator of the NPU ops, a toy model, a multi-rank launcher, dense references)
+is loaded only when asked for.
 """
 
 from __future__ import annotations
+
+import importlib
 
 import torch  # noqa: F401  (loads libtorch before the extension)
 
 from . import _C
 from ._C import StepCache, StepCacheStore
+from .config import CPConfig
+from .dispatch import active_config, call_stats, context_parallel, disable, enable, enabled
 
 __all__ = [
+    "CPConfig",
     "StepCache",
     "StepCacheStore",
+    "active_config",
+    "call_stats",
+    "context_parallel",
     "current_graph_task_id",
+    "disable",
+    "enable",
+    "enabled",
     "reset_peak",
     "stats",
     "store",
@@ -43,7 +55,8 @@ def current_graph_task_id() -> int:
     return _C.current_graph_task_id()
 
 
-from . import testing  # noqa: E402
-from .dispatch import context_parallel, disable, enable, enabled  # noqa: E402
-
-__all__ += ["context_parallel", "disable", "enable", "enabled", "testing"]
+def __getattr__(name: str):
+    # ``cp_cache.testing`` keeps working after a bare ``import cp_cache``, loaded on first use.
+    if name == "testing":
+        return importlib.import_module(".testing", __name__)
+    raise AttributeError(f"module 'cp_cache' has no attribute {name!r}")

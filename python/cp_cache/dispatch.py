@@ -1,95 +1,189 @@
-"""Turning the CP handlers on and off, and torch's context_parallel() with them active.
+"""Turning the CP handlers on and off, next to torch's and torch_npu's CP registration.
 
-torch's ``context_parallel()`` *replaces* ``DTensor._op_dispatcher._custom_op_handlers``
-on entry (a copy of the table it captured at import, plus its SDPA handlers) and on
-exit (that captured table). The handlers are therefore put both in the live table
-and in the captured one, so they survive either replacement.
+``enable()`` builds one frozen ``CPConfig`` and registers an ``AttentionHandlers``
+bound to it: in the live DTensor handler table, and on every entry into and exit
+from torch's CP dispatcher. Every CP entry point (torch's ``context_parallel()``,
+the module-wrapper path ``_enable_context_parallel_dispatcher()``, torch_npu's
+re-export, ``cp_cache.context_parallel()``) switches the dispatcher through two
+module functions of torch's ``_context_parallel._attention``:
+``_enable_cp_dtensor_dispatcher`` / ``_disable_cp_dtensor_dispatcher``. torch's
+replace the handler table; ``import torch_npu`` replaces both functions with its
+own, which write torch_npu's handlers for the NPU ops on top. cp_cache wraps
+whichever pair it finds: the wrapper runs the previous function (so torch's and
+torch_npu's other effects still happen: SDPA and sharding rules, implicit
+replication), then puts cp_cache's handlers on top. ``disable()`` puts back the
+previous pair and every table entry cp_cache replaced, so torch_npu's behaviour
+returns exactly.
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
-import os
-from typing import Iterator
+from typing import Callable, Iterator
 
 import torch
 from torch.distributed.tensor import DTensor
 
-from . import _C, handlers
+from . import _C
+from .config import CPConfig, resolve_config
+from .handlers import AttentionHandlers, CallLog
+
+__all__ = ["enable", "disable", "enabled", "active_config", "call_stats", "context_parallel"]
 
 log = logging.getLogger("cp_cache")
 
-POLICY_ENV = "CP_CACHE_POLICY"
-_enabled = False
+_MISSING = object()
 
 
-def _ops() -> dict:
-    """The handled ops that exist in this process (real torch_npu or the emulator)."""
-    table = {}
-    for name, handler in (
-        ("npu_fusion_attention_v3", handlers.fusion_attention_forward),
-        ("npu_fusion_attention_grad_v3", handlers.fusion_attention_backward),
-    ):
-        try:
-            table[getattr(torch.ops.npu, name).default] = handler
-        except (AttributeError, RuntimeError):
-            pass
-    return table
-
-
-def _handler_tables() -> list[dict]:
-    tables = [DTensor._op_dispatcher._custom_op_handlers]
+def _torch_cp():
     from torch.distributed.tensor.experimental._context_parallel import _attention
 
-    if _attention.existing_custom_ops is not tables[0]:
-        tables.append(_attention.existing_custom_ops)
-    return tables
+    return _attention
 
 
-def resolve_policy(policy: str | None) -> str:
-    chosen = policy if policy is not None else os.environ.get(POLICY_ENV, handlers.HANDLE_POLICY)
-    if chosen not in handlers.POLICIES:
-        source = "policy" if policy is not None else f"environment variable {POLICY_ENV}"
-        raise ValueError(f"{source}={chosen!r} is not a cp_cache policy; use one of {handlers.POLICIES}")
-    return chosen
+def _is_ours(handler) -> bool:
+    return isinstance(getattr(handler, "__self__", None), AttentionHandlers)
+
+
+class _Registration:
+    """The handlers of one ``enable()`` and everything it changed in torch, to undo it."""
+
+    def __init__(self, handlers: AttentionHandlers):
+        self.handlers = handlers
+        self.depth = 0  # CP dispatcher entries seen and not yet left
+        # the foreign entries the handlers displaced: outside CP (at enable) and inside
+        # the current CP entry (torch's or torch_npu's CP handlers), {op: entry or _MISSING}
+        self._displaced_outside: dict = {}
+        self._displaced_inside: dict = {}
+        cp = _torch_cp()
+        self.previous_enable: Callable[[], None] = cp._enable_cp_dtensor_dispatcher
+        self.previous_disable: Callable[[], None] = cp._disable_cp_dtensor_dispatcher
+        self.enter_cp = self._enter_cp  # one bound-method object each, so identity checks work
+        self.exit_cp = self._exit_cp
+
+    # ------------------------------------------------------------ the handler table
+
+    def overlay(self) -> None:
+        """Put the handlers on top of the live table, remembering the foreign entries they displace."""
+        displaced = self._displaced_inside if self.depth else self._displaced_outside
+        table = DTensor._op_dispatcher._custom_op_handlers
+        for op, handler in self.handlers.table().items():
+            previous = table.get(op, _MISSING)
+            if not _is_ours(previous):
+                displaced[op] = previous
+            table[op] = handler
+
+    def restore_table(self) -> None:
+        """Put back in the live table the entries the handlers displaced there."""
+        displaced = self._displaced_inside if self.depth else self._displaced_outside
+        table = DTensor._op_dispatcher._custom_op_handlers
+        for op in [op for op, handler in table.items() if _is_ours(handler)]:
+            previous = displaced.get(op, _MISSING)
+            if previous is _MISSING:
+                del table[op]
+            else:
+                table[op] = previous
+
+    # ------------------------------------------------------------ torch's CP dispatcher switches
+
+    def hook(self) -> None:
+        cp = _torch_cp()
+        cp._enable_cp_dtensor_dispatcher = self.enter_cp
+        cp._disable_cp_dtensor_dispatcher = self.exit_cp
+
+    def hooked(self) -> bool:
+        cp = _torch_cp()
+        return cp._enable_cp_dtensor_dispatcher is self.enter_cp and cp._disable_cp_dtensor_dispatcher is self.exit_cp
+
+    def unhook(self) -> None:
+        cp = _torch_cp()
+        if self.hooked():
+            cp._enable_cp_dtensor_dispatcher = self.previous_enable
+            cp._disable_cp_dtensor_dispatcher = self.previous_disable
+        else:
+            log.warning(
+                "cp_cache.disable(): torch's CP dispatcher switches were replaced after cp_cache.enable() "
+                "(now %s / %s); leaving them as they are", cp._enable_cp_dtensor_dispatcher,
+                cp._disable_cp_dtensor_dispatcher,
+            )
+
+    def _enter_cp(self) -> None:
+        self.depth += 1
+        if self.depth == 1:  # nested entries keep the outer entry's state
+            self.previous_enable()
+        if _registered is self:
+            self.overlay()
+
+    def _exit_cp(self) -> None:
+        if self.depth > 0:
+            self.depth -= 1
+            if self.depth == 0:
+                self._displaced_inside.clear()
+                self.previous_disable()
+        else:  # an exit whose entry came before cp_cache.enable()
+            self.previous_disable()
+        if _registered is self:
+            self.overlay()
+
+
+# The registration of the enabled handlers (None: disabled).
+_registered: _Registration | None = None
+# Measurements of every call, kept across enable()/disable() so they can be read afterwards.
+_call_log = CallLog()
 
 
 def enable(policy: str | None = None, *, kernel: str | None = None) -> None:
-    """Register the CP handlers for the NPU attention ops (idempotent).
+    """Register the CP handlers for the NPU attention ops (idempotent; a new policy or
+    kernel replaces the handlers).
 
     ``policy``: "handle" (default) or "stack"; None reads CP_CACHE_POLICY.
     ``kernel``: the step kernel, "npu" or "reference"; None picks "npu" when the op exists.
+
+    Call it after ``import torch_npu``: torch_npu's import replaces torch's CP dispatcher
+    switches and its handler table, and cp_cache wraps what it finds.
     """
-    global _enabled
-    chosen = resolve_policy(policy)
-    ops = _ops()
-    if not ops:
+    global _registered
+    config = resolve_config(policy, kernel=kernel)
+    handlers = AttentionHandlers(config, _call_log)
+    if not handlers.table():
         raise RuntimeError(
             "cp_cache.enable(): torch.ops.npu.npu_fusion_attention_v3 does not exist; import "
             "torch_npu on an Ascend machine, or call cp_cache.testing.install_npu_emulator() on CPU"
         )
-    if _enabled and chosen != handlers.STATE.policy:
+    previous = _registered
+    if previous is not None and config.policy != previous.handlers.config.policy:
         depth = _C.default_store().depth
         if depth:
             raise RuntimeError(
-                f"cp_cache.enable(policy={chosen!r}): {depth} stack entries of the "
-                f"{handlers.STATE.policy!r} policy still wait for their backward"
+                f"cp_cache.enable(policy={config.policy!r}): {depth} stack entries of the "
+                f"{previous.handlers.config.policy!r} policy still wait for their backward"
             )
-    handlers.STATE.policy = chosen
-    handlers.STATE.kernel_name = kernel
-    for table in _handler_tables():
-        table.update(ops)
-    _enabled = True
-    log.info("cp_cache enabled: policy=%s, ops=%s", chosen, sorted(str(op) for op in ops))
+    if previous is not None and previous.hooked():
+        registration = previous  # keep the wrapped switches, the replaced entries and the depth
+        registration.handlers = handlers
+    else:
+        if previous is not None:
+            _unregister(previous)
+        registration = _Registration(handlers)
+        registration.hook()
+    _registered = registration
+    registration.overlay()
+    log.info("cp_cache enabled: %s, ops=%s", config, sorted(str(op) for op in handlers.table()))
+
+
+def _unregister(registration: _Registration) -> None:
+    registration.unhook()
+    registration.restore_table()
 
 
 def disable() -> None:
-    """Unregister the handlers; log the caches still alive (stack entries are dropped)."""
-    global _enabled
-    for table in _handler_tables():
-        for op in _ops():
-            table.pop(op, None)
+    """Unregister the handlers and give torch's (or torch_npu's) CP dispatcher back as it was;
+    log the caches still alive (stack entries are dropped)."""
+    global _registered
+    if _registered is not None:
+        registration, _registered = _registered, None
+        _unregister(registration)
     dropped = _C.default_store().clear()
     stats = _C.default_store().stats()
     if dropped:
@@ -99,11 +193,28 @@ def disable() -> None:
             "cp_cache disabled with %d step caches (%d bytes) still alive: graphs that still "
             "hold their handles", stats["live_entries"], stats["live_bytes"],
         )
-    _enabled = False
 
 
 def enabled() -> bool:
-    return _enabled
+    return _registered is not None
+
+
+def active_config() -> CPConfig | None:
+    """The configuration of the registered handlers, or None when cp_cache is disabled."""
+    return None if _registered is None else _registered.handlers.config
+
+
+def registered_handlers() -> AttentionHandlers | None:
+    """The registered handler object (tests check which handler a table holds)."""
+    return None if _registered is None else _registered.handlers
+
+
+def call_stats() -> dict[str, dict]:
+    """The last CP attention call of each direction on this process:
+    ``{"forward": {...}, "backward": {...}}``, each with ``bytes_sent`` (this rank),
+    ``handler_seconds`` (whole handler), ``ring_seconds`` (kernels and communication),
+    ``overhead_seconds`` (their difference) and ``calls`` (count since import)."""
+    return _call_log.snapshot()
 
 
 @contextlib.contextmanager
@@ -125,6 +236,10 @@ def context_parallel(
     was_enabled = enabled()
     if not was_enabled:
         enable()
+    elif not _registered.hooked():
+        log.warning("cp_cache: torch's CP dispatcher switches were replaced after cp_cache.enable() "
+                    "(torch_npu imported late?); enabling again on top of them")
+        enable(_registered.handlers.config.policy, kernel=_registered.handlers.config.kernel)
     try:
         if buffers:
             with torch_context_parallel(
@@ -137,8 +252,6 @@ def context_parallel(
             _attention._dispatch_mode = _attention._DispatchMode.MONKEY_PATCH
             _attention._enable_context_parallel_dispatcher_impl(seq_dim=2, mesh=mesh)
             try:
-                for table in _handler_tables():
-                    table.update(_ops())
                 yield
             finally:
                 _attention._disable_context_parallel_dispatcher_impl()

@@ -175,8 +175,34 @@ class _Exchange:
         return recv
 
 
-_TAG_KV = 0
-_TAG_DKV = 2
+# Each exchange uses tags tag, tag + 1 (one per tensor). In backward a K/V shift and
+# a dK/dV shift are in flight between the same two ranks at once, with tensors of the
+# same shapes: distinct tags keep a receive from matching the other exchange's send.
+_TAG_KV = 0  # k: 0, v: 1
+_TAG_DKV = 2  # dk: 2, dv: 3
+
+
+# ---------------------------------------------------------------- step operands
+
+
+def _step_rows(part: str, q_len: int, kv_len: int) -> tuple[tuple[int, int], tuple[int, int]]:
+    """(start, length) of the query rows and of the key rows a step of ``part`` computes:
+    "q_tail" the second half of the queries, "kv_head" the first half of the keys."""
+    if part == "q_tail":
+        half = q_len // 2
+        return (half, q_len - half), (0, kv_len)
+    if part == "kv_head":
+        return (0, q_len), (0, kv_len // 2)
+    return (0, q_len), (0, kv_len)
+
+
+def _rows(x: Tensor, layout: str, rows: tuple[int, int]) -> Tensor:
+    """The sequence rows ``rows`` of ``x`` in ``layout`` (or its 4-D view): a view."""
+    return L.narrow_seq(x, layout, *rows)
+
+
+def _lse_rows(lse: Tensor, rows: tuple[int, int]) -> Tensor:
+    return lse.narrow(2, *rows)  # lse is [B, N, S]
 
 
 # ---------------------------------------------------------------- merge
@@ -208,7 +234,6 @@ def ring_attention_forward(
     size, rank, group = _group_info(config, group)
     qd, _ = _check_inputs(q, k, v, config)
     lay, hn = config.layout, config.head_num
-    half = qd.seq // 2
 
     acc_out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
     acc_lse = torch.full((qd.batch, hn, qd.seq), float("-inf"), dtype=torch.float32, device=q.device)
@@ -222,29 +247,18 @@ def ring_attention_forward(
         if i < size - 1:
             ex = _Exchange([cur_k, cur_v], group, rank, size, _TAG_KV)
             bytes_sent += ex.nbytes
-        source = (rank - i) % size
         part = step_part(rank, i, size, config.causal, config.load_balance)
         seed = offset = None
         if part != "skip":
-            if part == "q_tail":
-                qs, ks, vs = L.narrow_seq(q, lay, half, qd.seq - half), cur_k, cur_v
-            elif part == "kv_head":
-                kh = cur_k.size(L.seq_dim(lay)) // 2
-                qs, ks, vs = q, L.narrow_seq(cur_k, lay, 0, kh), L.narrow_seq(cur_v, lay, 0, kh)
-            else:
-                qs, ks, vs = q, cur_k, cur_v
-            res = kernel.forward(qs, ks, vs, causal=(part == "causal"), **kw)
+            q_rows, kv_rows = _step_rows(part, qd.seq, cur_k.size(L.seq_dim(lay)))
+            res = kernel.forward(
+                _rows(q, lay, q_rows), _rows(cur_k, lay, kv_rows), _rows(cur_v, lay, kv_rows),
+                causal=(part == "causal"), **kw,
+            )
             seed, offset = res.seed, res.offset
-            if part == "q_tail":
-                _merge(
-                    L.narrow_seq(acc_out, lay, half, qd.seq - half),
-                    acc_lse.narrow(2, half, qd.seq - half),
-                    res.out, res.lse, lay, hn,
-                )
-            else:
-                _merge(acc_out, acc_lse, res.out, res.lse, lay, hn)
-            del res, qs, ks, vs
-        steps.append(RingStep(index=i, source_rank=source, part=part, seed=seed, offset=offset))
+            _merge(_rows(acc_out, lay, q_rows), _lse_rows(acc_lse, q_rows), res.out, res.lse, lay, hn)
+            del res
+        steps.append(RingStep(index=i, source_rank=(rank - i) % size, part=part, seed=seed, offset=offset))
         if ex is not None:
             cur_k, cur_v = ex.wait()
             del ex
@@ -253,6 +267,59 @@ def ring_attention_forward(
 
 
 # ---------------------------------------------------------------- backward
+
+
+class _GradAccumulators:
+    """The float32 dK/dV accumulators, travelling around the ring with their K/V block.
+
+    At step i a rank holds block (rank - i) % W and that block's accumulators: fresh
+    zeros for its own block at step 0, else the ones that arrived from the previous
+    rank. After adding its step's gradients it passes them on; one extra hop after the
+    last step brings every block's accumulators back to their owner.
+    """
+
+    def __init__(self, group, rank: int, size: int):
+        self._group, self._rank, self._size = group, rank, size
+        self._exchange: Optional[_Exchange] = None
+        self._held: Optional[tuple[Tensor, Tensor]] = None
+        self.bytes_sent = 0
+
+    def for_block(self, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+        """The accumulators of the block (``k``, ``v``) held at this step."""
+        if self._exchange is None:
+            self._held = (
+                torch.zeros(k.shape, dtype=torch.float32, device=k.device),
+                torch.zeros(v.shape, dtype=torch.float32, device=v.device),
+            )
+        else:
+            self._held = tuple(self._exchange.wait())
+            self._exchange = None
+        return self._held
+
+    def pass_on(self) -> None:
+        """Send the held accumulators to the next rank (nothing to do on one rank)."""
+        if self._size > 1:
+            self._exchange = _Exchange(list(self._held), self._group, self._rank, self._size, _TAG_DKV)
+            self.bytes_sent += self._exchange.nbytes
+            self._held = None
+
+    def home(self) -> tuple[Tensor, Tensor]:
+        """This rank's own block's accumulators, after the last hop."""
+        if self._exchange is not None:
+            self._held = tuple(self._exchange.wait())
+            self._exchange = None
+        return self._held
+
+
+def _check_steps(steps: list[RingStep], rank: int, size: int) -> None:
+    if len(steps) != size:
+        raise RuntimeError(f"backward got {len(steps)} ring steps for a world size of {size}")
+    for i, st in enumerate(steps):
+        if st.index != i or st.source_rank != (rank - i) % size or st.part not in PARTS:
+            raise RuntimeError(
+                f"ring step record {i} (index={st.index}, source_rank={st.source_rank}, part={st.part!r}) "
+                f"does not belong to rank {rank} of {size}"
+            )
 
 
 def ring_attention_backward(
@@ -274,14 +341,7 @@ def ring_attention_backward(
     (parts and seeds are reused as recorded).
     """
     size, rank, group = _group_info(config, group)
-    if len(steps) != size:
-        raise RuntimeError(f"backward got {len(steps)} ring steps for a world size of {size}")
-    for i, st in enumerate(steps):
-        if st.index != i or st.source_rank != (rank - i) % size or st.part not in PARTS:
-            raise RuntimeError(
-                f"ring step record {i} (index={st.index}, source_rank={st.source_rank}, part={st.part!r}) "
-                f"does not belong to rank {rank} of {size}"
-            )
+    _check_steps(steps, rank, size)
     qd, _ = _check_inputs(q, k, v, config)
     if dout.shape != q.shape or out.shape != q.shape:
         raise ValueError(
@@ -289,71 +349,39 @@ def ring_attention_backward(
         )
     if tuple(lse.shape) != (qd.batch, config.head_num, qd.seq):
         raise ValueError(f"lse has shape {tuple(lse.shape)}, expected {(qd.batch, config.head_num, qd.seq)}")
-    lay, hn = config.layout, config.head_num
-    sd = L.seq_dim(lay)
-    half = qd.seq // 2
+    lay = config.layout
     lse = lse.float()
-    kw = dict(layout=lay, head_num=hn, scale=config.scale, keep_prob=config.keep_prob)
+    kw = dict(layout=lay, head_num=config.head_num, scale=config.scale, keep_prob=config.keep_prob)
 
     dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+    accumulators = _GradAccumulators(group, rank, size)
     bytes_sent = 0
     cur_k, cur_v = k.contiguous(), v.contiguous()
-    dkv_ex: Optional[_Exchange] = None
-    dk_acc = dv_acc = None
     for i, st in enumerate(steps):
         kv_ex = None
         if i < size - 1:
             kv_ex = _Exchange([cur_k, cur_v], group, rank, size, _TAG_KV)
             bytes_sent += kv_ex.nbytes
-        part = st.part
         grads = None
-        if part != "skip":
-            if part == "q_tail":
-                n = qd.seq - half
-                qs, ks, vs = L.narrow_seq(q, lay, half, n), cur_k, cur_v
-                dos, os_ = L.narrow_seq(dout, lay, half, n), L.narrow_seq(out, lay, half, n)
-                ls = lse.narrow(2, half, n)
-            elif part == "kv_head":
-                kh = cur_k.size(sd) // 2
-                qs, ks, vs = q, L.narrow_seq(cur_k, lay, 0, kh), L.narrow_seq(cur_v, lay, 0, kh)
-                dos, os_, ls = dout, out, lse
-            else:
-                qs, ks, vs, dos, os_, ls = q, cur_k, cur_v, dout, out, lse
+        if st.part != "skip":
+            q_rows, kv_rows = _step_rows(st.part, qd.seq, cur_k.size(L.seq_dim(lay)))
             grads = kernel.backward(
-                qs, ks, vs, dos, os_, ls, causal=(part == "causal"), seed=st.seed, offset=st.offset, **kw
+                _rows(q, lay, q_rows), _rows(cur_k, lay, kv_rows), _rows(cur_v, lay, kv_rows),
+                _rows(dout, lay, q_rows), _rows(out, lay, q_rows), _lse_rows(lse, q_rows),
+                causal=(st.part == "causal"), seed=st.seed, offset=st.offset, **kw,
             )
-            del qs, ks, vs, dos, os_, ls
-            if part == "q_tail":
-                L.narrow_seq(dq, lay, half, qd.seq - half).add_(grads[0])
-            else:
-                dq.add_(grads[0])
-        # the accumulators of the block held at this step
-        if i == 0:
-            dk_acc = torch.zeros(cur_k.shape, dtype=torch.float32, device=k.device)
-            dv_acc = torch.zeros(cur_v.shape, dtype=torch.float32, device=v.device)
-        else:
-            dk_acc, dv_acc = dkv_ex.wait()
-            dkv_ex = None
+            _rows(dq, lay, q_rows).add_(grads[0])
+        dk_acc, dv_acc = accumulators.for_block(cur_k, cur_v)
         if grads is not None:
-            if part == "kv_head":
-                kh = cur_k.size(sd) // 2
-                L.narrow_seq(dk_acc, lay, 0, kh).add_(grads[1])
-                L.narrow_seq(dv_acc, lay, 0, kh).add_(grads[2])
-            else:
-                dk_acc.add_(grads[1])
-                dv_acc.add_(grads[2])
+            _rows(dk_acc, lay, kv_rows).add_(grads[1])
+            _rows(dv_acc, lay, kv_rows).add_(grads[2])
             grads = None
-        if size > 1:
-            dkv_ex = _Exchange([dk_acc, dv_acc], group, rank, size, _TAG_DKV)
-            bytes_sent += dkv_ex.nbytes
-            dk_acc = dv_acc = None
+        del dk_acc, dv_acc
+        accumulators.pass_on()
         if kv_ex is not None:
             cur_k, cur_v = kv_ex.wait()
             del kv_ex
-    if dkv_ex is not None:
-        # one extra hop brings this rank's own block's gradients home
-        dk_acc, dv_acc = dkv_ex.wait()
+    dk, dv = accumulators.home()
+    bytes_sent += accumulators.bytes_sent
     log.debug("ring backward rank %d/%d: %d bytes sent", rank, size, bytes_sent)
-    return RingBackward(
-        dq=dq.to(q.dtype), dk=dk_acc.to(k.dtype), dv=dv_acc.to(v.dtype), bytes_sent=bytes_sent
-    )
+    return RingBackward(dq=dq.to(q.dtype), dk=dk.to(k.dtype), dv=dv.to(v.dtype), bytes_sent=bytes_sent)

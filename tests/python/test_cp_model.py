@@ -18,8 +18,7 @@ import torch
 import torch.nn.functional as F
 
 import cp_cache
-from attention_reference import dense_attention, rank_positions, rel_err
-from cp_cache import handlers
+from cp_cache.testing.reference import dense_attention, rank_positions, rel_err
 from cp_cache import layout as L
 from cp_cache.testing import emulator_installed, install_npu_emulator, uninstall_npu_emulator
 from cp_cache.testing.multiprocess import run_ranks
@@ -28,6 +27,12 @@ WORLDS = (1, 2, 4)
 SEQ = 16  # divisible by 2W for W = 1, 2, 4
 BATCH = 2
 STEPS = 3
+
+
+def _calls() -> tuple[int, int]:
+    """How many CP attention forwards and backwards this process has run."""
+    stats = cp_cache.call_stats()
+    return stats["forward"]["calls"], stats["backward"]["calls"]
 
 
 @pytest.fixture(autouse=True)
@@ -92,14 +97,13 @@ def _train(spec: Spec, mesh, world: int) -> dict:
         ref_loss = loss_fn(reference(tokens, positions), labels)
         ref_loss.backward()
         # context parallel
-        calls = (handlers.STATE.last_forward.calls, handlers.STATE.last_backward.calls)
+        calls = _calls()
         with cp_cache.context_parallel(mesh, buffers=[tokens, labels, positions], buffer_seq_dims=[1, 1, 1]):
             assert tokens.shape == (BATCH, SEQ // world)  # sharded in place
             loss = loss_fn(model(tokens, positions), labels)
             loss.backward()
         assert tokens.shape == (BATCH, SEQ)  # restored
-        out["calls"].append((handlers.STATE.last_forward.calls - calls[0],
-                             handlers.STATE.last_backward.calls - calls[1]))
+        out["calls"].append(tuple(now - then for now, then in zip(_calls(), calls)))
         loss = loss.detach()
         dist.all_reduce(loss)
         for p in model.parameters():
@@ -141,7 +145,7 @@ def _sdpa_route(rank: int, world: int, mesh) -> dict:
     before = dict(vars(F))
     emulator_sdpa = F.scaled_dot_product_attention
     q, k, v, dout = _sdpa_inputs(world)
-    calls = handlers.STATE.last_forward.calls, handlers.STATE.last_backward.calls
+    calls = _calls()
     with cp_cache.context_parallel(mesh, buffers=[q, k, v, dout], buffer_seq_dims=[2, 2, 2, 2]):
         changed = sorted(name for name, value in vars(F).items() if before.get(name, None) is not value)
         res["changed_attributes"] = changed
@@ -152,7 +156,7 @@ def _sdpa_route(rank: int, world: int, mesh) -> dict:
         res["out_type"] = type(out).__name__
         out.backward(dout)
         res["out"], res["dq"], res["dk"], res["dv"] = (t.detach() for t in (out, ql.grad, kl.grad, vl.grad))
-    res["calls"] = (handlers.STATE.last_forward.calls - calls[0], handlers.STATE.last_backward.calls - calls[1])
+    res["calls"] = tuple(now - then for now, then in zip(_calls(), calls))
     res["restored"] = F.scaled_dot_product_attention is emulator_sdpa
     res["enabled_after"] = cp_cache.enabled()
 
@@ -160,11 +164,11 @@ def _sdpa_route(rank: int, world: int, mesh) -> dict:
     q, k, v, dout = _sdpa_inputs(world)
     pos = rank_positions(world, rank, q.size(2) // world, load_balance=True)
     ql, kl, vl = (t[:, :, pos].clone().requires_grad_() for t in (q, k, v))
-    calls = handlers.STATE.last_forward.calls
+    calls = _calls()[0]
     with cp_cache.context_parallel(mesh):
         out = F.scaled_dot_product_attention(ql, kl, vl, is_causal=True)
         out.backward(dout[:, :, pos])
-    res["nobuf_calls"] = handlers.STATE.last_forward.calls - calls
+    res["nobuf_calls"] = _calls()[0] - calls
     res["nobuf"] = {"out": out.detach(), "dq": ql.grad, "dk": kl.grad, "dv": vl.grad}
     res["live"] = cp_cache.stats()["live_entries"]
     return res
@@ -191,20 +195,22 @@ def _table_semantics(rank: int, world: int, mesh) -> dict:
 
     def present() -> bool:
         table = DTensor._op_dispatcher._custom_op_handlers
-        return table.get(v3) is handlers.fusion_attention_forward and table.get(grad) is handlers.fusion_attention_backward
+        registered = cp_cache.dispatch.registered_handlers()
+        return (registered is not None and table.get(v3) is registered.forward_handler
+                and table.get(grad) is registered.backward_handler)
 
     g = torch.Generator().manual_seed(3)
     full = [torch.randn(1, 2, 4 * world, 8, generator=g) for _ in range(3)]
     q, k, v = (distribute_tensor(t, mesh, [Shard(2)]) for t in full)
 
     def reaches_ring() -> tuple[bool, str]:
-        calls = handlers.STATE.last_forward.calls
+        calls = _calls()[0]
         try:
             torch.ops.npu.npu_fusion_attention_v3(q, k, v, 2, "BNSD", scale=0.3)
             error = ""
         except Exception as exc:  # noqa: BLE001 - reported
             error = type(exc).__name__
-        return handlers.STATE.last_forward.calls > calls, error
+        return _calls()[0] > calls, error
 
     res = {}
     buf = torch.arange(4 * world, dtype=torch.float32).view(1, -1)
@@ -395,13 +401,12 @@ def test_disable_removes_handlers_and_logs_live_caches(world):
 def emulated():
     """The emulator's ops in this process (no SDPA route); leaves the process as found."""
     was_installed = emulator_installed()
-    was_enabled, policy = cp_cache.enabled(), handlers.STATE.policy
+    config = cp_cache.active_config()
     install_npu_emulator(route_sdpa=False)
     yield
     cp_cache.disable()
-    handlers.STATE.policy = policy
-    if was_enabled:
-        cp_cache.enable(policy)
+    if config is not None:
+        cp_cache.enable(config.policy, kernel=config.kernel)
     if not was_installed:
         uninstall_npu_emulator()
 
@@ -416,7 +421,7 @@ def test_enable_is_idempotent(emulated, monkeypatch):
     monkeypatch.delenv("CP_CACHE_POLICY", raising=False)
     cp_cache.enable()
     cp_cache.enable()
-    assert cp_cache.enabled() and _in_table() and handlers.STATE.policy == "handle"
+    assert cp_cache.enabled() and _in_table() and cp_cache.active_config().policy == "handle"
     cp_cache.disable()
     assert not cp_cache.enabled() and not _in_table()
     cp_cache.disable()  # twice is fine too
@@ -435,9 +440,9 @@ def test_policy_from_environment(emulated, monkeypatch):
         cp_cache.enable()
     monkeypatch.setenv("CP_CACHE_POLICY", "stack")
     cp_cache.enable()
-    assert handlers.STATE.policy == "stack"
+    assert cp_cache.active_config().policy == "stack"
     cp_cache.enable("handle")  # the argument wins over the environment
-    assert handlers.STATE.policy == "handle"
+    assert cp_cache.active_config().policy == "handle"
 
 
 def test_disable_logs_live_caches(emulated, caplog):

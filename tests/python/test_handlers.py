@@ -16,7 +16,7 @@ import pytest
 import torch
 
 import cp_cache
-from attention_reference import (
+from cp_cache.testing.reference import (
     AttentionCase,
     case_dense,
     case_positions,
@@ -133,7 +133,6 @@ def _call_forward(case: Case, q, k, v, *, scale):
 def _run_case(case: Case, rank: int, world: int, mesh) -> dict:
     from torch.distributed.tensor import DTensor, Shard
 
-    from cp_cache import handlers
 
     _set_lb(case.load_balance)
     q, k, v, dout = full_inputs(case, world)
@@ -143,10 +142,11 @@ def _run_case(case: Case, rank: int, world: int, mesh) -> dict:
     qd, kd, vd = (DTensor.from_local(t.clone(), mesh, placements).requires_grad_() for t in (ql, kl, vl))
     dd = DTensor.from_local(dl, mesh, placements)
     torch.manual_seed(1000 + rank)
-    calls = handlers.STATE.last_forward.calls
+    calls = cp_cache.call_stats()["forward"]["calls"]
     out = _call_forward(case, qd, kd, vd, scale=1.0 / math.sqrt(case.D))
-    res: dict = {"fwd_calls": handlers.STATE.last_forward.calls - calls,
-                 "fwd_bytes": handlers.STATE.last_forward.bytes_sent,
+    forward = cp_cache.call_stats()["forward"]
+    res: dict = {"fwd_calls": forward["calls"] - calls,
+                 "fwd_bytes": forward["bytes_sent"],
                  "block_bytes": kl.nbytes + vl.nbytes,
                  "live_after_forward": cp_cache.stats()["live_entries"]}
     res["types"] = [type(o).__name__ for o in out]
@@ -166,10 +166,11 @@ def _run_case(case: Case, rank: int, world: int, mesh) -> dict:
         del cache
     if case.flip_lb:
         _set_lb(not case.load_balance)
-    calls = handlers.STATE.last_backward.calls
+    calls = cp_cache.call_stats()["backward"]["calls"]
     out[0].backward(dd)
-    res["bwd_calls"] = handlers.STATE.last_backward.calls - calls
-    res["bwd_bytes"] = handlers.STATE.last_backward.bytes_sent
+    backward = cp_cache.call_stats()["backward"]
+    res["bwd_calls"] = backward["calls"] - calls
+    res["bwd_bytes"] = backward["bytes_sent"]
     res["grad_types"] = [type(t.grad).__name__ for t in (qd, kd, vd)]
     res["grad_placements"] = [tuple(t.grad.placements) for t in (qd, kd, vd)]
     res["dq"], res["dk"], res["dv"] = (t.grad.to_local().detach() for t in (qd, kd, vd))

@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from cp_cache.kernels.npu import causal_mask
+from cp_cache.npu_ops import causal_mask
 from cp_cache.testing import (
     dropout_keep_mask,
     emulator_installed,
@@ -301,7 +301,7 @@ def test_gradcheck_grad_op_direct_with_fixed_seed():
     torch.testing.assert_close(dq, qr.grad)
     torch.testing.assert_close(dk, kr.grad)
     torch.testing.assert_close(dv, vr.grad)
-    assert dpse.numel() == 0 and dsink.numel() == 0
+    assert dpse.numel() == 0 and dsink.dim() == 0  # dsink 0-d, as torch_npu's meta function
 
 
 # ---------------------------------------------------------------------------

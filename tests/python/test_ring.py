@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from attention_reference import (
+from cp_cache.testing.reference import (
     AttentionCase,
     case_dense,
     case_positions,

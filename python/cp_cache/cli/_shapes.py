@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-STATS_WIDTH = 8  # softmax_max / softmax_sum are [B, N, S, 8] float32
+from ..npu_ops import STATS_WIDTH
+
 FP32 = 4
 
 

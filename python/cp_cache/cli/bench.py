@@ -7,13 +7,13 @@ Sections (``--only`` picks some):
   TinyDecoder under ``cp_cache.context_parallel`` (layers x W x checkpoint mode x
   policy), next to what torch_npu's original entry holds for the same shapes
   (computed from the shapes; formula in the JSON);
-* ``overhead``: per attention call, the handler's own time (CallRecord.overhead_seconds:
-  handler time minus kernels and communication) against the ring time, W = 1, 2, 4;
+* ``overhead``: per attention call, the handler's own time (``cp_cache.call_stats()``'s
+  overhead_seconds: handler time minus kernels and communication) against the ring time, W = 1, 2, 4;
 * ``traffic``: bytes sent per rank per call, forward and backward, against the ring
   minimum (W-1) * (K + V block bytes), with and without GQA;
 * ``accuracy``: max error of output and gradients versus a float64 dense reference,
   fp32 and bf16, against W;
-* ``store``: the store micro-benchmark (bench/bench_store.py).
+* ``store``: the store micro-benchmark (``cli/bench_store.py``).
 
 Benchmarks measure and report; they assert nothing about timings. On CPU the
 attention kernel is the emulator (plain torch), so kernel times are CPU times:
@@ -23,7 +23,6 @@ compare the handler overhead with them only as orders of magnitude.
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import math
 import platform
@@ -106,39 +105,14 @@ def _memory(plan: dict, rank: int, world_size: int, mesh) -> list[dict]:
     return rows
 
 
-def _head_tail(seq: int, world_size: int):
-    """Global positions in head-tail order: rank r holds chunks r and 2W-1-r of 2W."""
-    import torch
-
-    chunk = seq // (2 * world_size)
-    order = []
-    for r in range(world_size):
-        for c in (r, 2 * world_size - 1 - r):
-            order.extend(range(c * chunk, (c + 1) * chunk))
-    return torch.tensor(order)
-
-
-def _dense_reference(q, k, v, dy, groups: int):
-    """Causal attention in float64 and its gradients."""
-    import torch
-
-    q, k, v = (t.detach().double().requires_grad_() for t in (q, k, v))
-    ke, ve = (t.repeat_interleave(groups, dim=1) for t in (k, v))
-    s = (q @ ke.transpose(-1, -2)) / math.sqrt(q.size(-1))
-    n = s.size(-1)
-    s = s.masked_fill(torch.ones(n, n, dtype=torch.bool).triu(1), float("-inf"))
-    out = torch.softmax(s, dim=-1) @ ve
-    out.backward(dy.double())
-    return out.detach(), q.grad, k.grad, v.grad
-
-
 def _attention_call(plan_attn: dict, kv_heads: int, dtype, mesh, world_size: int, seed: int = 0):
     """One causal CP attention call (forward + backward) through the v3 op on DTensors.
     Returns the gathered output and gradients in global order, and the inputs."""
     import torch
     from torch.distributed.tensor import Shard, distribute_tensor
 
-    from ..kernels.npu import causal_mask
+    from ..npu_ops import causal_mask
+    from ..testing.reference import head_tail_positions
 
     a = plan_attn
     g = torch.Generator().manual_seed(seed)
@@ -147,7 +121,7 @@ def _attention_call(plan_attn: dict, kv_heads: int, dtype, mesh, world_size: int
     k = torch.randn(b, kv_heads, s, d, generator=g, dtype=torch.float64)
     v = torch.randn(b, kv_heads, s, d, generator=g, dtype=torch.float64)
     dy = torch.randn(b, n, s, d, generator=g, dtype=torch.float64)
-    order = _head_tail(s, world_size)
+    order = head_tail_positions(s, world_size)
     inverse = torch.argsort(order)
     dist_ = [distribute_tensor(t.index_select(2, order).to(dtype), mesh, [Shard(2)]) for t in (q, k, v, dy)]
     qd, kd, vd = (t.requires_grad_() for t in dist_[:3])
@@ -164,7 +138,6 @@ def _overhead_traffic(plan: dict, rank: int, world_size: int, mesh) -> list[dict
     import torch
 
     import cp_cache
-    from ..handlers import STATE
 
     a = plan["attn"]
     rows = []
@@ -177,20 +150,18 @@ def _overhead_traffic(plan: dict, rank: int, world_size: int, mesh) -> list[dict
                 _attention_call(a, kv_heads, torch.float32, mesh, world_size, seed=i)
                 if i < plan["warmup"]:
                     continue
-                f, bw = STATE.last_forward, STATE.last_backward
-                samples["fwd_handler"].append(f.handler_seconds)
-                samples["fwd_ring"].append(f.ring_seconds)
-                samples["fwd_over"].append(f.overhead_seconds)
-                samples["bwd_handler"].append(bw.handler_seconds)
-                samples["bwd_ring"].append(bw.ring_seconds)
-                samples["bwd_over"].append(bw.overhead_seconds)
+                calls = cp_cache.call_stats()
+                for prefix, direction in (("fwd", "forward"), ("bwd", "backward")):
+                    samples[f"{prefix}_handler"].append(calls[direction]["handler_seconds"])
+                    samples[f"{prefix}_ring"].append(calls[direction]["ring_seconds"])
+                    samples[f"{prefix}_over"].append(calls[direction]["overhead_seconds"])
             block = a["batch"] * kv_heads * (a["seq"] // world_size) * a["head_dim"] * 4  # one K block, fp32
             minimum = (world_size - 1) * 2 * block
             rows.append(dict(
                 world_size=world_size, rank=rank, kv_heads=kv_heads, heads=a["heads"],
                 gqa=kv_heads != a["heads"],
                 **{f"{k}_us_median": statistics.median(v) * 1e6 for k, v in samples.items()},
-                fwd_bytes_sent=STATE.last_forward.bytes_sent, bwd_bytes_sent=STATE.last_backward.bytes_sent,
+                fwd_bytes_sent=calls["forward"]["bytes_sent"], bwd_bytes_sent=calls["backward"]["bytes_sent"],
                 ring_minimum_bytes=minimum, kv_block_bytes=2 * block,
             ))
     cp_cache.disable()
@@ -201,6 +172,7 @@ def _accuracy(plan: dict, rank: int, world_size: int, mesh) -> list[dict]:
     import torch
 
     import cp_cache
+    from ..testing.reference import dense_attention
 
     a = plan["attn"]
     rows = []
@@ -211,7 +183,8 @@ def _accuracy(plan: dict, rank: int, world_size: int, mesh) -> list[dict]:
                 got, (q, k, v, dy) = _attention_call(a, kv_heads, dtype, mesh, world_size, seed=123)
                 if rank != 0:
                     continue
-                ref = _dense_reference(q, k, v, dy, a["heads"] // kv_heads)
+                ref = dense_attention(q, k, v, dy, causal=True)
+                ref = [ref[name] for name in ("out", "dq", "dk", "dv")]
                 errors = {}
                 for name, x, y in zip(("out", "dq", "dk", "dv"), got, ref):
                     diff = (x.double() - y).abs()
@@ -244,15 +217,10 @@ def bench_rank(rank: int, world_size: int, plan: dict, sections: list[str]) -> d
 # ---------------------------------------------------------------- driver
 
 
-def _store_bench(plan: dict) -> dict | None:
-    """bench/bench_store.py of the source tree, when it is there."""
-    path = Path(__file__).resolve().parents[3] / "bench" / "bench_store.py"
-    if not path.exists():
-        return None
-    spec = importlib.util.spec_from_file_location("cp_cache_bench_store", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module.run(plan["store"]["number"], plan["store"]["repeat"])
+def _store_bench(plan: dict) -> dict:
+    from .bench_store import run
+
+    return run(plan["store"]["number"], plan["store"]["repeat"])
 
 
 def _collect(per_world: list[list[dict]], key: str, all_ranks: bool = False) -> list[dict]:

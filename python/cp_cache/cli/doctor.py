@@ -65,10 +65,10 @@ def run(args: argparse.Namespace) -> int:
         return _finish(todo)
 
     import cp_cache
-    from cp_cache.dispatch import POLICY_ENV, resolve_policy
+    from cp_cache.config import POLICY_ENV, resolve_config
 
     try:
-        policy = resolve_policy(None)
+        policy = resolve_config().policy
         source = f"from {POLICY_ENV}" if os.environ.get(POLICY_ENV) else f"default; set {POLICY_ENV} to change"
         _check("policy", True, f"{policy} ({source})", todo)
     except ValueError as e:

@@ -1,4 +1,10 @@
-"""Testing helpers for cp_cache: a CPU emulation of torch_npu's fused attention ops."""
+"""Testing helpers for cp_cache (loaded only when imported, never by ``import cp_cache``):
+
+* ``npu_emulator``: a CPU emulation of torch_npu's fused attention ops;
+* ``reference``: dense float64 attention and the head-tail sharding of the sequence;
+* ``models``: a tiny decoder calling SDPA, with checkpointing modes;
+* ``multiprocess``: ``run_ranks``, several gloo ranks over loopback.
+"""
 
 from .npu_emulator import (
     dropout_keep_mask,

@@ -1,13 +1,13 @@
-"""Shared machinery of the context-parallel attention tests (test_ring.py, test_handlers.py,
-test_cp_model.py): the case description, full-sequence inputs, head-tail sharding, the dense
-float64 reference, and reassembling per-rank results (and dropout masks) on the full sequence.
+"""Dense references for context-parallel attention, shared by the tests, the benchmarks and
+the CLI: the case description, full-sequence inputs, head-tail sharding, the dense float64
+reference, and reassembling per-rank results (and dropout masks) on the full sequence.
 
 Tensors "on the full sequence" are [B, N, S, D] (attention probabilities and keep masks
 [B, N, S, S]) with S = s_local * world. Rank ``r`` holds the positions
 ``rank_positions(world, r, s_local, load_balance)``.
 
-Rank processes started by ``run_ranks`` (spawn) unpickle the test modules' cases and so
-import this module too: it must stay importable by name from tests/python.
+Rank processes started by ``run_ranks`` (spawn) unpickle the cases and so import this
+module too.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
-from cp_cache import layout as L
+from .. import layout as L
 
 
 @dataclass(frozen=True)
@@ -74,6 +74,12 @@ def rank_positions(world: int, rank: int, s_local: int, load_balance: bool) -> t
         a, b = rank, 2 * world - 1 - rank
         return torch.cat([torch.arange(a * c, (a + 1) * c), torch.arange(b * c, (b + 1) * c)])
     return torch.arange(rank * s_local, (rank + 1) * s_local)
+
+
+def head_tail_positions(seq: int, world: int) -> torch.Tensor:
+    """Global positions in the order head-tail sharding lays them out over ``world`` ranks
+    (rank 0's positions, then rank 1's, ...): the permutation ``context_parallel`` applies."""
+    return torch.cat([rank_positions(world, r, seq // world, load_balance=True) for r in range(world)])
 
 
 def case_positions(case: AttentionCase, world: int, rank: int) -> torch.Tensor:
@@ -153,7 +159,7 @@ def keep_mask(steps_per_rank: list[list[tuple]], case: AttentionCase, world: int
     "q_tail": the query tail half, "kv_head": the key head half, otherwise all), with the mask
     ``cp_cache.testing.dropout_keep_mask(seed, offset, ...)``. Pairs no step covers stay True.
     """
-    from cp_cache.testing import dropout_keep_mask
+    from .npu_emulator import dropout_keep_mask
 
     S = case.s_local * world
     keep = torch.ones(case.B, case.nq, S, S, dtype=torch.bool)

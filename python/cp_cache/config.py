@@ -1,0 +1,74 @@
+"""What ``cp_cache.enable()`` decides, frozen, and the one place torch's CP options are read.
+
+``enable()`` builds one ``CPConfig`` and registers handlers bound to it; nothing
+else carries configuration to the handlers.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+__all__ = [
+    "HANDLE_POLICY",
+    "STACK_POLICY",
+    "POLICIES",
+    "POLICY_ENV",
+    "KERNELS",
+    "ALGORITHMS",
+    "CPConfig",
+    "resolve_config",
+    "load_balance_enabled",
+]
+
+HANDLE_POLICY = "handle"
+STACK_POLICY = "stack"
+POLICIES = (HANDLE_POLICY, STACK_POLICY)
+POLICY_ENV = "CP_CACHE_POLICY"
+KERNELS = ("npu", "reference")
+ALGORITHMS = ("ring",)
+
+
+@dataclass(frozen=True)
+class CPConfig:
+    """How the CP attention handlers run.
+
+    policy: where the step cache waits for its backward: "handle" (in the op's seed
+        output, owned by autograd) or "stack" (torch_npu's discipline, natively).
+    kernel: the step kernel, "npu" or "reference"; None picks "npu" when the op exists.
+    algorithm: how the sequence is distributed; "ring".
+    """
+
+    policy: str = HANDLE_POLICY
+    kernel: str | None = None
+    algorithm: str = "ring"
+
+    def __post_init__(self) -> None:
+        _check_choice("policy", self.policy, POLICIES)
+        if self.kernel is not None:
+            _check_choice("kernel", self.kernel, KERNELS)
+        _check_choice("algorithm", self.algorithm, ALGORITHMS)
+
+
+def _check_choice(name: str, value, choices: tuple) -> None:
+    if value not in choices:
+        raise ValueError(f"{name}={value!r} is not a cp_cache {name}; use one of {choices}")
+
+
+def resolve_config(policy: str | None = None, *, kernel: str | None = None) -> CPConfig:
+    """A CPConfig from explicit arguments, falling back on the environment (CP_CACHE_POLICY)."""
+    if policy is None:
+        policy = os.environ.get(POLICY_ENV, HANDLE_POLICY)
+        if policy not in POLICIES:
+            raise ValueError(
+                f"environment variable {POLICY_ENV}={policy!r} is not a cp_cache policy; use one of {POLICIES}"
+            )
+    return CPConfig(policy=policy, kernel=kernel)
+
+
+def load_balance_enabled() -> bool:
+    """torch's ``_cp_options.enable_load_balance``: whether ``context_parallel(buffers=...)``
+    shards head-tail (rank r holds chunks r and 2W-1-r of 2W) rather than contiguously."""
+    from torch.distributed.tensor.experimental._context_parallel._attention import _cp_options
+
+    return bool(_cp_options.enable_load_balance)

@@ -1,0 +1,190 @@
+"""The DTensor handlers of ``npu_fusion_attention_v3`` and its grad, bound to one CPConfig.
+
+With q/k/v DTensors sharded on the sequence dimension of a 1-D mesh, the forward
+runs ring attention and returns DTensors; the call's step cache goes out in the
+``seed`` slot (a handle whose storage owns it, or, under the stack policy, the
+cache's pairing key) and autograd hands it back to the grad op's ``seed``.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import torch
+from torch import Tensor
+from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
+
+from .. import _C
+from .. import layout as L
+from ..config import HANDLE_POLICY, STACK_POLICY, CPConfig, load_balance_enabled
+from ..kernels import get_kernel
+from ..npu_ops import lse_from_stats, stats_from_lse
+from ..ring import RingConfig, ring_attention_backward, ring_attention_forward
+from . import step_records as records
+from .arguments import bind_arguments, describe
+from .calls import CallLog
+from .checks import check_sharding, is_causal, local_tensor, sharded_like
+
+__all__ = ["AttentionHandlers"]
+
+_STATS_SEQ_DIM = 2  # softmax_max / softmax_sum are [B, N, S, 8]
+
+
+def _wrap(local: Tensor, mesh, placements) -> DTensor:
+    shape, stride = torch.distributed.tensor._utils.compute_global_tensor_info(local, mesh, placements)
+    spec = DTensorSpec(
+        mesh, tuple(placements), tensor_meta=TensorMeta(torch.Size(shape), tuple(stride), local.dtype)
+    )
+    return DTensor(local, spec, requires_grad=False)
+
+
+def _slot_tensor(value: int) -> Tensor:
+    return torch.tensor([value], dtype=torch.int64)
+
+
+def _ring_config(a: dict[str, Any], layout: str, causal: bool, mesh) -> RingConfig:
+    world_size = mesh.size()
+    load_balance = causal and load_balance_enabled()
+    if load_balance and a["query"].to_local().size(L.seq_dim(layout)) % 2:
+        raise ValueError(
+            f"causal load balancing splits the sequence into 2*W = {2 * world_size} chunks; the "
+            f"query sequence length {a['query'].size(L.seq_dim(layout))} is not divisible by {2 * world_size}"
+        )
+    return RingConfig(
+        world_size=world_size, rank=mesh.get_local_rank(), causal=causal, load_balance=load_balance,
+        layout=layout, head_num=int(a["head_num"]), scale=float(a["scale"]), keep_prob=float(a["keep_prob"]),
+    )
+
+
+def _check_backward_matches(a: dict[str, Any], layout: str, causal: bool, config: RingConfig, cache_id: int) -> None:
+    called = dict(layout=layout, head_num=int(a["head_num"]), scale=float(a["scale_value"]),
+                  keep_prob=float(a["keep_prob"]), causal=causal)
+    recorded = dict(layout=config.layout, head_num=config.head_num, scale=config.scale,
+                    keep_prob=config.keep_prob, causal=config.causal)
+    if called != recorded:
+        raise RuntimeError(
+            f"cp_cache: backward called with {called} but its forward (cache {cache_id}) ran with {recorded}"
+        )
+
+
+class AttentionHandlers:
+    """The forward and backward handlers of one ``cp_cache.enable()``, and the table that
+    maps the ops to them (the same bound methods every time, so a table can be checked)."""
+
+    def __init__(self, config: CPConfig, call_log: CallLog):
+        self.config = config
+        self.call_log = call_log
+        self.forward_handler = self.forward
+        self.backward_handler = self.backward
+
+    def table(self) -> dict:
+        """{op overload: handler} for the ops that exist in this process (real or emulated)."""
+        table = {}
+        for name, handler in (("npu_fusion_attention_v3", self.forward_handler),
+                              ("npu_fusion_attention_grad_v3", self.backward_handler)):
+            try:
+                table[getattr(torch.ops.npu, name).default] = handler
+            except (AttributeError, RuntimeError):
+                pass
+        return table
+
+    # ------------------------------------------------------------ forward
+
+    def forward(self, op_call, args, kwargs):
+        """Handler of ``npu_fusion_attention_v3`` for DTensor inputs."""
+        started = time.perf_counter()
+        a = bind_arguments(op_call._schema, args, kwargs)
+        layout = L.check_layout(a["input_layout"])
+        causal = is_causal(a)
+        mesh, placements = check_sharding({n: a[n] for n in ("query", "key", "value")}, layout)
+        config = _ring_config(a, layout, causal, mesh)
+        q, k, v = (a[n].to_local() for n in ("query", "key", "value"))
+        kernel = get_kernel(self.config.kernel)
+        ring_started = time.perf_counter()
+        result = ring_attention_forward(q, k, v, config, group=mesh.get_group(), kernel=kernel)
+        ring_seconds = time.perf_counter() - ring_started
+
+        softmax_max, softmax_sum = stats_from_lse(result.lse)
+        stats_placements = (Shard(_STATS_SEQ_DIM),)
+        outputs = (
+            _wrap(result.out, mesh, placements),
+            _wrap(softmax_max, mesh, stats_placements),
+            _wrap(softmax_sum, mesh, stats_placements),
+            torch.empty(0, dtype=q.dtype, device=q.device),
+            self._seed_slot(config, kernel.name, result.steps),
+            _slot_tensor(config.world_size),
+        )
+        self.call_log.record("forward", result.bytes_sent, started, ring_seconds)
+        return outputs
+
+    def _seed_slot(self, config: RingConfig, kernel_name: str, steps) -> Tensor:
+        """The seed output: the cache's handle, or (stack policy) its pairing key after the push."""
+        cache = records.cache_from_forward(config, kernel_name, steps)
+        if self.config.policy == HANDLE_POLICY:
+            return _C.default_store().attach(cache)
+        cache.pairing_key = records.pairing_key(config, kernel_name, steps)
+        _C.default_store().push(cache)  # skipped (and the cache dropped) in a recompute
+        return _slot_tensor(cache.pairing_key)
+
+    # ------------------------------------------------------------ backward
+
+    def _claim_cache(self, seed: Any):
+        """The forward's cache from the seed slot: resolve a handle, or pop the stack."""
+        if isinstance(seed, DTensor):
+            raise RuntimeError(
+                "cp_cache: the seed argument of npu_fusion_attention_grad_v3 is a DTensor; it must be "
+                "the seed output of the CP attention forward (a plain int64 tensor)"
+            )
+        if not isinstance(seed, Tensor):
+            raise RuntimeError(
+                f"cp_cache: npu_fusion_attention_grad_v3 got seed={describe(seed)}; it needs the seed "
+                "output of the CP attention forward"
+            )
+        store = _C.default_store()
+        if store.is_handle(seed):
+            cache = store.resolve(seed)
+            if _C.in_graph_task() and not _C.current_graph_task_keeps_graph():
+                store.release(seed)  # this graph's backward runs once: free the cache now
+            return cache
+        if self.config.policy == STACK_POLICY:
+            return store.pop(int(seed.reshape(-1)[0]))
+        return store.resolve(seed)  # raises, naming what was passed and the likely cause
+
+    def backward(self, op_call, args, kwargs):
+        """Handler of ``npu_fusion_attention_grad_v3`` for DTensor inputs."""
+        started = time.perf_counter()
+        a = bind_arguments(op_call._schema, args, kwargs)
+        layout = L.check_layout(a["input_layout"])
+        causal = is_causal(a)  # same argument checks as the forward
+        cache = self._claim_cache(a["seed"])
+        config, kernel_name = records.config_from_cache(cache)
+        _check_backward_matches(a, layout, causal, config, cache.id)
+        tensors = {n: a[n] for n in ("query", "key", "value")}
+        mesh, placements = check_sharding(tensors, layout)
+        for name in ("dy", "attention_in"):
+            tensors[name] = sharded_like(a[name], name, mesh, placements)
+        if mesh.size() != config.world_size or mesh.get_local_rank() != config.rank:
+            raise RuntimeError(
+                f"cp_cache: backward runs on rank {mesh.get_local_rank()} of {mesh.size()} but its "
+                f"forward ran on rank {config.rank} of {config.world_size}"
+            )
+        q, k, v, dy, out = (tensors[n].to_local() for n in tensors)
+        lse = lse_from_stats(*(local_tensor(a[n], n) for n in ("softmax_max", "softmax_sum")))
+        steps = records.steps_from_cache(cache, config)
+        del cache
+        ring_started = time.perf_counter()
+        result = ring_attention_backward(
+            dy, q, k, v, out, lse, steps, config, group=mesh.get_group(), kernel=get_kernel(kernel_name)
+        )
+        ring_seconds = time.perf_counter() - ring_started
+        outputs = (
+            _wrap(result.dq, mesh, placements),
+            _wrap(result.dk, mesh, placements),
+            _wrap(result.dv, mesh, placements),
+            torch.empty(0, dtype=q.dtype, device=q.device),  # dpse: no pse
+            torch.zeros((), dtype=torch.float32, device=q.device),  # dsink: no sink (0-d, as the op's meta)
+        )
+        self.call_log.record("backward", result.bytes_sent, started, ring_seconds)
+        return outputs

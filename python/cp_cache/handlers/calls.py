@@ -1,0 +1,51 @@
+"""Per-call measurements of the CP handlers (bytes sent, time), read by ``cp_cache.call_stats()``."""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import asdict, dataclass
+
+__all__ = ["CallRecord", "CallLog"]
+
+
+@dataclass
+class CallRecord:
+    """What the last call of one direction cost on this process."""
+
+    bytes_sent: int = 0
+    handler_seconds: float = 0.0  # whole handler, ring included
+    ring_seconds: float = 0.0  # kernels and communication
+    calls: int = 0
+
+    @property
+    def overhead_seconds(self) -> float:
+        return self.handler_seconds - self.ring_seconds
+
+
+class CallLog:
+    """The last forward and backward call's record, and how many calls each direction had."""
+
+    DIRECTIONS = ("forward", "backward")
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._records = {d: CallRecord() for d in self.DIRECTIONS}
+
+    def record(self, direction: str, bytes_sent: int, started: float, ring_seconds: float) -> None:
+        """Record a call of ``direction`` that began at ``started`` (time.perf_counter())."""
+        handler_seconds = time.perf_counter() - started
+        with self._lock:
+            record = self._records[direction]
+            record.bytes_sent = bytes_sent
+            record.handler_seconds = handler_seconds
+            record.ring_seconds = ring_seconds
+            record.calls += 1
+
+    def snapshot(self) -> dict[str, dict]:
+        """{"forward": {...}, "backward": {...}} with bytes_sent, handler_seconds,
+        ring_seconds, overhead_seconds and calls of each direction."""
+        with self._lock:
+            return {
+                d: dict(asdict(r), overhead_seconds=r.overhead_seconds) for d, r in self._records.items()
+            }

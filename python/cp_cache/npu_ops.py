@@ -1,0 +1,155 @@
+"""The conventions of torch_npu's fused attention ops, in one place (DESIGN.md section 4).
+
+Everything the handlers, the NPU step kernel and the CPU emulator must agree on
+about ``npu_fusion_attention(_v3)`` and its grad: the op schemas, the sparse
+modes, the compressed causal mask, and the ``[B, N, S, 8]`` softmax statistics.
+Layouts and their dimensions live in ``layout.py``.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+import threading
+
+import torch
+from torch import Tensor
+
+__all__ = [
+    "INT_MAX",
+    "MASK_SIZE",
+    "STATS_WIDTH",
+    "SparseMode",
+    "CAUSAL_MODES",
+    "COMPRESSED_MASK_MODES",
+    "FORWARD_V3",
+    "GRAD_V3",
+    "FORWARD_V1",
+    "GRAD_V1",
+    "SCHEMAS",
+    "causal_mask",
+    "is_compressed_mask",
+    "stats_from_lse",
+    "lse_from_stats",
+    "op_exists",
+]
+
+log = logging.getLogger("cp_cache")
+
+INT_MAX = 2147483647  # default of pre_tockens / next_tockens: no band limit
+MASK_SIZE = 2048  # side of the compressed mask that sparse modes 2, 3, 4, 7, 8 take
+STATS_WIDTH = 8  # softmax_max / softmax_sum are [B, N, S, 8] float32, the value replicated
+
+
+class SparseMode(enum.IntEnum):
+    """``sparse_mode`` of the fused attention ops."""
+
+    MASK = 0  # atten_mask as given, band from pre/next_tockens
+    ALL_MASK = 1  # atten_mask as given, pre/next_tockens ignored
+    LEFT_UP_CAUSAL = 2
+    RIGHT_DOWN_CAUSAL = 3
+    BAND = 4
+    PREFIX = 5
+    PREFIX_COMPRESS = 6
+    RIGHT_DOWN_CAUSAL_BAND = 7
+    BAND_LEFT_UP_CAUSAL = 8
+
+
+# left-up and right-down causal agree for a square global attention
+CAUSAL_MODES = (SparseMode.LEFT_UP_CAUSAL, SparseMode.RIGHT_DOWN_CAUSAL)
+COMPRESSED_MASK_MODES = (
+    SparseMode.LEFT_UP_CAUSAL, SparseMode.RIGHT_DOWN_CAUSAL, SparseMode.BAND,
+    SparseMode.RIGHT_DOWN_CAUSAL_BAND, SparseMode.BAND_LEFT_UP_CAUSAL,
+)
+
+# ---------------------------------------------------------------- schemas
+# v3 carries seed/offset as tensors and the varlen lengths as tensors; v1 carries
+# them as ints and lists. Both are rendered from the argument lists below.
+
+_MASKS = "Tensor? pse=None, Tensor? padding_mask=None, Tensor? atten_mask=None"
+_BAND = "int pre_tockens=2147483647, int next_tockens=2147483647, int inner_precise=0"
+_TAIL = 'int sparse_mode=0, bool gen_mask_parallel=True, bool sync=False, str softmax_layout="", Tensor? sink=None'
+
+
+def _lengths(v3: bool) -> str:
+    if v3:
+        return "SymInt[]? prefix=None, Tensor? actual_seq_qlen=None, Tensor? actual_seq_kvlen=None"
+    return "int[]? prefix=None, int[]? actual_seq_qlen=None, int[]? actual_seq_kvlen=None"
+
+
+def _forward_schema(v3: bool) -> str:
+    name = "npu_fusion_attention_v3" if v3 else "npu_fusion_attention"
+    returns = "(Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)" if v3 else "(Tensor, Tensor, Tensor, Tensor, int, int, int)"
+    given_dropout = "" if v3 else ", Tensor? dropout_mask=None, int seed=0, int offset=0"
+    return (
+        f"{name}(Tensor query, Tensor key, Tensor value, int head_num, str input_layout, {_MASKS}, "
+        f"float scale=1., float keep_prob=1., {_BAND}, {_lengths(v3)}, {_TAIL}{given_dropout}) -> {returns}"
+    )
+
+
+def _grad_schema(v3: bool) -> str:
+    name = "npu_fusion_attention_grad_v3" if v3 else "npu_fusion_attention_grad"
+    rng = "Tensor? seed=None, Tensor? offset=None" if v3 else "int seed=0, int offset=0, int numels=0"
+    return (
+        f"{name}(Tensor query, Tensor key, Tensor value, Tensor dy, int head_num, str input_layout, *, "
+        f"{_MASKS}, Tensor? softmax_max=None, Tensor? softmax_sum=None, Tensor? softmax_in=None, "
+        f"Tensor? attention_in=None, float scale_value=1., float keep_prob=1., {_BAND}, {rng}, "
+        f"{_lengths(v3)}, {_TAIL}) -> (Tensor, Tensor, Tensor, Tensor, Tensor)"
+    )
+
+
+FORWARD_V3 = _forward_schema(v3=True)
+GRAD_V3 = _grad_schema(v3=True)
+FORWARD_V1 = _forward_schema(v3=False)
+GRAD_V1 = _grad_schema(v3=False)
+SCHEMAS = {s.split("(", 1)[0]: s for s in (FORWARD_V3, GRAD_V3, FORWARD_V1, GRAD_V1)}
+
+
+def op_exists(name: str) -> bool:
+    """Whether ``torch.ops.npu.<name>`` exists (the real op or the emulator's)."""
+    try:
+        getattr(torch.ops.npu, name)
+    except (AttributeError, RuntimeError):
+        return False
+    return True
+
+
+# ---------------------------------------------------------------- the compressed causal mask
+
+_CAUSAL_MASKS: dict[torch.device, Tensor] = {}
+_CAUSAL_MASKS_LOCK = threading.Lock()
+
+
+def causal_mask(device: torch.device | str) -> Tensor:
+    """The bool ``triu(ones(2048, 2048), 1)`` mask (True = masked out) for ``device``, built once."""
+    device = torch.device(device)
+    mask = _CAUSAL_MASKS.get(device)
+    if mask is None:
+        with _CAUSAL_MASKS_LOCK:
+            mask = _CAUSAL_MASKS.get(device)
+            if mask is None:
+                mask = torch.triu(torch.ones(MASK_SIZE, MASK_SIZE, dtype=torch.bool, device=device), 1)
+                _CAUSAL_MASKS[device] = mask
+                log.debug("built the compressed causal mask for %s", device)
+    return mask
+
+
+def is_compressed_mask(mask: Tensor) -> bool:
+    """Whether ``mask`` has the compressed shape: [..., 2048, 2048] with every leading dim 1."""
+    shape = tuple(mask.shape)
+    return len(shape) >= 2 and shape[-2:] == (MASK_SIZE, MASK_SIZE) and all(s == 1 for s in shape[:-2])
+
+
+# ---------------------------------------------------------------- softmax statistics
+
+
+def stats_from_lse(lse: Tensor) -> tuple[Tensor, Tensor]:
+    """(softmax_max, softmax_sum) in the ops' [B, N, S, 8] float32 form encoding ``lse``
+    as max = LSE, sum = 1, which the grad kernel treats like the forward's own pair."""
+    softmax_max = lse.float().unsqueeze(-1).expand(*lse.shape, STATS_WIDTH).contiguous()
+    return softmax_max, torch.ones_like(softmax_max)
+
+
+def lse_from_stats(softmax_max: Tensor, softmax_sum: Tensor) -> Tensor:
+    """The float32 LSE [B, N, S] of the ops' statistics: max + log(sum)."""
+    return softmax_max[..., 0].float() + torch.log(softmax_sum[..., 0].float())
