@@ -13,7 +13,7 @@ TORCH_VERSION ?= 2.13.0
 # The demo/bench flags: make demo DEMO_ARGS="--steps 10"
 DEMO_ARGS ?=
 
-.PHONY: all build test pytest ctest demo bench doctor clean torch-npu-wheels
+.PHONY: all build test pytest ctest demo bench compare doctor clean torch-npu-wheels
 
 all: test
 
@@ -68,6 +68,9 @@ demo: $(EXT_STAMP)
 
 bench: $(EXT_STAMP)
 	$(PY) -m cp_cache bench $(DEMO_ARGS)
+
+compare: $(EXT_STAMP) $(WHEELS_STAMP)
+	$(PY) -m cp_cache compare $(DEMO_ARGS)
 
 doctor: $(EXT_STAMP)
 	$(PY) -m cp_cache doctor

@@ -71,7 +71,7 @@ class _Registration:
         for op, handler in self.handlers.table().items():
             previous = table.get(op, _MISSING)
             if not _is_ours(previous):
-                displaced[op] = previous
+                displaced.setdefault(op, previous)  # the first: a CP exit may have dropped it since
             table[op] = handler
 
     def restore_table(self) -> None:

@@ -18,6 +18,7 @@ import torch
 
 from cp_cache.testing import install_npu_emulator
 from cp_cache.testing.multiprocess import run_ranks
+from cp_cache.testing.reference import dense_attention, rank_positions
 from cp_cache.testing.torch_npu_wheel import (
     VERSIONS,
     fetch,
@@ -149,14 +150,6 @@ def test_meta_functions_of_the_wheel(version):
 # ---------------------------------------------------------------- CP forward + backward at W=2 (ranks)
 
 
-def _positions(rank: int, world: int, s_local: int, load_balance: bool) -> torch.Tensor:
-    if load_balance:
-        c = s_local // 2
-        a, b = rank, 2 * world - 1 - rank
-        return torch.cat([torch.arange(a * c, (a + 1) * c), torch.arange(b * c, (b + 1) * c)])
-    return torch.arange(rank * s_local, (rank + 1) * s_local)
-
-
 def _full_inputs(world: int):
     g = torch.Generator().manual_seed(1234)
     return [torch.randn(B, N, S_LOCAL * world, D, generator=g, dtype=torch.float64) for _ in range(4)]
@@ -183,7 +176,7 @@ def _cp_rank(rank: int, world: int, version: str) -> dict:
                 table = DTensor._op_dispatcher._custom_op_handlers
                 res[f"entered_{lb}"] = (table.get(v3) is loaded.forward_handler,
                                         table.get(g3) is loaded.backward_handler)
-                pos = _positions(rank, world, S_LOCAL, lb)
+                pos = rank_positions(world, rank, S_LOCAL, lb)
                 q, k, v, dout = (t.index_select(2, pos).float() for t in _full_inputs(world))
                 qd, kd, vd = (DTensor.from_local(t, mesh, [Shard(2)]).requires_grad_() for t in (q, k, v))
                 mask = torch.ones(MASK, MASK, dtype=torch.bool).triu(1)
@@ -207,20 +200,6 @@ def _cp_rank(rank: int, world: int, version: str) -> dict:
     res["restored"] = all(vars(att).get(k) is before[k] for k in before) and set(vars(att)) == set(before)
     res["no_torch_npu"] = not [n for n in sys.modules if n.startswith("torch_npu")]
     return res
-
-
-def _dense(q, k, v, dout):
-    q, k, v = (t.clone().requires_grad_() for t in (q, k, v))
-    s = q @ k.transpose(-1, -2) / math.sqrt(D)
-    n = s.shape[-1]
-    s = s.masked_fill(torch.ones(n, n, dtype=torch.bool).triu(1), float("-inf"))
-    out = torch.softmax(s, -1) @ v
-    dq, dk, dv = torch.autograd.grad(out, (q, k, v), dout)
-    return {"out": out.detach(), "q": dq, "k": dk, "v": dv}
-
-
-def _rel(a, b) -> float:
-    return float((a - b).norm() / b.norm().clamp_min(1e-30))
 
 
 _RUNS: dict = {}
@@ -247,7 +226,8 @@ def test_context_parallel_entry_installs_torch_npu_handlers_and_exit_removes_the
 def test_torch_npu_cp_matches_dense(version, load_balance):
     runs = _runs(version)
     q, k, v, dout = _full_inputs(WORLD)
-    ref = _dense(q, k, v, dout)
+    dense = dense_attention(q, k, v, dout, causal=True)
+    ref = {"out": dense["out"], "q": dense["dq"], "k": dense["dk"], "v": dense["dv"]}
     got = {}
     for key in ("out", "q", "k", "v"):
         full = torch.empty_like(ref[key])
@@ -255,7 +235,7 @@ def test_torch_npu_cp_matches_dense(version, load_balance):
             run = res[f"run_{load_balance}"]
             full.index_copy_(2, run["pos"], run[key])
         got[key] = full
-        err = _rel(full, ref[key])
+        err = float((full - ref[key]).norm() / ref[key].norm())
         assert err < 1e-5, f"torch-npu {version} lb={load_balance} {key}: relative error {err:.3g}"
     if version == "2.12.0":  # its stack is empty again after each backward
         assert all(res[f"stack_{load_balance}"] == 0 for res in runs)

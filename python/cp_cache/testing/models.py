@@ -30,6 +30,14 @@ class ModelConfig:
     dropout: float = 0.0  # attention dropout (SDPA dropout_p) while training
 
 
+class ScaledDotProductAttention(nn.Module):
+    """``F.scaled_dot_product_attention`` as a module: what torch's module-wrapper CP path
+    (``parallelize_module`` with ``_ContextParallel``) hooks to shard its inputs."""
+
+    def forward(self, q: Tensor, k: Tensor, v: Tensor, *, dropout_p: float, enable_gqa: bool) -> Tensor:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=dropout_p, enable_gqa=enable_gqa)
+
+
 class Attention(nn.Module):
     def __init__(self, config: ModelConfig):
         super().__init__()
@@ -43,15 +51,14 @@ class Attention(nn.Module):
         self.kv = nn.Linear(config.dim, 2 * self.kv_heads * self.head_dim, bias=False)
         self.out = nn.Linear(config.dim, config.dim, bias=False)
         self.dropout = config.dropout
+        self.sdpa = ScaledDotProductAttention()
 
     def forward(self, x: Tensor) -> Tensor:
         batch, seq, dim = x.shape
         q = self.q(x).view(batch, seq, self.heads, self.head_dim).transpose(1, 2)
         k, v = self.kv(x).view(batch, seq, 2, self.kv_heads, self.head_dim).permute(2, 0, 3, 1, 4)
-        y = F.scaled_dot_product_attention(
-            q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0,
-            enable_gqa=self.kv_heads != self.heads,
-        )
+        y = self.sdpa(q, k, v, dropout_p=self.dropout if self.training else 0.0,
+                      enable_gqa=self.kv_heads != self.heads)
         return self.out(y.transpose(1, 2).reshape(batch, seq, dim))
 
 

@@ -178,3 +178,42 @@ def keep_mask(steps_per_rank: list[list[tuple]], case: AttentionCase, world: int
             m = dropout_keep_mask(seed, offset, (case.B, case.nq, len(qpos_i), len(kpos_i)), case.keep_prob)
             keep[:, :, qpos_i.view(-1, 1), kpos_i.view(1, -1)] = m
     return keep
+
+
+# ---------------------------------------------------------------- gradients under dropout, model-free
+
+
+def directional_derivative_errors(loss_fn, params: list[torch.Tensor], *, directions: int = 4,
+                                  eps: float = 1e-2, seed: int = 0, reduce=None) -> list[float]:
+    """How far autograd's gradient is from the function's slope, along random directions.
+
+    ``loss_fn()`` must compute a scalar from ``params`` (leaf tensors that require grad)
+    deterministically: with dropout, reset the RNG inside it so every call draws the same
+    masks. For each of ``directions`` random unit directions d (the same on every rank,
+    from ``seed``), compares g.d (g from one backward) with the central difference
+    (f(p + eps d) - f(p - eps d)) / (2 eps) (evaluated under no_grad) and returns |g.d - fd| / max(|g.d|, |fd|, 1e-12).
+    ``reduce``: sums a float over ranks when the loss is a per-rank part (default: none).
+    No model, no reference implementation: only the function and its gradient.
+    """
+    total = reduce or (lambda x: x)
+    loss = loss_fn()
+    grads = torch.autograd.grad(loss, params, allow_unused=True)
+    grads = [torch.zeros_like(p) if g is None else g for p, g in zip(params, grads)]
+    g = torch.Generator().manual_seed(seed)
+    errors = []
+    for _ in range(directions):
+        d = [torch.randn(p.shape, generator=g, dtype=torch.float64) for p in params]
+        norm = math.sqrt(sum(float((x * x).sum()) for x in d))
+        d = [(x / norm).to(p.dtype) for x, p in zip(d, params)]
+        slope = total(sum(float((gi.double() * di.double()).sum()) for gi, di in zip(grads, d)))
+        values = []
+        for sign in (1.0, -1.0):
+            with torch.no_grad():
+                for p, di in zip(params, d):
+                    p.add_(di, alpha=sign * eps)
+                values.append(total(float(loss_fn())))
+                for p, di in zip(params, d):
+                    p.sub_(di, alpha=sign * eps)
+        fd = (values[0] - values[1]) / (2 * eps)
+        errors.append(abs(slope - fd) / max(abs(slope), abs(fd), 1e-12))
+    return errors
