@@ -15,8 +15,12 @@ Causal rules (torch's ``_templated_ring_attention``):
   all local queries through its first half ("kv_head"), a block from a higher
   rank is seen fully by the second half of the local queries ("q_tail").
 
+Band (sliding window) and explicit masks are planned per block in ``ring_plan``;
+with a band and contiguous sharding the rotation stops after the last hop any rank
+needs.
+
 Backward sends the K/V around again; the float32 dK/dV accumulators travel
-with their block and return to its owner after one extra hop.
+with their block and go back to its owner after the last step.
 """
 
 from __future__ import annotations
@@ -31,6 +35,8 @@ from torch import Tensor
 
 from . import layout as L
 from .kernels.base import StepKernel
+from .npu_ops import INT_MAX
+from .ring_plan import PARTS, BlockTask, MaskSpec, hops_needed, plan_step, step_part
 
 __all__ = [
     "RingStep",
@@ -40,20 +46,30 @@ __all__ = [
     "ring_attention_forward",
     "ring_attention_backward",
     "step_part",
+    "MaskSpec",
 ]
 
 log = logging.getLogger("cp_cache")
-
-PARTS = ("causal", "full", "q_tail", "kv_head", "skip")
-
 
 @dataclass
 class RingStep:
     index: int  # 0..W-1
     source_rank: int  # group rank whose K/V block this step used: (rank - index) % W
-    part: str  # "causal" | "full" | "q_tail" | "kv_head" | "skip"
-    seed: Optional[Tensor]
-    offset: Optional[Tensor]
+    part: str  # one of ring_plan.PARTS
+    rng: tuple = ()  # per kernel call of the step: (seed, offset) tensors, or () without
+
+    @property
+    def seed(self) -> Optional[Tensor]:
+        return self._single()[0]
+
+    @property
+    def offset(self) -> Optional[Tensor]:
+        return self._single()[1]
+
+    def _single(self) -> tuple:
+        if len(self.rng) > 1:
+            raise ValueError(f"ring step {self.index} made {len(self.rng)} kernel calls; read .rng")
+        return self.rng[0] if self.rng else (None, None)
 
 
 @dataclass
@@ -66,6 +82,15 @@ class RingConfig:
     head_num: int
     scale: float
     keep_prob: float
+    window: bool = False  # band attention: query i sees key j iff i - pre <= j <= i + next
+    pre_tockens: int = INT_MAX
+    next_tockens: int = INT_MAX
+    given_mask: bool = False  # an explicit mask comes with the call
+
+    @property
+    def mask(self) -> MaskSpec:
+        return MaskSpec(causal=self.causal, window=self.window, pre_tockens=self.pre_tockens,
+                        next_tockens=self.next_tockens, given=self.given_mask)
 
 
 @dataclass
@@ -82,18 +107,6 @@ class RingBackward:
     dk: Tensor
     dv: Tensor
     bytes_sent: int
-
-
-def step_part(rank: int, index: int, world_size: int, causal: bool, load_balance: bool) -> str:
-    """Which part of the block pair step ``index`` on ``rank`` computes."""
-    if not causal:
-        return "full"
-    if index == 0:
-        return "causal"
-    source = (rank - index) % world_size
-    if source < rank:
-        return "kv_head" if load_balance else "full"
-    return "q_tail" if load_balance else "skip"
 
 
 # ---------------------------------------------------------------- checks
@@ -121,7 +134,8 @@ def _group_info(config: RingConfig, group) -> tuple[int, int, object]:
     return size, rank, group
 
 
-def _check_inputs(q: Tensor, k: Tensor, v: Tensor, config: RingConfig) -> tuple[L.Dims, int]:
+def _check_inputs(q: Tensor, k: Tensor, v: Tensor, config: RingConfig,
+                  mask_rows: Optional[Tensor] = None) -> tuple[L.Dims, int]:
     lay = L.check_layout(config.layout)
     qd = L.dims(q, lay, config.head_num)
     if k.shape != v.shape:
@@ -138,15 +152,25 @@ def _check_inputs(q: Tensor, k: Tensor, v: Tensor, config: RingConfig) -> tuple[
         )
     if config.head_num % nkv:
         raise ValueError(f"head_num={config.head_num} is not a multiple of the K/V head count {nkv}")
-    if config.causal and kd.seq != qd.seq:
+    positional = config.causal or config.window or config.given_mask
+    if positional and kd.seq != qd.seq:
         raise ValueError(
-            f"causal ring attention needs equal local query and key lengths, got {qd.seq} and {kd.seq}"
+            f"causal, band and masked ring attention need equal local query and key lengths, got "
+            f"{qd.seq} and {kd.seq}"
         )
-    if config.causal and config.load_balance and qd.seq % 2:
+    if positional and config.load_balance and qd.seq % 2:
         raise ValueError(
             f"load balancing needs an even local sequence length, got {qd.seq} "
             f"(input_layout={lay!r}, world_size={config.world_size})"
         )
+    if config.given_mask:
+        expected = (qd.seq, kd.seq * config.world_size)
+        if mask_rows is None or tuple(mask_rows.shape[-2:]) != expected:
+            got = None if mask_rows is None else tuple(mask_rows.shape)
+            raise ValueError(
+                f"a masked ring call needs the mask rows of the local queries over the whole "
+                f"sequence, [..., {expected[0]}, {expected[1]}]; got {got}"
+            )
     if not 0.0 < config.keep_prob <= 1.0:
         raise ValueError(f"keep_prob must be in (0, 1], got {config.keep_prob}")
     return qd, nkv
@@ -156,11 +180,12 @@ def _check_inputs(q: Tensor, k: Tensor, v: Tensor, config: RingConfig) -> tuple[
 
 
 class _Exchange:
-    """One ring shift of a list of tensors: send to the next rank, receive from the previous."""
+    """One ring shift of a list of tensors: send to the rank ``shift`` ahead, receive from the
+    rank ``shift`` behind."""
 
-    def __init__(self, tensors: list[Tensor], group, rank: int, size: int, tag: int):
-        nxt = dist.get_global_rank(group, (rank + 1) % size)
-        prv = dist.get_global_rank(group, (rank - 1) % size)
+    def __init__(self, tensors: list[Tensor], group, rank: int, size: int, tag: int, shift: int = 1):
+        nxt = dist.get_global_rank(group, (rank + shift) % size)
+        prv = dist.get_global_rank(group, (rank - shift) % size)
         self.recv = [torch.empty_like(t, memory_format=torch.contiguous_format) for t in tensors]
         ops = [dist.P2POp(dist.isend, t, nxt, group, tag + j) for j, t in enumerate(tensors)]
         ops += [dist.P2POp(dist.irecv, r, prv, group, tag + j) for j, r in enumerate(self.recv)]
@@ -183,17 +208,6 @@ _TAG_DKV = 2  # dk: 2, dv: 3
 
 
 # ---------------------------------------------------------------- step operands
-
-
-def _step_rows(part: str, q_len: int, kv_len: int) -> tuple[tuple[int, int], tuple[int, int]]:
-    """(start, length) of the query rows and of the key rows a step of ``part`` computes:
-    "q_tail" the second half of the queries, "kv_head" the first half of the keys."""
-    if part == "q_tail":
-        half = q_len // 2
-        return (half, q_len - half), (0, kv_len)
-    if part == "kv_head":
-        return (0, q_len), (0, kv_len // 2)
-    return (0, q_len), (0, kv_len)
 
 
 def _rows(x: Tensor, layout: str, rows: tuple[int, int]) -> Tensor:
@@ -223,16 +237,31 @@ def _merge(acc_out: Tensor, acc_lse: Tensor, out_i: Tensor, lse_i: Tensor, layou
 # ---------------------------------------------------------------- forward
 
 
+def _plan(rank: int, index: int, config: RingConfig, seq: int, mask_rows: Optional[Tensor]):
+    return plan_step(rank, index, config.world_size, config.load_balance, config.mask, seq, seq, mask_rows)
+
+
+def _last_step(config: RingConfig, kv_len: int) -> int:
+    return hops_needed(config.world_size, config.load_balance, config.mask, kv_len)
+
+
+def _task_operands(task: BlockTask, layout: str, q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    return _rows(q, layout, task.q_rows), _rows(k, layout, task.kv_rows), _rows(v, layout, task.kv_rows)
+
+
 def ring_attention_forward(
-    q: Tensor, k: Tensor, v: Tensor, config: RingConfig, *, group, kernel: StepKernel
+    q: Tensor, k: Tensor, v: Tensor, config: RingConfig, *, group, kernel: StepKernel,
+    mask_rows: Optional[Tensor] = None,
 ) -> RingForward:
     """Ring attention of the local queries against every rank's K/V block.
 
-    Returns the merged output (query dtype, input layout), the float32 LSE
-    [B, Nq, Sq], the per-step records (for backward) and the bytes sent.
+    ``mask_rows``: with ``config.given_mask``, the mask's rows of the local queries over the
+    whole sequence (True = masked out). Returns the merged output (query dtype, input
+    layout), the float32 LSE [B, Nq, Sq], the per-step records (for backward) and the
+    bytes sent.
     """
     size, rank, group = _group_info(config, group)
-    qd, _ = _check_inputs(q, k, v, config)
+    qd, _ = _check_inputs(q, k, v, config, mask_rows)
     lay, hn = config.layout, config.head_num
 
     acc_out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
@@ -242,23 +271,21 @@ def ring_attention_forward(
     steps: list[RingStep] = []
     bytes_sent = 0
     cur_k, cur_v = k.contiguous(), v.contiguous()
-    for i in range(size):
+    last = _last_step(config, cur_k.size(L.seq_dim(lay)))
+    for i in range(last + 1):
         ex = None
-        if i < size - 1:
+        if i < last:
             ex = _Exchange([cur_k, cur_v], group, rank, size, _TAG_KV)
             bytes_sent += ex.nbytes
-        part = step_part(rank, i, size, config.causal, config.load_balance)
-        seed = offset = None
-        if part != "skip":
-            q_rows, kv_rows = _step_rows(part, qd.seq, cur_k.size(L.seq_dim(lay)))
-            res = kernel.forward(
-                _rows(q, lay, q_rows), _rows(cur_k, lay, kv_rows), _rows(cur_v, lay, kv_rows),
-                causal=(part == "causal"), **kw,
-            )
-            seed, offset = res.seed, res.offset
-            _merge(_rows(acc_out, lay, q_rows), _lse_rows(acc_lse, q_rows), res.out, res.lse, lay, hn)
+        part, tasks = _plan(rank, i, config, qd.seq, mask_rows)
+        rng = []
+        for task in tasks:
+            res = kernel.forward(*_task_operands(task, lay, q, cur_k, cur_v), mask=task.mask, **kw)
+            if res.seed is not None:
+                rng.append((res.seed, res.offset))
+            _merge(_rows(acc_out, lay, task.q_rows), _lse_rows(acc_lse, task.q_rows), res.out, res.lse, lay, hn)
             del res
-        steps.append(RingStep(index=i, source_rank=(rank - i) % size, part=part, seed=seed, offset=offset))
+        steps.append(RingStep(index=i, source_rank=(rank - i) % size, part=part, rng=tuple(rng)))
         if ex is not None:
             cur_k, cur_v = ex.wait()
             del ex
@@ -274,8 +301,9 @@ class _GradAccumulators:
 
     At step i a rank holds block (rank - i) % W and that block's accumulators: fresh
     zeros for its own block at step 0, else the ones that arrived from the previous
-    rank. After adding its step's gradients it passes them on; one extra hop after the
-    last step brings every block's accumulators back to their owner.
+    rank. After adding its step's gradients it passes them on to the next rank, and
+    after the last step straight back to the block's owner (the next rank too when the
+    ring went all the way round).
     """
 
     def __init__(self, group, rank: int, size: int):
@@ -296,10 +324,10 @@ class _GradAccumulators:
             self._exchange = None
         return self._held
 
-    def pass_on(self) -> None:
-        """Send the held accumulators to the next rank (nothing to do on one rank)."""
-        if self._size > 1:
-            self._exchange = _Exchange(list(self._held), self._group, self._rank, self._size, _TAG_DKV)
+    def pass_on(self, shift: int = 1) -> None:
+        """Send the held accumulators ``shift`` ranks ahead (nothing to do when that is this rank)."""
+        if shift % self._size:
+            self._exchange = _Exchange(list(self._held), self._group, self._rank, self._size, _TAG_DKV, shift)
             self.bytes_sent += self._exchange.nbytes
             self._held = None
 
@@ -311,9 +339,11 @@ class _GradAccumulators:
         return self._held
 
 
-def _check_steps(steps: list[RingStep], rank: int, size: int) -> None:
-    if len(steps) != size:
-        raise RuntimeError(f"backward got {len(steps)} ring steps for a world size of {size}")
+def _check_steps(steps: list[RingStep], rank: int, size: int, expected: int) -> None:
+    if len(steps) != expected:
+        raise RuntimeError(
+            f"backward got {len(steps)} ring steps where its forward makes {expected} (world size {size})"
+        )
     for i, st in enumerate(steps):
         if st.index != i or st.source_rank != (rank - i) % size or st.part not in PARTS:
             raise RuntimeError(
@@ -334,22 +364,24 @@ def ring_attention_backward(
     *,
     group,
     kernel: StepKernel,
+    mask_rows: Optional[Tensor] = None,
 ) -> RingBackward:
     """Gradients of the local q and of this rank's own K/V block.
 
     ``out``/``lse`` are the forward's merged results, ``steps`` its records
-    (parts and seeds are reused as recorded).
+    (parts and seeds are reused as recorded), ``mask_rows`` as in the forward.
     """
     size, rank, group = _group_info(config, group)
-    _check_steps(steps, rank, size)
-    qd, _ = _check_inputs(q, k, v, config)
+    qd, _ = _check_inputs(q, k, v, config, mask_rows)
+    lay = config.layout
+    last = _last_step(config, k.size(L.seq_dim(lay)))
+    _check_steps(steps, rank, size, last + 1)
     if dout.shape != q.shape or out.shape != q.shape:
         raise ValueError(
             f"dout {tuple(dout.shape)} and out {tuple(out.shape)} must have the query's shape {tuple(q.shape)}"
         )
     if tuple(lse.shape) != (qd.batch, config.head_num, qd.seq):
         raise ValueError(f"lse has shape {tuple(lse.shape)}, expected {(qd.batch, config.head_num, qd.seq)}")
-    lay = config.layout
     lse = lse.float()
     kw = dict(layout=lay, head_num=config.head_num, scale=config.scale, keep_prob=config.keep_prob)
 
@@ -359,25 +391,25 @@ def ring_attention_backward(
     cur_k, cur_v = k.contiguous(), v.contiguous()
     for i, st in enumerate(steps):
         kv_ex = None
-        if i < size - 1:
+        if i < last:
             kv_ex = _Exchange([cur_k, cur_v], group, rank, size, _TAG_KV)
             bytes_sent += kv_ex.nbytes
-        grads = None
-        if st.part != "skip":
-            q_rows, kv_rows = _step_rows(st.part, qd.seq, cur_k.size(L.seq_dim(lay)))
+        kv_grads = []
+        for task, (seed, offset) in _recorded_tasks(st, rank, config, qd.seq, mask_rows):
             grads = kernel.backward(
-                _rows(q, lay, q_rows), _rows(cur_k, lay, kv_rows), _rows(cur_v, lay, kv_rows),
-                _rows(dout, lay, q_rows), _rows(out, lay, q_rows), _lse_rows(lse, q_rows),
-                causal=(st.part == "causal"), seed=st.seed, offset=st.offset, **kw,
+                *_task_operands(task, lay, q, cur_k, cur_v),
+                _rows(dout, lay, task.q_rows), _rows(out, lay, task.q_rows), _lse_rows(lse, task.q_rows),
+                mask=task.mask, seed=seed, offset=offset, **kw,
             )
-            _rows(dq, lay, q_rows).add_(grads[0])
+            _rows(dq, lay, task.q_rows).add_(grads[0])
+            kv_grads.append((task.kv_rows, grads[1], grads[2]))
+            del grads
         dk_acc, dv_acc = accumulators.for_block(cur_k, cur_v)
-        if grads is not None:
-            _rows(dk_acc, lay, kv_rows).add_(grads[1])
-            _rows(dv_acc, lay, kv_rows).add_(grads[2])
-            grads = None
-        del dk_acc, dv_acc
-        accumulators.pass_on()
+        for kv_rows, dk_i, dv_i in kv_grads:
+            _rows(dk_acc, lay, kv_rows).add_(dk_i)
+            _rows(dv_acc, lay, kv_rows).add_(dv_i)
+        del dk_acc, dv_acc, kv_grads
+        accumulators.pass_on(1 if i < last else size - last)
         if kv_ex is not None:
             cur_k, cur_v = kv_ex.wait()
             del kv_ex
@@ -385,3 +417,15 @@ def ring_attention_backward(
     bytes_sent += accumulators.bytes_sent
     log.debug("ring backward rank %d/%d: %d bytes sent", rank, size, bytes_sent)
     return RingBackward(dq=dq.to(q.dtype), dk=dk.to(k.dtype), dv=dv.to(v.dtype), bytes_sent=bytes_sent)
+
+
+def _recorded_tasks(step: RingStep, rank: int, config: RingConfig, seq: int, mask_rows):
+    """The step's kernel calls, planned again, each with the (seed, offset) its forward drew."""
+    part, tasks = _plan(rank, step.index, config, seq, mask_rows)
+    if part != step.part or (step.rng and len(step.rng) != len(tasks)):
+        raise RuntimeError(
+            f"ring step {step.index} on rank {rank} recorded part {step.part!r} with {len(step.rng)} "
+            f"kernel calls; its plan now gives {part!r} with {len(tasks)}: the backward's inputs "
+            "(mask, lengths, configuration) differ from the forward's"
+        )
+    return zip(tasks, step.rng or [(None, None)] * len(tasks))

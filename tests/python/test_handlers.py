@@ -214,10 +214,12 @@ def _rejections(rank: int, world: int, mesh) -> dict:
     got["actual_seq_kvlen"] = _capture(fwd(actual_seq_kvlen=idx))
     got["sink"] = _capture(fwd(sink=torch.zeros(N)))
     got["softmax_layout"] = _capture(fwd(softmax_layout="TND"))
-    for mode in range(4, 9):
+    for mode in range(5, 9):
         got[f"sparse_mode={mode}"] = _capture(fwd(atten_mask=causal, sparse_mode=mode))
-    got["mask_mode0"] = _capture(fwd(atten_mask=small, sparse_mode=0))
-    got["mask_mode1"] = _capture(fwd(atten_mask=small, sparse_mode=1))
+    got["mask_mode4_small"] = _capture(fwd(atten_mask=small, sparse_mode=4))
+    got["mask_mode0_rows"] = _capture(fwd(atten_mask=small[: S // 2], sparse_mode=0))
+    got["mask_mode1_3d"] = _capture(fwd(atten_mask=small.unsqueeze(0), sparse_mode=1))
+    got["mask_float"] = _capture(fwd(atten_mask=small.float(), sparse_mode=1))
     got["mask_mode2_small"] = _capture(fwd(atten_mask=small, sparse_mode=2))
     got["mask_mode3_batched"] = _capture(fwd(atten_mask=causal.expand(2, 1, MASK, MASK), sparse_mode=3))
     qt, kt, vt = (distribute_tensor(t.transpose(1, 2).reshape(B * S, N, D), mesh, [Shard(0)]) for t in full[:3])
@@ -431,9 +433,11 @@ REJECTED = [
     ("actual_seq_kvlen", "NotImplementedError", r"actual_seq_kvlen=<tensor"),
     ("sink", "NotImplementedError", r"sink=<tensor of shape \(2,\)"),
     ("softmax_layout", "NotImplementedError", r"softmax_layout='TND'"),
-    *[(f"sparse_mode={m}", "NotImplementedError", f"sparse_mode={m}") for m in range(4, 9)],
-    ("mask_mode0", "NotImplementedError", r"arbitrary atten_mask.*sparse_mode=0"),
-    ("mask_mode1", "NotImplementedError", r"arbitrary atten_mask.*sparse_mode=1"),
+    *[(f"sparse_mode={m}", "NotImplementedError", f"sparse_mode={m}") for m in range(5, 9)],
+    ("mask_mode4_small", "NotImplementedError", r"sparse_mode=4 needs the compressed 2048x2048"),
+    ("mask_mode0_rows", "ValueError", r"square over the global sequence"),
+    ("mask_mode1_3d", "ValueError", r"atten_mask for sparse_mode 0/1 must be \[S, S\]"),
+    ("mask_float", "ValueError", r"atten_mask must be bool or uint8"),
     ("mask_mode2_small", "NotImplementedError", r"sparse_mode=2 needs the compressed 2048x2048.*shape \(\d+, \d+\)"),
     ("mask_mode3_batched", "NotImplementedError", r"sparse_mode=3 needs.*shape \(2, 1, 2048, 2048\)"),
     ("TND", "NotImplementedError", r"input_layout='TND'"),
@@ -448,7 +452,7 @@ REJECTED = [
     ("seed_expired", "RuntimeError", r"has expired"),
     ("bwd_scale_mismatch", "RuntimeError", r"backward called with .*'scale': 0.25.*ran with .*'scale': 0.5"),
     ("bwd_pse", "NotImplementedError", r"pse=<tensor"),
-    ("bwd_causal_mismatch", "RuntimeError", r"backward called with .*'causal': False.*ran with .*'causal': True"),
+    ("bwd_causal_mismatch", "RuntimeError", r"backward called with .*MaskSpec\(causal=False.*ran with .*MaskSpec\(causal=True"),
     ("stack_forged", "RuntimeError", r"mis-pairing: backward expected key 12345"),
     ("stack_second", "RuntimeError", r"pop from an empty step-cache stack"),
 ]

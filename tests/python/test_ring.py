@@ -318,8 +318,8 @@ def test_steps_world_mismatch():
     q, k, v = _small()
     cfg = _cfg()
     fwd = ring_attention_forward(q, k, v, cfg, group=None, kernel=ReferenceKernel())
-    extra = fwd.steps + [RingStep(1, 0, "full", None, None)]
-    with pytest.raises(RuntimeError, match="2 ring steps for a world size of 1"):
+    extra = fwd.steps + [RingStep(1, 0, "full")]
+    with pytest.raises(RuntimeError, match="2 ring steps where its forward makes 1"):
         ring_attention_backward(q, q, k, v, fwd.out, fwd.lse, extra, cfg, group=None, kernel=ReferenceKernel())
     with pytest.raises(ValueError, match="world_size=2"):
         ring_attention_forward(q, k, v, _cfg(world_size=2, rank=1), group=None, kernel=ReferenceKernel())

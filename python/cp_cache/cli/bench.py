@@ -13,6 +13,9 @@ Sections (``--only`` picks some):
   minimum (W-1) * (K + V block bytes), with and without GQA;
 * ``accuracy``: max error of output and gradients versus a float64 dense reference,
   fp32 and bf16, against W;
+* ``windows``: band (sliding-window) attention at the largest W: bytes sent and time per
+  call against the window size, next to the full-causal ring, with the kernel calls made
+  and the blocks skipped; contiguous and head-tail shards (also ``bench_windows.png``);
 * ``store``: the store micro-benchmark (``cli/bench_store.py``).
 
 Benchmarks measure and report; they assert nothing about timings. On CPU the
@@ -35,7 +38,7 @@ from ._common import fmt_bytes, launch, table
 NAME = "bench"
 HELP = "memory, overhead, traffic and accuracy benchmarks; JSON and a PNG plot under --out"
 
-SECTIONS = ("memory", "overhead", "traffic", "accuracy", "store")
+SECTIONS = ("memory", "overhead", "traffic", "accuracy", "windows", "store")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -195,6 +198,64 @@ def _accuracy(plan: dict, rank: int, world_size: int, mesh) -> list[dict]:
     return rows
 
 
+def _windows(plan: dict, rank: int, world_size: int, mesh) -> list[dict]:
+    import torch
+    from torch.distributed.tensor import DTensor, Shard
+    from torch.distributed.tensor.experimental._context_parallel._attention import _cp_options
+
+    import cp_cache
+    from ..npu_ops import causal_mask
+    from ..ring_plan import MaskSpec, plan_step
+
+    a = plan["attn"]
+    b, n, s, d = a["batch"], a["heads"], a["seq"], a["head_dim"]
+    s_local = s // world_size
+    windows = sorted({max(2, s_local // 4), s_local // 2, s_local, 2 * s_local, s})
+    g = torch.Generator().manual_seed(rank)
+    local = [torch.randn(b, n, s_local, d, generator=g) for _ in range(4)]
+    rows = []
+    cp_cache.enable(policy="handle")
+    load_balance_before = _cp_options.enable_load_balance
+    try:
+        for load_balance in (False, True):
+            _cp_options.enable_load_balance = load_balance
+            for window in windows + [None]:  # None: the full-causal ring (sparse_mode 2)
+                if window is None:
+                    spec, mask = MaskSpec(causal=True), dict(sparse_mode=2, next_tockens=0)
+                else:
+                    spec = MaskSpec(window=True, pre_tockens=window - 1, next_tockens=0)
+                    mask = dict(sparse_mode=4, pre_tockens=window - 1, next_tockens=0)
+                tasks = [plan_step(rank, i, world_size, load_balance, spec, s_local, s_local)[1]
+                         for i in range(world_size)]
+                times = {"fwd": [], "bwd": []}
+                for i in range(plan["warmup"] + plan["repeats"]):
+                    q, k, v = (DTensor.from_local(t.clone(), mesh, [Shard(2)]).requires_grad_() for t in local[:3])
+                    out = torch.ops.npu.npu_fusion_attention_v3(
+                        q, k, v, n, "BNSD", atten_mask=causal_mask(torch.device("cpu")),
+                        scale=1.0 / math.sqrt(d), **mask)[0]
+                    out.backward(DTensor.from_local(local[3], mesh, [Shard(2)]))
+                    calls = cp_cache.call_stats()
+                    if i >= plan["warmup"]:
+                        times["fwd"].append(calls["forward"]["handler_seconds"])
+                        times["bwd"].append(calls["backward"]["handler_seconds"])
+                chunks = 2 if load_balance else 1
+                rows.append(dict(
+                    world_size=world_size, rank=rank, load_balance=load_balance,
+                    window=window if window is not None else "causal", s_local=s_local,
+                    fwd_bytes_sent=calls["forward"]["bytes_sent"], bwd_bytes_sent=calls["backward"]["bytes_sent"],
+                    kv_block_bytes=2 * local[1].nbytes,
+                    hops=calls["forward"]["bytes_sent"] // (2 * local[1].nbytes),
+                    kernel_calls=sum(len(t) for t in tasks),
+                    blocks_skipped=world_size * chunks * chunks - sum(len(t) for t in tasks) if window else None,
+                    fwd_ms_median=statistics.median(times["fwd"]) * 1e3,
+                    bwd_ms_median=statistics.median(times["bwd"]) * 1e3,
+                ))
+    finally:
+        _cp_options.enable_load_balance = load_balance_before
+        cp_cache.disable()
+    return rows
+
+
 def bench_rank(rank: int, world_size: int, plan: dict, sections: list[str]) -> dict:
     import torch
     from torch.distributed.device_mesh import init_device_mesh
@@ -211,6 +272,8 @@ def bench_rank(rank: int, world_size: int, plan: dict, sections: list[str]) -> d
         out["calls"] = _overhead_traffic(plan, rank, world_size, mesh)
     if "accuracy" in sections:
         out["accuracy"] = _accuracy(plan, rank, world_size, mesh)
+    if "windows" in sections and world_size == max(plan["worlds"]) and world_size > 1:
+        out["windows"] = _windows(plan, rank, world_size, mesh)
     return out
 
 
@@ -259,6 +322,23 @@ def _print_summary(report: dict) -> None:
         rows = [[r["world_size"], r["dtype"]] + [f"{r[f'{n}_max_abs']:.1e}" for n in ("out", "dq", "dk", "dv")]
                 for r in acc]
         print(table(["W", "dtype", "out", "dq", "dk", "dv"], rows))
+    all_windows = report.get("windows") or []
+    windows = [r for r in all_windows if r["rank"] == 0]
+    if windows:
+        print(f"\nband attention (causal window of w tokens) at W={windows[0]['world_size']}, "
+              f"S_local={windows[0]['s_local']}: bytes and times of rank 0, kernel calls and "
+              "blocks skipped summed over ranks")
+
+        def summed(r, key):
+            same = [x[key] for x in all_windows if (x["load_balance"], x["window"]) == (r["load_balance"], r["window"])]
+            return "-" if None in same else sum(same)
+
+        rows = [[("head-tail" if r["load_balance"] else "contiguous"), r["window"], r["hops"],
+                 fmt_bytes(r["fwd_bytes_sent"]), fmt_bytes(r["bwd_bytes_sent"]), summed(r, "kernel_calls"),
+                 summed(r, "blocks_skipped"), f"{r['fwd_ms_median']:.1f}", f"{r['bwd_ms_median']:.1f}"]
+                for r in windows]
+        print(table(["shards", "window", "hops", "fwd sent", "bwd sent", "kernel calls", "blocks skipped",
+                     "fwd ms", "bwd ms"], rows))
     store = report.get("store")
     if store:
         print("\nstore (ns per call): " + ", ".join(f"{k} {v}" for k, v in store["ns_per_call"].items()))
@@ -308,6 +388,8 @@ def run(args: argparse.Namespace) -> int:
         report["calls"] = _collect(per_world, "calls", all_ranks=True)
     if "accuracy" in sections:
         report["accuracy"] = _collect(per_world, "accuracy")
+    if "windows" in sections:
+        report["windows"] = _collect(per_world, "windows", all_ranks=True)
     if "store" in sections:
         print("bench: store micro-benchmark ...", flush=True)
         report["store"] = _store_bench(plan)
@@ -319,6 +401,10 @@ def run(args: argparse.Namespace) -> int:
     _print_summary(report)
     png_path = args.out / "bench.png"
     plotted = _plot(report, png_path)
+    if report.get("windows"):
+        windows_png = args.out / "bench_windows.png"
+        if _plot_windows(report, windows_png):
+            print(f"written: {windows_png}")
     print(f"\nwritten: {json_path}")
     print(f"written: {png_path}" if plotted else "no plot (matplotlib missing: run make build)")
     print(f"bench took {report['meta']['seconds']:.1f} s")
@@ -398,6 +484,43 @@ def _plot(report: dict, path: Path) -> bool:
         ax_acc.legend(fontsize=8)
     fig.suptitle("cp_cache benchmarks (" + ("quick, " if report["meta"]["quick"] else "")
                  + f"torch {report['meta']['torch']}, {report['meta']['ops']} ops)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return True
+
+
+def _plot_windows(report: dict, path: Path) -> bool:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    rows = [r for r in report["windows"] if r["rank"] == 0]
+    fig, (ax_bytes, ax_time) = plt.subplots(1, 2, figsize=(11, 4.2))
+    for load_balance, style in ((False, "o-"), (True, "s--")):
+        band = sorted((r for r in rows if r["load_balance"] == load_balance and r["window"] != "causal"),
+                      key=lambda r: r["window"])
+        causal = [r for r in rows if r["load_balance"] == load_balance and r["window"] == "causal"]
+        tag = "head-tail" if load_balance else "contiguous"
+        ws = [r["window"] for r in band]
+        ax_bytes.plot(ws, [r["fwd_bytes_sent"] / 2**20 for r in band], style, label=f"band, {tag}")
+        ax_time.plot(ws, [r["fwd_ms_median"] + r["bwd_ms_median"] for r in band], style, label=f"band, {tag}")
+        if causal:
+            ax_bytes.axhline(causal[0]["fwd_bytes_sent"] / 2**20, ls=":", color="gray",
+                             label=f"full-causal ring, {tag}" if load_balance else "full-causal ring")
+            ax_time.axhline(causal[0]["fwd_ms_median"] + causal[0]["bwd_ms_median"], ls=":",
+                            color="gray" if not load_balance else "black", label=f"full-causal ring, {tag}")
+    for ax in (ax_bytes, ax_time):
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("causal window w (tokens)")
+        ax.legend(fontsize=7)
+    ax_bytes.set_ylabel("forward MiB sent per rank per call")
+    ax_time.set_ylabel("forward + backward ms per call (median)")
+    w = rows[0]
+    fig.suptitle(f"band attention at W={w['world_size']}, S_local={w['s_local']} (CPU, emulator kernel)")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

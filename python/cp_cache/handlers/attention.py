@@ -22,10 +22,11 @@ from ..config import HANDLE_POLICY, STACK_POLICY, CPConfig, load_balance_enabled
 from ..kernels import get_kernel
 from ..npu_ops import lse_from_stats, stats_from_lse
 from ..ring import RingConfig, ring_attention_backward, ring_attention_forward
+from ..ring_plan import MaskSpec, chunks
 from . import step_records as records
 from .arguments import bind_arguments, describe
 from .calls import CallLog
-from .checks import check_sharding, is_causal, local_tensor, sharded_like
+from .checks import check_sharding, local_mask_rows, local_tensor, mask_spec, sharded_like
 
 __all__ = ["AttentionHandlers"]
 
@@ -44,25 +45,38 @@ def _slot_tensor(value: int) -> Tensor:
     return torch.tensor([value], dtype=torch.int64)
 
 
-def _ring_config(a: dict[str, Any], layout: str, causal: bool, mesh) -> RingConfig:
+def _ring_config(a: dict[str, Any], layout: str, spec: MaskSpec, mesh) -> RingConfig:
     world_size = mesh.size()
-    load_balance = causal and load_balance_enabled()
+    # positions matter for every mask but none: the local shards are head-tail when torch's
+    # CP load balancing is on (DESIGN section 5)
+    load_balance = (spec.causal or spec.window or spec.given) and load_balance_enabled()
     if load_balance and a["query"].to_local().size(L.seq_dim(layout)) % 2:
         raise ValueError(
-            f"causal load balancing splits the sequence into 2*W = {2 * world_size} chunks; the "
+            f"load balancing splits the sequence into 2*W = {2 * world_size} chunks; the "
             f"query sequence length {a['query'].size(L.seq_dim(layout))} is not divisible by {2 * world_size}"
         )
     return RingConfig(
-        world_size=world_size, rank=mesh.get_local_rank(), causal=causal, load_balance=load_balance,
+        world_size=world_size, rank=mesh.get_local_rank(), causal=spec.causal, load_balance=load_balance,
         layout=layout, head_num=int(a["head_num"]), scale=float(a["scale"]), keep_prob=float(a["keep_prob"]),
+        window=spec.window, pre_tockens=spec.pre_tockens, next_tockens=spec.next_tockens, given_mask=spec.given,
     )
 
 
-def _check_backward_matches(a: dict[str, Any], layout: str, causal: bool, config: RingConfig, cache_id: int) -> None:
+def _mask_rows(a: dict[str, Any], layout: str, config: RingConfig):
+    """The given mask's rows of this rank's queries (None for the other mask kinds)."""
+    if not config.given_mask:
+        return None
+    local_len = a["query"].to_local().size(L.seq_dim(layout))
+    positions = torch.cat([torch.arange(g, g + n) for _, g, n in
+                           chunks(config.rank, config.world_size, local_len, config.load_balance)])
+    return local_mask_rows(a["atten_mask"], a["query"], layout, positions)
+
+
+def _check_backward_matches(a: dict[str, Any], layout: str, spec: MaskSpec, config: RingConfig, cache_id: int) -> None:
     called = dict(layout=layout, head_num=int(a["head_num"]), scale=float(a["scale_value"]),
-                  keep_prob=float(a["keep_prob"]), causal=causal)
+                  keep_prob=float(a["keep_prob"]), mask=spec)
     recorded = dict(layout=config.layout, head_num=config.head_num, scale=config.scale,
-                    keep_prob=config.keep_prob, causal=config.causal)
+                    keep_prob=config.keep_prob, mask=config.mask)
     if called != recorded:
         raise RuntimeError(
             f"cp_cache: backward called with {called} but its forward (cache {cache_id}) ran with {recorded}"
@@ -97,13 +111,15 @@ class AttentionHandlers:
         started = time.perf_counter()
         a = bind_arguments(op_call._schema, args, kwargs)
         layout = L.check_layout(a["input_layout"])
-        causal = is_causal(a)
+        spec = mask_spec(a)
         mesh, placements = check_sharding({n: a[n] for n in ("query", "key", "value")}, layout)
-        config = _ring_config(a, layout, causal, mesh)
+        spec = spec.simplified(a["query"].size(L.seq_dim(layout)))
+        config = _ring_config(a, layout, spec, mesh)
+        mask_rows = _mask_rows(a, layout, config)
         q, k, v = (a[n].to_local() for n in ("query", "key", "value"))
         kernel = get_kernel(self.config.kernel)
         ring_started = time.perf_counter()
-        result = ring_attention_forward(q, k, v, config, group=mesh.get_group(), kernel=kernel)
+        result = ring_attention_forward(q, k, v, config, group=mesh.get_group(), kernel=kernel, mask_rows=mask_rows)
         ring_seconds = time.perf_counter() - ring_started
 
         softmax_max, softmax_sum = stats_from_lse(result.lse)
@@ -157,12 +173,13 @@ class AttentionHandlers:
         started = time.perf_counter()
         a = bind_arguments(op_call._schema, args, kwargs)
         layout = L.check_layout(a["input_layout"])
-        causal = is_causal(a)  # same argument checks as the forward
+        spec = mask_spec(a)  # same argument checks as the forward
         cache = self._claim_cache(a["seed"])
         config, kernel_name = records.config_from_cache(cache)
-        _check_backward_matches(a, layout, causal, config, cache.id)
         tensors = {n: a[n] for n in ("query", "key", "value")}
         mesh, placements = check_sharding(tensors, layout)
+        spec = spec.simplified(a["query"].size(L.seq_dim(layout)))
+        _check_backward_matches(a, layout, spec, config, cache.id)
         for name in ("dy", "attention_in"):
             tensors[name] = sharded_like(a[name], name, mesh, placements)
         if mesh.size() != config.world_size or mesh.get_local_rank() != config.rank:
@@ -176,7 +193,8 @@ class AttentionHandlers:
         del cache
         ring_started = time.perf_counter()
         result = ring_attention_backward(
-            dy, q, k, v, out, lse, steps, config, group=mesh.get_group(), kernel=get_kernel(kernel_name)
+            dy, q, k, v, out, lse, steps, config, group=mesh.get_group(), kernel=get_kernel(kernel_name),
+            mask_rows=_mask_rows(a, layout, config),
         )
         ring_seconds = time.perf_counter() - ring_started
         outputs = (

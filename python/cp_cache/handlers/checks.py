@@ -4,22 +4,25 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
 from torch import Tensor
-from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from .. import layout as L
-from ..npu_ops import CAUSAL_MODES, SparseMode, is_compressed_mask
+from ..npu_ops import CAUSAL_MODES, INT_MAX, SparseMode, is_compressed_mask
+from ..ring_plan import MaskSpec
 from .arguments import describe
 
-__all__ = ["is_causal", "check_sharding", "sharded_like", "local_tensor"]
+__all__ = ["mask_spec", "local_mask_rows", "check_sharding", "sharded_like", "local_tensor"]
 
 _UNSUPPORTED_WHEN_SET = ("pse", "padding_mask", "prefix", "actual_seq_qlen", "actual_seq_kvlen", "sink")
-_MASK_AS_GIVEN_MODES = (SparseMode.MASK, SparseMode.ALL_MASK)
+_GIVEN_MASK_MODES = (SparseMode.MASK, SparseMode.ALL_MASK)
+_SUPPORTED_MODES = _GIVEN_MASK_MODES + CAUSAL_MODES + (SparseMode.BAND,)
 
 
-def is_causal(a: dict[str, Any]) -> bool:
-    """Causal or full attention from the bound mask arguments; anything else raises
-    NotImplementedError naming the argument and its value."""
+def mask_spec(a: dict[str, Any]) -> MaskSpec:
+    """The attention mask the bound arguments ask for, on global positions; anything
+    unsupported raises NotImplementedError naming the argument and its value."""
     for name in _UNSUPPORTED_WHEN_SET:
         if a[name] is not None:
             raise NotImplementedError(
@@ -30,25 +33,62 @@ def is_causal(a: dict[str, Any]) -> bool:
             f"cp_cache ring attention does not support softmax_layout={a['softmax_layout']!r} yet"
         )
     mode, mask = a["sparse_mode"], a["atten_mask"]
-    if mode not in _MASK_AS_GIVEN_MODES + CAUSAL_MODES:
+    if mode not in _SUPPORTED_MODES:
         raise NotImplementedError(
-            f"cp_cache ring attention supports sparse_mode 0, 1 (no mask: full attention) and "
-            f"2, 3 (compressed causal mask), not sparse_mode={mode}"
+            f"cp_cache ring attention supports sparse_mode 0, 1 (a given mask, or none: full "
+            f"attention), 2, 3 (compressed causal mask) and 4 (band), not sparse_mode={mode}"
         )
     if mask is None:
-        return False  # the op computes full attention whatever sparse_mode says
-    if mode in CAUSAL_MODES:
+        return MaskSpec()  # the op computes full attention whatever sparse_mode says
+    if mask.dtype not in (torch.bool, torch.uint8):
+        raise ValueError(f"atten_mask must be bool or uint8 (1 = masked out), got {describe(mask)}")
+    if mode in CAUSAL_MODES + (SparseMode.BAND,):
         if not is_compressed_mask(mask):
             raise NotImplementedError(
                 f"cp_cache ring attention with sparse_mode={mode} needs the compressed 2048x2048 "
-                f"causal mask, got atten_mask={describe(mask)}"
+                f"mask, got atten_mask={describe(mask)}"
             )
-        return True
-    raise NotImplementedError(
-        f"cp_cache ring attention does not support an arbitrary atten_mask ({describe(mask)} with "
-        f"sparse_mode={mode}); pass no mask for full attention or the compressed causal mask "
-        "with sparse_mode=2"
-    )
+        if mode == SparseMode.BAND:
+            return MaskSpec(window=True, pre_tockens=int(a["pre_tockens"]), next_tockens=int(a["next_tockens"]))
+        return MaskSpec(causal=True)
+    band = mode == SparseMode.MASK and (a["pre_tockens"] < INT_MAX or a["next_tockens"] < INT_MAX)
+    return MaskSpec(given=True, window=band, pre_tockens=int(a["pre_tockens"]) if band else INT_MAX,
+                    next_tockens=int(a["next_tockens"]) if band else INT_MAX)
+
+
+def local_mask_rows(mask: Any, query: DTensor, layout: str, positions: Tensor) -> Tensor:
+    """The given mask's rows of the local queries, in local order, over the whole sequence.
+
+    ``mask``: [S, S], [1, 1, S, S], [B, 1, S, S] or [B, N, S, S] for the global sequence,
+    a plain tensor or a replicated DTensor (rows picked at ``positions``), or a DTensor
+    sharded on its query dimension like the query (its local rows as they are).
+    """
+    seq = query.size(L.seq_dim(layout))
+    if mask.dim() not in (2, 4) or mask.shape[-1] != seq:
+        raise ValueError(
+            f"atten_mask for sparse_mode 0/1 must be [S, S], [1, 1, S, S], [B, 1, S, S] or [B, N, S, S] "
+            f"over the global sequence S={seq}, got {describe(mask)}"
+        )
+    if isinstance(mask, DTensor):
+        placements = tuple(mask.placements)
+        if all(isinstance(p, Replicate) for p in placements):
+            mask = mask.to_local()
+        elif placements == (Shard(mask.dim() - 2),):
+            rows = mask.to_local()
+            if rows.shape[-2] != positions.numel():
+                raise ValueError(
+                    f"atten_mask is sharded on its query dimension into {rows.shape[-2]} local rows, "
+                    f"but this rank holds {positions.numel()} queries"
+                )
+            return rows
+        else:
+            raise NotImplementedError(
+                f"cp_cache ring attention takes atten_mask replicated or sharded on its query "
+                f"dimension (Shard({mask.dim() - 2})), got placements={placements}"
+            )
+    if mask.shape[-2] != seq:
+        raise ValueError(f"atten_mask must be square over the global sequence S={seq}, got {describe(mask)}")
+    return mask.index_select(mask.dim() - 2, positions.to(mask.device))
 
 
 def check_sharding(tensors: dict[str, Any], layout: str):

@@ -1,8 +1,9 @@
 """The step cache of one CP attention call: what the forward writes, what the backward reads.
 
 A cache holds the ring configuration as metadata and one record per ring step:
-the step's part as the tag, and its dropout ``seed`` and ``offset`` tensors,
-both or neither (the reference kernel draws none).
+the step's part as the tag, and the dropout ``seed`` and ``offset`` tensors of each
+kernel call of the step, in order (seed, offset, seed, offset, ...), or nothing
+(the reference kernel draws none).
 """
 
 from __future__ import annotations
@@ -15,17 +16,21 @@ from ..ring import RingConfig, RingStep
 
 __all__ = ["cache_from_forward", "config_from_cache", "steps_from_cache", "pairing_key"]
 
-_META_KEYS = ("world_size", "rank", "causal", "load_balance", "layout", "head_num", "scale", "keep_prob")
+_META_KEYS = ("world_size", "rank", "causal", "load_balance", "layout", "head_num", "scale", "keep_prob",
+              "window", "pre_tockens", "next_tockens", "given_mask")
 _KERNEL_KEY = "kernel"
 
 
 def _step_tensors(step: RingStep) -> list:
-    if (step.seed is None) != (step.offset is None):
-        raise RuntimeError(
-            f"ring step {step.index} ({step.part}) has a dropout seed without an offset or the "
-            f"reverse (seed={step.seed}, offset={step.offset}); a step records both or neither"
-        )
-    return [] if step.seed is None else [step.seed, step.offset]
+    tensors = []
+    for call, (seed, offset) in enumerate(step.rng):
+        if seed is None or offset is None:
+            raise RuntimeError(
+                f"ring step {step.index} ({step.part}), kernel call {call}: a dropout seed without an "
+                f"offset or the reverse (seed={seed}, offset={offset}); a call records both"
+            )
+        tensors += [seed, offset]
+    return tensors
 
 
 def cache_from_forward(config: RingConfig, kernel_name: str, steps: list[RingStep]):
@@ -49,14 +54,14 @@ def steps_from_cache(cache, config: RingConfig) -> list[RingStep]:
     """The forward's ring steps, in order."""
     steps = []
     for index, (part, tensors) in enumerate(cache.steps):
-        if len(tensors) not in (0, 2):
+        if len(tensors) % 2:
             raise RuntimeError(
-                f"cp_cache: step {index} of cache {cache.id} holds {len(tensors)} tensors; a step "
-                "record holds its dropout seed and offset, or nothing"
+                f"cp_cache: step {index} of cache {cache.id} holds {len(tensors)} tensors; a step record "
+                "holds a seed and an offset per kernel call, or nothing"
             )
-        seed, offset = tensors if tensors else (None, None)
+        rng = tuple(zip(tensors[0::2], tensors[1::2]))
         source = (config.rank - index) % config.world_size
-        steps.append(RingStep(index=index, source_rank=source, part=part, seed=seed, offset=offset))
+        steps.append(RingStep(index=index, source_rank=source, part=part, rng=rng))
     return steps
 
 
@@ -67,7 +72,6 @@ def pairing_key(config: RingConfig, kernel_name: str, steps: list[RingStep]) -> 
     digest.update(repr((config, kernel_name)).encode())
     for step in steps:
         digest.update(step.part.encode())
-        for tensor in (step.seed, step.offset):
-            value = 0 if tensor is None else int(tensor.reshape(-1)[0])
-            digest.update(struct.pack("<q", value))
+        for tensor in _step_tensors(step):
+            digest.update(struct.pack("<q", int(tensor.reshape(-1)[0])))
     return int.from_bytes(digest.digest(), "little") & ((1 << 63) - 1)

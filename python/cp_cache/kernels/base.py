@@ -7,6 +7,8 @@ from typing import Optional, Protocol, runtime_checkable
 
 from torch import Tensor
 
+from ..ring_plan import StepMask
+
 __all__ = ["StepForward", "StepKernel"]
 
 
@@ -30,7 +32,9 @@ class StepForward:
 class StepKernel(Protocol):
     """Computes attention of a query block against one K/V block.
 
-    ``causal`` means the diagonal block (Sq == Skv, left-up causal mask).
+    ``mask`` (``ring_plan.StepMask``) in the op's terms: "none", "causal" (left-up,
+    sparse_mode 2), "band" (sparse_mode 4 with its pre/next_tockens, anchored at the
+    bottom-right corner) or "given" (its ``block``, True = masked out).
     K/V may have fewer heads than Q (GQA, Nq % Nkv == 0); kernels handle it.
     """
 
@@ -46,7 +50,7 @@ class StepKernel(Protocol):
         head_num: int,
         scale: float,
         keep_prob: float,
-        causal: bool,
+        mask: StepMask,
     ) -> StepForward: ...
 
     def backward(
@@ -62,7 +66,7 @@ class StepKernel(Protocol):
         head_num: int,
         scale: float,
         keep_prob: float,
-        causal: bool,
+        mask: StepMask,
         seed: Optional[Tensor],
         offset: Optional[Tensor],
     ) -> tuple[Tensor, Tensor, Tensor]:

@@ -9,6 +9,7 @@ from torch import Tensor
 
 from .. import layout as L
 from ..npu_ops import SparseMode, causal_mask, lse_from_stats, op_exists, stats_from_lse
+from ..ring_plan import StepMask
 from .base import StepForward
 
 __all__ = ["NpuKernel", "available"]
@@ -19,10 +20,17 @@ def available() -> bool:
     return op_exists("npu_fusion_attention_v3")
 
 
-def _mask_args(causal: bool, device: torch.device) -> dict:
-    if causal:
+def _mask_args(mask: StepMask, device: torch.device) -> dict:
+    if mask.kind == "none":
+        return dict(atten_mask=None, sparse_mode=int(SparseMode.MASK))
+    if mask.kind == "causal":
         return dict(atten_mask=causal_mask(device), sparse_mode=int(SparseMode.LEFT_UP_CAUSAL), next_tockens=0)
-    return dict(atten_mask=None, sparse_mode=int(SparseMode.MASK))
+    if mask.kind == "band":
+        return dict(atten_mask=causal_mask(device), sparse_mode=int(SparseMode.BAND),
+                    pre_tockens=mask.pre_tockens, next_tockens=mask.next_tockens)
+    if mask.kind == "given":
+        return dict(atten_mask=mask.block, sparse_mode=int(SparseMode.ALL_MASK))
+    raise ValueError(f"unknown step mask kind {mask.kind!r}")
 
 
 class NpuKernel:
@@ -30,18 +38,18 @@ class NpuKernel:
 
     name = "npu"
 
-    def forward(self, q, k, v, *, layout, head_num, scale, keep_prob, causal) -> StepForward:
+    def forward(self, q, k, v, *, layout, head_num, scale, keep_prob, mask: StepMask) -> StepForward:
         L.check_layout(layout)
         res = torch.ops.npu.npu_fusion_attention_v3(
             q, k, v, head_num, layout,
             scale=float(scale), keep_prob=float(keep_prob),
-            **_mask_args(causal, q.device),
+            **_mask_args(mask, q.device),
         )
         out, smax, ssum = res[0], res[1], res[2]
         return StepForward(out=out, lse=lse_from_stats(smax, ssum), seed=res[4], offset=res[5])
 
     def backward(
-        self, q, k, v, dout, out, lse, *, layout, head_num, scale, keep_prob, causal,
+        self, q, k, v, dout, out, lse, *, layout, head_num, scale, keep_prob, mask: StepMask,
         seed: Optional[Tensor], offset: Optional[Tensor],
     ):
         L.check_layout(layout)
@@ -51,6 +59,6 @@ class NpuKernel:
             softmax_max=smax, softmax_sum=ssum, attention_in=out,
             scale_value=float(scale), keep_prob=float(keep_prob),
             seed=seed, offset=offset,
-            **_mask_args(causal, q.device),
+            **_mask_args(mask, q.device),
         )
         return res[0], res[1], res[2]

@@ -8,6 +8,7 @@ import torch
 from torch import Tensor
 
 from .. import layout as L
+from ..ring_plan import StepMask
 from .base import StepForward
 
 __all__ = ["ReferenceKernel"]
@@ -48,13 +49,21 @@ class ReferenceKernel:
         return qb, kb, vb, nkv, groups
 
     @staticmethod
-    def _scores(qb: Tensor, kb: Tensor, scale: float, causal: bool) -> Tensor:
+    def _scores(qb: Tensor, kb: Tensor, scale: float, mask: StepMask) -> Tensor:
         s = torch.matmul(qb, kb.transpose(-1, -2)) * scale
-        if causal:
-            sq, sk = s.shape[-2], s.shape[-1]
-            mask = torch.ones(sq, sk, dtype=torch.bool, device=s.device).triu(1)
-            s = s.masked_fill(mask, float("-inf"))
-        return s
+        sq, sk = s.shape[-2], s.shape[-1]
+        i = torch.arange(sq, device=s.device).view(-1, 1)
+        j = torch.arange(sk, device=s.device).view(1, -1)
+        if mask.kind == "causal":
+            masked = j > i
+        elif mask.kind == "band":  # anchored at the bottom-right corner, as sparse_mode 4
+            d = sk - sq
+            masked = (j - i > mask.next_tockens + d) | (i - j > mask.pre_tockens - d)
+        elif mask.kind == "given":
+            masked = mask.block.bool()
+        else:
+            return s
+        return s.masked_fill(masked, float("-inf"))
 
     @staticmethod
     def _probs(s: Tensor, lse: Tensor) -> Tensor:
@@ -62,9 +71,9 @@ class ReferenceKernel:
         safe = torch.where(torch.isneginf(lse), torch.zeros_like(lse), lse)
         return torch.exp(s - safe.unsqueeze(-1))
 
-    def forward(self, q, k, v, *, layout, head_num, scale, keep_prob, causal) -> StepForward:
+    def forward(self, q, k, v, *, layout, head_num, scale, keep_prob, mask: StepMask) -> StepForward:
         qb, kb, vb, _, _ = self._prepare(q, k, v, layout, head_num, keep_prob)
-        s = self._scores(qb, kb, scale, causal)
+        s = self._scores(qb, kb, scale, mask)
         lse = torch.logsumexp(s, dim=-1)
         p = self._probs(s, lse)
         out = torch.matmul(p, vb)
@@ -76,13 +85,13 @@ class ReferenceKernel:
         )
 
     def backward(
-        self, q, k, v, dout, out, lse, *, layout, head_num, scale, keep_prob, causal,
+        self, q, k, v, dout, out, lse, *, layout, head_num, scale, keep_prob, mask: StepMask,
         seed: Optional[Tensor] = None, offset: Optional[Tensor] = None,
     ):
         qb, kb, vb, nkv, groups = self._prepare(q, k, v, layout, head_num, keep_prob)
         dob = L.to_bnsd(dout, layout, head_num).float()
         ob = L.to_bnsd(out, layout, head_num).float()
-        s = self._scores(qb, kb, scale, causal)
+        s = self._scores(qb, kb, scale, mask)
         p = self._probs(s, lse.float())
         dv = torch.matmul(p.transpose(-1, -2), dob)
         dp = torch.matmul(dob, vb.transpose(-1, -2))

@@ -96,13 +96,15 @@ def shard(x_bnsd: torch.Tensor, case: AttentionCase, pos: torch.Tensor) -> torch
 
 
 def dense_attention(q, k, v, dout, causal: bool, keep=None, keep_prob: float = 1.0,
-                    dtype=torch.float64) -> dict:
+                    dtype=torch.float64, masked=None) -> dict:
     """Single-process attention on the full sequence, forward and backward, in ``dtype``.
 
     q/dout [B, Nq, S, D], k/v [B, Nkv, S, D] (GQA: Nq a multiple of Nkv); scale 1/sqrt(D);
     ``causal``: the global lower-triangular mask; ``keep`` (optional [B, Nq, S, S] bool):
-    dropout applied to the probabilities, scaled by 1/keep_prob. Returns "out", "lse"
-    (float64, [B, Nq, S], before dropout), "dq", "dk", "dv".
+    dropout applied to the probabilities, scaled by 1/keep_prob; ``masked`` (optional bool,
+    broadcastable to [B, Nq, S, S], True = masked out): an attention mask on top; rows with
+    every key masked give 0. Returns "out", "lse" (float64, [B, Nq, S], before dropout),
+    "dq", "dk", "dv".
     """
     groups = q.size(1) // k.size(1)
     qq, kk, vv = (t.detach().to(dtype).requires_grad_(True) for t in (q, k, v))
@@ -110,7 +112,10 @@ def dense_attention(q, k, v, dout, causal: bool, keep=None, keep_prob: float = 1
     if causal:
         n = s.shape[-1]
         s = s.masked_fill(torch.ones(n, n, dtype=torch.bool).triu(1), float("-inf"))
-    p = torch.softmax(s, -1)
+    if masked is not None:
+        s = s.masked_fill(masked.bool(), float("-inf"))
+    dead = torch.isneginf(s).all(-1, keepdim=True)
+    p = torch.softmax(s.masked_fill(dead, 0.0), -1).masked_fill(dead, 0.0)
     if keep is not None:
         p = p * keep.to(dtype) / keep_prob
     out = p @ vv.repeat_interleave(groups, 1)
@@ -121,6 +126,14 @@ def dense_attention(q, k, v, dout, causal: bool, keep=None, keep_prob: float = 1
 def case_dense(q, k, v, dout, case: AttentionCase, keep=None, dtype=torch.float64) -> dict:
     """``dense_attention`` with the case's causal mask and keep_prob."""
     return dense_attention(q, k, v, dout, case.causal, keep, case.keep_prob, dtype)
+
+
+def band_masked(seq: int, pre_tockens: int, next_tockens: int) -> torch.Tensor:
+    """The [S, S] mask (True = masked out) of band attention: query i sees key j iff
+    i - pre_tockens <= j <= i + next_tockens."""
+    i = torch.arange(seq).view(-1, 1)
+    j = torch.arange(seq).view(1, -1)
+    return (j - i > next_tockens) | (i - j > pre_tockens)
 
 
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:

@@ -32,7 +32,9 @@ Emulated semantics
   4: band with the right-down origin (Ascend docs: "the part between preTokens
   and nextTokens, parameter starting point is the lower right corner"), i.e.
   with ``d = Skv - Sq``: keep ``j - i <= next_tockens + d`` and
-  ``i - j <= pre_tockens - d``.  Modes 2/3/4 require the compressed 2048x2048
+  ``i - j <= pre_tockens - d`` (for the square call of DESIGN section 11, d = 0:
+  query i sees key j iff i - pre <= j <= i + next; pinned by
+  tests/python/test_windows_masks.py).  Modes 2/3/4 require the compressed 2048x2048
   mask; its values are not used, the pattern comes from the mode.  Without an
   atten_mask the op computes full attention whatever sparse_mode says.
   Modes 5..8 raise ``NotImplementedError``; others ``ValueError``.
