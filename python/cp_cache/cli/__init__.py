@@ -1,9 +1,11 @@
-"""Command line of cp_cache: ``python -m cp_cache demo | bench | doctor``.
+"""Command line of cp_cache: ``python -m cp_cache demo | bench | compare | doctor``.
 
 * ``demo``: trains a tiny decoder under context parallelism (2 CPU ranks by
   default) with full activation checkpointing and dropout, under the handle and
   the stack policy, and prints loss parity and step-cache liveness per step;
 * ``bench``: memory, overhead, traffic and accuracy figures, JSON + PNG;
+* ``compare``: cp_cache next to torch_npu 2.13.0 / 2.12.0 and torch's own ring on the same
+  emulated kernels: correctness, dropout gradients, memory, time, traffic, JSON + PNG;
 * ``doctor``: what is installed, built and in use, and what to do about it.
 """
 
@@ -14,11 +16,11 @@ import sys
 
 
 def main(argv: list[str] | None = None) -> int:
-    from . import bench, demo, doctor
+    from . import bench, compare, demo, doctor
 
     parser = argparse.ArgumentParser(prog="python -m cp_cache", description=__doc__.split("\n\n")[0])
-    commands = parser.add_subparsers(dest="command", metavar="{demo,bench,doctor}")
-    for module in (demo, bench, doctor):
+    commands = parser.add_subparsers(dest="command", metavar="{demo,bench,compare,doctor}")
+    for module in (demo, bench, compare, doctor):
         sub = commands.add_parser(module.NAME, help=module.HELP, description=module.__doc__)
         module.add_arguments(sub)
         sub.set_defaults(run=module.run)

@@ -223,7 +223,8 @@ def _windows(plan: dict, rank: int, world_size: int, mesh) -> list[dict]:
                 if window is None:
                     spec, mask = MaskSpec(causal=True), dict(sparse_mode=2, next_tockens=0)
                 else:
-                    spec = MaskSpec(window=True, pre_tockens=window - 1, next_tockens=0)
+                    # what the handler runs: a window over the whole sequence is causal
+                    spec = MaskSpec(window=True, pre_tockens=window - 1, next_tockens=0).simplified(s)
                     mask = dict(sparse_mode=4, pre_tockens=window - 1, next_tockens=0)
                 tasks = [plan_step(rank, i, world_size, load_balance, spec, s_local, s_local)[1]
                          for i in range(world_size)]
@@ -246,7 +247,7 @@ def _windows(plan: dict, rank: int, world_size: int, mesh) -> list[dict]:
                     kv_block_bytes=2 * local[1].nbytes,
                     hops=calls["forward"]["bytes_sent"] // (2 * local[1].nbytes),
                     kernel_calls=sum(len(t) for t in tasks),
-                    blocks_skipped=world_size * chunks * chunks - sum(len(t) for t in tasks) if window else None,
+                    blocks_skipped=world_size * chunks * chunks - sum(len(t) for t in tasks) if spec.window else None,
                     fwd_ms_median=statistics.median(times["fwd"]) * 1e3,
                     bwd_ms_median=statistics.median(times["bwd"]) * 1e3,
                 ))

@@ -1,0 +1,171 @@
+"""python -m cp_cache compare: the side-by-side run (quick, as a user runs it) and its memory helper."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from cp_cache.cli import _measure, compare
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+WHEELS = os.path.join(REPO, ".cache", "torch_npu")
+
+
+def _wheels_present() -> bool:
+    from cp_cache.testing.torch_npu_wheel import VERSIONS, wheel_root
+
+    try:
+        for version in VERSIONS:
+            wheel_root(version)
+    except FileNotFoundError:
+        return False
+    return True
+
+
+# ---------------------------------------------------------------- in process, fast
+
+
+@pytest.mark.parametrize("nbytes", [1 << 20, 8 << 20])
+def test_peak_bytes_of_a_known_allocation(nbytes):
+    def alloc():
+        x = torch.empty(nbytes, dtype=torch.uint8)
+        x.fill_(1)
+        y = torch.empty(1024, dtype=torch.uint8)  # small, after x is allocated
+        del x, y
+
+    measured = _measure.peak_bytes(alloc)
+    assert nbytes <= measured <= nbytes + (64 << 10), measured
+
+
+def test_trace_memory_accounts_frees_across_phases():
+    keep = {}
+
+    def first():
+        keep["x"] = torch.empty(4 << 20, dtype=torch.uint8)
+
+    def second():
+        del keep["x"]  # freed here: the level drops, then a smaller allocation
+        z = torch.empty(1 << 20, dtype=torch.uint8)
+        del z
+
+    peaks = _measure.trace_memory([("first", first), ("second", second)])
+    assert (4 << 20) <= peaks["first"] <= (4 << 20) + (64 << 10)
+    assert peaks["second"] <= (64 << 10), peaks  # never above the level at its start
+
+
+def test_distinct_storage_bytes_counts_views_once_and_excludes():
+    a = torch.zeros(1000)  # 4000 B
+    b = torch.zeros(10)  # 40 B
+    assert _measure.distinct_storage_bytes([a, a[:10], a.view(10, 100), b]) == 4040
+    assert _measure.distinct_storage_bytes([a, b], exclude=[a[5:]]) == 40
+
+
+def test_bad_cli_input_names_the_argument():
+    proc = subprocess.run([sys.executable, "-m", "cp_cache", "compare", "--worlds", "1"], cwd=REPO,
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2 and "--worlds" in proc.stderr, proc.stderr
+    proc = subprocess.run([sys.executable, "-m", "cp_cache", "compare", "--repeats", "zero"], cwd=REPO,
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2 and "--repeats" in proc.stderr, proc.stderr
+
+
+# ---------------------------------------------------------------- the quick run (subprocess)
+
+
+@pytest.fixture(scope="module")
+def quick_report(tmp_path_factory):
+    if not _wheels_present():
+        pytest.skip(f"torch-npu wheels not fetched into {WHEELS} (python -m cp_cache.testing.torch_npu_wheel fetch)")
+    out = tmp_path_factory.mktemp("compare")
+    env = dict(os.environ)
+    for name in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK", "CP_CACHE_POLICY"):
+        env.pop(name, None)
+    proc = subprocess.run([sys.executable, "-m", "cp_cache", "compare", "--quick", "--out", str(out)], cwd=REPO,
+                          env=env, capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    return json.loads((out / "compare.json").read_text()), out, proc.stdout
+
+
+def test_quick_run_covers_every_system_and_world(quick_report):
+    report, out, stdout = quick_report
+    assert report["systems"] == list(compare.SYSTEMS)
+    assert list(report["results"]) == ["2"]
+    for name in compare.SYSTEMS:
+        row = report["results"]["2"][name]
+        assert "session_error" not in row, (name, row.get("session_error"))
+        assert "dropout" in row
+        if name not in compare.DROPOUT_ONLY:
+            assert set(row["cases"]) == {c["name"] for c in compare.CASES}
+            for key in ("memory", "time", "traffic", "eval_no_grad"):
+                assert key in row, (name, key)
+    assert (out / "compare.png").stat().st_size > 10_000
+    assert "acceptance and max relative error" in stdout and "resources" in stdout
+
+
+def test_the_checks_themselves_are_validated(quick_report):
+    report, _, _ = quick_report
+    v = report["validation"]
+    assert v["directional_check"]["passes"], v["directional_check"]
+    assert v["memory_helper"]["ok"], v["memory_helper"]
+
+
+def test_cp_cache_is_right_and_its_dropout_gradients_pass(quick_report):
+    report, _, _ = quick_report
+    res = report["results"]["2"]
+    for name in (compare.CP_CACHE, compare.CP_CACHE_STACK):
+        for case, c in res[name]["cases"].items():  # the all-False sparse_mode 1 mask too: full attention
+            assert c["status"] == "accepted", (name, case, c)
+            assert c["max_error"] < 1e-5, (name, case, c)
+        drop = res[name]["dropout"]
+        assert drop["status"] == "accepted" and drop["ok"] and drop["max_error"] < 1e-2, drop
+
+
+def test_torch_npu_dropout_refused_or_wrong(quick_report):
+    report, _, _ = quick_report
+    res = report["results"]["2"]
+    refused = res[compare.NPU_213]["dropout"]
+    assert refused["status"] == "refused" and "redistributed" in refused["message"], refused
+    for name in (compare.NPU_213_LIFTED, compare.NPU_212):  # negative controls of the dropout check
+        drop = res[name]["dropout"]
+        assert drop["status"] == "accepted" and not drop["ok"] and drop["max_error"] > 0.05, (name, drop)
+    # sparse_mode 1 with an all-False mask is full attention; torch_npu computes causal
+    for name in (compare.NPU_213, compare.NPU_212):
+        c = res[name]["cases"]["sparse1_all_false_mask"]
+        assert c["status"] == "accepted" and c["silently_wrong"], c
+
+
+def test_memory_kept_between_forward_and_backward(quick_report):
+    report, _, _ = quick_report
+    res = report["results"]["2"]
+    r = report["meta"]["plan"]["resources"]
+    s_local = r["seq"] // 2
+    out = r["batch"] * r["heads"] * s_local * r["head_dim"] * 4
+    stats = 2 * r["batch"] * r["heads"] * s_local * 8 * 4
+    mem = {name: res[name]["memory"] for name in res if "memory" in res[name]}
+    # output + softmax_max/sum saved by autograd (+ seed/offset and the handle's cache)
+    for name in (compare.CP_CACHE, compare.NPU_213):
+        assert out + stats <= mem[name]["no_checkpoint"]["total_bytes"] <= out + stats + 1024, (name, mem[name])
+    # 2.12.0 additionally keeps the merged LSE and a clone of max/sum per ring step
+    assert mem[compare.NPU_212]["no_checkpoint"]["total_bytes"] > mem[compare.CP_CACHE]["no_checkpoint"]["total_bytes"]
+    # under checkpointing nothing is kept, except 2.12.0's stack entry
+    assert mem[compare.CP_CACHE]["checkpoint"]["total_bytes"] == 0
+    assert mem[compare.NPU_212]["checkpoint"]["stack_entries"] == 1
+    assert mem[compare.NPU_212]["checkpoint"]["total_bytes"] >= out
+    assert res[compare.NPU_212]["eval_no_grad"]["stack_entries_left"] == 3
+    for name, m in mem.items():
+        assert m["no_checkpoint"]["forward_peak_bytes"] > 0 and m["no_checkpoint"]["backward_peak_bytes"] > 0, name
+        assert m["no_checkpoint"]["store_bytes_after_backward"] == 0, name
+
+
+def test_traffic_counts_agree_with_cp_cache_and_the_ring(quick_report):
+    report, _, _ = quick_report
+    res = report["results"]["2"]
+    r = report["meta"]["plan"]["resources"]
+    kv = 2 * r["batch"] * r["heads"] * (r["seq"] // 2) * r["head_dim"] * 4  # K + V block, fp32
+    traffic = res[compare.CP_CACHE]["traffic"]
+    assert traffic["cp_cache_reported"] == {"forward": traffic["forward_bytes"], "backward": traffic["backward_bytes"]}
+    for name in (compare.CP_CACHE, compare.NPU_213, compare.TORCH_AG, compare.TORCH_A2A):
+        assert res[name]["traffic"]["forward_bytes"] == kv, (name, res[name]["traffic"])
