@@ -14,6 +14,7 @@ __all__ = [
     "STACK_POLICY",
     "POLICIES",
     "POLICY_ENV",
+    "FUSED_MERGE_ENV",
     "KERNELS",
     "ALGORITHMS",
     "CPConfig",
@@ -25,6 +26,7 @@ HANDLE_POLICY = "handle"
 STACK_POLICY = "stack"
 POLICIES = (HANDLE_POLICY, STACK_POLICY)
 POLICY_ENV = "CP_CACHE_POLICY"
+FUSED_MERGE_ENV = "CP_CACHE_FUSED_MERGE"
 KERNELS = ("npu", "reference")
 ALGORITHMS = ("ring",)
 
@@ -37,11 +39,14 @@ class CPConfig:
         output, owned by autograd) or "stack" (torch_npu's discipline, natively).
     kernel: the step kernel, "npu" or "reference"; None picks "npu" when the op exists.
     algorithm: how the sequence is distributed; "ring".
+    fused_merge: merge ring steps with ``npu_ring_attention_update`` when the op exists
+        (else, or when False, the float32 merge in plain torch).
     """
 
     policy: str = HANDLE_POLICY
     kernel: str | None = None
     algorithm: str = "ring"
+    fused_merge: bool = True
 
     def __post_init__(self) -> None:
         _check_choice("policy", self.policy, POLICIES)
@@ -55,15 +60,22 @@ def _check_choice(name: str, value, choices: tuple) -> None:
         raise ValueError(f"{name}={value!r} is not a cp_cache {name}; use one of {choices}")
 
 
-def resolve_config(policy: str | None = None, *, kernel: str | None = None) -> CPConfig:
-    """A CPConfig from explicit arguments, falling back on the environment (CP_CACHE_POLICY)."""
+def resolve_config(policy: str | None = None, *, kernel: str | None = None,
+                   fused_merge: bool | None = None) -> CPConfig:
+    """A CPConfig from explicit arguments, falling back on the environment (CP_CACHE_POLICY,
+    CP_CACHE_FUSED_MERGE: "0" turns the fused merge off)."""
     if policy is None:
         policy = os.environ.get(POLICY_ENV, HANDLE_POLICY)
         if policy not in POLICIES:
             raise ValueError(
                 f"environment variable {POLICY_ENV}={policy!r} is not a cp_cache policy; use one of {POLICIES}"
             )
-    return CPConfig(policy=policy, kernel=kernel)
+    if fused_merge is None:
+        value = os.environ.get(FUSED_MERGE_ENV, "1").strip()
+        if value not in ("0", "1"):
+            raise ValueError(f"environment variable {FUSED_MERGE_ENV}={value!r}: use 0 or 1")
+        fused_merge = value == "1"
+    return CPConfig(policy=policy, kernel=kernel, fused_merge=fused_merge)
 
 
 def load_balance_enabled() -> bool:

@@ -133,18 +133,20 @@ _registered: _Registration | None = None
 _call_log = CallLog()
 
 
-def enable(policy: str | None = None, *, kernel: str | None = None) -> None:
-    """Register the CP handlers for the NPU attention ops (idempotent; a new policy or
-    kernel replaces the handlers).
+def enable(policy: str | None = None, *, kernel: str | None = None, fused_merge: bool | None = None) -> None:
+    """Register the CP handlers for the NPU attention ops (idempotent; a new configuration
+    replaces the handlers).
 
     ``policy``: "handle" (default) or "stack"; None reads CP_CACHE_POLICY.
     ``kernel``: the step kernel, "npu" or "reference"; None picks "npu" when the op exists.
+    ``fused_merge``: merge ring steps with ``npu_ring_attention_update`` when it exists;
+    None reads CP_CACHE_FUSED_MERGE (default on).
 
     Call it after ``import torch_npu``: torch_npu's import replaces torch's CP dispatcher
     switches and its handler table, and cp_cache wraps what it finds.
     """
     global _registered
-    config = resolve_config(policy, kernel=kernel)
+    config = resolve_config(policy, kernel=kernel, fused_merge=fused_merge)
     handlers = AttentionHandlers(config, _call_log)
     if not handlers.table():
         raise RuntimeError(
@@ -239,7 +241,8 @@ def context_parallel(
     elif not _registered.hooked():
         log.warning("cp_cache: torch's CP dispatcher switches were replaced after cp_cache.enable() "
                     "(torch_npu imported late?); enabling again on top of them")
-        enable(_registered.handlers.config.policy, kernel=_registered.handlers.config.kernel)
+        config = _registered.handlers.config
+        enable(config.policy, kernel=config.kernel, fused_merge=config.fused_merge)
     try:
         if buffers:
             with torch_context_parallel(

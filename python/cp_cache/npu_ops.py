@@ -26,10 +26,12 @@ __all__ = [
     "GRAD_V3",
     "FORWARD_V1",
     "GRAD_V1",
+    "RING_UPDATE",
     "SCHEMAS",
     "causal_mask",
     "is_compressed_mask",
     "stats_from_lse",
+    "stats_views_from_lse",
     "lse_from_stats",
     "op_exists",
 ]
@@ -102,7 +104,13 @@ FORWARD_V3 = _forward_schema(v3=True)
 GRAD_V3 = _grad_schema(v3=True)
 FORWARD_V1 = _forward_schema(v3=False)
 GRAD_V1 = _grad_schema(v3=False)
-SCHEMAS = {s.split("(", 1)[0]: s for s in (FORWARD_V3, GRAD_V3, FORWARD_V1, GRAD_V1)}
+# the fused merge of two partial attention results (online softmax); layouts SBH and TND
+RING_UPDATE = (
+    "npu_ring_attention_update(Tensor prev_attn_out, Tensor prev_softmax_max, Tensor prev_softmax_sum, "
+    "Tensor cur_attn_out, Tensor cur_softmax_max, Tensor cur_softmax_sum, *, Tensor? actual_seq_qlen=None, "
+    'str input_layout="SBH", str input_softmax_layout="") -> (Tensor, Tensor, Tensor)'
+)
+SCHEMAS = {s.split("(", 1)[0]: s for s in (FORWARD_V3, GRAD_V3, FORWARD_V1, GRAD_V1, RING_UPDATE)}
 
 
 def op_exists(name: str) -> bool:
@@ -148,6 +156,16 @@ def stats_from_lse(lse: Tensor) -> tuple[Tensor, Tensor]:
     as max = LSE, sum = 1, which the grad kernel treats like the forward's own pair."""
     softmax_max = lse.float().unsqueeze(-1).expand(*lse.shape, STATS_WIDTH).contiguous()
     return softmax_max, torch.ones_like(softmax_max)
+
+
+def stats_views_from_lse(lse: Tensor) -> tuple[Tensor, Tensor]:
+    """(softmax_max, softmax_sum) as stride-0 views: max = the LSE expanded over the 8 lanes,
+    sum = a single 1 expanded. They hold 4 bytes per query token and head (the LSE) plus 4,
+    where the contiguous pair holds 64: what autograd saves between forward and backward
+    (DESIGN section 13). The grad kernels get the contiguous form (``stats_from_lse``)."""
+    shape = (*lse.shape, STATS_WIDTH)
+    one = torch.ones((), dtype=torch.float32, device=lse.device)
+    return lse.float().unsqueeze(-1).expand(shape), one.expand(shape)
 
 
 def lse_from_stats(softmax_max: Tensor, softmax_sum: Tensor) -> Tensor:

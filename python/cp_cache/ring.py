@@ -26,6 +26,7 @@ with their block and go back to its owner after the last step.
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass
 from typing import Optional
 
@@ -35,6 +36,7 @@ from torch import Tensor
 
 from . import layout as L
 from .kernels.base import StepKernel
+from .merge import merge_into
 from .npu_ops import INT_MAX
 from .ring_plan import PARTS, BlockTask, MaskSpec, hops_needed, plan_step, step_part
 
@@ -99,6 +101,8 @@ class RingForward:
     lse: Tensor
     steps: list[RingStep]
     bytes_sent: int
+    compute_seconds: float = 0.0  # kernels and merges
+    wait_seconds: float = 0.0  # blocked on a K/V receive: communication the compute did not hide
 
 
 @dataclass
@@ -107,6 +111,8 @@ class RingBackward:
     dk: Tensor
     dv: Tensor
     bytes_sent: int
+    compute_seconds: float = 0.0  # kernels and accumulation
+    wait_seconds: float = 0.0  # blocked on a K/V or dK/dV receive
 
 
 # ---------------------------------------------------------------- checks
@@ -219,21 +225,6 @@ def _lse_rows(lse: Tensor, rows: tuple[int, int]) -> Tensor:
     return lse.narrow(2, *rows)  # lse is [B, N, S]
 
 
-# ---------------------------------------------------------------- merge
-
-
-def _merge(acc_out: Tensor, acc_lse: Tensor, out_i: Tensor, lse_i: Tensor, layout: str, head_num: int) -> None:
-    """In place: acc <- logsumexp-merge(acc, step). acc_out float32 in ``layout``, lse [B, N, S]."""
-    new_lse = torch.logaddexp(acc_lse, lse_i)
-    # rows with no key seen on either side keep -inf and a zero output (never NaN)
-    ref = torch.where(torch.isneginf(new_lse), torch.zeros_like(new_lse), new_lse)
-    w_old = L.lse_view(torch.exp(acc_lse - ref), layout)
-    w_new = L.lse_view(torch.exp(lse_i - ref), layout)
-    o = L.as_4d(acc_out, layout, head_num)
-    o.mul_(w_old).add_(L.as_4d(out_i, layout, head_num).float() * w_new)
-    acc_lse.copy_(new_lse)
-
-
 # ---------------------------------------------------------------- forward
 
 
@@ -251,14 +242,15 @@ def _task_operands(task: BlockTask, layout: str, q: Tensor, k: Tensor, v: Tensor
 
 def ring_attention_forward(
     q: Tensor, k: Tensor, v: Tensor, config: RingConfig, *, group, kernel: StepKernel,
-    mask_rows: Optional[Tensor] = None,
+    mask_rows: Optional[Tensor] = None, fused_merge: bool = False,
 ) -> RingForward:
     """Ring attention of the local queries against every rank's K/V block.
 
     ``mask_rows``: with ``config.given_mask``, the mask's rows of the local queries over the
-    whole sequence (True = masked out). Returns the merged output (query dtype, input
-    layout), the float32 LSE [B, Nq, Sq], the per-step records (for backward) and the
-    bytes sent.
+    whole sequence (True = masked out). ``fused_merge``: merge step results with
+    ``npu_ring_attention_update`` (it must exist) instead of plain torch. Returns the merged
+    output (query dtype, input layout), the float32 LSE [B, Nq, Sq], the per-step records
+    (for backward) and the bytes sent.
     """
     size, rank, group = _group_info(config, group)
     qd, _ = _check_inputs(q, k, v, config, mask_rows)
@@ -270,6 +262,7 @@ def ring_attention_forward(
 
     steps: list[RingStep] = []
     bytes_sent = 0
+    compute_s = wait_s = 0.0
     cur_k, cur_v = k.contiguous(), v.contiguous()
     last = _last_step(config, cur_k.size(L.seq_dim(lay)))
     for i in range(last + 1):
@@ -277,20 +270,26 @@ def ring_attention_forward(
         if i < last:
             ex = _Exchange([cur_k, cur_v], group, rank, size, _TAG_KV)
             bytes_sent += ex.nbytes
+        started = time.perf_counter()
         part, tasks = _plan(rank, i, config, qd.seq, mask_rows)
         rng = []
         for task in tasks:
             res = kernel.forward(*_task_operands(task, lay, q, cur_k, cur_v), mask=task.mask, **kw)
             if res.seed is not None:
                 rng.append((res.seed, res.offset))
-            _merge(_rows(acc_out, lay, task.q_rows), _lse_rows(acc_lse, task.q_rows), res.out, res.lse, lay, hn)
+            merge_into(_rows(acc_out, lay, task.q_rows), _lse_rows(acc_lse, task.q_rows), res.out, res.lse,
+                       lay, hn, fused=fused_merge)
             del res
         steps.append(RingStep(index=i, source_rank=(rank - i) % size, part=part, rng=tuple(rng)))
+        computed = time.perf_counter()
+        compute_s += computed - started
         if ex is not None:
             cur_k, cur_v = ex.wait()
             del ex
+            wait_s += time.perf_counter() - computed
     log.debug("ring forward rank %d/%d: parts %s, %d bytes sent", rank, size, [s.part for s in steps], bytes_sent)
-    return RingForward(out=acc_out.to(q.dtype), lse=acc_lse, steps=steps, bytes_sent=bytes_sent)
+    return RingForward(out=acc_out.to(q.dtype), lse=acc_lse, steps=steps, bytes_sent=bytes_sent,
+                       compute_seconds=compute_s, wait_seconds=wait_s)
 
 
 # ---------------------------------------------------------------- backward
@@ -388,12 +387,14 @@ def ring_attention_backward(
     dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
     accumulators = _GradAccumulators(group, rank, size)
     bytes_sent = 0
+    compute_s = wait_s = 0.0
     cur_k, cur_v = k.contiguous(), v.contiguous()
     for i, st in enumerate(steps):
         kv_ex = None
         if i < last:
             kv_ex = _Exchange([cur_k, cur_v], group, rank, size, _TAG_KV)
             bytes_sent += kv_ex.nbytes
+        started = time.perf_counter()
         kv_grads = []
         for task, (seed, offset) in _recorded_tasks(st, rank, config, qd.seq, mask_rows):
             grads = kernel.backward(
@@ -404,19 +405,28 @@ def ring_attention_backward(
             _rows(dq, lay, task.q_rows).add_(grads[0])
             kv_grads.append((task.kv_rows, grads[1], grads[2]))
             del grads
+        computed = time.perf_counter()
         dk_acc, dv_acc = accumulators.for_block(cur_k, cur_v)
+        received = time.perf_counter()
         for kv_rows, dk_i, dv_i in kv_grads:
             _rows(dk_acc, lay, kv_rows).add_(dk_i)
             _rows(dv_acc, lay, kv_rows).add_(dv_i)
         del dk_acc, dv_acc, kv_grads
         accumulators.pass_on(1 if i < last else size - last)
+        passed = time.perf_counter()
+        compute_s += (computed - started) + (passed - received)
+        wait_s += received - computed
         if kv_ex is not None:
             cur_k, cur_v = kv_ex.wait()
             del kv_ex
+            wait_s += time.perf_counter() - passed
+    homed = time.perf_counter()
     dk, dv = accumulators.home()
+    wait_s += time.perf_counter() - homed
     bytes_sent += accumulators.bytes_sent
     log.debug("ring backward rank %d/%d: %d bytes sent", rank, size, bytes_sent)
-    return RingBackward(dq=dq.to(q.dtype), dk=dk.to(k.dtype), dv=dv.to(v.dtype), bytes_sent=bytes_sent)
+    return RingBackward(dq=dq.to(q.dtype), dk=dk.to(k.dtype), dv=dv.to(v.dtype), bytes_sent=bytes_sent,
+                        compute_seconds=compute_s, wait_seconds=wait_s)
 
 
 def _recorded_tasks(step: RingStep, rank: int, config: RingConfig, seq: int, mask_rows):

@@ -20,12 +20,13 @@ sharding a causal window of w tokens needs ceil((w-1)/S_local) hops, not W-1.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Optional
 
 import torch
 from torch import Tensor
 
+from .kernels.base import StepMask
 from .npu_ops import INT_MAX
 
 __all__ = ["StepMask", "BlockTask", "MaskSpec", "step_part", "plan_step", "hops_needed", "chunks", "PARTS"]
@@ -63,18 +64,6 @@ class MaskSpec:
         if sees_all_past and self.next_tockens == 0:
             return MaskSpec(causal=True)
         return self
-
-
-@dataclass(frozen=True)
-class StepMask:
-    """The mask of one kernel call, in the op's terms: "none", "causal" (sparse_mode 2),
-    "band" (sparse_mode 4 with the op's pre/next_tockens) or "given" (sparse_mode 1 with
-    ``block``, True = masked out)."""
-
-    kind: str
-    pre_tockens: int = INT_MAX
-    next_tockens: int = INT_MAX
-    block: Optional[Tensor] = field(default=None, compare=False)
 
 
 @dataclass(frozen=True)

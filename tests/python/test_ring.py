@@ -268,10 +268,22 @@ def test_step_part_rule():
     assert [step_part(0, i, 4, False, False) for i in range(4)] == ["full"] * 4
 
 
-def test_no_nan_with_empty_rows():
+@pytest.mark.parametrize("fused", [False, True], ids=["float32", "fused"])
+def test_no_nan_with_empty_rows(fused):
     """A merge of -inf LSE rows (nothing seen yet / a skipped step) gives no NaN."""
-    from cp_cache.ring import _merge
+    from cp_cache.merge import merge_into
 
+    was_installed = emulator_installed()
+    if fused:
+        install_npu_emulator(route_sdpa=False)
+    try:
+        _merges_without_nan(lambda *args: merge_into(*args, fused=fused))
+    finally:
+        if fused and not was_installed:
+            uninstall_npu_emulator()
+
+
+def _merges_without_nan(_merge):
     out = torch.zeros(1, 2, 3, 4)
     lse = torch.full((1, 2, 3), float("-inf"))
     _merge(out, lse, torch.zeros(1, 2, 3, 4), torch.full((1, 2, 3), float("-inf")), "BNSD", 2)

@@ -16,6 +16,15 @@ Sections (``--only`` picks some):
 * ``windows``: band (sliding-window) attention at the largest W: bytes sent and time per
   call against the window size, next to the full-causal ring, with the kernel calls made
   and the blocks skipped; contiguous and head-tail shards (also ``bench_windows.png``);
+* ``floor``: what one causal CP attention call keeps from forward to backward (the distinct
+  storages autograd saves for it, inputs and mask excluded, plus the store's live bytes)
+  against the floor output + LSE and against output + contiguous [B, N, S, 8] statistics
+  (B=1, N=8, S=4096, D=64, fp32; DESIGN section 13), both policies, and whether the ring
+  merged its steps with the fused op;
+* ``overlap``: per attention call, the ring's time computing (kernels, merges,
+  accumulation) and blocked on receives, forward and backward: ``exposed_fraction`` =
+  waiting / (computing + waiting), for the default shapes and for one where communication
+  dominates;
 * ``store``: the store micro-benchmark (``cli/bench_store.py``).
 
 Benchmarks measure and report; they assert nothing about timings. On CPU the
@@ -38,7 +47,7 @@ from ._common import fmt_bytes, launch, table
 NAME = "bench"
 HELP = "memory, overhead, traffic and accuracy benchmarks; JSON and a PNG plot under --out"
 
-SECTIONS = ("memory", "overhead", "traffic", "accuracy", "windows", "store")
+SECTIONS = ("memory", "overhead", "traffic", "accuracy", "windows", "floor", "overlap", "store")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -54,6 +63,8 @@ def _plan(quick: bool, worlds: list[int] | None) -> dict:
             worlds=worlds or [1, 2], layers=[1, 2], modes=["none", "non_reentrant"],
             model=dict(batch=1, seq=32, dim=32, heads=4, kv_heads=4),
             attn=dict(batch=1, heads=4, seq=64, head_dim=16), repeats=3, warmup=1,
+            floor=dict(batch=1, heads=4, seq=128, head_dim=16),
+            comm_bound=dict(batch=1, heads=4, seq=16, head_dim=32),
             store=dict(number=2000, repeat=2),
         )
     return dict(
@@ -61,6 +72,8 @@ def _plan(quick: bool, worlds: list[int] | None) -> dict:
         modes=["none", "non_reentrant", "reentrant", "selective_save_attention"],
         model=dict(batch=1, seq=128, dim=32, heads=4, kv_heads=4),
         attn=dict(batch=1, heads=8, seq=1024, head_dim=64), repeats=5, warmup=1,
+        floor=dict(batch=1, heads=8, seq=4096, head_dim=64),
+        comm_bound=dict(batch=1, heads=8, seq=32, head_dim=128),  # tiny blocks: the hops dominate
         store=dict(number=100_000, repeat=5),
     )
 
@@ -257,6 +270,99 @@ def _windows(plan: dict, rank: int, world_size: int, mesh) -> list[dict]:
     return rows
 
 
+def _causal_call(shape: dict, mesh, world_size: int, rank: int, seed: int = 0):
+    """Local causal q, k, v, dy as DTensors (Shard(2), BNSD, fp32) and the v3 call on them."""
+    import torch
+    from torch.distributed.tensor import DTensor, Shard
+
+    from ..npu_ops import causal_mask
+
+    b, n, s, d = shape["batch"], shape["heads"], shape["seq"], shape["head_dim"]
+    g = torch.Generator().manual_seed(seed + rank)
+    local = [torch.randn(b, n, s // world_size, d, generator=g) for _ in range(4)]
+    q, k, v = (DTensor.from_local(t, mesh, [Shard(2)]).requires_grad_() for t in local[:3])
+    dy = DTensor.from_local(local[3], mesh, [Shard(2)])
+    mask = causal_mask(torch.device("cpu"))
+
+    def call():
+        return torch.ops.npu.npu_fusion_attention_v3(
+            q, k, v, n, "BNSD", atten_mask=mask, scale=1.0 / math.sqrt(d), sparse_mode=2, next_tockens=0)[0]
+
+    return (q, k, v, dy, mask), call
+
+
+def _floor(plan: dict, rank: int, world_size: int, mesh) -> list[dict]:
+    import torch
+
+    import cp_cache
+    from ._measure import storage_key
+
+    f = plan["floor"]
+    s_local = f["seq"] // world_size
+    tokens = f["batch"] * f["heads"] * s_local
+    output, lse = tokens * f["head_dim"] * 4, tokens * 4
+    contiguous_stats = 2 * tokens * 8 * 4
+    rows = []
+    for policy in ("handle", "stack"):
+        cp_cache.enable(policy=policy)
+        inputs, call = _causal_call(f, mesh, world_size, rank)
+        exclude = {storage_key(t)[0] for t in inputs}
+        saved: dict[int, int] = {}
+
+        def pack(t):
+            key = storage_key(t)
+            if key and key[0] not in exclude:
+                saved[key[0]] = max(saved.get(key[0], 0), key[1])
+            return t
+
+        store_before = cp_cache.stats()["live_bytes"]
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            out = call()
+        store_bytes = cp_cache.stats()["live_bytes"] - store_before
+        fused = cp_cache.call_stats()["forward"]["fused_merge"]
+        out.backward(inputs[3])
+        kept = sum(saved.values()) + store_bytes
+        rows.append(dict(
+            world_size=world_size, rank=rank, policy=policy, shape=f, kept_bytes=kept,
+            autograd_saved_bytes=sum(saved.values()), store_bytes=store_bytes,
+            output_bytes=output, lse_bytes=lse, floor_bytes=output + lse,
+            above_floor_bytes=kept - (output + lse),
+            with_contiguous_stats_bytes=output + contiguous_stats,
+            saved_per_call_bytes=output + contiguous_stats - kept,
+            fused_merge=fused,
+        ))
+        cp_cache.disable()
+    return rows
+
+
+def _overlap(plan: dict, rank: int, world_size: int, mesh) -> list[dict]:
+    import cp_cache
+
+    rows = []
+    cp_cache.enable(policy="handle")
+    for name in ("attn", "comm_bound"):
+        inputs, call = _causal_call(plan[name], mesh, world_size, rank)
+        samples: dict[str, list] = {"forward": [], "backward": []}
+        for i in range(plan["warmup"] + plan["repeats"]):
+            for t in inputs[:3]:
+                t.grad = None
+            call().backward(inputs[3])
+            stats = cp_cache.call_stats()
+            if i >= plan["warmup"]:
+                for direction in samples:
+                    samples[direction].append(stats[direction])
+        for direction, records in samples.items():
+            rows.append(dict(
+                world_size=world_size, rank=rank, shape="default" if name == "attn" else "comm_bound",
+                dims=plan[name], direction=direction,
+                exposed_fraction=statistics.median(r["exposed_fraction"] for r in records),
+                compute_ms=statistics.median(r["compute_seconds"] for r in records) * 1e3,
+                wait_ms=statistics.median(r["wait_seconds"] for r in records) * 1e3,
+            ))
+    cp_cache.disable()
+    return rows
+
+
 def bench_rank(rank: int, world_size: int, plan: dict, sections: list[str]) -> dict:
     import torch
     from torch.distributed.device_mesh import init_device_mesh
@@ -273,6 +379,10 @@ def bench_rank(rank: int, world_size: int, plan: dict, sections: list[str]) -> d
         out["calls"] = _overhead_traffic(plan, rank, world_size, mesh)
     if "accuracy" in sections:
         out["accuracy"] = _accuracy(plan, rank, world_size, mesh)
+    if "floor" in sections:
+        out["floor"] = _floor(plan, rank, world_size, mesh)
+    if "overlap" in sections and world_size > 1:
+        out["overlap"] = _overlap(plan, rank, world_size, mesh)
     if "windows" in sections and world_size == max(plan["worlds"]) and world_size > 1:
         out["windows"] = _windows(plan, rank, world_size, mesh)
     return out
@@ -285,6 +395,16 @@ def _store_bench(plan: dict) -> dict:
     from .bench_store import run
 
     return run(plan["store"]["number"], plan["store"]["repeat"])
+
+
+def _exposed_fraction(rows: list[dict]) -> dict:
+    """{"W=2": {"default": {"forward": f, "backward": f}, "comm_bound": {...}}, ...}: the
+    largest fraction over ranks (the slowest rank sets the pace)."""
+    out: dict = {}
+    for r in rows:
+        cell = out.setdefault(f"W={r['world_size']}", {}).setdefault(r["shape"], {})
+        cell[r["direction"]] = max(cell.get(r["direction"], 0.0), r["exposed_fraction"])
+    return out
 
 
 def _collect(per_world: list[list[dict]], key: str, all_ranks: bool = False) -> list[dict]:
@@ -340,6 +460,20 @@ def _print_summary(report: dict) -> None:
                 for r in windows]
         print(table(["shards", "window", "hops", "fwd sent", "bwd sent", "kernel calls", "blocks skipped",
                      "fwd ms", "bwd ms"], rows))
+    floor = [r for r in report.get("floor") or [] if r["rank"] == 0]
+    if floor:
+        print("\nmemory floor: kept from forward to backward per causal attention call (rank 0)")
+        rows = [[r["world_size"], r["policy"], fmt_bytes(r["kept_bytes"]), fmt_bytes(r["floor_bytes"]),
+                 fmt_bytes(r["above_floor_bytes"]), fmt_bytes(r["with_contiguous_stats_bytes"]),
+                 fmt_bytes(r["saved_per_call_bytes"]), "fused" if r["fused_merge"] else "float32"] for r in floor]
+        print(table(["W", "policy", "kept", "output + LSE", "above floor", "with [B,N,S,8] stats",
+                     "saved per call", "merge"], rows))
+    exposed = report.get("exposed_fraction")
+    if exposed:
+        print("\ncommunication not hidden by compute (exposed fraction, max over ranks)")
+        rows = [[w, shape, f"{d.get('forward', float('nan')):.2f}", f"{d.get('backward', float('nan')):.2f}"]
+                for w, shapes in exposed.items() for shape, d in shapes.items()]
+        print(table(["W", "shape", "forward", "backward"], rows))
     store = report.get("store")
     if store:
         print("\nstore (ns per call): " + ", ".join(f"{k} {v}" for k, v in store["ns_per_call"].items()))
@@ -391,6 +525,11 @@ def run(args: argparse.Namespace) -> int:
         report["accuracy"] = _collect(per_world, "accuracy")
     if "windows" in sections:
         report["windows"] = _collect(per_world, "windows", all_ranks=True)
+    if "floor" in sections:
+        report["floor"] = _collect(per_world, "floor")
+    if "overlap" in sections:
+        report["overlap"] = _collect(per_world, "overlap", all_ranks=True)
+        report["exposed_fraction"] = _exposed_fraction(report["overlap"])
     if "store" in sections:
         print("bench: store micro-benchmark ...", flush=True)
         report["store"] = _store_bench(plan)

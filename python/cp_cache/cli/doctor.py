@@ -103,9 +103,37 @@ def run(args: argparse.Namespace) -> int:
         _check("matplotlib", True, f"{matplotlib.__version__} (bench plots)", todo)
     except ImportError:
         _check("matplotlib", False, "missing (bench writes JSON only)", todo, "run make build")
+    _merge_check(todo)
     s = cp_cache.stats()
     _check("store", True, f"live_entries={s['live_entries']}, stack_depth={s['stack_depth']}", todo)
     return _finish(todo)
+
+
+def _merge_check(todo: list[str]) -> None:
+    """Which merge the ring uses for its steps: the fused op or the float32 merge."""
+    from cp_cache.config import FUSED_MERGE_ENV, resolve_config
+    from cp_cache.merge import OP_NAME, fused_merge_available
+    from cp_cache.testing import emulator_installed, install_npu_emulator, uninstall_npu_emulator
+
+    try:
+        wanted = resolve_config().fused_merge
+    except ValueError as e:
+        _check("ring merge", False, str(e), todo, f"set {FUSED_MERGE_ENV}=0 or {FUSED_MERGE_ENV}=1")
+        return
+    installed_here = not emulator_installed() and install_npu_emulator(route_sdpa=False)
+    try:
+        available = fused_merge_available()
+    finally:
+        if installed_here:
+            uninstall_npu_emulator()
+    source = "emulated" if installed_here or emulator_installed() else "torch_npu"
+    if not wanted:
+        detail = f"float32 merge in plain torch ({FUSED_MERGE_ENV}=0)"
+    elif available:
+        detail = f"fused: torch.ops.npu.{OP_NAME} ({source})"
+    else:
+        detail = f"float32 merge in plain torch (torch.ops.npu.{OP_NAME} does not exist)"
+    _check("ring merge", None, detail, todo)
 
 
 def _finish(todo: list[str]) -> int:

@@ -20,7 +20,8 @@ from .. import _C
 from .. import layout as L
 from ..config import HANDLE_POLICY, STACK_POLICY, CPConfig, load_balance_enabled
 from ..kernels import get_kernel
-from ..npu_ops import lse_from_stats, stats_from_lse
+from ..merge import fused_merge_available
+from ..npu_ops import lse_from_stats, stats_views_from_lse
 from ..ring import RingConfig, ring_attention_backward, ring_attention_forward
 from ..ring_plan import MaskSpec, chunks
 from . import step_records as records
@@ -118,11 +119,13 @@ class AttentionHandlers:
         mask_rows = _mask_rows(a, layout, config)
         q, k, v = (a[n].to_local() for n in ("query", "key", "value"))
         kernel = get_kernel(self.config.kernel)
+        fused_merge = self.config.fused_merge and fused_merge_available()
         ring_started = time.perf_counter()
-        result = ring_attention_forward(q, k, v, config, group=mesh.get_group(), kernel=kernel, mask_rows=mask_rows)
+        result = ring_attention_forward(q, k, v, config, group=mesh.get_group(), kernel=kernel, mask_rows=mask_rows,
+                                        fused_merge=fused_merge)
         ring_seconds = time.perf_counter() - ring_started
 
-        softmax_max, softmax_sum = stats_from_lse(result.lse)
+        softmax_max, softmax_sum = stats_views_from_lse(result.lse)  # the memory floor: LSE + 4 bytes
         stats_placements = (Shard(_STATS_SEQ_DIM),)
         outputs = (
             _wrap(result.out, mesh, placements),
@@ -132,7 +135,7 @@ class AttentionHandlers:
             self._seed_slot(config, kernel.name, result.steps),
             _slot_tensor(config.world_size),
         )
-        self.call_log.record("forward", result.bytes_sent, started, ring_seconds)
+        self.call_log.record("forward", result, started, ring_seconds, fused_merge=fused_merge)
         return outputs
 
     def _seed_slot(self, config: RingConfig, kernel_name: str, steps) -> Tensor:
@@ -204,5 +207,5 @@ class AttentionHandlers:
             torch.empty(0, dtype=q.dtype, device=q.device),  # dpse: no pse
             torch.zeros((), dtype=torch.float32, device=q.device),  # dsink: no sink (0-d, as the op's meta)
         )
-        self.call_log.record("backward", result.bytes_sent, started, ring_seconds)
+        self.call_log.record("backward", result, started, ring_seconds)
         return outputs

@@ -16,11 +16,20 @@ class CallRecord:
     bytes_sent: int = 0
     handler_seconds: float = 0.0  # whole handler, ring included
     ring_seconds: float = 0.0  # kernels and communication
+    compute_seconds: float = 0.0  # inside the ring: kernels, merges, accumulation
+    wait_seconds: float = 0.0  # inside the ring: blocked on receives (communication not hidden)
+    fused_merge: bool = False  # forward: steps merged by npu_ring_attention_update
     calls: int = 0
 
     @property
     def overhead_seconds(self) -> float:
         return self.handler_seconds - self.ring_seconds
+
+    @property
+    def exposed_fraction(self) -> float:
+        """The share of the ring's time spent waiting for communication."""
+        busy = self.compute_seconds + self.wait_seconds
+        return self.wait_seconds / busy if busy > 0 else 0.0
 
 
 class CallLog:
@@ -32,20 +41,26 @@ class CallLog:
         self._lock = threading.Lock()
         self._records = {d: CallRecord() for d in self.DIRECTIONS}
 
-    def record(self, direction: str, bytes_sent: int, started: float, ring_seconds: float) -> None:
-        """Record a call of ``direction`` that began at ``started`` (time.perf_counter())."""
+    def record(self, direction: str, result, started: float, ring_seconds: float, *, fused_merge: bool = False) -> None:
+        """Record a call of ``direction`` that began at ``started`` (time.perf_counter());
+        ``result``: the ring's RingForward / RingBackward."""
         handler_seconds = time.perf_counter() - started
         with self._lock:
             record = self._records[direction]
-            record.bytes_sent = bytes_sent
+            record.bytes_sent = result.bytes_sent
             record.handler_seconds = handler_seconds
             record.ring_seconds = ring_seconds
+            record.compute_seconds = result.compute_seconds
+            record.wait_seconds = result.wait_seconds
+            record.fused_merge = fused_merge
             record.calls += 1
 
     def snapshot(self) -> dict[str, dict]:
-        """{"forward": {...}, "backward": {...}} with bytes_sent, handler_seconds,
-        ring_seconds, overhead_seconds and calls of each direction."""
+        """{"forward": {...}, "backward": {...}} with bytes_sent, handler_seconds, ring_seconds,
+        overhead_seconds, compute_seconds, wait_seconds, exposed_fraction, fused_merge and
+        calls of each direction."""
         with self._lock:
             return {
-                d: dict(asdict(r), overhead_seconds=r.overhead_seconds) for d, r in self._records.items()
+                d: dict(asdict(r), overhead_seconds=r.overhead_seconds, exposed_fraction=r.exposed_fraction)
+                for d, r in self._records.items()
             }

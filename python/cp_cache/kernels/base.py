@@ -2,14 +2,26 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Optional, Protocol, runtime_checkable
 
 from torch import Tensor
 
-from ..ring_plan import StepMask
+from ..npu_ops import INT_MAX
 
-__all__ = ["StepForward", "StepKernel"]
+__all__ = ["StepForward", "StepKernel", "StepMask"]
+
+
+@dataclass(frozen=True)
+class StepMask:
+    """The mask of one kernel call, in the op's terms: "none", "causal" (sparse_mode 2),
+    "band" (sparse_mode 4 with the op's pre/next_tockens) or "given" (sparse_mode 1 with
+    ``block``, True = masked out)."""
+
+    kind: str
+    pre_tockens: int = INT_MAX
+    next_tockens: int = INT_MAX
+    block: Optional[Tensor] = field(default=None, compare=False)
 
 
 @dataclass
@@ -32,7 +44,7 @@ class StepForward:
 class StepKernel(Protocol):
     """Computes attention of a query block against one K/V block.
 
-    ``mask`` (``ring_plan.StepMask``) in the op's terms: "none", "causal" (left-up,
+    ``mask`` (``StepMask``) in the op's terms: "none", "causal" (left-up,
     sparse_mode 2), "band" (sparse_mode 4 with its pre/next_tockens, anchored at the
     bottom-right corner) or "given" (its ``block``, True = masked out).
     K/V may have fewer heads than Q (GQA, Nq % Nkv == 0); kernels handle it.

@@ -9,8 +9,7 @@ from torch import Tensor
 
 from .. import layout as L
 from ..npu_ops import SparseMode, causal_mask, lse_from_stats, op_exists, stats_from_lse
-from ..ring_plan import StepMask
-from .base import StepForward
+from .base import StepForward, StepMask
 
 __all__ = ["NpuKernel", "available"]
 

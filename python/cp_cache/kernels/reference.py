@@ -8,8 +8,7 @@ import torch
 from torch import Tensor
 
 from .. import layout as L
-from ..ring_plan import StepMask
-from .base import StepForward
+from .base import StepForward, StepMask
 
 __all__ = ["ReferenceKernel"]
 

@@ -560,6 +560,16 @@ def _registered_op(deco: ast.expr) -> Optional[str]:
     return None
 
 
+class _ErrCodes:
+    """Stand-in for torch_npu's ``ErrCode`` enum in the meta functions' messages: any member is ''."""
+
+    def __getattr__(self, name: str) -> str:
+        return ""
+
+
+_ERR_CODES = _ErrCodes()
+
+
 def wheel_meta_functions(version: str, ops: Sequence[str] = OP_NAMES,
                          cache_dir: Optional[os.PathLike] = None) -> dict:
     """The wheel's fake (meta) functions of ``ops`` as plain callables: {op: (function, "file:line")}.
@@ -567,7 +577,8 @@ def wheel_meta_functions(version: str, ops: Sequence[str] = OP_NAMES,
     Each function is compiled alone from the wheel's source, without its registration
     decorator (importing those files would register them with torch.library, which clashes
     with the emulator's own fake kernels, and needs the native part). Their globals are
-    ``torch``, ``math`` and no-op stand-ins for the warning helpers they call.
+    ``torch``, ``math`` and no-op stand-ins for the warning and error-code helpers they call
+    (``_warn*``, ``ops_error``, ``ErrCode``), so a failed check raises torch's RuntimeError.
     """
     import math
 
@@ -596,6 +607,10 @@ def wheel_meta_functions(version: str, ops: Sequence[str] = OP_NAMES,
                 for ref in {n.id for n in ast.walk(node) if isinstance(n, ast.Name)}:
                     if ref.startswith("_warn"):
                         namespace[ref] = lambda *a, **k: None
+                    elif ref == "ops_error":  # error-code suffix of a failed torch._check's message
+                        namespace[ref] = lambda *a, **k: ""
+                    elif ref == "ErrCode":
+                        namespace[ref] = _ERR_CODES
                 exec(compile(module, str(path), "exec"), namespace)  # noqa: S102 - the wheel's own function
                 found[op] = (namespace[node.name], f"{rel}:{node.lineno}")
     return found

@@ -12,6 +12,7 @@ import torch
 from ...handlers.arguments import bind_arguments
 from ...npu_ops import FORWARD_V1, FORWARD_V3, GRAD_V1, GRAD_V3
 from . import attention_math as M
+from . import ring_update
 
 __all__ = ["define_ops"]
 
@@ -211,7 +212,8 @@ def _name(schema: str) -> str:
 
 
 def define_ops() -> torch.library.Library:
-    """A library fragment defining the four ops under ``torch.ops.npu``; destroy it to undefine."""
+    """A library fragment defining the four attention ops and ``npu_ring_attention_update``
+    under ``torch.ops.npu``; destroy it to undefine."""
     lib = torch.library.Library("npu", "FRAGMENT")  # noqa: TOR901
     try:
         for forward, grad in _OPS:
@@ -224,6 +226,7 @@ def define_ops() -> torch.library.Library:
             torch.library.register_fake(f"npu::{gname}", _grad_fake(grad), lib=lib)
             setup_context, backward = _derivative(forward, gname)
             torch.library.register_autograd(f"npu::{fname}", backward, setup_context=setup_context, lib=lib)
+        ring_update.define(lib)  # npu_ring_attention_update: the fused merge, no autograd
     except Exception:
         lib._destroy()
         raise

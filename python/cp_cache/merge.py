@@ -1,0 +1,91 @@
+"""The ring's merge of one step's result into its float32 accumulators.
+
+``merge_into`` folds a step's output and LSE into the accumulators in place, by the
+log-sum-exp rule, on one of two paths:
+
+* float32 (``fused=False``): plain torch, in the accumulators' own layout;
+* fused (``fused=True``): ``torch.ops.npu.npu_ring_attention_update`` (torch_npu's
+  fused merge, or the CPU emulator's). The op takes SBH (or TND) outputs and
+  ``[B, N, S, 8]`` float32 statistics, so both outputs go to float32 SBH, the LSEs
+  are encoded as max = LSE, sum = 1 (rows that saw no key as max = float32 lowest,
+  sum = 0, which the op merges to out 0 / sum 0 without NaN), and the result comes
+  back into the accumulators (LSE = max + log(sum)).
+
+Both give the same result to float32 rounding. The ring takes the fused path when
+the op exists and ``CPConfig.fused_merge`` is on (env ``CP_CACHE_FUSED_MERGE``, read in
+``config.py``).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from . import layout as L
+from .npu_ops import lse_from_stats, op_exists, stats_from_lse
+
+__all__ = ["OP_NAME", "merge_into", "fused_merge_available"]
+
+OP_NAME = "npu_ring_attention_update"
+_FLOAT32_LOWEST = float(torch.finfo(torch.float32).min)
+
+
+def fused_merge_available() -> bool:
+    """Whether ``torch.ops.npu.npu_ring_attention_update`` exists (torch_npu's or the emulator's)."""
+    return op_exists(OP_NAME)
+
+
+def merge_into(acc_out: Tensor, acc_lse: Tensor, out_i: Tensor, lse_i: Tensor, layout: str, head_num: int,
+               *, fused: bool) -> None:
+    """In place: ``(acc_out, acc_lse) <- logsumexp-merge((acc_out, acc_lse), (out_i, lse_i))``.
+
+    ``acc_out``: float32 in ``layout`` (BNSD/BSND/BSH/SBH), possibly a view (a row range);
+    ``acc_lse``: float32 ``[B, N, S]``, possibly a view; ``out_i``: the step's output in
+    ``layout``, any float dtype; ``lse_i``: float32 ``[B, N, S]``, ``-inf`` for rows that
+    saw no key. Rows that saw no key on either side keep ``-inf`` and a zero output.
+    """
+    if fused:
+        _merge_fused(acc_out, acc_lse, out_i, lse_i, layout, head_num)
+    else:
+        _merge_float32(acc_out, acc_lse, out_i, lse_i, layout, head_num)
+
+
+def _merge_float32(acc_out: Tensor, acc_lse: Tensor, out_i: Tensor, lse_i: Tensor, layout: str,
+                   head_num: int) -> None:
+    new_lse = torch.logaddexp(acc_lse, lse_i)
+    # rows with no key seen on either side keep -inf and a zero output (never NaN)
+    ref = torch.where(torch.isneginf(new_lse), torch.zeros_like(new_lse), new_lse)
+    w_old = L.lse_view(torch.exp(acc_lse - ref), layout)
+    w_new = L.lse_view(torch.exp(lse_i - ref), layout)
+    o = L.as_4d(acc_out, layout, head_num)
+    o.mul_(w_old).add_(L.as_4d(out_i, layout, head_num).float() * w_new)
+    acc_lse.copy_(new_lse)
+
+
+def _stats(lse: Tensor) -> tuple[Tensor, Tensor]:
+    """The op's [B, N, S, 8] float32 (max, sum) of ``lse``: (LSE, 1), or (lowest, 0) where LSE = -inf."""
+    softmax_max, softmax_sum = stats_from_lse(lse)
+    dead = torch.isneginf(softmax_max)
+    softmax_max = softmax_max.masked_fill(dead, _FLOAT32_LOWEST)
+    softmax_sum = softmax_sum.masked_fill(dead, 0.0)
+    return softmax_max, softmax_sum
+
+
+def _to_sbh(x: Tensor, layout: str, head_num: int) -> Tensor:
+    """A contiguous float32 [S, B, N*D] copy (or ``x`` itself when already so) of ``x`` in ``layout``."""
+    return L.from_bnsd(L.to_bnsd(x, layout, head_num), "SBH").float()
+
+
+def _merge_fused(acc_out: Tensor, acc_lse: Tensor, out_i: Tensor, lse_i: Tensor, layout: str,
+                 head_num: int) -> None:
+    op = getattr(torch.ops.npu, OP_NAME)
+    prev_max, prev_sum = _stats(acc_lse)
+    cur_max, cur_sum = _stats(lse_i)
+    out_sbh, new_max, new_sum = op(
+        _to_sbh(acc_out, layout, head_num), prev_max, prev_sum,
+        _to_sbh(out_i, layout, head_num), cur_max, cur_sum,
+        input_layout="SBH",
+    )
+    L.to_bnsd(acc_out, layout, head_num).copy_(L.to_bnsd(out_sbh, "SBH", head_num))
+    # sum 0 (no key on either side): lowest + log(0) = -inf
+    acc_lse.copy_(lse_from_stats(new_max, new_sum))
