@@ -189,10 +189,13 @@ class _Exchange:
     """One ring shift of a list of tensors: send to the rank ``shift`` ahead, receive from the
     rank ``shift`` behind."""
 
-    def __init__(self, tensors: list[Tensor], group, rank: int, size: int, tag: int, shift: int = 1):
+    def __init__(self, tensors: list[Tensor], group, rank: int, size: int, tag: int, shift: int = 1,
+                 recv: Optional[list[Tensor]] = None):
         nxt = dist.get_global_rank(group, (rank + shift) % size)
         prv = dist.get_global_rank(group, (rank - shift) % size)
-        self.recv = [torch.empty_like(t, memory_format=torch.contiguous_format) for t in tensors]
+        if recv is None:
+            recv = [torch.empty_like(t, memory_format=torch.contiguous_format) for t in tensors]
+        self.recv = recv
         ops = [dist.P2POp(dist.isend, t, nxt, group, tag + j) for j, t in enumerate(tensors)]
         ops += [dist.P2POp(dist.irecv, r, prv, group, tag + j) for j, r in enumerate(self.recv)]
         self.nbytes = sum(t.nbytes for t in tensors)
@@ -204,6 +207,38 @@ class _Exchange:
         self._works = None  # drop every reference to the sent and received buffers
         recv, self.recv = self.recv, None
         return recv
+
+
+class _Rotation:
+    """Tensors travelling around the ring (the K/V blocks, or the dK/dV accumulators), with
+    two receive buffers reused from hop to hop: a block, once sent, receives the block after
+    next. The first tensors (possibly the caller's) are never received into."""
+
+    def __init__(self, tensors: list[Tensor], group, rank: int, size: int, tag: int):
+        self.current = tensors
+        self._own = tensors
+        self._spare: Optional[list[Tensor]] = None
+        self._exchange: Optional[_Exchange] = None
+        self._group, self._rank, self._size, self._tag = group, rank, size, tag
+
+    def post(self, shift: int = 1) -> int:
+        """Send the current tensors ``shift`` ranks ahead, receive from ``shift`` behind; bytes sent."""
+        self._exchange = _Exchange(self.current, self._group, self._rank, self._size, self._tag, shift,
+                                   recv=self._spare)
+        self._spare = None
+        return self._exchange.nbytes
+
+    def advance(self) -> None:
+        """Wait for the hop; the received tensors become current, the sent ones the spare buffers."""
+        received = self._exchange.wait()
+        self._exchange = None
+        if self.current is not self._own:
+            self._spare = self.current
+        self.current = received
+
+    @property
+    def in_flight(self) -> bool:
+        return self._exchange is not None
 
 
 # Each exchange uses tags tag, tag + 1 (one per tensor). In backward a K/V shift and
@@ -263,13 +298,12 @@ def ring_attention_forward(
     steps: list[RingStep] = []
     bytes_sent = 0
     compute_s = wait_s = 0.0
-    cur_k, cur_v = k.contiguous(), v.contiguous()
-    last = _last_step(config, cur_k.size(L.seq_dim(lay)))
+    kv = _Rotation([k.contiguous(), v.contiguous()], group, rank, size, _TAG_KV)
+    last = _last_step(config, k.size(L.seq_dim(lay)))
     for i in range(last + 1):
-        ex = None
+        cur_k, cur_v = kv.current
         if i < last:
-            ex = _Exchange([cur_k, cur_v], group, rank, size, _TAG_KV)
-            bytes_sent += ex.nbytes
+            bytes_sent += kv.post()
         started = time.perf_counter()
         part, tasks = _plan(rank, i, config, qd.seq, mask_rows)
         rng = []
@@ -283,9 +317,9 @@ def ring_attention_forward(
         steps.append(RingStep(index=i, source_rank=(rank - i) % size, part=part, rng=tuple(rng)))
         computed = time.perf_counter()
         compute_s += computed - started
-        if ex is not None:
-            cur_k, cur_v = ex.wait()
-            del ex
+        del cur_k, cur_v
+        if kv.in_flight:
+            kv.advance()
             wait_s += time.perf_counter() - computed
     log.debug("ring forward rank %d/%d: parts %s, %d bytes sent", rank, size, [s.part for s in steps], bytes_sent)
     return RingForward(out=acc_out.to(q.dtype), lse=acc_lse, steps=steps, bytes_sent=bytes_sent,
@@ -302,40 +336,33 @@ class _GradAccumulators:
     zeros for its own block at step 0, else the ones that arrived from the previous
     rank. After adding its step's gradients it passes them on to the next rank, and
     after the last step straight back to the block's owner (the next rank too when the
-    ring went all the way round).
+    ring went all the way round). Two pairs of buffers serve every hop.
     """
 
     def __init__(self, group, rank: int, size: int):
         self._group, self._rank, self._size = group, rank, size
-        self._exchange: Optional[_Exchange] = None
-        self._held: Optional[tuple[Tensor, Tensor]] = None
+        self._rotation: Optional[_Rotation] = None
         self.bytes_sent = 0
 
     def for_block(self, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
         """The accumulators of the block (``k``, ``v``) held at this step."""
-        if self._exchange is None:
-            self._held = (
-                torch.zeros(k.shape, dtype=torch.float32, device=k.device),
-                torch.zeros(v.shape, dtype=torch.float32, device=v.device),
-            )
-        else:
-            self._held = tuple(self._exchange.wait())
-            self._exchange = None
-        return self._held
+        if self._rotation is None:
+            zeros = [torch.zeros(t.shape, dtype=torch.float32, device=t.device) for t in (k, v)]
+            self._rotation = _Rotation(zeros, self._group, self._rank, self._size, _TAG_DKV)
+        elif self._rotation.in_flight:
+            self._rotation.advance()
+        return tuple(self._rotation.current)
 
     def pass_on(self, shift: int = 1) -> None:
         """Send the held accumulators ``shift`` ranks ahead (nothing to do when that is this rank)."""
         if shift % self._size:
-            self._exchange = _Exchange(list(self._held), self._group, self._rank, self._size, _TAG_DKV, shift)
-            self.bytes_sent += self._exchange.nbytes
-            self._held = None
+            self.bytes_sent += self._rotation.post(shift)
 
     def home(self) -> tuple[Tensor, Tensor]:
         """This rank's own block's accumulators, after the last hop."""
-        if self._exchange is not None:
-            self._held = tuple(self._exchange.wait())
-            self._exchange = None
-        return self._held
+        if self._rotation.in_flight:
+            self._rotation.advance()
+        return tuple(self._rotation.current)
 
 
 def _check_steps(steps: list[RingStep], rank: int, size: int, expected: int) -> None:
@@ -388,12 +415,11 @@ def ring_attention_backward(
     accumulators = _GradAccumulators(group, rank, size)
     bytes_sent = 0
     compute_s = wait_s = 0.0
-    cur_k, cur_v = k.contiguous(), v.contiguous()
+    kv = _Rotation([k.contiguous(), v.contiguous()], group, rank, size, _TAG_KV)
     for i, st in enumerate(steps):
-        kv_ex = None
+        cur_k, cur_v = kv.current
         if i < last:
-            kv_ex = _Exchange([cur_k, cur_v], group, rank, size, _TAG_KV)
-            bytes_sent += kv_ex.nbytes
+            bytes_sent += kv.post()
         started = time.perf_counter()
         kv_grads = []
         for task, (seed, offset) in _recorded_tasks(st, rank, config, qd.seq, mask_rows):
@@ -416,9 +442,9 @@ def ring_attention_backward(
         passed = time.perf_counter()
         compute_s += (computed - started) + (passed - received)
         wait_s += received - computed
-        if kv_ex is not None:
-            cur_k, cur_v = kv_ex.wait()
-            del kv_ex
+        del cur_k, cur_v
+        if kv.in_flight:
+            kv.advance()
             wait_s += time.perf_counter() - passed
     homed = time.perf_counter()
     dk, dv = accumulators.home()

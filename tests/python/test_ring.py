@@ -237,12 +237,13 @@ def test_bytes_and_liveness(world):
             dkv = block // item * 4
             expect_bwd = (world - 1) * block + (world * dkv if world > 1 else 0)
             assert rr["bwd_bytes"] == expect_bwd, (case.name, r)
-            # the caller keeps its own block; besides it at most the block being computed is
-            # alive when the kernel runs (plus the one in flight, which the kernel has not seen)
-            assert rr["max_alive"] <= 1, (case.name, r, rr["max_alive"])
-            # the watch did see every received block the kernel ran on (so the check is real)
+            # the caller keeps its own block; besides it two receive buffers serve every hop:
+            # the block being computed and the one being received into (a block sent earlier)
+            assert rr["max_alive"] <= 2, (case.name, r, rr["max_alive"])
+            # the watch saw the buffers the kernel ran on: one per hop for the first two hops,
+            # then the same two again (so the check is real, and no hop allocates)
             ran = sum(1 for s in rr["steps"] if s[0] > 0 and s[2] != "skip")
-            assert rr["blocks_seen"] == (ran, ran), (case.name, r)
+            assert rr["blocks_seen"] == (min(ran, 2), min(ran, 2)), (case.name, r, rr["blocks_seen"])
 
 
 @pytest.mark.parametrize("world", WORLDS)
