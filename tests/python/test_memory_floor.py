@@ -23,7 +23,7 @@ def _floor_rank(rank: int, world: int) -> dict:
     from torch.utils.checkpoint import checkpoint
 
     import cp_cache
-    from cp_cache.cli._measure import storage_key
+    from cp_cache.cli._measure import SavedStorages
     from cp_cache.npu_ops import causal_mask
     from cp_cache.testing import install_npu_emulator
 
@@ -39,26 +39,18 @@ def _floor_rank(rank: int, world: int) -> dict:
         for checkpointed in (False, True):
             local = [t.index_select(2, pos).float() for t in full]
             q, k, v = (DTensor.from_local(t, mesh, [Shard(2)]).requires_grad_() for t in local[:3])
-            exclude = {storage_key(t)[0] for t in (q, k, v, mask)}
-            saved: dict[int, int] = {}
-
-            def pack(t):
-                key = storage_key(t)
-                if key and key[0] not in exclude:
-                    saved[key[0]] = max(saved.get(key[0], 0), key[1])
-                return t
 
             def attention(a, b, c):
                 return torch.ops.npu.npu_fusion_attention_v3(
                     a, b, c, N, "BNSD", atten_mask=mask, scale=1 / math.sqrt(D), sparse_mode=2, next_tockens=0)
 
             store_before = cp_cache.stats()["live_bytes"]
-            with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            with SavedStorages(exclude=(q, k, v, mask)) as saved:
                 outs = checkpoint(attention, q, k, v, use_reentrant=False) if checkpointed else attention(q, k, v)
             strides = [tuple(o.to_local().stride()) for o in outs[1:3]]
             out = outs[0]
             del outs  # a model keeps the attention output only (the seed output would hold the handle)
-            kept = sum(saved.values()) + cp_cache.stats()["live_bytes"] - store_before
+            kept = saved.nbytes + cp_cache.stats()["live_bytes"] - store_before
             out.backward(DTensor.from_local(local[3], mesh, [Shard(2)]))
             grads = [t.grad.to_local().double() for t in (q, k, v)]
             results[(policy, checkpointed)] = dict(kept=kept, strides=strides, grads=grads)

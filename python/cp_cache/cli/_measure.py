@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
-__all__ = ["storage_key", "tensors_in", "distinct_storage_bytes", "trace_memory", "peak_bytes"]
+__all__ = ["storage_key", "tensors_in", "distinct_storage_bytes", "trace_memory", "peak_bytes", "SavedStorages"]
 
 
 def storage_key(t) -> tuple[int, int] | None:
@@ -96,3 +96,35 @@ def trace_memory(phases: list[tuple[str, Callable[[], Any]]], net: dict | None =
 def peak_bytes(fn: Callable[[], Any]) -> int:
     """Peak allocated CPU bytes above the starting level while ``fn()`` runs (``trace_memory``)."""
     return trace_memory([("call", fn)])["call"]
+
+
+class SavedStorages:
+    """Inside the block, records the distinct storages autograd saves for backward (by data
+    pointer), leaving out those of ``exclude`` (inputs, masks): ``storages`` {pointer: bytes}
+    and ``nbytes``. DESIGN section 13's measure of what a call keeps from forward to backward."""
+
+    def __init__(self, exclude=()):
+        self._skip = {k[0] for k in map(storage_key, exclude) if k}
+        self.storages: dict[int, int] = {}
+        self._hooks = None
+
+    def _pack(self, tensor):
+        key = storage_key(tensor)
+        if key and key[0] not in self._skip:
+            self.storages[key[0]] = max(self.storages.get(key[0], 0), key[1])
+        return tensor
+
+    def __enter__(self) -> "SavedStorages":
+        import torch
+
+        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda tensor: tensor)
+        self._hooks.__enter__()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._hooks.__exit__(*exc)
+        self._hooks = None
+
+    @property
+    def nbytes(self) -> int:
+        return sum(self.storages.values())

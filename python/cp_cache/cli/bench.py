@@ -292,10 +292,8 @@ def _causal_call(shape: dict, mesh, world_size: int, rank: int, seed: int = 0):
 
 
 def _floor(plan: dict, rank: int, world_size: int, mesh) -> list[dict]:
-    import torch
-
     import cp_cache
-    from ._measure import storage_key
+    from ._measure import SavedStorages
 
     f = plan["floor"]
     s_local = f["seq"] // world_size
@@ -306,25 +304,16 @@ def _floor(plan: dict, rank: int, world_size: int, mesh) -> list[dict]:
     for policy in ("handle", "stack"):
         cp_cache.enable(policy=policy)
         inputs, call = _causal_call(f, mesh, world_size, rank)
-        exclude = {storage_key(t)[0] for t in inputs}
-        saved: dict[int, int] = {}
-
-        def pack(t):
-            key = storage_key(t)
-            if key and key[0] not in exclude:
-                saved[key[0]] = max(saved.get(key[0], 0), key[1])
-            return t
-
         store_before = cp_cache.stats()["live_bytes"]
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        with SavedStorages(exclude=inputs) as saved:
             out = call()
         store_bytes = cp_cache.stats()["live_bytes"] - store_before
         fused = cp_cache.call_stats()["forward"]["fused_merge"]
         out.backward(inputs[3])
-        kept = sum(saved.values()) + store_bytes
+        kept = saved.nbytes + store_bytes
         rows.append(dict(
             world_size=world_size, rank=rank, policy=policy, shape=f, kept_bytes=kept,
-            autograd_saved_bytes=sum(saved.values()), store_bytes=store_bytes,
+            autograd_saved_bytes=saved.nbytes, store_bytes=store_bytes,
             output_bytes=output, lse_bytes=lse, floor_bytes=output + lse,
             above_floor_bytes=kept - (output + lse),
             with_contiguous_stats_bytes=output + contiguous_stats,

@@ -46,7 +46,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from ._common import fmt_bytes, launch, table, under_torchrun
-from ._measure import distinct_storage_bytes, peak_bytes, storage_key, tensors_in, trace_memory
+from ._measure import SavedStorages, distinct_storage_bytes, peak_bytes, storage_key, tensors_in, trace_memory
 
 NAME = "compare"
 HELP = "cp_cache vs torch_npu 2.13.0 / 2.12.0 vs torch's ring: correctness, memory, time, traffic (JSON + PNG)"
@@ -289,7 +289,24 @@ def _op_kwargs(spec: dict, mask) -> dict:
     return kw
 
 
-class _DTensorSystem:
+class _System:
+    """What every system answers besides ``attention``: the state it keeps outside autograd
+    (none by default), read around a forward."""
+
+    def held_tensors(self) -> list:
+        return []
+
+    def store_bytes(self) -> int:
+        return 0
+
+    def stack_entries(self) -> int | None:
+        return None
+
+    def clear_stack(self) -> None:
+        pass
+
+
+class _DTensorSystem(_System):
     """A system reached by calling the v3 op on DTensors sharded on the sequence (cp_cache,
     torch_npu): the handler found in DTensor's table runs."""
 
@@ -310,18 +327,6 @@ class _DTensorSystem:
         out = out[0]
         return out.to_local() if isinstance(out, DTensor) else out
 
-    # state outside autograd, read around a forward
-    def held_tensors(self) -> list:
-        return []
-
-    def store_bytes(self) -> int:
-        return 0
-
-    def stack_entries(self) -> int | None:
-        return None
-
-    def clear_stack(self) -> None:
-        pass
 
 
 class CpCacheSystem(_DTensorSystem):
@@ -492,7 +497,7 @@ def _torch_ring_function():
     return TorchRing
 
 
-class TorchRingSystem:
+class TorchRingSystem(_System):
     """torch's templated ring (the one torch_npu 2.13.0 also drives) on local BNSD tensors."""
 
     def __init__(self, mesh, rotate: str):
@@ -522,17 +527,6 @@ class TorchRingSystem:
         return self.fn.apply(q, k, v, self.mesh.get_group(), spec["mask"] == "causal",
                              1.0 / math.sqrt(spec["head_dim"]))
 
-    def held_tensors(self) -> list:
-        return []
-
-    def store_bytes(self) -> int:
-        return 0
-
-    def stack_entries(self) -> int | None:
-        return None
-
-    def clear_stack(self) -> None:
-        pass
 
 
 def _make_system(name: str, mesh):
@@ -703,15 +697,10 @@ def _memory_pass(system, q, k, v, dout, spec, mask, checkpointed: bool) -> dict:
 
     for t in (q, k, v):
         t.grad = None
-    saved: dict[int, int] = {}
     state: dict = {}
     exclude = {k_[0] for k_ in map(storage_key, (q, k, v, mask)) if k_}
-
-    def pack(t):
-        key = storage_key(t)
-        if key and key[0] not in exclude:
-            saved[key[0]] = max(saved.get(key[0], 0), key[1])
-        return t
+    recorder = SavedStorages(exclude=(q, k, v, mask))
+    saved = recorder.storages
 
     def call(a, b, c):
         return system.attention(a, b, c, spec, mask)
@@ -721,7 +710,7 @@ def _memory_pass(system, q, k, v, dout, spec, mask, checkpointed: bool) -> dict:
     def forward():
         state["store_before"] = system.store_bytes()
         sent.phase = "forward"
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        with recorder:
             if checkpointed:
                 state["out"] = checkpoint(call, q, k, v, use_reentrant=False)
             else:
