@@ -34,6 +34,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from . import agreement
 from . import layout as L
 from .kernels.base import StepKernel
 from .merge import merge_into
@@ -88,6 +89,8 @@ class RingConfig:
     pre_tockens: int = INT_MAX
     next_tockens: int = INT_MAX
     given_mask: bool = False  # an explicit mask comes with the call
+    policy: str = ""  # the step-cache policy of the handlers ("handle", "stack"), "" when driven directly
+    algorithm: str = ""  # the handlers' CP algorithm ("ring"), "" when driven directly
 
     @property
     def mask(self) -> MaskSpec:
@@ -182,6 +185,38 @@ def _check_inputs(q: Tensor, k: Tensor, v: Tensor, config: RingConfig,
     return qd, nkv
 
 
+def _kv_heads(q: Tensor, k: Tensor, config: RingConfig) -> int:
+    """The K/V head count, or -1 when the shapes do not say (the checks will tell why)."""
+    try:
+        return L.heads_of(k, config.layout, L.dims(q, config.layout, config.head_num).head_dim)
+    except Exception:  # noqa: BLE001 - reported by the checks
+        return -1
+
+
+_CHECK_ERRORS = (ValueError, NotImplementedError, TypeError, RuntimeError)
+
+
+def _agreed_checks(direction: str, check, config: RingConfig, q: Tensor, k: Tensor, v: Tensor, *,
+                   size: int, group, kernel: StepKernel, mask_rows: Optional[Tensor], steps: int = -1):
+    """Run this rank's argument checks, then (W > 1) agree with the other ranks on the call's
+    signature before anything is exchanged: the ranks disagree -> the same RuntimeError on
+    every rank; they agree -> a check that failed failed on every rank, and raises there."""
+    if size == 1:
+        return check()
+    error = result = None
+    try:
+        result = check()
+    except _CHECK_ERRORS as exc:
+        error = exc
+    sig = agreement.signature(direction=direction, config=config, q=q, k=k, v=v,
+                              kv_heads=_kv_heads(q, k, config), kernel=getattr(kernel, "name", ""),
+                              mask_rows=mask_rows, steps=steps, error=error)
+    agreement.agree(sig, group, size, error)
+    if error is not None:
+        raise error
+    return result
+
+
 # ---------------------------------------------------------------- communication
 
 
@@ -230,8 +265,8 @@ class _Rotation:
 
     def advance(self) -> None:
         """Wait for the hop; the received tensors become current, the sent ones the spare buffers."""
-        received = self._exchange.wait()
-        self._exchange = None
+        exchange, self._exchange = self._exchange, None  # waited once, even if the wait fails
+        received = exchange.wait()
         if self.current is not self._own:
             self._spare = self.current
         self.current = received
@@ -239,6 +274,17 @@ class _Rotation:
     @property
     def in_flight(self) -> bool:
         return self._exchange is not None
+
+    def drain(self) -> None:
+        """After an error on this rank: wait for the hop in flight (its peers posted the matching
+        operations; bounded by the process group's timeout) so no buffer is freed under the
+        backend and no message is left to match a later call's; errors are dropped."""
+        if self._exchange is not None:
+            try:
+                self._exchange.wait()
+            except Exception:  # noqa: BLE001 - the original error is the one raised
+                pass
+            self._exchange = None
 
 
 # Each exchange uses tags tag, tag + 1 (one per tensor). In backward a K/V shift and
@@ -288,7 +334,8 @@ def ring_attention_forward(
     (for backward) and the bytes sent.
     """
     size, rank, group = _group_info(config, group)
-    qd, _ = _check_inputs(q, k, v, config, mask_rows)
+    qd, _ = _agreed_checks("forward", lambda: _check_inputs(q, k, v, config, mask_rows), config, q, k, v,
+                           size=size, group=group, kernel=kernel, mask_rows=mask_rows)
     lay, hn = config.layout, config.head_num
 
     acc_out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
@@ -300,27 +347,31 @@ def ring_attention_forward(
     compute_s = wait_s = 0.0
     kv = _Rotation([k.contiguous(), v.contiguous()], group, rank, size, _TAG_KV)
     last = _last_step(config, k.size(L.seq_dim(lay)))
-    for i in range(last + 1):
-        cur_k, cur_v = kv.current
-        if i < last:
-            bytes_sent += kv.post()
-        started = time.perf_counter()
-        part, tasks = _plan(rank, i, config, qd.seq, mask_rows)
-        rng = []
-        for task in tasks:
-            res = kernel.forward(*_task_operands(task, lay, q, cur_k, cur_v), mask=task.mask, **kw)
-            if res.seed is not None:
-                rng.append((res.seed, res.offset))
-            merge_into(_rows(acc_out, lay, task.q_rows), _lse_rows(acc_lse, task.q_rows), res.out, res.lse,
-                       lay, hn, fused=fused_merge)
-            del res
-        steps.append(RingStep(index=i, source_rank=(rank - i) % size, part=part, rng=tuple(rng)))
-        computed = time.perf_counter()
-        compute_s += computed - started
-        del cur_k, cur_v
-        if kv.in_flight:
-            kv.advance()
-            wait_s += time.perf_counter() - computed
+    try:
+        for i in range(last + 1):
+            cur_k, cur_v = kv.current
+            if i < last:
+                bytes_sent += kv.post()
+            started = time.perf_counter()
+            part, tasks = _plan(rank, i, config, qd.seq, mask_rows)
+            rng = []
+            for task in tasks:
+                res = kernel.forward(*_task_operands(task, lay, q, cur_k, cur_v), mask=task.mask, **kw)
+                if res.seed is not None:
+                    rng.append((res.seed, res.offset))
+                merge_into(_rows(acc_out, lay, task.q_rows), _lse_rows(acc_lse, task.q_rows), res.out, res.lse,
+                           lay, hn, fused=fused_merge)
+                del res
+            steps.append(RingStep(index=i, source_rank=(rank - i) % size, part=part, rng=tuple(rng)))
+            computed = time.perf_counter()
+            compute_s += computed - started
+            del cur_k, cur_v
+            if kv.in_flight:
+                kv.advance()
+                wait_s += time.perf_counter() - computed
+    except BaseException:
+        kv.drain()
+        raise
     log.debug("ring forward rank %d/%d: parts %s, %d bytes sent", rank, size, [s.part for s in steps], bytes_sent)
     return RingForward(out=acc_out.to(q.dtype), lse=acc_lse, steps=steps, bytes_sent=bytes_sent,
                        compute_seconds=compute_s, wait_seconds=wait_s)
@@ -357,6 +408,10 @@ class _GradAccumulators:
         """Send the held accumulators ``shift`` ranks ahead (nothing to do when that is this rank)."""
         if shift % self._size:
             self.bytes_sent += self._rotation.post(shift)
+
+    def drain(self) -> None:
+        if self._rotation is not None:
+            self._rotation.drain()
 
     def home(self) -> tuple[Tensor, Tensor]:
         """This rank's own block's accumulators, after the last hop."""
@@ -398,16 +453,22 @@ def ring_attention_backward(
     (parts and seeds are reused as recorded), ``mask_rows`` as in the forward.
     """
     size, rank, group = _group_info(config, group)
-    qd, _ = _check_inputs(q, k, v, config, mask_rows)
+
+    def check():
+        qd, _ = _check_inputs(q, k, v, config, mask_rows)
+        _check_steps(steps, rank, size, _last_step(config, k.size(L.seq_dim(config.layout))) + 1)
+        if dout.shape != q.shape or out.shape != q.shape:
+            raise ValueError(
+                f"dout {tuple(dout.shape)} and out {tuple(out.shape)} must have the query's shape {tuple(q.shape)}"
+            )
+        if tuple(lse.shape) != (qd.batch, config.head_num, qd.seq):
+            raise ValueError(f"lse has shape {tuple(lse.shape)}, expected {(qd.batch, config.head_num, qd.seq)}")
+        return qd
+
+    qd = _agreed_checks("backward", check, config, q, k, v, size=size, group=group, kernel=kernel,
+                        mask_rows=mask_rows, steps=len(steps))
     lay = config.layout
     last = _last_step(config, k.size(L.seq_dim(lay)))
-    _check_steps(steps, rank, size, last + 1)
-    if dout.shape != q.shape or out.shape != q.shape:
-        raise ValueError(
-            f"dout {tuple(dout.shape)} and out {tuple(out.shape)} must have the query's shape {tuple(q.shape)}"
-        )
-    if tuple(lse.shape) != (qd.batch, config.head_num, qd.seq):
-        raise ValueError(f"lse has shape {tuple(lse.shape)}, expected {(qd.batch, config.head_num, qd.seq)}")
     lse = lse.float()
     kw = dict(layout=lay, head_num=config.head_num, scale=config.scale, keep_prob=config.keep_prob)
 
@@ -416,36 +477,41 @@ def ring_attention_backward(
     bytes_sent = 0
     compute_s = wait_s = 0.0
     kv = _Rotation([k.contiguous(), v.contiguous()], group, rank, size, _TAG_KV)
-    for i, st in enumerate(steps):
-        cur_k, cur_v = kv.current
-        if i < last:
-            bytes_sent += kv.post()
-        started = time.perf_counter()
-        kv_grads = []
-        for task, (seed, offset) in _recorded_tasks(st, rank, config, qd.seq, mask_rows):
-            grads = kernel.backward(
-                *_task_operands(task, lay, q, cur_k, cur_v),
-                _rows(dout, lay, task.q_rows), _rows(out, lay, task.q_rows), _lse_rows(lse, task.q_rows),
-                mask=task.mask, seed=seed, offset=offset, **kw,
-            )
-            _rows(dq, lay, task.q_rows).add_(grads[0])
-            kv_grads.append((task.kv_rows, grads[1], grads[2]))
-            del grads
-        computed = time.perf_counter()
-        dk_acc, dv_acc = accumulators.for_block(cur_k, cur_v)
-        received = time.perf_counter()
-        for kv_rows, dk_i, dv_i in kv_grads:
-            _rows(dk_acc, lay, kv_rows).add_(dk_i)
-            _rows(dv_acc, lay, kv_rows).add_(dv_i)
-        del dk_acc, dv_acc, kv_grads
-        accumulators.pass_on(1 if i < last else size - last)
-        passed = time.perf_counter()
-        compute_s += (computed - started) + (passed - received)
-        wait_s += received - computed
-        del cur_k, cur_v
-        if kv.in_flight:
-            kv.advance()
-            wait_s += time.perf_counter() - passed
+    try:
+        for i, st in enumerate(steps):
+            cur_k, cur_v = kv.current
+            if i < last:
+                bytes_sent += kv.post()
+            started = time.perf_counter()
+            kv_grads = []
+            for task, (seed, offset) in _recorded_tasks(st, rank, config, qd.seq, mask_rows):
+                grads = kernel.backward(
+                    *_task_operands(task, lay, q, cur_k, cur_v),
+                    _rows(dout, lay, task.q_rows), _rows(out, lay, task.q_rows), _lse_rows(lse, task.q_rows),
+                    mask=task.mask, seed=seed, offset=offset, **kw,
+                )
+                _rows(dq, lay, task.q_rows).add_(grads[0])
+                kv_grads.append((task.kv_rows, grads[1], grads[2]))
+                del grads
+            computed = time.perf_counter()
+            dk_acc, dv_acc = accumulators.for_block(cur_k, cur_v)
+            received = time.perf_counter()
+            for kv_rows, dk_i, dv_i in kv_grads:
+                _rows(dk_acc, lay, kv_rows).add_(dk_i)
+                _rows(dv_acc, lay, kv_rows).add_(dv_i)
+            del dk_acc, dv_acc, kv_grads
+            accumulators.pass_on(1 if i < last else size - last)
+            passed = time.perf_counter()
+            compute_s += (computed - started) + (passed - received)
+            wait_s += received - computed
+            del cur_k, cur_v
+            if kv.in_flight:
+                kv.advance()
+                wait_s += time.perf_counter() - passed
+    except BaseException:
+        kv.drain()
+        accumulators.drain()
+        raise
     homed = time.perf_counter()
     dk, dv = accumulators.home()
     wait_s += time.perf_counter() - homed

@@ -25,6 +25,9 @@ Sections (``--only`` picks some):
   accumulation) and blocked on receives, forward and backward: ``exposed_fraction`` =
   waiting / (computing + waiting), for the default shapes and for one where communication
   dominates;
+* ``agreement``: the ranks' agreement before each ring call (``cp_cache.agreement``): microseconds
+  per call on the ring's group, the first call of a configuration (signature built, then
+  all-gathered) and the steady state (cached signature, all-gathered), W > 1;
 * ``store``: the store micro-benchmark (``cli/bench_store.py``).
 
 Benchmarks measure and report; they assert nothing about timings. On CPU the
@@ -47,7 +50,7 @@ from ._common import fmt_bytes, launch, table
 NAME = "bench"
 HELP = "memory, overhead, traffic and accuracy benchmarks; JSON and a PNG plot under --out"
 
-SECTIONS = ("memory", "overhead", "traffic", "accuracy", "windows", "floor", "overlap", "store")
+SECTIONS = ("memory", "overhead", "traffic", "accuracy", "windows", "floor", "overlap", "agreement", "store")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -66,6 +69,7 @@ def _plan(quick: bool, worlds: list[int] | None) -> dict:
             floor=dict(batch=1, heads=4, seq=128, head_dim=16),
             comm_bound=dict(batch=1, heads=4, seq=16, head_dim=32),
             store=dict(number=2000, repeat=2),
+            agreement=dict(calls=50),
         )
     return dict(
         worlds=worlds or [1, 2, 4], layers=[1, 2, 4],
@@ -75,6 +79,7 @@ def _plan(quick: bool, worlds: list[int] | None) -> dict:
         floor=dict(batch=1, heads=8, seq=4096, head_dim=64),
         comm_bound=dict(batch=1, heads=8, seq=32, head_dim=128),  # tiny blocks: the hops dominate
         store=dict(number=100_000, repeat=5),
+        agreement=dict(calls=500),
     )
 
 
@@ -352,6 +357,44 @@ def _overlap(plan: dict, rank: int, world_size: int, mesh) -> list[dict]:
     return rows
 
 
+def _agreement(plan: dict, rank: int, world_size: int, mesh) -> list[dict]:
+    """Microseconds of the ring's agreement per call: first call of a configuration (the
+    signature built, then exchanged) and steady state (the cached signature, exchanged)."""
+    import torch
+    import torch.distributed as dist
+
+    from .. import agreement
+    from ..ring import RingConfig
+
+    group = mesh.get_group()
+    a = plan["attn"]
+    s_local = a["seq"] // world_size
+    q = torch.empty(a["batch"], a["heads"], s_local, a["head_dim"])
+    config = RingConfig(world_size=world_size, rank=rank, causal=True, load_balance=True, layout="BNSD",
+                        head_num=a["heads"], scale=a["head_dim"] ** -0.5, keep_prob=1.0,
+                        policy="handle", algorithm="ring")
+
+    def once() -> float:
+        dist.barrier(group=group)  # start together: time the exchange, not a late peer
+        started = time.perf_counter()
+        sig = agreement.signature(direction="forward", config=config, q=q, k=q, v=q, kv_heads=a["heads"],
+                                  kernel="npu")
+        agreement.agree(sig, group, world_size)
+        return time.perf_counter() - started
+
+    agreement.reset_counters()  # the signature cache too: the next call builds it
+    first = once()
+    steady = [once() for _ in range(plan["agreement"]["calls"])]
+    build_started = time.perf_counter()
+    for _ in range(100):
+        agreement.signature(direction="forward", config=config, q=q, k=q, v=q, kv_heads=a["heads"], kernel="npu")
+    cached_build = (time.perf_counter() - build_started) / 100
+    return [dict(world_size=world_size, rank=rank, signature_len=agreement.SIGNATURE_LEN,
+                 first_call_us=first * 1e6, steady_us=statistics.median(steady) * 1e6,
+                 steady_p90_us=sorted(steady)[int(0.9 * (len(steady) - 1))] * 1e6,
+                 cached_signature_us=cached_build * 1e6, calls=len(steady))]
+
+
 def bench_rank(rank: int, world_size: int, plan: dict, sections: list[str]) -> dict:
     import torch
     from torch.distributed.device_mesh import init_device_mesh
@@ -374,6 +417,8 @@ def bench_rank(rank: int, world_size: int, plan: dict, sections: list[str]) -> d
         out["overlap"] = _overlap(plan, rank, world_size, mesh)
     if "windows" in sections and world_size == max(plan["worlds"]) and world_size > 1:
         out["windows"] = _windows(plan, rank, world_size, mesh)
+    if "agreement" in sections and world_size > 1:
+        out["agreement"] = _agreement(plan, rank, world_size, mesh)
     return out
 
 
@@ -463,6 +508,17 @@ def _print_summary(report: dict) -> None:
         rows = [[w, shape, f"{d.get('forward', float('nan')):.2f}", f"{d.get('backward', float('nan')):.2f}"]
                 for w, shapes in exposed.items() for shape, d in shapes.items()]
         print(table(["W", "shape", "forward", "backward"], rows))
+    agree = report.get("agreement")
+    if agree:
+        print("\nranks' agreement before each ring call (µs per call; max over ranks)")
+        worlds = sorted({r["world_size"] for r in agree})
+        rows = []
+        for w in worlds:
+            rs = [r for r in agree if r["world_size"] == w]
+            rows.append([w, rs[0]["signature_len"], f"{max(r['first_call_us'] for r in rs):.0f}",
+                         f"{max(r['steady_us'] for r in rs):.0f}", f"{max(r['steady_p90_us'] for r in rs):.0f}",
+                         f"{max(r['cached_signature_us'] for r in rs):.1f}"])
+        print(table(["W", "int64s", "first call", "steady (median)", "steady (p90)", "signature (cached)"], rows))
     store = report.get("store")
     if store:
         print("\nstore (ns per call): " + ", ".join(f"{k} {v}" for k, v in store["ns_per_call"].items()))
@@ -519,6 +575,8 @@ def run(args: argparse.Namespace) -> int:
     if "overlap" in sections:
         report["overlap"] = _collect(per_world, "overlap", all_ranks=True)
         report["exposed_fraction"] = _exposed_fraction(report["overlap"])
+    if "agreement" in sections:
+        report["agreement"] = _collect(per_world, "agreement", all_ranks=True)
     if "store" in sections:
         print("bench: store micro-benchmark ...", flush=True)
         report["store"] = _store_bench(plan)

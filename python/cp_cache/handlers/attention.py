@@ -46,12 +46,14 @@ def _slot_tensor(value: int) -> Tensor:
     return torch.tensor([value], dtype=torch.int64)
 
 
-def _ring_config(a: dict[str, Any], layout: str, spec: MaskSpec, mesh) -> RingConfig:
+def _ring_config(a: dict[str, Any], layout: str, spec: MaskSpec, mesh, cp: CPConfig) -> RingConfig:
     world_size = mesh.size()
     # positions matter for every mask but none: the local shards are head-tail when torch's
     # CP load balancing is on (DESIGN section 5)
     load_balance = (spec.causal or spec.window or spec.given) and load_balance_enabled()
-    if load_balance and a["query"].to_local().size(L.seq_dim(layout)) % 2:
+    # on the global length, the same on every rank, so every rank refuses together (a local
+    # length that differs between ranks is caught by the ring's agreement)
+    if load_balance and a["query"].size(L.seq_dim(layout)) % (2 * world_size):
         raise ValueError(
             f"load balancing splits the sequence into 2*W = {2 * world_size} chunks; the "
             f"query sequence length {a['query'].size(L.seq_dim(layout))} is not divisible by {2 * world_size}"
@@ -60,6 +62,7 @@ def _ring_config(a: dict[str, Any], layout: str, spec: MaskSpec, mesh) -> RingCo
         world_size=world_size, rank=mesh.get_local_rank(), causal=spec.causal, load_balance=load_balance,
         layout=layout, head_num=int(a["head_num"]), scale=float(a["scale"]), keep_prob=float(a["keep_prob"]),
         window=spec.window, pre_tockens=spec.pre_tockens, next_tockens=spec.next_tockens, given_mask=spec.given,
+        policy=cp.policy, algorithm=cp.algorithm,
     )
 
 
@@ -115,7 +118,7 @@ class AttentionHandlers:
         spec = mask_spec(a)
         mesh, placements = check_sharding({n: a[n] for n in ("query", "key", "value")}, layout)
         spec = spec.simplified(a["query"].size(L.seq_dim(layout)))
-        config = _ring_config(a, layout, spec, mesh)
+        config = _ring_config(a, layout, spec, mesh, self.config)
         mask_rows = _mask_rows(a, layout, config)
         q, k, v = (a[n].to_local() for n in ("query", "key", "value"))
         kernel = get_kernel(self.config.kernel)

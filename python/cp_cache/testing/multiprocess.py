@@ -35,7 +35,8 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def _rank_main(fn, rank: int, world_size: int, port: int, backend: str, timeout: float, args, results) -> None:
+def _rank_main(fn, rank: int, world_size: int, port: int, backend: str, timeout: float, args, results,
+               pg_timeout: float | None = None) -> None:
     # keep gloo on the loopback interface
     if os.path.exists("/sys/class/net/lo"):
         os.environ["GLOO_SOCKET_IFNAME"] = "lo"
@@ -51,7 +52,7 @@ def _rank_main(fn, rank: int, world_size: int, port: int, backend: str, timeout:
             init_method=f"tcp://{_LOOPBACK}:{port}",
             rank=rank,
             world_size=world_size,
-            timeout=timedelta(seconds=timeout),
+            timeout=timedelta(seconds=timeout if pg_timeout is None else pg_timeout),
         )
         try:
             value = fn(rank, world_size, *args)
@@ -69,8 +70,12 @@ def run_ranks(
     *args: Any,
     timeout: float = 120.0,
     backend: str = "gloo",
+    pg_timeout: float | None = None,
 ) -> list:
-    """Run ``fn(rank, world_size, *args)`` on ``world_size`` spawned ranks; their results by rank."""
+    """Run ``fn(rank, world_size, *args)`` on ``world_size`` spawned ranks; their results by rank.
+
+    ``timeout``: the whole run's deadline; ``pg_timeout``: the process group's timeout (how
+    long a rank's collective or receive waits for its peers), ``timeout`` when None."""
     import torch.multiprocessing as mp
 
     if world_size < 1:
@@ -82,7 +87,7 @@ def run_ranks(
     for r in range(world_size):
         p = ctx.Process(
             target=_rank_main,
-            args=(fn, r, world_size, port, backend, timeout, args, results),
+            args=(fn, r, world_size, port, backend, timeout, args, results, pg_timeout),
             name=f"cp_cache-rank{r}",
             daemon=True,
         )
