@@ -71,11 +71,14 @@ def run_ranks(
     timeout: float = 120.0,
     backend: str = "gloo",
     pg_timeout: float | None = None,
+    expect_dead: tuple[int, ...] = (),
 ) -> list:
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` spawned ranks; their results by rank.
 
     ``timeout``: the whole run's deadline; ``pg_timeout``: the process group's timeout (how
-    long a rank's collective or receive waits for its peers), ``timeout`` when None."""
+    long a rank's collective or receive waits for its peers), ``timeout`` when None;
+    ``expect_dead``: ranks that are meant to die without a result (a test killing a rank):
+    their slot is None, and the others must still answer."""
     import torch.multiprocessing as mp
 
     if world_size < 1:
@@ -120,6 +123,9 @@ def run_ranks(
                     except queue_mod.Empty:
                         for p in dead:
                             r = procs.index(p)
+                            if r in expect_dead:
+                                values[r] = None
+                                continue
                             errors[r] = (
                                 f"rank {r} (pid {p.pid}) exited with code {p.exitcode} without a result "
                                 "(it died before running fn, e.g. while importing; see its stderr)"
