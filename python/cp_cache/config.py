@@ -9,6 +9,8 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
+from .kernels import KERNEL_NAMES
+
 __all__ = [
     "HANDLE_POLICY",
     "STACK_POLICY",
@@ -27,7 +29,7 @@ STACK_POLICY = "stack"
 POLICIES = (HANDLE_POLICY, STACK_POLICY)
 POLICY_ENV = "CP_CACHE_POLICY"
 FUSED_MERGE_ENV = "CP_CACHE_FUSED_MERGE"
-KERNELS = ("npu", "reference")
+KERNELS = KERNEL_NAMES
 ALGORITHMS = ("ring",)
 
 

@@ -22,12 +22,11 @@ import torch
 from torch import Tensor
 
 from . import layout as L
-from .npu_ops import lse_from_stats, op_exists, stats_from_lse
+from .npu_ops import FLOAT32_LOWEST, lse_from_stats, op_exists, stats_from_lse
 
 __all__ = ["OP_NAME", "merge_into", "fused_merge_available"]
 
 OP_NAME = "npu_ring_attention_update"
-_FLOAT32_LOWEST = float(torch.finfo(torch.float32).min)
 
 
 def fused_merge_available() -> bool:
@@ -66,7 +65,7 @@ def _stats(lse: Tensor) -> tuple[Tensor, Tensor]:
     """The op's [B, N, S, 8] float32 (max, sum) of ``lse``: (LSE, 1), or (lowest, 0) where LSE = -inf."""
     softmax_max, softmax_sum = stats_from_lse(lse)
     dead = torch.isneginf(softmax_max)
-    softmax_max = softmax_max.masked_fill(dead, _FLOAT32_LOWEST)
+    softmax_max = softmax_max.masked_fill(dead, FLOAT32_LOWEST)
     softmax_sum = softmax_sum.masked_fill(dead, 0.0)
     return softmax_max, softmax_sum
 

@@ -19,6 +19,7 @@ __all__ = [
     "INT_MAX",
     "MASK_SIZE",
     "STATS_WIDTH",
+    "FLOAT32_LOWEST",
     "SparseMode",
     "CAUSAL_MODES",
     "COMPRESSED_MASK_MODES",
@@ -41,6 +42,7 @@ log = logging.getLogger("cp_cache")
 INT_MAX = 2147483647  # default of pre_tockens / next_tockens: no band limit
 MASK_SIZE = 2048  # side of the compressed mask that sparse modes 2, 3, 4, 7, 8 take
 STATS_WIDTH = 8  # softmax_max / softmax_sum are [B, N, S, 8] float32, the value replicated
+FLOAT32_LOWEST = float(torch.finfo(torch.float32).min)  # softmax_max of a row that sees no key (sum 0)
 
 
 class SparseMode(enum.IntEnum):

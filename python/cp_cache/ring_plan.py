@@ -20,6 +20,7 @@ sharding a causal window of w tokens needs ceil((w-1)/S_local) hops, not W-1.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Optional
 
@@ -29,7 +30,8 @@ from torch import Tensor
 from .kernels.base import StepMask
 from .npu_ops import INT_MAX
 
-__all__ = ["StepMask", "BlockTask", "MaskSpec", "step_part", "plan_step", "hops_needed", "chunks", "PARTS"]
+__all__ = ["StepMask", "BlockTask", "MaskSpec", "step_part", "plan_step", "hops_needed", "chunks", "positions",
+           "PARTS"]
 
 PARTS = ("causal", "full", "q_tail", "kv_head", "band", "masked", "skip")
 
@@ -96,6 +98,11 @@ def chunks(rank: int, world_size: int, length: int, load_balance: bool) -> list[
         c = length // 2
         return [(0, rank * c, c), (c, (2 * world_size - 1 - rank) * c, c)]
     return [(0, rank * length, length)]
+
+
+def positions(rank: int, world_size: int, length: int, load_balance: bool) -> Tensor:
+    """The global sequence positions a rank holds, in local order (``chunks`` laid end to end)."""
+    return torch.cat([torch.arange(g, g + n) for _, g, n in chunks(rank, world_size, length, load_balance)])
 
 
 def _causal_tasks(part: str, q_len: int, kv_len: int) -> list[BlockTask]:
@@ -167,6 +174,7 @@ def plan_step(rank: int, index: int, world_size: int, load_balance: bool, spec: 
     return ("masked" if spec.given else "band"), tasks
 
 
+@functools.lru_cache(maxsize=256)  # asked by every ring call, forward and backward: O(W^2) plans
 def hops_needed(world_size: int, load_balance: bool, spec: MaskSpec, length: int) -> int:
     """The last ring step in which any rank computes something (band attention: on every
     rank; other kinds need every hop). Ranks agree on it without communication."""

@@ -1159,6 +1159,26 @@ def run(args: argparse.Namespace) -> int:
 # ---------------------------------------------------------------- the plot
 
 
+def _paired_bars(ax, systems: list, worlds: list, value, keys: tuple, suffixes: tuple, ylabel: str,
+                 title: str) -> None:
+    """One group of bars per system: for each W, a plain and a hatched bar, ``value(W, system,
+    key)`` for the two ``keys`` (None: no bar)."""
+    import numpy as np
+
+    x = np.arange(len(systems))
+    width = 0.8 / (2 * len(worlds))
+    for k, wk in enumerate(worlds):
+        for off, (key, suffix, hatch) in enumerate(zip(keys, suffixes, (None, "//"))):
+            vals = [value(wk, s, key) for s in systems]
+            vals = [np.nan if v is None else v for v in vals]
+            ax.bar(x + (2 * k + off - (2 * len(worlds) - 1) / 2) * width, vals, width, hatch=hatch,
+                   label=f"W={wk}{suffix}")
+    ax.set_xticks(x, [SHORT[s] for s in systems], rotation=35, ha="right", fontsize=7)
+    ax.set_ylabel(ylabel)
+    ax.set_title(title, fontsize=9)
+    ax.legend(fontsize=7)
+
+
 def _plot(report: dict, path: Path) -> bool:
     try:
         import matplotlib
@@ -1202,58 +1222,40 @@ def _plot(report: dict, path: Path) -> bool:
     ax_acc.set_title(f"max rel. error vs dense (log10), W={w}; last row: dropout check (pass/fail)", fontsize=9)
     fig.colorbar(im, ax=ax_acc, fraction=0.04)
 
-    measured = [s for s in systems if any("memory" in report["results"][x][s] for x in worlds)]
-    x = np.arange(len(measured))
+    measured = [s for s in systems if any("memory" in report["results"][wk][s] for wk in worlds)]
     width = 0.8 / max(len(worlds), 1)
 
     mib = 1 << 20
-    for k, wk in enumerate(worlds):
-        for off, key, hatch in ((0, "no_checkpoint", None), (1, "checkpoint", "//")):
-            vals = [report["results"][wk][s]["memory"][key]["total_bytes"] / mib if "memory" in report["results"][wk][s]
-                    else np.nan for s in measured]
-            pos = x + (2 * k + off - (2 * len(worlds) - 1) / 2) * (0.8 / (2 * len(worlds)))
-            ax_kept.bar(pos, vals, 0.8 / (2 * len(worlds)), hatch=hatch,
-                        label=f"W={wk}" + (" checkpointed" if off else ""))
-    ax_kept.set_xticks(x, [SHORT[s] for s in measured], rotation=35, ha="right", fontsize=7)
-    ax_kept.set_ylabel("MiB kept from forward to backward (rank 0)")
-    ax_kept.set_title("bytes kept between forward and backward", fontsize=9)
-    ax_kept.legend(fontsize=7)
+    results = report["results"]
 
-    for k, wk in enumerate(worlds):
-        for off, key, hatch in ((0, "forward_peak_bytes", None), (1, "backward_peak_bytes", "//")):
-            vals = [report["results"][wk][s]["memory"]["no_checkpoint"][key] / mib
-                    if "memory" in report["results"][wk][s] else np.nan for s in measured]
-            pos = x + (2 * k + off - (2 * len(worlds) - 1) / 2) * (0.8 / (2 * len(worlds)))
-            ax_peak.bar(pos, vals, 0.8 / (2 * len(worlds)), hatch=hatch,
-                        label=f"W={wk} " + ("backward" if off else "forward"))
-    ax_peak.set_xticks(x, [SHORT[s] for s in measured], rotation=35, ha="right", fontsize=7)
-    ax_peak.set_ylabel("MiB above the starting level (rank 0)")
-    ax_peak.set_title("peak allocated during forward / backward", fontsize=9)
-    ax_peak.legend(fontsize=7)
+    def memory(wk, s, key):
+        return results[wk][s]["memory"][key] if "memory" in results[wk][s] else None
 
-    for k, wk in enumerate(worlds):
-        for off, key, hatch in ((0, "forward_ratio_to_cp_cache", None), (1, "backward_ratio_to_cp_cache", "//")):
-            vals = [report["results"][wk][s].get("time", {}).get(key, np.nan) for s in measured]
-            pos = x + (2 * k + off - (2 * len(worlds) - 1) / 2) * (0.8 / (2 * len(worlds)))
-            ax_time.bar(pos, vals, 0.8 / (2 * len(worlds)), hatch=hatch,
-                        label=f"W={wk} " + ("backward" if off else "forward"))
+    def traffic(wk, s, key):
+        return results[wk][s]["traffic"][key] / mib if "traffic" in results[wk][s] else None
+
+    def kept(wk, s, key):
+        m = memory(wk, s, key)
+        return None if m is None else m["total_bytes"] / mib
+
+    def peak(wk, s, key):
+        m = memory(wk, s, "no_checkpoint")
+        return None if m is None else m[key] / mib
+
+    def time_ratio(wk, s, key):
+        return results[wk][s].get("time", {}).get(key)
+
+    _paired_bars(ax_kept, measured, worlds, kept, ("no_checkpoint", "checkpoint"), ("", " checkpointed"),
+                 "MiB kept from forward to backward (rank 0)", "bytes kept between forward and backward")
+    _paired_bars(ax_peak, measured, worlds, peak, ("forward_peak_bytes", "backward_peak_bytes"),
+                 (" forward", " backward"), "MiB above the starting level (rank 0)",
+                 "peak allocated during forward / backward")
+    _paired_bars(ax_time, measured, worlds, time_ratio, ("forward_ratio_to_cp_cache", "backward_ratio_to_cp_cache"),
+                 (" forward", " backward"), "median time / cp_cache's",
+                 "time per call relative to cp_cache (CPU, emulator)")
     ax_time.axhline(1.0, color="k", lw=0.8)
-    ax_time.set_xticks(x, [SHORT[s] for s in measured], rotation=35, ha="right", fontsize=7)
-    ax_time.set_ylabel("median time / cp_cache's")
-    ax_time.set_title("time per call relative to cp_cache (CPU, emulator)", fontsize=9)
-    ax_time.legend(fontsize=7)
-
-    for k, wk in enumerate(worlds):
-        for off, key, hatch in ((0, "forward_bytes", None), (1, "backward_bytes", "//")):
-            vals = [report["results"][wk][s]["traffic"][key] / mib if "traffic" in report["results"][wk][s]
-                    else np.nan for s in measured]
-            pos = x + (2 * k + off - (2 * len(worlds) - 1) / 2) * (0.8 / (2 * len(worlds)))
-            ax_sent.bar(pos, vals, 0.8 / (2 * len(worlds)), hatch=hatch,
-                        label=f"W={wk} " + ("backward" if off else "forward"))
-    ax_sent.set_xticks(x, [SHORT[s] for s in measured], rotation=35, ha="right", fontsize=7)
-    ax_sent.set_ylabel("MiB sent per rank per call (rank 0)")
-    ax_sent.set_title("communication", fontsize=9)
-    ax_sent.legend(fontsize=7)
+    _paired_bars(ax_sent, measured, worlds, traffic, ("forward_bytes", "backward_bytes"), (" forward", " backward"),
+                 "MiB sent per rank per call (rank 0)", "communication")
 
     xs = np.arange(len(systems))
     for k, wk in enumerate(worlds):

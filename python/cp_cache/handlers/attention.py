@@ -23,7 +23,7 @@ from ..kernels import get_kernel
 from ..merge import fused_merge_available
 from ..npu_ops import lse_from_stats, stats_views_from_lse
 from ..ring import RingConfig, ring_attention_backward, ring_attention_forward
-from ..ring_plan import MaskSpec, chunks
+from ..ring_plan import MaskSpec, positions
 from . import step_records as records
 from .arguments import bind_arguments, describe
 from .calls import CallLog
@@ -71,9 +71,8 @@ def _mask_rows(a: dict[str, Any], layout: str, config: RingConfig):
     if not config.given_mask:
         return None
     local_len = a["query"].to_local().size(L.seq_dim(layout))
-    positions = torch.cat([torch.arange(g, g + n) for _, g, n in
-                           chunks(config.rank, config.world_size, local_len, config.load_balance)])
-    return local_mask_rows(a["atten_mask"], a["query"], layout, positions)
+    rows = positions(config.rank, config.world_size, local_len, config.load_balance)
+    return local_mask_rows(a["atten_mask"], a["query"], layout, rows)
 
 
 def _check_backward_matches(a: dict[str, Any], layout: str, spec: MaskSpec, config: RingConfig, cache_id: int) -> None:

@@ -7,9 +7,10 @@ from .npu import NpuKernel
 from .npu import available as npu_available
 from .reference import ReferenceKernel
 
-__all__ = ["StepForward", "StepKernel", "NpuKernel", "ReferenceKernel", "get_kernel"]
+__all__ = ["KERNEL_NAMES", "StepForward", "StepKernel", "NpuKernel", "ReferenceKernel", "get_kernel"]
 
 _KERNELS = {"npu": NpuKernel, "reference": ReferenceKernel}
+KERNEL_NAMES = tuple(_KERNELS)
 
 
 def get_kernel(name: str | None = None) -> StepKernel:

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import torch
 
 from .. import layout as L
+from ..ring_plan import positions
 
 
 @dataclass(frozen=True)
@@ -69,11 +70,7 @@ def rank_positions(world: int, rank: int, s_local: int, load_balance: bool) -> t
     With load balancing: the head-tail chunks ``rank`` and ``2W-1-rank`` of length s_local/2;
     without: the contiguous block ``rank``.
     """
-    if load_balance:
-        c = s_local // 2
-        a, b = rank, 2 * world - 1 - rank
-        return torch.cat([torch.arange(a * c, (a + 1) * c), torch.arange(b * c, (b + 1) * c)])
-    return torch.arange(rank * s_local, (rank + 1) * s_local)
+    return positions(rank, world, s_local, load_balance)
 
 
 def head_tail_positions(seq: int, world: int) -> torch.Tensor:

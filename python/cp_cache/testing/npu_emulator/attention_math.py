@@ -11,9 +11,7 @@ from typing import Any, Optional, Sequence
 import torch
 
 from ... import layout as L
-from ...npu_ops import INT_MAX, STATS_WIDTH, is_compressed_mask
-
-FLOAT32_LOWEST = float(torch.finfo(torch.float32).min)
+from ...npu_ops import FLOAT32_LOWEST, INT_MAX, STATS_WIDTH, is_compressed_mask
 
 # ---------------------------------------------------------------------------
 # dropout

@@ -39,6 +39,15 @@ def _check(a: dict) -> "M._Dims":
                         a["actual_seq_kvlen"], a["sparse_mode"], a["softmax_layout"], a["sink"])
 
 
+def _forward_arguments(schema: str, args: tuple, kwargs: dict) -> tuple[dict, "M._Dims"]:
+    """The forward op's bound arguments and dimensions, checked (the CPU and fake kernels alike)."""
+    a = _bind(schema, args, kwargs)
+    d = _check(a)
+    if schema != FORWARD_V3:
+        _check_no_given_dropout(a)
+    return a, d
+
+
 def _dropout_numels(a: dict, d) -> int:
     return d.B * d.Nq * d.Sq * d.Skv if a["keep_prob"] < 1.0 else 0
 
@@ -50,10 +59,7 @@ def _forward(schema: str):
     v3 = schema == FORWARD_V3
 
     def kernel(*args, **kwargs):
-        a = _bind(schema, args, kwargs)
-        d = _check(a)
-        if not v3:
-            _check_no_given_dropout(a)
+        a, d = _forward_arguments(schema, args, kwargs)
         seed, offset = M.draw_seed_offset(a["keep_prob"])
         out, smax, ssum = M.forward_math(
             a["query"], a["key"], a["value"], d, a["input_layout"], a["atten_mask"], a["scale"],
@@ -71,10 +77,7 @@ def _forward_fake(schema: str):
     v3 = schema == FORWARD_V3
 
     def kernel(*args, **kwargs):
-        a = _bind(schema, args, kwargs)
-        d = _check(a)
-        if not v3:
-            _check_no_given_dropout(a)
+        a, d = _forward_arguments(schema, args, kwargs)
         query = a["query"]
         stat_shape = (d.B, d.Nq, d.Sq, M.STATS_WIDTH)
         sdt = M.stat_dtype(query.dtype)
