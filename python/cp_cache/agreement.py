@@ -6,7 +6,14 @@ load balancing, scale and keep_prob as float64 bit patterns, kernel, policy, alg
 direction, recorded ring steps, and whether this rank's own argument checks passed).
 The signatures are all-gathered on the ring's group before any K/V moves. If they differ,
 every rank raises the same ``RuntimeError`` naming each differing field and each rank's
-value; a rank whose own argument check failed chains its local error as the cause.
+value; a rank whose own argument check failed chains its local error as the cause, and
+the refusing ranks' messages are gathered (a second, rare collective) so that every rank
+names them.
+
+Uneven shards: where the ring supports local lengths that differ between ranks (full
+or causal attention without load balancing), the signature leaves the sequence dimension
+out of the compared shapes and carries each rank's query and K/V lengths in fields that
+are gathered but not compared; ``agree`` returns them.
 
 Why the exchange happens on every call (no skipping in the steady state): whether this
 rank may skip depends on the other ranks' signatures of *this* call, which it cannot know
@@ -24,14 +31,14 @@ from __future__ import annotations
 
 import struct
 import threading
-import time
 from typing import Any, Callable, Optional, Sequence
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
-__all__ = ["SIGNATURE_LEN", "FIELDS", "signature", "agree", "counters", "reset_counters", "describe"]
+__all__ = ["SIGNATURE_LEN", "FIELDS", "signature", "refusal_signature", "agree", "counters", "reset_counters",
+           "describe"]
 
 _SHAPE_DIMS = 4  # q/k/v shapes padded with -1 to this many dims (the layouts have 3 or 4)
 
@@ -59,9 +66,14 @@ def _name(table: Sequence) -> Callable[[list[int]], str]:
     return show
 
 
+_ANY = -3  # a sequence dimension left out of the comparison (uneven shards)
+_UNKNOWN = -2  # a field a refusing rank could not fill
+
+
 def _shape(v: list[int]) -> str:
-    dims = tuple(x for x in v if x >= 0)
-    return "None" if not dims and v[0] == -2 else str(dims)
+    if v[0] == _UNKNOWN:
+        return "None"
+    return "(" + ", ".join("*" if x == _ANY else str(x) for x in v if x >= 0 or x == _ANY) + ")"
 
 
 def _float_bits(x: float) -> int:
@@ -91,6 +103,7 @@ def _steps(v: list[int]) -> str:
 
 # (field name as in the message, width in int64 slots, formatter)
 FIELDS: tuple[tuple[str, int, Callable[[list[int]], str]], ...] = (
+    ("described", 1, _bool),  # 0: a refusal signature, whose other fields are unknown
     ("direction", 1, _name(_DIRECTIONS)),
     ("kernel", 1, _name(_KERNELS)),
     ("step-cache policy", 1, _name(_POLICIES)),
@@ -113,14 +126,32 @@ FIELDS: tuple[tuple[str, int, Callable[[list[int]], str]], ...] = (
     ("local mask rows shape", _SHAPE_DIMS, _shape),
     ("ring steps recorded", 1, _steps),
     ("argument checks", 1, _name(_CHECKS)),
+    ("local query length", 1, _int),
+    ("local K/V length", 1, _int),
 )
 SIGNATURE_LEN = sum(w for _, w, _ in FIELDS)
+_LENGTH_FIELDS = ("local query length", "local K/V length")  # gathered, not compared
+_NOT_COMPARED = frozenset(_LENGTH_FIELDS)
+_NOT_DESCRIBED = frozenset(("described",) + _LENGTH_FIELDS)
 
 
-def _pad(shape: Optional[Sequence[int]]) -> list[int]:
+def _offsets() -> dict[str, tuple[int, int]]:
+    out, start = {}, 0
+    for name, width, _ in FIELDS:
+        out[name] = (start, width)
+        start += width
+    return out
+
+
+_OFFSET = _offsets()
+
+
+def _pad(shape: Optional[Sequence[int]], any_dim: Optional[int] = None) -> list[int]:
     if shape is None:
-        return [-2] + [-1] * (_SHAPE_DIMS - 1)
+        return [_UNKNOWN] + [-1] * (_SHAPE_DIMS - 1)
     dims = [int(s) for s in shape][:_SHAPE_DIMS]
+    if any_dim is not None:
+        dims[any_dim] = _ANY
     return dims + [-1] * (_SHAPE_DIMS - len(dims))
 
 
@@ -136,11 +167,12 @@ def _check_code(error: Optional[BaseException]) -> int:
 _lock = threading.Lock()
 _built: dict[tuple, Tensor] = {}  # local configuration -> its signature tensor (construction only)
 _BUILT_MAX = 256
-_counters = {"exchanges": 0, "disagreements": 0, "signatures_built": 0}
+_counters = {"exchanges": 0, "disagreements": 0, "signatures_built": 0, "refusals": 0}
 
 
 def counters() -> dict:
-    """{"exchanges": collectives made, "disagreements": of them, "signatures_built": cache misses}."""
+    """{"exchanges": agreements made, "disagreements": of them, "signatures_built": cache misses,
+    "refusals": agreements in which some rank's argument checks failed}."""
     with _lock:
         return dict(_counters)
 
@@ -154,24 +186,28 @@ def reset_counters() -> None:
 
 def signature(*, direction: str, config: Any, q: Tensor, k: Tensor, v: Tensor, kv_heads: int,
               kernel: str = "", mask_rows: Optional[Tensor] = None, steps: int = -1,
-              error: Optional[BaseException] = None) -> Tensor:
-    """The int64 [SIGNATURE_LEN] signature of one ring call on this rank (``config``: a RingConfig)."""
+              error: Optional[BaseException] = None, uneven: bool = False) -> Tensor:
+    """The int64 [SIGNATURE_LEN] signature of one ring call on this rank (``config``: a RingConfig).
+    ``uneven``: the call accepts local sequence lengths that differ between ranks (the
+    sequence dimension is then left out of the compared shapes)."""
     mask = sum(bit for name, bit in _MASK_BITS
                if getattr(config, "given_mask" if name == "given" else name))
+    seq_dim = _seq_dim(config.layout) if uneven else None
     key = (direction, kernel, getattr(config, "policy", ""), getattr(config, "algorithm", ""), config.layout,
            tuple(q.shape), tuple(k.shape), tuple(v.shape), q.dtype, k.dtype, v.dtype, int(config.head_num),
            int(kv_heads), mask, int(config.pre_tockens), int(config.next_tockens), bool(config.load_balance),
            _float_bits(config.scale), _float_bits(config.keep_prob),
-           None if mask_rows is None else tuple(mask_rows.shape), int(steps), _check_code(error))
+           None if mask_rows is None else tuple(mask_rows.shape), int(steps), _check_code(error), seq_dim)
     with _lock:
         sig = _built.get(key)
         if sig is not None:
             return sig
-    values = [_code(_DIRECTIONS, key[0]), _code(_KERNELS, key[1]), _code(_POLICIES, key[2]),
+    values = [1, _code(_DIRECTIONS, key[0]), _code(_KERNELS, key[1]), _code(_POLICIES, key[2]),
               _code(_ALGORITHMS, key[3]), _code(_LAYOUTS, key[4]),
-              *_pad(key[5]), *_pad(key[6]), *_pad(key[7]),
+              *_pad(key[5], seq_dim), *_pad(key[6], seq_dim), *_pad(key[7], seq_dim),
               _code(_DTYPES, key[8]), _code(_DTYPES, key[9]), _code(_DTYPES, key[10]),
-              *key[11:19], *_pad(key[19]), key[20], key[21]]
+              *key[11:19], *_pad(key[19]), key[20], key[21],
+              _length(q, config.layout), _length(k, config.layout)]
     sig = torch.tensor(values, dtype=torch.int64)
     assert sig.numel() == SIGNATURE_LEN
     with _lock:
@@ -182,33 +218,94 @@ def signature(*, direction: str, config: Any, q: Tensor, k: Tensor, v: Tensor, k
     return sig
 
 
+def refusal_signature(direction: str, error: BaseException) -> Tensor:
+    """The signature of a call this rank refused before it could describe it (its arguments
+    failed the handler's checks): the direction and the error's kind; the rest unknown, left
+    out of the comparison."""
+    values = [_UNKNOWN] * SIGNATURE_LEN
+    values[_OFFSET["described"][0]] = 0
+    values[_OFFSET["direction"][0]] = _code(_DIRECTIONS, direction)
+    values[_OFFSET["argument checks"][0]] = _check_code(error)
+    return torch.tensor(values, dtype=torch.int64)
+
+
+def _seq_dim(layout: str) -> int:
+    from .layout import seq_dim
+
+    return seq_dim(layout)
+
+
+def _length(t: Tensor, layout: str) -> int:
+    dim = _seq_dim(layout)
+    return int(t.shape[dim]) if t.dim() > dim else -1
+
+
 def describe(signatures: list[list[int]]) -> list[str]:
-    """'<field>: rank 0 <value>, rank 1 <value>, ...' for each field where the ranks differ."""
+    """'<field>: rank 0 <value>, rank 1 <value>, ...' for each compared field where the ranks
+    differ; ranks that refused the call before describing it are left out of all but the
+    argument checks."""
+    described_at = _OFFSET["described"][0]
     out = []
-    start = 0
     for name, width, show in FIELDS:
-        parts = [s[start:start + width] for s in signatures]
-        if any(p != parts[0] for p in parts[1:]):
-            out.append(f"{name}: " + ", ".join(f"rank {r} {show(p)}" for r, p in enumerate(parts)))
-        start += width
+        if name in _NOT_DESCRIBED:
+            continue
+        start, _ = _OFFSET[name]
+        parts = {r: s[start:start + width] for r, s in enumerate(signatures)
+                 if s[described_at] or name == "argument checks"}
+        values = list(parts.values())
+        if any(p != values[0] for p in values[1:]):
+            out.append(f"{name}: " + ", ".join(f"rank {r} {show(p)}" for r, p in parts.items()))
     return out
 
 
-def agree(sig: Tensor, group, world_size: int, error: Optional[BaseException] = None) -> float:
+def lengths(signatures: list[list[int]]) -> list[tuple[int, int]]:
+    """Each rank's (local query length, local K/V length), from the gathered signatures."""
+    q_at, kv_at = (_OFFSET[name][0] for name in _LENGTH_FIELDS)
+    return [(s[q_at], s[kv_at]) for s in signatures]
+
+
+_UNEVEN_RULE = ("ranks may hold shards of different lengths only for full or causal attention without "
+                "load balancing")
+
+
+def agree(sig: Tensor, group, world_size: int, error: Optional[BaseException] = None) -> list[list[int]]:
     """All-gather ``sig`` on ``group``; raise the same RuntimeError on every rank if the ranks
-    differ (chaining this rank's own ``error``, if any). Returns the seconds it took."""
-    started = time.perf_counter()
+    differ (chaining this rank's own ``error``, if any). Returns the gathered signatures."""
     gathered = [torch.empty_like(sig) for _ in range(world_size)]
     dist.all_gather(gathered, sig, group=group)
     with _lock:
         _counters["exchanges"] += 1
-    first = gathered[0]
-    if all(torch.equal(first, g) for g in gathered[1:]):
-        return time.perf_counter() - started
+    signatures = [g.tolist() for g in gathered]
+    compared = [_compared(s) for s in signatures]
+    if all(c == compared[0] for c in compared[1:]):
+        return signatures
     with _lock:
         _counters["disagreements"] += 1
-    differing = describe([g.tolist() for g in gathered])
-    message = "cp_cache: the ranks disagree on " + "; ".join(differing)
+    parts = []
+    differing = describe(signatures)
+    if differing:
+        parts.append("the ranks disagree on " + "; ".join(differing))
+        if any(d.startswith("local ") and "shape" in d for d in differing):
+            parts.append(_UNEVEN_RULE)
+    check_at = _OFFSET["argument checks"][0]
+    refusing = [r for r, s in enumerate(signatures) if s[check_at] != 0]
+    if refusing:  # every rank sees the same signatures, so every rank makes this exchange
+        with _lock:
+            _counters["refusals"] += 1
+        messages: list[Any] = [None] * world_size
+        local = "" if error is None else f"{type(error).__name__}: {error}"
+        dist.all_gather_object(messages, local, group=group)
+        parts.append("; ".join(f"rank {r} refused the call ({messages[r]})" for r in refusing))
+    message = "cp_cache: " + ". ".join(parts)
     if error is not None:
         raise RuntimeError(message) from error
     raise RuntimeError(message)
+
+
+def _compared(sig: list[int]) -> list[int]:
+    out = []
+    for name, width, _ in FIELDS:
+        if name not in _NOT_COMPARED:
+            start, _ = _OFFSET[name]
+            out.extend(sig[start:start + width])
+    return out

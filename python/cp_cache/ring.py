@@ -106,6 +106,7 @@ class RingForward:
     bytes_sent: int
     compute_seconds: float = 0.0  # kernels and merges
     wait_seconds: float = 0.0  # blocked on a K/V receive: communication the compute did not hide
+    lengths: Optional[list] = None  # every rank's (local query length, local K/V length)
 
 
 @dataclass
@@ -116,6 +117,7 @@ class RingBackward:
     bytes_sent: int
     compute_seconds: float = 0.0  # kernels and accumulation
     wait_seconds: float = 0.0  # blocked on a K/V or dK/dV receive
+    lengths: Optional[list] = None  # every rank's (local query length, local K/V length)
 
 
 # ---------------------------------------------------------------- checks
@@ -196,13 +198,22 @@ def _kv_heads(q: Tensor, k: Tensor, config: RingConfig) -> int:
 _CHECK_ERRORS = (ValueError, NotImplementedError, TypeError, RuntimeError)
 
 
+def uneven_allowed(config: RingConfig) -> bool:
+    """Whether the ranks may hold local sequences of different lengths: full attention, or
+    causal attention on contiguous shards (each block is then wholly before, on, or after
+    the diagonal whatever the lengths); windows, masks and head-tail shards are positional."""
+    return not (config.window or config.given_mask or (config.causal and config.load_balance))
+
+
 def _agreed_checks(direction: str, check, config: RingConfig, q: Tensor, k: Tensor, v: Tensor, *,
                    size: int, group, kernel: StepKernel, mask_rows: Optional[Tensor], steps: int = -1):
     """Run this rank's argument checks, then (W > 1) agree with the other ranks on the call's
     signature before anything is exchanged: the ranks disagree -> the same RuntimeError on
-    every rank; they agree -> a check that failed failed on every rank, and raises there."""
+    every rank; they agree -> a check that failed failed on every rank, and raises there.
+    Returns (the check's result, every rank's (query length, K/V length))."""
+    seq_dim = L.seq_dim(config.layout)
     if size == 1:
-        return check()
+        return check(), [(q.size(seq_dim), k.size(seq_dim))]
     error = result = None
     try:
         result = check()
@@ -210,11 +221,20 @@ def _agreed_checks(direction: str, check, config: RingConfig, q: Tensor, k: Tens
         error = exc
     sig = agreement.signature(direction=direction, config=config, q=q, k=k, v=v,
                               kv_heads=_kv_heads(q, k, config), kernel=getattr(kernel, "name", ""),
-                              mask_rows=mask_rows, steps=steps, error=error)
-    agreement.agree(sig, group, size, error)
+                              mask_rows=mask_rows, steps=steps, error=error, uneven=uneven_allowed(config))
+    lengths = agreement.lengths(agreement.agree(sig, group, size, error))
     if error is not None:
         raise error
-    return result
+    if any(length < 1 for pair in lengths for length in pair):
+        raise ValueError(f"every rank needs at least one query and one key; local (query, K/V) lengths "
+                         f"by rank: {lengths}")  # the same on every rank: they all see the lengths
+    return result, lengths
+
+
+def _with_length(t: Tensor, layout: str, length: int) -> torch.Size:
+    shape = list(t.shape)
+    shape[L.seq_dim(layout)] = length
+    return torch.Size(shape)
 
 
 # ---------------------------------------------------------------- communication
@@ -225,11 +245,12 @@ class _Exchange:
     rank ``shift`` behind."""
 
     def __init__(self, tensors: list[Tensor], group, rank: int, size: int, tag: int, shift: int = 1,
-                 recv: Optional[list[Tensor]] = None):
+                 recv: Optional[list[Tensor]] = None, recv_shapes: Optional[list[torch.Size]] = None):
         nxt = dist.get_global_rank(group, (rank + shift) % size)
         prv = dist.get_global_rank(group, (rank - shift) % size)
         if recv is None:
-            recv = [torch.empty_like(t, memory_format=torch.contiguous_format) for t in tensors]
+            shapes = recv_shapes or [t.shape for t in tensors]
+            recv = [torch.empty(shape, dtype=t.dtype, device=t.device) for t, shape in zip(tensors, shapes)]
         self.recv = recv
         ops = [dist.P2POp(dist.isend, t, nxt, group, tag + j) for j, t in enumerate(tensors)]
         ops += [dist.P2POp(dist.irecv, r, prv, group, tag + j) for j, r in enumerate(self.recv)]
@@ -256,10 +277,14 @@ class _Rotation:
         self._exchange: Optional[_Exchange] = None
         self._group, self._rank, self._size, self._tag = group, rank, size, tag
 
-    def post(self, shift: int = 1) -> int:
-        """Send the current tensors ``shift`` ranks ahead, receive from ``shift`` behind; bytes sent."""
+    def post(self, shift: int = 1, recv_shapes: Optional[list[torch.Size]] = None) -> int:
+        """Send the current tensors ``shift`` ranks ahead, receive from ``shift`` behind (tensors
+        of ``recv_shapes``, default the current ones' shapes: uneven shards); bytes sent."""
+        spare = self._spare
+        if spare is not None and recv_shapes is not None and [t.shape for t in spare] != list(recv_shapes):
+            spare = None
         self._exchange = _Exchange(self.current, self._group, self._rank, self._size, self._tag, shift,
-                                   recv=self._spare)
+                                   recv=spare, recv_shapes=recv_shapes)
         self._spare = None
         return self._exchange.nbytes
 
@@ -309,8 +334,8 @@ def _lse_rows(lse: Tensor, rows: tuple[int, int]) -> Tensor:
 # ---------------------------------------------------------------- forward
 
 
-def _plan(rank: int, index: int, config: RingConfig, seq: int, mask_rows: Optional[Tensor]):
-    return plan_step(rank, index, config.world_size, config.load_balance, config.mask, seq, seq, mask_rows)
+def _plan(rank: int, index: int, config: RingConfig, q_len: int, kv_len: int, mask_rows: Optional[Tensor]):
+    return plan_step(rank, index, config.world_size, config.load_balance, config.mask, q_len, kv_len, mask_rows)
 
 
 def _last_step(config: RingConfig, kv_len: int) -> int:
@@ -334,9 +359,10 @@ def ring_attention_forward(
     (for backward) and the bytes sent.
     """
     size, rank, group = _group_info(config, group)
-    qd, _ = _agreed_checks("forward", lambda: _check_inputs(q, k, v, config, mask_rows), config, q, k, v,
-                           size=size, group=group, kernel=kernel, mask_rows=mask_rows)
+    (qd, _), lengths = _agreed_checks("forward", lambda: _check_inputs(q, k, v, config, mask_rows), config,
+                                      q, k, v, size=size, group=group, kernel=kernel, mask_rows=mask_rows)
     lay, hn = config.layout, config.head_num
+    seq_dim = L.seq_dim(lay)
 
     acc_out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
     acc_lse = torch.full((qd.batch, hn, qd.seq), float("-inf"), dtype=torch.float32, device=q.device)
@@ -346,14 +372,15 @@ def ring_attention_forward(
     bytes_sent = 0
     compute_s = wait_s = 0.0
     kv = _Rotation([k.contiguous(), v.contiguous()], group, rank, size, _TAG_KV)
-    last = _last_step(config, k.size(L.seq_dim(lay)))
+    last = _last_step(config, k.size(seq_dim))
     try:
         for i in range(last + 1):
             cur_k, cur_v = kv.current
             if i < last:
-                bytes_sent += kv.post()
+                incoming = lengths[(rank - i - 1) % size][1]
+                bytes_sent += kv.post(recv_shapes=[_with_length(t, lay, incoming) for t in (k, v)])
             started = time.perf_counter()
-            part, tasks = _plan(rank, i, config, qd.seq, mask_rows)
+            part, tasks = _plan(rank, i, config, qd.seq, cur_k.size(seq_dim), mask_rows)
             rng = []
             for task in tasks:
                 res = kernel.forward(*_task_operands(task, lay, q, cur_k, cur_v), mask=task.mask, **kw)
@@ -374,7 +401,7 @@ def ring_attention_forward(
         raise
     log.debug("ring forward rank %d/%d: parts %s, %d bytes sent", rank, size, [s.part for s in steps], bytes_sent)
     return RingForward(out=acc_out.to(q.dtype), lse=acc_lse, steps=steps, bytes_sent=bytes_sent,
-                       compute_seconds=compute_s, wait_seconds=wait_s)
+                       compute_seconds=compute_s, wait_seconds=wait_s, lengths=lengths)
 
 
 # ---------------------------------------------------------------- backward
@@ -390,8 +417,9 @@ class _GradAccumulators:
     ring went all the way round). Two pairs of buffers serve every hop.
     """
 
-    def __init__(self, group, rank: int, size: int):
+    def __init__(self, group, rank: int, size: int, block_shapes):
         self._group, self._rank, self._size = group, rank, size
+        self._block_shapes = block_shapes  # group rank -> the shapes of its dK/dV (uneven shards)
         self._rotation: Optional[_Rotation] = None
         self.bytes_sent = 0
 
@@ -404,10 +432,12 @@ class _GradAccumulators:
             self._rotation.advance()
         return tuple(self._rotation.current)
 
-    def pass_on(self, shift: int = 1) -> None:
-        """Send the held accumulators ``shift`` ranks ahead (nothing to do when that is this rank)."""
+    def pass_on(self, index: int, shift: int = 1) -> None:
+        """At step ``index``, send the held accumulators ``shift`` ranks ahead (nothing to do when
+        that is this rank), receiving those the rank ``shift`` behind holds."""
         if shift % self._size:
-            self.bytes_sent += self._rotation.post(shift)
+            incoming = (self._rank - shift - index) % self._size
+            self.bytes_sent += self._rotation.post(shift, recv_shapes=self._block_shapes(incoming))
 
     def drain(self) -> None:
         if self._rotation is not None:
@@ -465,15 +495,20 @@ def ring_attention_backward(
             raise ValueError(f"lse has shape {tuple(lse.shape)}, expected {(qd.batch, config.head_num, qd.seq)}")
         return qd
 
-    qd = _agreed_checks("backward", check, config, q, k, v, size=size, group=group, kernel=kernel,
-                        mask_rows=mask_rows, steps=len(steps))
+    qd, lengths = _agreed_checks("backward", check, config, q, k, v, size=size, group=group, kernel=kernel,
+                                 mask_rows=mask_rows, steps=len(steps))
     lay = config.layout
-    last = _last_step(config, k.size(L.seq_dim(lay)))
+    seq_dim = L.seq_dim(lay)
+    last = _last_step(config, k.size(seq_dim))
+
+    def block_shapes(source: int) -> list[torch.Size]:
+        return [_with_length(t, lay, lengths[source][1]) for t in (k, v)]
+
     lse = lse.float()
     kw = dict(layout=lay, head_num=config.head_num, scale=config.scale, keep_prob=config.keep_prob)
 
     dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
-    accumulators = _GradAccumulators(group, rank, size)
+    accumulators = _GradAccumulators(group, rank, size, block_shapes)
     bytes_sent = 0
     compute_s = wait_s = 0.0
     kv = _Rotation([k.contiguous(), v.contiguous()], group, rank, size, _TAG_KV)
@@ -481,10 +516,10 @@ def ring_attention_backward(
         for i, st in enumerate(steps):
             cur_k, cur_v = kv.current
             if i < last:
-                bytes_sent += kv.post()
+                bytes_sent += kv.post(recv_shapes=block_shapes((rank - i - 1) % size))
             started = time.perf_counter()
             kv_grads = []
-            for task, (seed, offset) in _recorded_tasks(st, rank, config, qd.seq, mask_rows):
+            for task, (seed, offset) in _recorded_tasks(st, rank, config, qd.seq, cur_k.size(seq_dim), mask_rows):
                 grads = kernel.backward(
                     *_task_operands(task, lay, q, cur_k, cur_v),
                     _rows(dout, lay, task.q_rows), _rows(out, lay, task.q_rows), _lse_rows(lse, task.q_rows),
@@ -500,7 +535,7 @@ def ring_attention_backward(
                 _rows(dk_acc, lay, kv_rows).add_(dk_i)
                 _rows(dv_acc, lay, kv_rows).add_(dv_i)
             del dk_acc, dv_acc, kv_grads
-            accumulators.pass_on(1 if i < last else size - last)
+            accumulators.pass_on(i, 1 if i < last else size - last)
             passed = time.perf_counter()
             compute_s += (computed - started) + (passed - received)
             wait_s += received - computed
@@ -518,12 +553,12 @@ def ring_attention_backward(
     bytes_sent += accumulators.bytes_sent
     log.debug("ring backward rank %d/%d: %d bytes sent", rank, size, bytes_sent)
     return RingBackward(dq=dq.to(q.dtype), dk=dk.to(k.dtype), dv=dv.to(v.dtype), bytes_sent=bytes_sent,
-                        compute_seconds=compute_s, wait_seconds=wait_s)
+                        compute_seconds=compute_s, wait_seconds=wait_s, lengths=lengths)
 
 
-def _recorded_tasks(step: RingStep, rank: int, config: RingConfig, seq: int, mask_rows):
+def _recorded_tasks(step: RingStep, rank: int, config: RingConfig, q_len: int, kv_len: int, mask_rows):
     """The step's kernel calls, planned again, each with the (seed, offset) its forward drew."""
-    part, tasks = _plan(rank, step.index, config, seq, mask_rows)
+    part, tasks = _plan(rank, step.index, config, q_len, kv_len, mask_rows)
     if part != step.part or (step.rng and len(step.rng) != len(tasks)):
         raise RuntimeError(
             f"ring step {step.index} on rank {rank} recorded part {step.part!r} with {len(step.rng)} "

@@ -8,6 +8,8 @@ cache's pairing key) and autograd hands it back to the grad op's ``seed``.
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import time
 from typing import Any
 
@@ -16,7 +18,7 @@ from torch import Tensor
 from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 
-from .. import _C
+from .. import _C, agreement
 from .. import layout as L
 from ..config import HANDLE_POLICY, STACK_POLICY, CPConfig, load_balance_enabled
 from ..kernels import get_kernel
@@ -31,15 +33,62 @@ from .checks import check_sharding, local_mask_rows, local_tensor, mask_spec, sh
 
 __all__ = ["AttentionHandlers"]
 
+log = logging.getLogger("cp_cache")
+
 _STATS_SEQ_DIM = 2  # softmax_max / softmax_sum are [B, N, S, 8]
+_CHECK_ERRORS = (ValueError, NotImplementedError, TypeError, RuntimeError)
 
 
-def _wrap(local: Tensor, mesh, placements) -> DTensor:
+def _wrap(local: Tensor, mesh, placements, seq_dim: int, total: int) -> DTensor:
+    """``local`` as a DTensor sharded on ``seq_dim``, whose global length is ``total`` (the
+    ranks' local lengths summed: shards may be uneven)."""
     shape, stride = torch.distributed.tensor._utils.compute_global_tensor_info(local, mesh, placements)
+    local_len = local.size(seq_dim)
+    if shape[seq_dim] != total:  # uneven shards: the global shape is not local * W
+        shape[seq_dim] = total
+        stride = [local.stride(i) // local_len * total
+                  if i != seq_dim and local.stride(i) >= local.stride(seq_dim) else stride[i]
+                  for i in range(local.dim())]
     spec = DTensorSpec(
         mesh, tuple(placements), tensor_meta=TensorMeta(torch.Size(shape), tuple(stride), local.dtype)
     )
     return DTensor(local, spec, requires_grad=False)
+
+
+def _totals(lengths: list[tuple[int, int]], query: DTensor, layout: str) -> tuple[int, int]:
+    """The global (query, K/V) lengths from every rank's local ones."""
+    q_total, kv_total = (sum(pair[i] for pair in lengths) for i in (0, 1))
+    claimed = query.size(L.seq_dim(layout))
+    if claimed != q_total:
+        log.warning("cp_cache: the query DTensor says its global sequence length is %d, but the ranks hold "
+                    "%d tokens in all (local lengths %s); the outputs use %d (build uneven DTensors with "
+                    "distribute_tensor or DTensor.from_local(..., shape=...))",
+                    claimed, q_total, [pair[0] for pair in lengths], q_total)
+    return q_total, kv_total
+
+
+def _cp_group(args, kwargs):
+    """(group, size) of the 1-D mesh of the call's first DTensor argument, or None."""
+    for value in (*args, *kwargs.values()):
+        if isinstance(value, DTensor):
+            mesh = value.device_mesh
+            return (mesh.get_group(), mesh.size()) if mesh.ndim == 1 else None
+    return None
+
+
+@contextlib.contextmanager
+def _refused_together(direction: str, args, kwargs):
+    """Argument checks before the ring: a refusal on this rank joins the ranks' agreement (as
+    a refusal signature) before it is raised, so the other ranks, already waiting in theirs,
+    raise too instead of waiting for a ring this rank will not enter."""
+    try:
+        yield
+    except _CHECK_ERRORS as error:
+        found = _cp_group(args, kwargs)
+        if found is None or found[1] == 1:
+            raise
+        agreement.agree(agreement.refusal_signature(direction, error), *found, error)
+        raise  # every rank refused the same way: each raises its own error
 
 
 def _slot_tensor(value: int) -> Tensor:
@@ -112,27 +161,29 @@ class AttentionHandlers:
     def forward(self, op_call, args, kwargs):
         """Handler of ``npu_fusion_attention_v3`` for DTensor inputs."""
         started = time.perf_counter()
-        a = bind_arguments(op_call._schema, args, kwargs)
-        layout = L.check_layout(a["input_layout"])
-        spec = mask_spec(a)
-        mesh, placements = check_sharding({n: a[n] for n in ("query", "key", "value")}, layout)
-        spec = spec.simplified(a["query"].size(L.seq_dim(layout)))
-        config = _ring_config(a, layout, spec, mesh, self.config)
-        mask_rows = _mask_rows(a, layout, config)
+        with _refused_together("forward", args, kwargs):
+            a = bind_arguments(op_call._schema, args, kwargs)
+            layout = L.check_layout(a["input_layout"])
+            spec = mask_spec(a)
+            mesh, placements = check_sharding({n: a[n] for n in ("query", "key", "value")}, layout)
+            spec = spec.simplified(a["query"].size(L.seq_dim(layout)))
+            config = _ring_config(a, layout, spec, mesh, self.config)
+            mask_rows = _mask_rows(a, layout, config)
+            kernel = get_kernel(self.config.kernel)
         q, k, v = (a[n].to_local() for n in ("query", "key", "value"))
-        kernel = get_kernel(self.config.kernel)
         fused_merge = self.config.fused_merge and fused_merge_available()
         ring_started = time.perf_counter()
         result = ring_attention_forward(q, k, v, config, group=mesh.get_group(), kernel=kernel, mask_rows=mask_rows,
                                         fused_merge=fused_merge)
         ring_seconds = time.perf_counter() - ring_started
 
+        q_total, _ = _totals(result.lengths, a["query"], layout)
         softmax_max, softmax_sum = stats_views_from_lse(result.lse)  # the memory floor: LSE + 4 bytes
         stats_placements = (Shard(_STATS_SEQ_DIM),)
         outputs = (
-            _wrap(result.out, mesh, placements),
-            _wrap(softmax_max, mesh, stats_placements),
-            _wrap(softmax_sum, mesh, stats_placements),
+            _wrap(result.out, mesh, placements, L.seq_dim(layout), q_total),
+            _wrap(softmax_max, mesh, stats_placements, _STATS_SEQ_DIM, q_total),
+            _wrap(softmax_sum, mesh, stats_placements, _STATS_SEQ_DIM, q_total),
             torch.empty(0, dtype=q.dtype, device=q.device),
             self._seed_slot(config, kernel.name, result.steps),
             _slot_tensor(config.world_size),
@@ -176,36 +227,40 @@ class AttentionHandlers:
     def backward(self, op_call, args, kwargs):
         """Handler of ``npu_fusion_attention_grad_v3`` for DTensor inputs."""
         started = time.perf_counter()
-        a = bind_arguments(op_call._schema, args, kwargs)
-        layout = L.check_layout(a["input_layout"])
-        spec = mask_spec(a)  # same argument checks as the forward
-        cache = self._claim_cache(a["seed"])
-        config, kernel_name = records.config_from_cache(cache)
-        tensors = {n: a[n] for n in ("query", "key", "value")}
-        mesh, placements = check_sharding(tensors, layout)
-        spec = spec.simplified(a["query"].size(L.seq_dim(layout)))
-        _check_backward_matches(a, layout, spec, config, cache.id)
-        for name in ("dy", "attention_in"):
-            tensors[name] = sharded_like(a[name], name, mesh, placements)
-        if mesh.size() != config.world_size or mesh.get_local_rank() != config.rank:
-            raise RuntimeError(
-                f"cp_cache: backward runs on rank {mesh.get_local_rank()} of {mesh.size()} but its "
-                f"forward ran on rank {config.rank} of {config.world_size}"
-            )
+        with _refused_together("backward", args, kwargs):
+            a = bind_arguments(op_call._schema, args, kwargs)
+            layout = L.check_layout(a["input_layout"])
+            spec = mask_spec(a)  # same argument checks as the forward
+            cache = self._claim_cache(a["seed"])
+            config, kernel_name = records.config_from_cache(cache)
+            tensors = {n: a[n] for n in ("query", "key", "value")}
+            mesh, placements = check_sharding(tensors, layout)
+            spec = spec.simplified(a["query"].size(L.seq_dim(layout)))
+            _check_backward_matches(a, layout, spec, config, cache.id)
+            for name in ("dy", "attention_in"):
+                tensors[name] = sharded_like(a[name], name, mesh, placements)
+            if mesh.size() != config.world_size or mesh.get_local_rank() != config.rank:
+                raise RuntimeError(
+                    f"cp_cache: backward runs on rank {mesh.get_local_rank()} of {mesh.size()} but its "
+                    f"forward ran on rank {config.rank} of {config.world_size}"
+                )
+            lse = lse_from_stats(*(local_tensor(a[n], n) for n in ("softmax_max", "softmax_sum")))
+            steps = records.steps_from_cache(cache, config)
+            mask_rows = _mask_rows(a, layout, config)
         q, k, v, dy, out = (tensors[n].to_local() for n in tensors)
-        lse = lse_from_stats(*(local_tensor(a[n], n) for n in ("softmax_max", "softmax_sum")))
-        steps = records.steps_from_cache(cache, config)
         del cache
         ring_started = time.perf_counter()
         result = ring_attention_backward(
             dy, q, k, v, out, lse, steps, config, group=mesh.get_group(), kernel=get_kernel(kernel_name),
-            mask_rows=_mask_rows(a, layout, config),
+            mask_rows=mask_rows,
         )
         ring_seconds = time.perf_counter() - ring_started
+        q_total, kv_total = _totals(result.lengths, a["query"], layout)
+        seq_dim = L.seq_dim(layout)
         outputs = (
-            _wrap(result.dq, mesh, placements),
-            _wrap(result.dk, mesh, placements),
-            _wrap(result.dv, mesh, placements),
+            _wrap(result.dq, mesh, placements, seq_dim, q_total),
+            _wrap(result.dk, mesh, placements, seq_dim, kv_total),
+            _wrap(result.dv, mesh, placements, seq_dim, kv_total),
             torch.empty(0, dtype=q.dtype, device=q.device),  # dpse: no pse
             torch.zeros((), dtype=torch.float32, device=q.device),  # dsink: no sink (0-d, as the op's meta)
         )

@@ -1,0 +1,253 @@
+"""Uneven shards and refusals across ranks (issue 16).
+
+Ranks may hold local sequences of different lengths for full and causal attention on
+contiguous shards: the ring exchanges blocks of their own size (the ranks learn every
+length in their agreement) and the outputs carry the true global length. Positional
+modes (head-tail load balancing, windows, masks) refuse uneven shards on every rank.
+A rank whose arguments the handler refuses before the ring still takes part in the
+agreement, so every rank raises, naming it, instead of waiting for a ring it will not
+enter; a handle from another process is such a refusal.
+
+One spawned run per W executes every case; each case returns its errors or outcome.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from cp_cache import layout as L
+from cp_cache.kernels import ReferenceKernel
+from cp_cache.ring import RingConfig, ring_attention_backward, ring_attention_forward
+from cp_cache.testing.multiprocess import run_ranks
+from cp_cache.testing.reference import dense_attention
+
+B, N, D = 1, 4, 8
+PG_TIMEOUT = 20.0
+
+# W -> local lengths by rank (13 over 4 ranks is what torch.chunk / distribute_tensor gives)
+RING_LENGTHS = {2: [(3, 6), (6, 3)], 4: [(4, 4, 4, 1), (2, 5, 3, 6)]}
+DTENSOR_LENGTH = {2: 7, 4: 13}  # global S, sharded by distribute_tensor (uneven)
+
+
+def _global(seq: int, nkv: int, seed: int = 3) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(B, h, seq, D, generator=g, dtype=torch.float64) for h in (N, nkv, nkv, N)]
+
+
+def _outcome(fn) -> tuple:
+    try:
+        fn()
+        return ("ok", "")
+    except Exception as exc:  # noqa: BLE001 - returned to the test
+        return (type(exc).__name__, str(exc))
+
+
+def _rel(got: torch.Tensor, want: torch.Tensor) -> float:
+    return float((got.double() - want).abs().max() / want.abs().max())
+
+
+def _ring_case(rank: int, world: int, lengths: tuple, causal: bool, layout: str, nkv: int) -> dict:
+    import torch.distributed as dist
+
+    full = _global(sum(lengths), nkv)
+    start = sum(lengths[:rank])
+    local = [L.from_bnsd(t.narrow(2, start, lengths[rank]).float(), layout) for t in full]
+    config = RingConfig(world_size=world, rank=rank, causal=causal, load_balance=False, layout=layout,
+                        head_num=N, scale=1 / math.sqrt(D), keep_prob=1.0)
+    ker, group = ReferenceKernel(), dist.group.WORLD
+    fwd = ring_attention_forward(*local[:3], config, group=group, kernel=ker)
+    bwd = ring_attention_backward(local[3], *local[:3], fwd.out, fwd.lse, fwd.steps, config, group=group, kernel=ker)
+    ref = dense_attention(*full, causal=causal)
+    errors = {name: _rel(L.to_bnsd(got, layout, N if name in ("out", "dq") else nkv),
+                         ref[name].narrow(2, start, lengths[rank]))
+              for name, got in (("out", fwd.out), ("dq", bwd.dq), ("dk", bwd.dk), ("dv", bwd.dv))}
+    return dict(errors=errors, lengths=fwd.lengths, bytes_sent=fwd.bytes_sent)
+
+
+def _refused_in_ring(rank: int, world: int, **change) -> tuple:
+    import torch.distributed as dist
+
+    lengths = RING_LENGTHS[world][0]
+    full = _global(sum(lengths), N)
+    start = sum(lengths[:rank])
+    q, k, v, _ = (t.narrow(2, start, lengths[rank]).float() for t in full)
+    if change.get("load_balance") and lengths[rank] % 2:  # keep every rank's own check passing
+        q, k, v = (t.narrow(2, 0, lengths[rank] - 1) for t in (q, k, v))
+    config = RingConfig(world_size=world, rank=rank, causal=True, load_balance=False, layout="BNSD",
+                        head_num=N, scale=0.3, keep_prob=1.0)
+    for name, value in change.items():
+        setattr(config, name, value)
+    return _outcome(lambda: ring_attention_forward(q, k, v, config, group=dist.group.WORLD,
+                                                   kernel=ReferenceKernel()))
+
+
+def _dtensor_case(rank: int, world: int, mesh, causal: bool) -> dict:
+    from torch.distributed.tensor import DTensor, Shard, distribute_tensor
+
+    from cp_cache.npu_ops import causal_mask
+
+    full = _global(DTENSOR_LENGTH[world], 2)
+    qd, kd, vd = (distribute_tensor(t.float(), mesh, [Shard(2)]).requires_grad_() for t in full[:3])
+    dout = distribute_tensor(full[3].float(), mesh, [Shard(2)])
+    kw = dict(scale=1 / math.sqrt(D))
+    if causal:
+        kw.update(atten_mask=causal_mask("cpu"), sparse_mode=2)
+    out = torch.ops.npu.npu_fusion_attention_v3(qd, kd, vd, N, "BNSD", **kw)
+    out[0].backward(dout)
+    ref = dense_attention(*full, causal=causal)
+    result = dict(shapes={}, errors={})
+    for name, got in (("out", out[0]), ("dq", qd.grad), ("dk", kd.grad), ("dv", vd.grad)):
+        assert isinstance(got, DTensor)
+        result["shapes"][name] = tuple(got.shape)
+        result["errors"][name] = _rel(got.full_tensor(), ref[name])
+    result["shapes"]["softmax_max"] = tuple(out[1].shape)
+    result["local_len"] = qd.to_local().size(2)
+    del out
+    return result
+
+
+def _handler_refusals(rank: int, world: int, mesh) -> dict:
+    import torch.distributed as dist
+    from torch.distributed.tensor import DTensor, Shard
+
+    import cp_cache
+
+    last = world - 1
+    full = _global(4 * world, N)
+    local = [t.narrow(2, 4 * rank, 4).float() for t in full]
+    qd, kd, vd, dd = (DTensor.from_local(t, mesh, [Shard(2)]) for t in local)
+    results = {}
+
+    # one rank's arguments are refused by the handler (pse): every rank raises, naming it
+    pse = torch.zeros(B, N, 4, 4) if rank == last else None
+    results["pse"] = _outcome(lambda: torch.ops.npu.npu_fusion_attention_v3(qd, kd, vd, N, "BNSD", pse=pse,
+                                                                            scale=0.3))
+
+    # a handle from another process: the rank holding it refuses, every rank raises
+    with torch.no_grad():
+        out = torch.ops.npu.npu_fusion_attention_v3(qd, kd, vd, N, "BNSD", scale=0.3)
+    seed = out[4]
+    foreign = seed.clone()
+    dist.broadcast(foreign, src=0)
+    given = foreign if rank == last else seed
+    results["foreign_handle"] = _outcome(lambda: torch.ops.npu.npu_fusion_attention_grad_v3(
+        qd, kd, vd, dd, N, "BNSD", softmax_max=out[1], softmax_sum=out[2], attention_in=out[0],
+        scale_value=0.3, seed=given, offset=out[5]))
+    del out, seed, given
+    results["live_after"] = cp_cache.stats()["live_entries"]
+
+    # the process group still works after the refusals: a right answer
+    outs = torch.ops.npu.npu_fusion_attention_v3(qd, kd, vd, N, "BNSD", scale=1 / math.sqrt(D))
+    ref = dense_attention(*full, causal=False)
+    results["after_error"] = _rel(outs[0].to_local(), ref["out"].narrow(2, 4 * rank, 4))
+    return results
+
+
+def _ranks(rank: int, world: int) -> dict:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.experimental._context_parallel._attention import _cp_options
+
+    import cp_cache
+    from cp_cache.testing import install_npu_emulator
+
+    install_npu_emulator(route_sdpa=False)
+    mesh = init_device_mesh("cpu", (world,))
+    cp_cache.enable()
+    _cp_options.enable_load_balance = False
+    results = {"ring": {}, "dtensor": {}, "refused": {}}
+    for lengths in RING_LENGTHS[world]:
+        for causal in (True, False):
+            for layout, nkv in (("BNSD", N), ("BSH", 2)):
+                results["ring"][(lengths, causal, layout)] = _ring_case(rank, world, lengths, causal, layout, nkv)
+    for causal in (True, False):
+        results["dtensor"][causal] = _dtensor_case(rank, world, mesh, causal)
+    results["refused"]["load_balance"] = _refused_in_ring(rank, world, load_balance=True)
+    results["refused"]["window"] = _refused_in_ring(rank, world, causal=False, window=True, pre_tockens=2,
+                                                    next_tockens=0)
+    results["handler"] = _handler_refusals(rank, world, mesh)
+    results["live"] = cp_cache.stats()["live_entries"]
+    return results
+
+
+_RESULTS: dict[int, list[dict]] = {}
+
+
+def _results(world: int) -> list[dict]:
+    if world not in _RESULTS:
+        _RESULTS[world] = run_ranks(_ranks, world, timeout=300.0, pg_timeout=PG_TIMEOUT)
+    return _RESULTS[world]
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_ring_with_uneven_shards_matches_dense(world):
+    for rank, res in enumerate(_results(world)):
+        assert len(res["ring"]) == 2 * 2 * 2
+        for (lengths, causal, layout), case in res["ring"].items():
+            assert case["lengths"] == [(n, n) for n in lengths], case["lengths"]
+            assert max(case["errors"].values()) < 1e-5, (rank, lengths, causal, layout, case["errors"])
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_ring_sends_blocks_of_their_own_size(world):
+    """Forward bytes: every block but the rank's last incoming one, at its own length."""
+    for rank, res in enumerate(_results(world)):
+        for (lengths, causal, layout), case in res["ring"].items():
+            kv_heads = N if layout == "BNSD" else 2
+            sent = [lengths[(rank - i) % world] for i in range(world - 1)]  # the blocks this rank passes on
+            assert case["bytes_sent"] == 2 * B * kv_heads * D * 4 * sum(sent), (rank, lengths, case["bytes_sent"])
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_dtensor_uneven_shards_through_the_op(world):
+    seq = DTENSOR_LENGTH[world]
+    expected_local = torch.arange(seq).chunk(world)
+    for rank, res in enumerate(_results(world)):
+        for causal, case in res["dtensor"].items():
+            assert case["local_len"] == len(expected_local[rank])
+            assert case["shapes"] == {"out": (B, N, seq, D), "dq": (B, N, seq, D), "dk": (B, 2, seq, D),
+                                      "dv": (B, 2, seq, D), "softmax_max": (B, N, seq, 8)}, case["shapes"]
+            assert max(case["errors"].values()) < 1e-5, (rank, causal, case["errors"])
+
+
+@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("mode", ["load_balance", "window"])
+def test_positional_modes_refuse_uneven_shards_on_every_rank(world, mode):
+    lengths = RING_LENGTHS[world][0]
+    messages = set()
+    for res in _results(world):
+        kind, message = res["refused"][mode]
+        assert kind == "RuntimeError", message
+        assert "local query shape: rank 0 (1, 4, " in message, message
+        assert "only for full or causal attention without load balancing" in message
+        messages.add(message)
+    assert len(messages) == 1, messages
+    assert lengths[0] != lengths[-1]
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_a_handler_refusal_on_one_rank_fails_every_rank(world):
+    last = world - 1
+    messages = set()
+    for rank, res in enumerate(_results(world)):
+        kind, message = res["handler"]["pse"]
+        assert kind == "RuntimeError", (rank, kind, message)
+        assert f"rank {last} refused the call (NotImplementedError: cp_cache ring attention does not support pse=" \
+            in message, message
+        assert "argument checks: rank 0 'passed'" in message
+        messages.add(message)
+    assert len(messages) == 1
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_a_handle_from_another_process_fails_every_rank(world):
+    last = world - 1
+    for rank, res in enumerate(_results(world)):
+        kind, message = res["handler"]["foreign_handle"]
+        assert kind == "RuntimeError", (rank, kind, message)
+        assert f"rank {last} refused the call (RuntimeError: " in message and "handle" in message, message
+        assert res["handler"]["live_after"] == 0
+        assert res["handler"]["after_error"] < 1e-5
+        assert res["live"] == 0
