@@ -36,6 +36,8 @@ MISMATCHES = {
     "causal": (dict(causal=False), {}, "mask kind", "causal", "none (full)"),
     "load_balance": (dict(load_balance=False), {}, "load balancing", "True", "False"),
     "window": (dict(pre_tockens=5), {}, "pre_tockens", "3", "5"),
+    "window_next": (dict(next_tockens=1), {}, "next_tockens", "0", "1"),
+    "policy": (dict(policy="stack"), {}, "step-cache policy", "''", "'stack'"),
 }
 WINDOW = dict(causal=False, window=True, pre_tockens=3, next_tockens=0)
 
@@ -85,7 +87,7 @@ def _agreement_rank(rank: int, world: int) -> dict:
 
     # every mismatch field, forward, raised on every rank
     for name, (cfg_change, in_change, *_rest) in MISMATCHES.items():
-        base = dict(BASE, **(WINDOW if name == "window" else {}))
+        base = dict(BASE, **(WINDOW if name.startswith("window") else {}))
         cfg = dict(base, **(cfg_change if rank == last else {}))
         (q, k, v, _), _, _ = _inputs(rank, world, **(in_change if rank == last else {}))
         config = RingConfig(world_size=world, rank=rank, **cfg)
