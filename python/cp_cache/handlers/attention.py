@@ -9,7 +9,6 @@ cache's pairing key) and autograd hands it back to the grad op's ``seed``.
 from __future__ import annotations
 
 import contextlib
-import logging
 import time
 from typing import Any
 
@@ -33,15 +32,14 @@ from .checks import check_sharding, local_mask_rows, local_tensor, mask_spec, sh
 
 __all__ = ["AttentionHandlers"]
 
-log = logging.getLogger("cp_cache")
 
 _STATS_SEQ_DIM = 2  # softmax_max / softmax_sum are [B, N, S, 8]
 _CHECK_ERRORS = (ValueError, NotImplementedError, TypeError, RuntimeError)
 
 
 def _wrap(local: Tensor, mesh, placements, seq_dim: int, total: int) -> DTensor:
-    """``local`` as a DTensor sharded on ``seq_dim``, whose global length is ``total`` (the
-    ranks' local lengths summed: shards may be uneven)."""
+    """``local`` as a DTensor sharded on ``seq_dim``, whose global length is ``total`` (that
+    of the input it follows: shards may be uneven)."""
     shape, stride = torch.distributed.tensor._utils.compute_global_tensor_info(local, mesh, placements)
     local_len = local.size(seq_dim)
     if shape[seq_dim] != total:  # uneven shards: the global shape is not local * W
@@ -53,18 +51,6 @@ def _wrap(local: Tensor, mesh, placements, seq_dim: int, total: int) -> DTensor:
         mesh, tuple(placements), tensor_meta=TensorMeta(torch.Size(shape), tuple(stride), local.dtype)
     )
     return DTensor(local, spec, requires_grad=False)
-
-
-def _totals(lengths: list[tuple[int, int]], query: DTensor, layout: str) -> tuple[int, int]:
-    """The global (query, K/V) lengths from every rank's local ones."""
-    q_total, kv_total = (sum(pair[i] for pair in lengths) for i in (0, 1))
-    claimed = query.size(L.seq_dim(layout))
-    if claimed != q_total:
-        log.warning("cp_cache: the query DTensor says its global sequence length is %d, but the ranks hold "
-                    "%d tokens in all (local lengths %s); the outputs use %d (build uneven DTensors with "
-                    "distribute_tensor or DTensor.from_local(..., shape=...))",
-                    claimed, q_total, [pair[0] for pair in lengths], q_total)
-    return q_total, kv_total
 
 
 def _cp_group(args, kwargs):
@@ -177,7 +163,7 @@ class AttentionHandlers:
                                         fused_merge=fused_merge)
         ring_seconds = time.perf_counter() - ring_started
 
-        q_total, _ = _totals(result.lengths, a["query"], layout)
+        q_total = a["query"].size(L.seq_dim(layout))
         softmax_max, softmax_sum = stats_views_from_lse(result.lse)  # the memory floor: LSE + 4 bytes
         stats_placements = (Shard(_STATS_SEQ_DIM),)
         outputs = (
@@ -255,8 +241,8 @@ class AttentionHandlers:
             mask_rows=mask_rows,
         )
         ring_seconds = time.perf_counter() - ring_started
-        q_total, kv_total = _totals(result.lengths, a["query"], layout)
         seq_dim = L.seq_dim(layout)
+        q_total, kv_total = a["query"].size(seq_dim), a["key"].size(seq_dim)
         outputs = (
             _wrap(result.dq, mesh, placements, seq_dim, q_total),
             _wrap(result.dk, mesh, placements, seq_dim, kv_total),
