@@ -3,7 +3,8 @@
 Every rank builds a fixed-size int64 signature of everything the K/V exchange and the
 result depend on (local q/k/v/mask shapes, dtypes, layout, heads, mask kind and tockens,
 load balancing, scale and keep_prob as float64 bit patterns, kernel, policy, algorithm,
-direction, recorded ring steps, and whether this rank's own argument checks passed).
+direction, recorded ring steps, the packed documents of a TND call (count and a digest of
+the cumulative ends), and whether this rank's own argument checks passed).
 The signatures are all-gathered on the ring's group before any K/V moves. If they differ,
 every rank raises the same ``RuntimeError`` naming each differing field and each rank's
 value; a rank whose own argument check failed chains its local error as the cause.
@@ -22,6 +23,7 @@ is measured by ``python -m cp_cache bench --only agreement``.
 
 from __future__ import annotations
 
+import hashlib
 import struct
 import threading
 import time
@@ -89,6 +91,18 @@ def _steps(v: list[int]) -> str:
     return "-" if v[0] < 0 else str(v[0])
 
 
+def _documents(v: list[int]) -> str:
+    return "none" if v[0] < 0 else f"{v[0]} documents (digest {v[1]:#x})"
+
+
+def _documents_code(documents: str) -> tuple[int, int]:
+    """(count, 62-bit digest) of a RingConfig's packed documents ("" -> none)."""
+    if not documents:
+        return -1, 0
+    digest = int.from_bytes(hashlib.blake2b(documents.encode(), digest_size=8).digest(), "little") >> 2
+    return documents.count(",") + 1, digest
+
+
 # (field name as in the message, width in int64 slots, formatter)
 FIELDS: tuple[tuple[str, int, Callable[[list[int]], str]], ...] = (
     ("direction", 1, _name(_DIRECTIONS)),
@@ -112,6 +126,7 @@ FIELDS: tuple[tuple[str, int, Callable[[list[int]], str]], ...] = (
     ("keep_prob", 1, _float),
     ("local mask rows shape", _SHAPE_DIMS, _shape),
     ("ring steps recorded", 1, _steps),
+    ("packed documents", 2, _documents),
     ("argument checks", 1, _name(_CHECKS)),
 )
 SIGNATURE_LEN = sum(w for _, w, _ in FIELDS)
@@ -162,7 +177,8 @@ def signature(*, direction: str, config: Any, q: Tensor, k: Tensor, v: Tensor, k
            tuple(q.shape), tuple(k.shape), tuple(v.shape), q.dtype, k.dtype, v.dtype, int(config.head_num),
            int(kv_heads), mask, int(config.pre_tockens), int(config.next_tockens), bool(config.load_balance),
            _float_bits(config.scale), _float_bits(config.keep_prob),
-           None if mask_rows is None else tuple(mask_rows.shape), int(steps), _check_code(error))
+           None if mask_rows is None else tuple(mask_rows.shape), int(steps), _check_code(error),
+           getattr(config, "documents", ""))
     with _lock:
         sig = _built.get(key)
         if sig is not None:
@@ -171,7 +187,7 @@ def signature(*, direction: str, config: Any, q: Tensor, k: Tensor, v: Tensor, k
               _code(_ALGORITHMS, key[3]), _code(_LAYOUTS, key[4]),
               *_pad(key[5]), *_pad(key[6]), *_pad(key[7]),
               _code(_DTYPES, key[8]), _code(_DTYPES, key[9]), _code(_DTYPES, key[10]),
-              *key[11:19], *_pad(key[19]), key[20], key[21]]
+              *key[11:19], *_pad(key[19]), key[20], *_documents_code(key[22]), key[21]]
     sig = torch.tensor(values, dtype=torch.int64)
     assert sig.numel() == SIGNATURE_LEN
     with _lock:

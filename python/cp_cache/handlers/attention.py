@@ -28,6 +28,7 @@ from . import step_records as records
 from .arguments import bind_arguments, describe
 from .calls import CallLog
 from .checks import check_sharding, local_mask_rows, local_tensor, mask_spec, sharded_like
+from .varlen import is_varlen, varlen_backward, varlen_forward
 
 __all__ = ["AttentionHandlers"]
 
@@ -113,6 +114,8 @@ class AttentionHandlers:
         """Handler of ``npu_fusion_attention_v3`` for DTensor inputs."""
         started = time.perf_counter()
         a = bind_arguments(op_call._schema, args, kwargs)
+        if is_varlen(a):  # packed documents: handlers/varlen.py
+            return varlen_forward(self, a, started, _wrap)
         layout = L.check_layout(a["input_layout"])
         spec = mask_spec(a)
         mesh, placements = check_sharding({n: a[n] for n in ("query", "key", "value")}, layout)
@@ -177,6 +180,8 @@ class AttentionHandlers:
         """Handler of ``npu_fusion_attention_grad_v3`` for DTensor inputs."""
         started = time.perf_counter()
         a = bind_arguments(op_call._schema, args, kwargs)
+        if is_varlen(a):
+            return varlen_backward(self, a, started, _wrap)
         layout = L.check_layout(a["input_layout"])
         spec = mask_spec(a)  # same argument checks as the forward
         cache = self._claim_cache(a["seed"])
