@@ -16,7 +16,7 @@ from . import _C
 from ._C import StepCache, StepCacheStore
 from .config import CPConfig
 from .dispatch import active_config, call_stats, context_parallel, disable, enable, enabled
-from .documents import pad_documents, shard_documents, unshard_documents
+from .packing import pad_documents, shard_documents, unshard_documents
 
 __all__ = [
     "CPConfig",
