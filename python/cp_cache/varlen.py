@@ -17,7 +17,9 @@ A step's documents become the segments of ONE kernel call in TND (its
 ``actual_seq_qlen/kvlen``), so the kernel does the masking; the rows a step uses are
 gathered (``index_select``) only when they are not the whole block. Documents with no
 work on a step are left out, and a step with none makes no kernel call. The softmax
-statistics are ``[T, N]`` LSEs (the ops' ``[T, N, 8]``).
+statistics are ``[T, N]`` LSEs (the ops' ``[T, N, 8]``). Step results merge into float32
+accumulators in plain torch or, with ``fused_merge``, by ``npu_ring_attention_update`` in
+TND.
 """
 
 from __future__ import annotations
@@ -33,6 +35,9 @@ from torch import Tensor
 from . import agreement
 from .documents import check_documents, cumulative_lengths, document_pieces
 from .kernels.base import StepForward, StepKernel, StepMask
+from .merge import OP_NAME as MERGE_OP
+from .merge import _stats as merge_stats
+from .npu_ops import lse_from_stats
 from .ring import (
     _TAG_KV,
     RingBackward,
@@ -260,6 +265,24 @@ def _merge_rows(acc_out: Tensor, acc_lse: Tensor, index: Optional[Tensor], out: 
         acc_lse.index_copy_(0, index, new_lse)
 
 
+def _merge_rows_fused(acc_out: Tensor, acc_lse: Tensor, index: Optional[Tensor], out: Tensor, lse: Tensor,
+                      actual_seq_qlen: Tensor) -> None:
+    """As ``_merge_rows``, by ``npu_ring_attention_update`` in TND (its [t, N, 8] statistics
+    encode the LSEs as max = LSE, sum = 1; rows that saw no key as lowest, 0)."""
+    op = getattr(torch.ops.npu, MERGE_OP)
+    prev_max, prev_sum = merge_stats(_take(acc_lse, index))
+    cur_max, cur_sum = merge_stats(lse)
+    merged, new_max, new_sum = op(_take(acc_out, index), prev_max, prev_sum, out.float(), cur_max, cur_sum,
+                                  actual_seq_qlen=actual_seq_qlen, input_layout=TND)
+    new_lse = lse_from_stats(new_max, new_sum)
+    if index is None:
+        acc_out.copy_(merged)
+        acc_lse.copy_(new_lse)
+    else:
+        acc_out.index_copy_(0, index, merged)
+        acc_lse.index_copy_(0, index, new_lse)
+
+
 def _add_rows(acc: Tensor, index: Optional[Tensor], value: Tensor) -> None:
     if index is None:
         acc.add_(value)
@@ -275,9 +298,10 @@ def _plan(config: RingConfig, cu, rank: int, index: int) -> VarlenStep:
 
 
 def varlen_ring_forward(q: Tensor, k: Tensor, v: Tensor, config: RingConfig, *, group,
-                        kernel: StepKernel) -> RingForward:
+                        kernel: StepKernel, fused_merge: bool = False) -> RingForward:
     """Ring attention of the local packed queries ``[T/W, Nq, D]`` against every rank's K/V,
-    within documents (``config.documents``). Returns the merged output (query dtype), the
+    within documents (``config.documents``). ``fused_merge``: merge the steps with
+    ``npu_ring_attention_update`` (TND; it must exist) instead of plain torch. Returns the merged output (query dtype), the
     float32 LSE ``[T/W, Nq]``, the per-step records and the bytes sent."""
     size, rank, group = _group_info(config, group)
     cu = decode_documents(config.documents)
@@ -306,7 +330,10 @@ def varlen_ring_forward(q: Tensor, k: Tensor, v: Tensor, config: RingConfig, *, 
                                         _take(cur_v, ops.kv_index), ops, step.mask, kw)
                 if res.seed is not None:
                     rng.append((res.seed, res.offset))
-                _merge_rows(acc_out, acc_lse, ops.q_index, res.out, res.lse)
+                if fused_merge:
+                    _merge_rows_fused(acc_out, acc_lse, ops.q_index, res.out, res.lse, ops.actual_seq_lens[0])
+                else:
+                    _merge_rows(acc_out, acc_lse, ops.q_index, res.out, res.lse)
                 del res
             steps.append(RingStep(index=i, source_rank=(rank - i) % size, part=step.part, rng=tuple(rng)))
             computed = time.perf_counter()

@@ -109,6 +109,8 @@ CASES = [
     Case(MIXED, True, True, dtype="bfloat16"),
 ]
 
+REFERENCE_KERNEL_CASES = [Case(MIXED, True, True, nq=4, nkv=2), Case((3, 5, 1, 20, 7, 28), True, False)]
+
 
 def _global_inputs(case: Case):
     T = sum(case.docs)
@@ -153,7 +155,8 @@ def _run_case(case: Case, mesh) -> dict:
         one[0].backward(full[3].to(dtype))
         for n, t in zip(("out", "dq", "dk", "dv"), (one[0], *(l.grad for l in leaves))):
             errors[f"dense_{n}"] = rel_err(t.double(), ref[n])
-    return dict(errors=errors, live=cp_cache.stats()["live_entries"])
+    return dict(errors=errors, live=cp_cache.stats()["live_entries"],
+                fused_merge=cp_cache.call_stats()["forward"]["fused_merge"])
 
 
 def _dropout_check(mesh, rank: int, lb: bool) -> list[float]:
@@ -231,6 +234,10 @@ def _ranks(rank: int, world: int) -> dict:
     if world > 1:
         results["dropout"] = {lb: _dropout_check(mesh, rank, lb) for lb in (True, False)}
     results["checkpoint"] = _checkpoint_and_stack(mesh)
+    # the plain-torch step kernel has no TND: the ring calls it once per segment (BSND, batch 1);
+    # with the float32 merge in plain torch (the cases above merge with the fused op)
+    cp_cache.enable(kernel="reference", fused_merge=False)
+    results["reference_kernel"] = {case.name: _run_case(case, mesh) for case in REFERENCE_KERNEL_CASES}
     cp_cache.disable()
     return results
 
@@ -257,6 +264,17 @@ def test_matches_dense_float64(world, case):
             for name in ("out", "dq", "dk", "dv"):
                 assert errors[name] <= 3 * errors[f"dense_{name}"] + 1e-3, (case.name, rank, name, errors)
         assert res[case.name]["live"] == 0
+        assert res[case.name]["fused_merge"]  # the emulator's npu_ring_attention_update, in TND
+
+
+@pytest.mark.parametrize("world", WORLDS)
+@pytest.mark.parametrize("case", REFERENCE_KERNEL_CASES, ids=[c.name for c in REFERENCE_KERNEL_CASES])
+def test_reference_kernel_per_segment(world, case):
+    for rank, res in enumerate(_results(world)):
+        errors = res["reference_kernel"][case.name]["errors"]
+        for name in ("out", "dq", "dk", "dv"):
+            assert errors[name] < 2e-5, (case.name, rank, name, errors[name])
+        assert not res["reference_kernel"][case.name]["fused_merge"]
 
 
 @pytest.mark.parametrize("world", (2, 4))

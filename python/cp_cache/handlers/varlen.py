@@ -20,6 +20,7 @@ from torch.distributed.tensor import DTensor, Shard
 from ..config import load_balance_enabled
 from ..documents import check_documents, cumulative_lengths
 from ..kernels import get_kernel
+from ..merge import fused_merge_available
 from ..npu_ops import CAUSAL_MODES, SparseMode, is_compressed_mask, lse_from_stats, stats_views_from_lse
 from ..ring import RingConfig
 from ..varlen import TND, decode_documents, encode_documents, varlen_ring_backward, varlen_ring_forward
@@ -113,7 +114,8 @@ def varlen_forward(handlers, a: dict[str, Any], started: float, wrap) -> tuple:
     q, k, v = (a[n].to_local() for n in ("query", "key", "value"))
     kernel = get_kernel(handlers.config.kernel)
     ring_started = time.perf_counter()
-    result = varlen_ring_forward(q, k, v, config, group=mesh.get_group(), kernel=kernel)
+    fused_merge = handlers.config.fused_merge and fused_merge_available()
+    result = varlen_ring_forward(q, k, v, config, group=mesh.get_group(), kernel=kernel, fused_merge=fused_merge)
     ring_seconds = time.perf_counter() - ring_started
     softmax_max, softmax_sum = stats_views_from_lse(result.lse)  # [T/W, N, 8] views of the LSE
     outputs = (
@@ -124,7 +126,7 @@ def varlen_forward(handlers, a: dict[str, Any], started: float, wrap) -> tuple:
         handlers._seed_slot(config, kernel.name, result.steps),
         torch.tensor([config.world_size], dtype=torch.int64),
     )
-    handlers.call_log.record("forward", result, started, ring_seconds)
+    handlers.call_log.record("forward", result, started, ring_seconds, fused_merge=fused_merge)
     return outputs
 
 
