@@ -146,3 +146,24 @@ def test_fakes_equal_wheel_meta(dtype, nkv):
         if name == "npu_fusion_attention_grad":  # the wheel's v1 meta gives None for dpse (as in test_npu_fidelity)
             ours, theirs = ours[:3] + ours[4:], theirs[:3] + theirs[4:]
         assert sig(ours) == sig(theirs), name
+
+
+def test_band_per_segment():
+    """sparse_mode 4 in TND: the band of each segment, anchored at its own corner (square
+    segments: query i sees key j of its segment iff i - pre <= j <= i + next)."""
+    cu, pre, nxt = [5, 12, 20], 2, 1
+    q, k, v, dout = _inputs(20, 20, 2, 2)
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    res = torch.ops.npu.npu_fusion_attention_v3(
+        *leaves, 2, "TND", scale=1 / math.sqrt(D), atten_mask=causal_mask("cpu"), sparse_mode=4, pre_tockens=pre,
+        next_tockens=nxt, actual_seq_qlen=torch.tensor(cu), actual_seq_kvlen=torch.tensor(cu))
+    res[0].backward(dout)
+    from cp_cache.testing.reference import band_masked, dense_attention
+    from cp_cache.testing.varlen_reference import document_masked
+
+    masked = document_masked(cu, cu) | band_masked(20, pre, nxt)  # within a segment, positions shift alike
+    dense = [t.permute(1, 0, 2).unsqueeze(0) for t in (q, k, v, dout)]
+    ref = dense_attention(*dense, causal=False, masked=masked)
+    assert rel_err(res[0].detach().permute(1, 0, 2).unsqueeze(0), ref["out"]) < 1e-12
+    for name, leaf in zip(("dq", "dk", "dv"), leaves):
+        assert rel_err(leaf.grad.permute(1, 0, 2).unsqueeze(0), ref[name]) < 1e-12, name
