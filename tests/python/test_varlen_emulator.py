@@ -32,6 +32,7 @@ MODES = {0: "full", 2: "left_up", 3: "right_down"}
 SEGMENTS = {
     "equal": ([5, 12, 13, 20], [5, 12, 13, 20]),
     "cross": ([3, 10, 10, 16], [6, 8, 12, 19]),  # differing q/kv lengths, an empty q segment
+    "empty_kv": ([4, 8, 12], [5, 5, 9]),  # queries 4..8 see no key: out 0, LSE -inf, no NaN
 }
 
 
@@ -74,7 +75,7 @@ def test_v1_lists_and_float32():
         assert rel_err(leaf.grad.double(), ref[name]) < 1e-5, name
 
 
-def test_dropout_is_the_keep_mask_of_the_dense_matrix():
+def test_dropout_keep_mask_per_segment():
     cu = [6, 10, 17]
     q, k, v, dout = _inputs(17, 17, 2, 1)
     leaves = [t.clone().requires_grad_() for t in (q, k, v)]
@@ -82,7 +83,9 @@ def test_dropout_is_the_keep_mask_of_the_dense_matrix():
                                                 actual_seq_qlen=torch.tensor(cu), actual_seq_kvlen=torch.tensor(cu),
                                                 **_mask_kwargs(2))
     res[0].backward(dout)
-    keep = dropout_keep_mask(int(res[4]), int(res[5]), (1, 2, 17, 17), 0.7)
+    keep = torch.ones(1, 2, 17, 17, dtype=torch.bool)  # outside the segments: masked anyway
+    for i, (a, b) in enumerate(zip([0] + cu[:-1], cu)):  # segment i: (seed, offset + i) over its own block
+        keep[:, :, a:b, a:b] = dropout_keep_mask(int(res[4]), int(res[5]) + i, (1, 2, b - a, b - a), 0.7)
     assert not bool(keep.all())
     ref = dense_tnd_attention(q, k, v, dout, cu, cu, "left_up", keep=keep, keep_prob=0.7)
     assert rel_err(res[0].detach(), ref["out"]) < 1e-12

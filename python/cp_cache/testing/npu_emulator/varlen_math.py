@@ -8,10 +8,11 @@ only to key segment i; inside a segment the sparse mode applies as in the 4-D la
 the segment's own first row and column. Rows of an empty key segment see no key
 (out 0, LSE -inf).
 
-The math runs on the dense ``[1, N, T, Tkv]`` problem with the block-diagonal mask the
-segments give (``attention_math`` as for BNSD with B = 1), so dropout, GQA and the
-statistics behave as in the other layouts; the dropout keep mask is drawn over the
-whole ``[1, Nq, T, Tkv]`` matrix. Statistics are ``[T, Nq, 8]``.
+The math runs segment by segment (``attention_math`` as for BNSD with B = 1 on each
+segment's rows), so the work is the segments' own blocks, as on the NPU, and dropout, GQA
+and the statistics behave as in the other layouts. Segment i draws its dropout keep mask
+from ``(seed, offset + i)`` over its ``[1, Nq, sq_i, skv_i]`` block. Statistics are
+``[T, Nq, 8]``.
 """
 
 from __future__ import annotations
@@ -103,48 +104,65 @@ def check_tnd_call(query, key, value, head_num, pse, padding_mask, atten_mask, k
     return TndDims(Nq, Nkv, T, Tkv, D, cu_q, cu_kv)
 
 
-def _masked(d: TndDims, atten_mask, sparse_mode: int, pre_tockens: int, next_tockens: int) -> Tensor:
-    """The [T, Tkv] bool mask (True = masked out): block-diagonal over the segments, each
-    block with the sparse mode's pattern."""
-    masked = torch.ones(d.Sq, d.Skv, dtype=torch.bool)
+def _segments(d: TndDims):
+    """(index, q rows slice, kv rows slice, the segment's dims) of every segment with queries."""
     q0 = k0 = 0
-    for q1, k1 in zip(d.cu_q, d.cu_kv):
-        sq, skv = q1 - q0, k1 - k0
-        if sq and skv:
-            seg = M._Dims(1, d.Nq, d.Nkv, sq, skv, d.D)
-            allowed = M._allowed_mask(atten_mask, sparse_mode, pre_tockens, next_tockens, seg)
-            masked[q0:q1, k0:k1] = False if allowed is None else ~allowed.view(sq, skv)
+    for i, (q1, k1) in enumerate(zip(d.cu_q, d.cu_kv)):
+        if q1 > q0:
+            yield i, slice(q0, q1), slice(k0, k1), M._Dims(1, d.Nq, d.Nkv, q1 - q0, k1 - k0, d.D)
         q0, k0 = q1, k1
-    return masked
 
 
-def _dense(x: Tensor) -> Tensor:
-    return x.permute(1, 0, 2).unsqueeze(0)  # [T, N, D] -> [1, N, T, D] (a view)
+def _segment_mask(atten_mask, sparse_mode: int):
+    # modes 0/1 come without a mask here (check_tnd_call): full attention in the segment
+    return (atten_mask, sparse_mode) if sparse_mode in (2, 3, 4) else (None, 1)
+
+
+def _bnsd(x: Tensor) -> Tensor:
+    return x.permute(1, 0, 2).unsqueeze(0)  # [t, N, X] -> [1, N, t, X] (a view)
 
 
 def _tnd(x: Tensor) -> Tensor:
-    return x.squeeze(0).permute(1, 0, 2).contiguous()  # [1, N, T, X] -> [T, N, X]
+    return x.squeeze(0).permute(1, 0, 2)  # [1, N, t, X] -> [t, N, X] (a view)
 
 
 def tnd_forward(query, key, value, d: TndDims, atten_mask, scale, keep_prob, pre_tockens, next_tockens,
                 sparse_mode, seed: int, offset: int):
-    """(out [T, Nq, D], softmax_max [T, Nq, 8], softmax_sum [T, Nq, 8])."""
-    masked = _masked(d, atten_mask, sparse_mode, pre_tockens, next_tockens)
-    out, smax, ssum = M.forward_math(_dense(query), _dense(key), _dense(value), d, "BNSD", masked, scale,
-                                     keep_prob, M.INT_MAX, M.INT_MAX, 1, seed, offset)
-    return _tnd(out), _tnd(smax), _tnd(ssum)
+    """(out [T, Nq, D], softmax_max [T, Nq, 8], softmax_sum [T, Nq, 8]), segment by segment:
+    the work is the segments' own (q x kv) blocks. Segment i's dropout keep mask is
+    ``dropout_keep_mask(seed, offset + i, [1, Nq, sq_i, skv_i], keep_prob)``. Rows of an
+    empty key segment: out 0, max = float32 lowest, sum 0 (LSE -inf)."""
+    sdt = M.stat_dtype(query.dtype)
+    out = torch.zeros(d.Sq, d.Nq, d.D, dtype=query.dtype)
+    smax = torch.full((d.Sq, d.Nq, STATS_WIDTH), M.FLOAT32_LOWEST, dtype=sdt)
+    ssum = torch.zeros((d.Sq, d.Nq, STATS_WIDTH), dtype=sdt)
+    mask, mode = _segment_mask(atten_mask, sparse_mode)
+    for i, qs, ks, seg in _segments(d):
+        if seg.Skv == 0:
+            continue
+        o, m, l = M.forward_math(_bnsd(query[qs]), _bnsd(key[ks]), _bnsd(value[ks]), seg, "BNSD", mask, scale,
+                                 keep_prob, pre_tockens, next_tockens, mode, seed, offset + i)
+        out[qs], smax[qs], ssum[qs] = _tnd(o), _tnd(m), _tnd(l)
+    return out, smax, ssum
 
 
 def tnd_backward(query, key, value, dy, d: TndDims, atten_mask, softmax_max, softmax_sum, attention_in,
                  scale, keep_prob, pre_tockens, next_tockens, sparse_mode, seed: int, offset: int):
-    """(dq, dk, dv) in TND."""
-    masked = _masked(d, atten_mask, sparse_mode, pre_tockens, next_tockens)
-    stats = [None if s is None else _dense(s) for s in (softmax_max, softmax_sum)]
-    attention_in = None if attention_in is None else _dense(attention_in)
-    dq, dk, dv = M.backward_math(_dense(query), _dense(key), _dense(value), _dense(dy), d, "BNSD", masked,
-                                 stats[0], stats[1], attention_in, scale, keep_prob, M.INT_MAX, M.INT_MAX, 1,
-                                 seed, offset)
-    return _tnd(dq), _tnd(dk), _tnd(dv)
+    """(dq, dk, dv) in TND, segment by segment (as ``tnd_forward``)."""
+    dq, dk, dv = (torch.zeros_like(t, memory_format=torch.contiguous_format) for t in (query, key, value))
+    mask, mode = _segment_mask(atten_mask, sparse_mode)
+    for i, qs, ks, seg in _segments(d):
+        if seg.Skv == 0:
+            continue
+        stats = [None if s is None else _bnsd(s[qs]) for s in (softmax_max, softmax_sum)]
+        given_out = None if attention_in is None else _bnsd(attention_in[qs])
+        g = M.backward_math(_bnsd(query[qs]), _bnsd(key[ks]), _bnsd(value[ks]), _bnsd(dy[qs]), seg, "BNSD", mask,
+                            stats[0], stats[1], given_out, scale, keep_prob, pre_tockens, next_tockens, mode, seed,
+                            offset + i)
+        dq[qs] = _tnd(g[0])
+        dk[ks] += _tnd(g[1])
+        dv[ks] += _tnd(g[2])
+    return dq, dk, dv
 
 
 def stats_shape(d: TndDims) -> tuple[int, int, int]:
