@@ -209,8 +209,8 @@ def print_varlen(report: dict) -> None:
     all_timed = report.get("varlen") or []
     timed = [r for r in all_timed if r["rank"] == 0]
     if timed:
-        print("\npacked documents: time per call (slowest rank's median; CPU, the emulator computes each step "
-              "densely over its gathered rows) and max error over ranks vs dense float64")
+        print("\npacked documents: time per call (slowest rank's median; CPU: the emulator loops over a call's "
+              "segments in Python, the ranks share the host's cores) and max error over ranks vs dense float64")
 
         def worst(r, key):
             return max(x[key] for x in all_timed
