@@ -21,11 +21,14 @@ def available() -> bool:
     return op_exists("npu_fusion_attention_v3")
 
 
-def _mask_args(mask: StepMask, device: torch.device) -> dict:
+def _mask_args(mask: StepMask, device: torch.device, layout: str = "") -> dict:
     if mask.kind == "none":
         return dict(atten_mask=None, sparse_mode=int(SparseMode.MASK))
     if mask.kind == "causal":
-        return dict(atten_mask=causal_mask(device), sparse_mode=int(SparseMode.LEFT_UP_CAUSAL), next_tockens=0)
+        # TND: per segment; the ring's causal segments are square, where both causal modes agree,
+        # and right-down is the mode varlen callers use
+        mode = SparseMode.RIGHT_DOWN_CAUSAL if layout == TND else SparseMode.LEFT_UP_CAUSAL
+        return dict(atten_mask=causal_mask(device), sparse_mode=int(mode), next_tockens=0)
     if mask.kind == "band":
         return dict(atten_mask=causal_mask(device), sparse_mode=int(SparseMode.BAND),
                     pre_tockens=mask.pre_tockens, next_tockens=mask.next_tockens)
@@ -56,7 +59,7 @@ class NpuKernel:
         res = torch.ops.npu.npu_fusion_attention_v3(
             q, k, v, head_num, layout,
             scale=float(scale), keep_prob=float(keep_prob),
-            **_layout_args(layout, actual_seq_lens), **_mask_args(mask, q.device),
+            **_layout_args(layout, actual_seq_lens), **_mask_args(mask, q.device, layout),
         )
         out, smax, ssum = res[0], res[1], res[2]
         return StepForward(out=out, lse=lse_from_stats(smax, ssum), seed=res[4], offset=res[5])
@@ -72,6 +75,6 @@ class NpuKernel:
             softmax_max=smax, softmax_sum=ssum, attention_in=out,
             scale_value=float(scale), keep_prob=float(keep_prob),
             seed=seed, offset=offset,
-            **layout_args, **_mask_args(mask, q.device),
+            **layout_args, **_mask_args(mask, q.device, layout),
         )
         return res[0], res[1], res[2]
