@@ -16,6 +16,7 @@ from . import _C
 from ._C import StepCache, StepCacheStore
 from .config import CPConfig
 from .dispatch import active_config, call_stats, context_parallel, disable, enable, enabled
+from .packing import pad_documents, shard_documents, unshard_documents
 
 __all__ = [
     "CPConfig",
@@ -28,9 +29,12 @@ __all__ = [
     "disable",
     "enable",
     "enabled",
+    "pad_documents",
     "reset_peak",
+    "shard_documents",
     "stats",
     "store",
+    "unshard_documents",
 ]
 
 

@@ -3,7 +3,8 @@
 Every rank builds a fixed-size int64 signature of everything the K/V exchange and the
 result depend on (local q/k/v/mask shapes, dtypes, layout, heads, mask kind and tockens,
 load balancing, scale and keep_prob as float64 bit patterns, kernel, policy, algorithm,
-direction, recorded ring steps, and whether this rank's own argument checks passed).
+direction, recorded ring steps, the packed documents of a TND call (count and a digest of
+the cumulative ends), and whether this rank's own argument checks passed).
 The signatures are all-gathered on the ring's group before any K/V moves. If they differ,
 every rank raises the same ``RuntimeError`` naming each differing field and each rank's
 value; a rank whose own argument check failed chains its local error as the cause, and
@@ -29,6 +30,7 @@ is measured by ``python -m cp_cache bench --only agreement``.
 
 from __future__ import annotations
 
+import hashlib
 import struct
 import threading
 from typing import Any, Callable, Optional, Sequence
@@ -101,6 +103,18 @@ def _steps(v: list[int]) -> str:
     return "-" if v[0] < 0 else str(v[0])
 
 
+def _documents(v: list[int]) -> str:
+    return "none" if v[0] < 0 else f"{v[0]} documents (digest {v[1]:#x})"
+
+
+def _documents_code(documents: str) -> tuple[int, int]:
+    """(count, 62-bit digest) of a RingConfig's packed documents ("" -> none)."""
+    if not documents:
+        return -1, 0
+    digest = int.from_bytes(hashlib.blake2b(documents.encode(), digest_size=8).digest(), "little") >> 2
+    return documents.count(",") + 1, digest
+
+
 # (field name as in the message, width in int64 slots, formatter)
 FIELDS: tuple[tuple[str, int, Callable[[list[int]], str]], ...] = (
     ("described", 1, _bool),  # 0: a refusal signature, whose other fields are unknown
@@ -125,6 +139,7 @@ FIELDS: tuple[tuple[str, int, Callable[[list[int]], str]], ...] = (
     ("keep_prob", 1, _float),
     ("local mask rows shape", _SHAPE_DIMS, _shape),
     ("ring steps recorded", 1, _steps),
+    ("packed documents", 2, _documents),
     ("argument checks", 1, _name(_CHECKS)),
     ("local query length", 1, _int),
     ("local K/V length", 1, _int),
@@ -197,7 +212,8 @@ def signature(*, direction: str, config: Any, q: Tensor, k: Tensor, v: Tensor, k
            tuple(q.shape), tuple(k.shape), tuple(v.shape), q.dtype, k.dtype, v.dtype, int(config.head_num),
            int(kv_heads), mask, int(config.pre_tockens), int(config.next_tockens), bool(config.load_balance),
            _float_bits(config.scale), _float_bits(config.keep_prob),
-           None if mask_rows is None else tuple(mask_rows.shape), int(steps), _check_code(error), seq_dim)
+           None if mask_rows is None else tuple(mask_rows.shape), int(steps), _check_code(error), seq_dim,
+           getattr(config, "documents", ""))
     with _lock:
         sig = _built.get(key)
         if sig is not None:
@@ -206,7 +222,7 @@ def signature(*, direction: str, config: Any, q: Tensor, k: Tensor, v: Tensor, k
               _code(_ALGORITHMS, key[3]), _code(_LAYOUTS, key[4]),
               *_pad(key[5], seq_dim), *_pad(key[6], seq_dim), *_pad(key[7], seq_dim),
               _code(_DTYPES, key[8]), _code(_DTYPES, key[9]), _code(_DTYPES, key[10]),
-              *key[11:19], *_pad(key[19]), key[20], key[21],
+              *key[11:19], *_pad(key[19]), key[20], *_documents_code(key[23]), key[21],
               _length(q, config.layout), _length(k, config.layout)]
     sig = torch.tensor(values, dtype=torch.int64)
     assert sig.numel() == SIGNATURE_LEN
@@ -232,7 +248,7 @@ def refusal_signature(direction: str, error: BaseException) -> Tensor:
 def _seq_dim(layout: str) -> int:
     from .layout import seq_dim
 
-    return seq_dim(layout)
+    return 0 if layout == "TND" else seq_dim(layout)
 
 
 def _length(t: Tensor, layout: str) -> int:

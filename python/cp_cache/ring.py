@@ -91,6 +91,7 @@ class RingConfig:
     given_mask: bool = False  # an explicit mask comes with the call
     policy: str = ""  # the step-cache policy of the handlers ("handle", "stack"), "" when driven directly
     algorithm: str = ""  # the handlers' CP algorithm ("ring"), "" when driven directly
+    documents: str = ""  # layout TND: the packed documents' global cumulative ends, "5,12,20" (varlen.py)
 
     @property
     def mask(self) -> MaskSpec:

@@ -440,7 +440,7 @@ REJECTED = [
     ("mask_float", "ValueError", r"atten_mask must be bool or uint8"),
     ("mask_mode2_small", "NotImplementedError", r"sparse_mode=2 needs the compressed 2048x2048.*shape \(\d+, \d+\)"),
     ("mask_mode3_batched", "NotImplementedError", r"sparse_mode=3 needs.*shape \(2, 1, 2048, 2048\)"),
-    ("TND", "NotImplementedError", r"input_layout='TND'"),
+    ("TND", "ValueError", r"input_layout='TND' needs actual_seq_qlen"),
     ("replicate", "NotImplementedError", r"query sharded as \(Shard\(2\),\).*placements=\(Replicate\(\),\)"),
     ("wrong_shard_dim", "NotImplementedError", r"placements=\(Shard\(dim=1\),\)"),
     ("local_key", "TypeError", r"key as a DTensor.*got Tensor"),

@@ -709,7 +709,7 @@ def _qkv4(Nq=4, Nkv=4, S=4, Dh=4):
 @pytest.mark.parametrize(
     "mutate,exc,match",
     [
-        (lambda a: a.update(layout="TND"), NotImplementedError, r"input_layout='TND'"),
+        (lambda a: a.update(layout="TND"), ValueError, r"3-D \[T, N, D\] for input_layout='TND'"),
         (lambda a: a.update(layout="XYZ"), ValueError, r"input_layout='XYZ'"),
         (lambda a: a.update(head_num=3), ValueError, r"head_num=3.*4"),
         (lambda a: a.update(layout="BSH", q=a["q"].reshape(1, 4, 16), k=a["k"].reshape(1, 4, 16),

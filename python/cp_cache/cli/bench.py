@@ -28,6 +28,9 @@ Sections (``--only`` picks some):
 * ``agreement``: the ranks' agreement before each ring call (``cp_cache.agreement``): microseconds
   per call on the ring's group, the first call of a configuration (signature built, then
   all-gathered) and the steady state (cached signature, all-gathered), W > 1;
+* ``varlen``: packed documents (TND): work per rank (max/mean) and FLOPs against the
+  block-diagonal minimum for per-document head-tail, contiguous and whole-sequence
+  head-tail sharding, and time per call (``cli/bench_varlen.py``);
 * ``store``: the store micro-benchmark (``cli/bench_store.py``).
 
 Benchmarks measure and report; they assert nothing about timings. On CPU the
@@ -50,7 +53,8 @@ from ._common import fmt_bytes, launch, table
 NAME = "bench"
 HELP = "memory, overhead, traffic and accuracy benchmarks; JSON and a PNG plot under --out"
 
-SECTIONS = ("memory", "overhead", "traffic", "accuracy", "windows", "floor", "overlap", "agreement", "store")
+SECTIONS = ("memory", "overhead", "traffic", "accuracy", "windows", "floor", "overlap", "agreement", "varlen",
+            "store")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -70,6 +74,7 @@ def _plan(quick: bool, worlds: list[int] | None) -> dict:
             comm_bound=dict(batch=1, heads=4, seq=16, head_dim=32),
             store=dict(number=2000, repeat=2),
             agreement=dict(calls=50),
+            varlen=dict(tokens=256, heads=2, head_dim=16), varlen_balance=dict(tokens=4096, worlds=[2, 4]),
         )
     return dict(
         worlds=worlds or [1, 2, 4], layers=[1, 2, 4],
@@ -80,6 +85,7 @@ def _plan(quick: bool, worlds: list[int] | None) -> dict:
         comm_bound=dict(batch=1, heads=8, seq=32, head_dim=128),  # tiny blocks: the hops dominate
         store=dict(number=100_000, repeat=5),
         agreement=dict(calls=500),
+        varlen=dict(tokens=2048, heads=4, head_dim=32), varlen_balance=dict(tokens=65536, worlds=[2, 4, 8]),
     )
 
 
@@ -419,6 +425,10 @@ def bench_rank(rank: int, world_size: int, plan: dict, sections: list[str]) -> d
         out["windows"] = _windows(plan, rank, world_size, mesh)
     if "agreement" in sections and world_size > 1:
         out["agreement"] = _agreement(plan, rank, world_size, mesh)
+    if "varlen" in sections:
+        from .bench_varlen import varlen_rank
+
+        out["varlen"] = varlen_rank(plan["varlen"], plan["repeats"], plan["warmup"], rank, world_size, mesh)
     return out
 
 
@@ -519,6 +529,10 @@ def _print_summary(report: dict) -> None:
                          f"{max(r['steady_us'] for r in rs):.0f}", f"{max(r['steady_p90_us'] for r in rs):.0f}",
                          f"{max(r['cached_signature_us'] for r in rs):.1f}"])
         print(table(["W", "int64s", "first call", "steady (median)", "steady (p90)", "signature (cached)"], rows))
+    if report.get("varlen") or report.get("varlen_balance"):
+        from .bench_varlen import print_varlen
+
+        print_varlen(report)
     store = report.get("store")
     if store:
         print("\nstore (ns per call): " + ", ".join(f"{k} {v}" for k, v in store["ns_per_call"].items()))
@@ -577,6 +591,11 @@ def run(args: argparse.Namespace) -> int:
         report["exposed_fraction"] = _exposed_fraction(report["overlap"])
     if "agreement" in sections:
         report["agreement"] = _collect(per_world, "agreement", all_ranks=True)
+    if "varlen" in sections:
+        from .bench_varlen import balance_rows
+
+        report["varlen"] = _collect(per_world, "varlen", all_ranks=True)
+        report["varlen_balance"] = balance_rows(plan["varlen_balance"]["tokens"], plan["varlen_balance"]["worlds"])
     if "store" in sections:
         print("bench: store micro-benchmark ...", flush=True)
         report["store"] = _store_bench(plan)

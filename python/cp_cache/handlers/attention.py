@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import time
-from typing import Any
+from typing import Any, Optional
 
 import torch
 from torch import Tensor
@@ -29,6 +29,7 @@ from . import step_records as records
 from .arguments import bind_arguments, describe
 from .calls import CallLog
 from .checks import check_sharding, local_mask_rows, local_tensor, mask_spec, sharded_like
+from .varlen import is_varlen, varlen_backward, varlen_forward
 
 __all__ = ["AttentionHandlers"]
 
@@ -37,12 +38,12 @@ _STATS_SEQ_DIM = 2  # softmax_max / softmax_sum are [B, N, S, 8]
 _CHECK_ERRORS = (ValueError, NotImplementedError, TypeError, RuntimeError)
 
 
-def _wrap(local: Tensor, mesh, placements, seq_dim: int, total: int) -> DTensor:
-    """``local`` as a DTensor sharded on ``seq_dim``, whose global length is ``total`` (that
-    of the input it follows: shards may be uneven)."""
+def _wrap(local: Tensor, mesh, placements, seq_dim: Optional[int] = None, total: Optional[int] = None) -> DTensor:
+    """``local`` as a DTensor; sharded on ``seq_dim`` with global length ``total`` when given
+    (that of the input it follows: shards may be uneven), else even shards."""
     shape, stride = torch.distributed.tensor._utils.compute_global_tensor_info(local, mesh, placements)
-    local_len = local.size(seq_dim)
-    if shape[seq_dim] != total:  # uneven shards: the global shape is not local * W
+    if seq_dim is not None and shape[seq_dim] != total:
+        local_len = local.size(seq_dim)  # uneven shards: the global shape is not local * W
         shape[seq_dim] = total
         stride = [local.stride(i) // local_len * total
                   if i != seq_dim and local.stride(i) >= local.stride(seq_dim) else stride[i]
@@ -149,13 +150,17 @@ class AttentionHandlers:
         started = time.perf_counter()
         with _refused_together("forward", args, kwargs):
             a = bind_arguments(op_call._schema, args, kwargs)
-            layout = L.check_layout(a["input_layout"])
-            spec = mask_spec(a)
-            mesh, placements = check_sharding({n: a[n] for n in ("query", "key", "value")}, layout)
-            spec = spec.simplified(a["query"].size(L.seq_dim(layout)))
-            config = _ring_config(a, layout, spec, mesh, self.config)
-            mask_rows = _mask_rows(a, layout, config)
-            kernel = get_kernel(self.config.kernel)
+            varlen = is_varlen(a)
+            if not varlen:
+                layout = L.check_layout(a["input_layout"])
+                spec = mask_spec(a)
+                mesh, placements = check_sharding({n: a[n] for n in ("query", "key", "value")}, layout)
+                spec = spec.simplified(a["query"].size(L.seq_dim(layout)))
+                config = _ring_config(a, layout, spec, mesh, self.config)
+                mask_rows = _mask_rows(a, layout, config)
+                kernel = get_kernel(self.config.kernel)
+        if varlen:  # packed documents: handlers/varlen.py (its checks are on arguments every rank shares)
+            return varlen_forward(self, a, started, _wrap)
         q, k, v = (a[n].to_local() for n in ("query", "key", "value"))
         fused_merge = self.config.fused_merge and fused_merge_available()
         ring_started = time.perf_counter()
@@ -215,24 +220,28 @@ class AttentionHandlers:
         started = time.perf_counter()
         with _refused_together("backward", args, kwargs):
             a = bind_arguments(op_call._schema, args, kwargs)
-            layout = L.check_layout(a["input_layout"])
-            spec = mask_spec(a)  # same argument checks as the forward
-            cache = self._claim_cache(a["seed"])
-            config, kernel_name = records.config_from_cache(cache)
-            tensors = {n: a[n] for n in ("query", "key", "value")}
-            mesh, placements = check_sharding(tensors, layout)
-            spec = spec.simplified(a["query"].size(L.seq_dim(layout)))
-            _check_backward_matches(a, layout, spec, config, cache.id)
-            for name in ("dy", "attention_in"):
-                tensors[name] = sharded_like(a[name], name, mesh, placements)
-            if mesh.size() != config.world_size or mesh.get_local_rank() != config.rank:
-                raise RuntimeError(
-                    f"cp_cache: backward runs on rank {mesh.get_local_rank()} of {mesh.size()} but its "
-                    f"forward ran on rank {config.rank} of {config.world_size}"
-                )
-            lse = lse_from_stats(*(local_tensor(a[n], n) for n in ("softmax_max", "softmax_sum")))
-            steps = records.steps_from_cache(cache, config)
-            mask_rows = _mask_rows(a, layout, config)
+            varlen = is_varlen(a)
+            if not varlen:
+                layout = L.check_layout(a["input_layout"])
+                spec = mask_spec(a)  # same argument checks as the forward
+                cache = self._claim_cache(a["seed"])
+                config, kernel_name = records.config_from_cache(cache)
+                tensors = {n: a[n] for n in ("query", "key", "value")}
+                mesh, placements = check_sharding(tensors, layout)
+                spec = spec.simplified(a["query"].size(L.seq_dim(layout)))
+                _check_backward_matches(a, layout, spec, config, cache.id)
+                for name in ("dy", "attention_in"):
+                    tensors[name] = sharded_like(a[name], name, mesh, placements)
+                if mesh.size() != config.world_size or mesh.get_local_rank() != config.rank:
+                    raise RuntimeError(
+                        f"cp_cache: backward runs on rank {mesh.get_local_rank()} of {mesh.size()} but its "
+                        f"forward ran on rank {config.rank} of {config.world_size}"
+                    )
+                lse = lse_from_stats(*(local_tensor(a[n], n) for n in ("softmax_max", "softmax_sum")))
+                steps = records.steps_from_cache(cache, config)
+                mask_rows = _mask_rows(a, layout, config)
+        if varlen:
+            return varlen_backward(self, a, started, _wrap)
         q, k, v, dy, out = (tensors[n].to_local() for n in tensors)
         del cache
         ring_started = time.perf_counter()

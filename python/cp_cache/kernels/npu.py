@@ -13,17 +13,22 @@ from .base import StepForward, StepMask
 
 __all__ = ["NpuKernel", "available"]
 
+TND = "TND"
+
 
 def available() -> bool:
     """Whether ``torch.ops.npu.npu_fusion_attention_v3`` exists (real or emulated)."""
     return op_exists("npu_fusion_attention_v3")
 
 
-def _mask_args(mask: StepMask, device: torch.device) -> dict:
+def _mask_args(mask: StepMask, device: torch.device, layout: str = "") -> dict:
     if mask.kind == "none":
         return dict(atten_mask=None, sparse_mode=int(SparseMode.MASK))
     if mask.kind == "causal":
-        return dict(atten_mask=causal_mask(device), sparse_mode=int(SparseMode.LEFT_UP_CAUSAL), next_tockens=0)
+        # TND: per segment; the ring's causal segments are square, where both causal modes agree,
+        # and right-down is the mode varlen callers use
+        mode = SparseMode.RIGHT_DOWN_CAUSAL if layout == TND else SparseMode.LEFT_UP_CAUSAL
+        return dict(atten_mask=causal_mask(device), sparse_mode=int(mode), next_tockens=0)
     if mask.kind == "band":
         return dict(atten_mask=causal_mask(device), sparse_mode=int(SparseMode.BAND),
                     pre_tockens=mask.pre_tockens, next_tockens=mask.next_tockens)
@@ -32,32 +37,44 @@ def _mask_args(mask: StepMask, device: torch.device) -> dict:
     raise ValueError(f"unknown step mask kind {mask.kind!r}")
 
 
+def _layout_args(layout: str, actual_seq_lens) -> dict:
+    """TND takes the segments' cumulative ends (q, kv) as CPU int64 tensors; the other layouts none."""
+    if layout == TND:
+        if actual_seq_lens is None:
+            raise ValueError("input_layout='TND' needs actual_seq_lens (cumulative q and kv segment ends)")
+        return dict(actual_seq_qlen=actual_seq_lens[0], actual_seq_kvlen=actual_seq_lens[1])
+    L.check_layout(layout)
+    return {}
+
+
 class NpuKernel:
-    """Step kernel over the fused NPU attention ops."""
+    """Step kernel over the fused NPU attention ops. Also takes layout TND, one call for all the
+    step's segments (``actual_seq_lens``: their cumulative q and kv ends); the LSE is then [T, N]."""
 
     name = "npu"
+    takes_tnd = True
 
-    def forward(self, q, k, v, *, layout, head_num, scale, keep_prob, mask: StepMask) -> StepForward:
-        L.check_layout(layout)
+    def forward(self, q, k, v, *, layout, head_num, scale, keep_prob, mask: StepMask,
+                actual_seq_lens=None) -> StepForward:
         res = torch.ops.npu.npu_fusion_attention_v3(
             q, k, v, head_num, layout,
             scale=float(scale), keep_prob=float(keep_prob),
-            **_mask_args(mask, q.device),
+            **_layout_args(layout, actual_seq_lens), **_mask_args(mask, q.device, layout),
         )
         out, smax, ssum = res[0], res[1], res[2]
         return StepForward(out=out, lse=lse_from_stats(smax, ssum), seed=res[4], offset=res[5])
 
     def backward(
         self, q, k, v, dout, out, lse, *, layout, head_num, scale, keep_prob, mask: StepMask,
-        seed: Optional[Tensor], offset: Optional[Tensor],
+        seed: Optional[Tensor], offset: Optional[Tensor], actual_seq_lens=None,
     ):
-        L.check_layout(layout)
+        layout_args = _layout_args(layout, actual_seq_lens)
         smax, ssum = stats_from_lse(lse)
         res = torch.ops.npu.npu_fusion_attention_grad_v3(
             q, k, v, dout, head_num, layout,
             softmax_max=smax, softmax_sum=ssum, attention_in=out,
             scale_value=float(scale), keep_prob=float(keep_prob),
             seed=seed, offset=offset,
-            **_mask_args(mask, q.device),
+            **layout_args, **_mask_args(mask, q.device, layout),
         )
         return res[0], res[1], res[2]

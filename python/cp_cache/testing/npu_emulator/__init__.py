@@ -21,7 +21,8 @@ outputs (attention_out as ``attention_in``, softmax_max/sum, softmax_out as
 Emulated semantics
 ------------------
 * layouts BNSD, BSND, BSH, SBH (BSH/SBH: ``H = N * D``; ``D = Hq / head_num``;
-  the kv head count is ``Hkv / D``).  TND raises ``NotImplementedError``.
+  the kv head count is ``Hkv / D``).  TND (packed segments, ``actual_seq_qlen`` /
+  ``actual_seq_kvlen`` cumulative ends; statistics ``[T, N, 8]``): ``varlen_math``.
 * GQA: key/value may have ``Nkv`` heads with ``Nq % Nkv == 0``; query head ``h``
   uses kv head ``h // (Nq // Nkv)``; dk/dv are summed over each group.
 * ``scale`` multiplies ``Q K^T`` (op default 1.0).
@@ -62,8 +63,8 @@ Fully masked rows (every key masked): attention_out = 0, gradients 0,
 (a merge with such a block gives it weight ``exp(lowest - m) = 0``).
 
 Raises ``NotImplementedError`` (naming the argument and its value) for pse,
-padding_mask, prefix, actual_seq_qlen/kvlen, sink, a non-empty softmax_layout,
-layout TND and sparse modes 5..8; ``ValueError`` for bad inputs (rank for the
+padding_mask, prefix, actual_seq_qlen/kvlen outside TND, sink, a non-empty softmax_layout,
+an explicit mask with TND and sparse modes 5..8; ``ValueError`` for bad inputs (rank for the
 layout, head_num mismatch, ``Nq % Nkv``, key/value shape, batch, head dim,
 keep_prob, unknown layout or sparse_mode, mask dtype/shape).
 

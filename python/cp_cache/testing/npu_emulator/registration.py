@@ -13,6 +13,7 @@ from ...handlers.arguments import bind_arguments
 from ...npu_ops import FORWARD_V1, FORWARD_V3, GRAD_V1, GRAD_V3
 from . import attention_math as M
 from . import ring_update
+from . import varlen_math as V
 
 __all__ = ["define_ops"]
 
@@ -34,6 +35,10 @@ def _check_no_given_dropout(a: dict) -> None:
 
 
 def _check(a: dict) -> "M._Dims":
+    if a["input_layout"] == V.LAYOUT:
+        return V.check_tnd_call(a["query"], a["key"], a["value"], a["head_num"], a["pse"], a["padding_mask"],
+                                a["atten_mask"], a["keep_prob"], a["prefix"], a["actual_seq_qlen"],
+                                a["actual_seq_kvlen"], a["sparse_mode"], a["softmax_layout"], a["sink"])
     return M.check_call(a["query"], a["key"], a["value"], a["head_num"], a["input_layout"], a["pse"],
                         a["padding_mask"], a["keep_prob"], a["prefix"], a["actual_seq_qlen"],
                         a["actual_seq_kvlen"], a["sparse_mode"], a["softmax_layout"], a["sink"])
@@ -49,6 +54,8 @@ def _forward_arguments(schema: str, args: tuple, kwargs: dict) -> tuple[dict, "M
 
 
 def _dropout_numels(a: dict, d) -> int:
+    if isinstance(d, V.TndDims):
+        return V.dropout_numels(d) if a["keep_prob"] < 1.0 else 0
     return d.B * d.Nq * d.Sq * d.Skv if a["keep_prob"] < 1.0 else 0
 
 
@@ -61,8 +68,10 @@ def _forward(schema: str):
     def kernel(*args, **kwargs):
         a, d = _forward_arguments(schema, args, kwargs)
         seed, offset = M.draw_seed_offset(a["keep_prob"])
-        out, smax, ssum = M.forward_math(
-            a["query"], a["key"], a["value"], d, a["input_layout"], a["atten_mask"], a["scale"],
+        math = V.tnd_forward if isinstance(d, V.TndDims) else M.forward_math
+        layout_arg = () if isinstance(d, V.TndDims) else (a["input_layout"],)
+        out, smax, ssum = math(
+            a["query"], a["key"], a["value"], d, *layout_arg, a["atten_mask"], a["scale"],
             a["keep_prob"], a["pre_tockens"], a["next_tockens"], a["sparse_mode"], int(seed[0]), int(offset[0]),
         )
         softmax_out = M.empty(a["query"].dtype, a["query"].device)
@@ -79,7 +88,7 @@ def _forward_fake(schema: str):
     def kernel(*args, **kwargs):
         a, d = _forward_arguments(schema, args, kwargs)
         query = a["query"]
-        stat_shape = (d.B, d.Nq, d.Sq, M.STATS_WIDTH)
+        stat_shape = V.stats_shape(d) if isinstance(d, V.TndDims) else (d.B, d.Nq, d.Sq, M.STATS_WIDTH)
         sdt = M.stat_dtype(query.dtype)
         tensors = (
             torch.empty_like(query, memory_format=torch.contiguous_format),
@@ -115,8 +124,10 @@ def _grad(schema: str):
                 f"npu_fusion_attention_grad: dy shape {list(a['dy'].shape)} != query shape {list(query.shape)}"
             )
         dropout = a["keep_prob"] < 1.0
-        dq, dk, dv = M.backward_math(
-            query, a["key"], a["value"], a["dy"], d, a["input_layout"], a["atten_mask"], a["softmax_max"],
+        math = V.tnd_backward if isinstance(d, V.TndDims) else M.backward_math
+        layout_arg = () if isinstance(d, V.TndDims) else (a["input_layout"],)
+        dq, dk, dv = math(
+            query, a["key"], a["value"], a["dy"], d, *layout_arg, a["atten_mask"], a["softmax_max"],
             a["softmax_sum"], a["attention_in"], a["scale_value"], a["keep_prob"], a["pre_tockens"],
             a["next_tockens"], a["sparse_mode"],
             M.read_int(a["seed"]) if dropout else 0, M.read_int(a["offset"]) if dropout else 0,

@@ -1,0 +1,178 @@
+"""The emulated ops in ``input_layout="TND"`` (varlen, packed sequences).
+
+q ``[T, Nq, D]``, k/v ``[Tkv, Nkv, D]``; ``actual_seq_qlen`` / ``actual_seq_kvlen`` are the
+cumulative end offsets of the segments (a 1-D int64 tensor in v3, a list in v1), the same
+count for both, non-decreasing, the last equal to T (resp. Tkv). Query segment i attends
+only to key segment i; inside a segment the sparse mode applies as in the 4-D layouts
+(0/1 without a mask: full; 2: left-up causal; 3: right-down causal; 4: band), anchored at
+the segment's own first row and column. Rows of an empty key segment see no key
+(out 0, LSE -inf).
+
+The math runs segment by segment (``attention_math`` as for BNSD with B = 1 on each
+segment's rows), so the work is the segments' own blocks, as on the NPU, and dropout, GQA
+and the statistics behave as in the other layouts. Segment i draws its dropout keep mask
+from ``(seed, offset + i)`` over its ``[1, Nq, sq_i, skv_i]`` block. Statistics are
+``[T, Nq, 8]``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from ...npu_ops import STATS_WIDTH
+from . import attention_math as M
+
+__all__ = ["LAYOUT", "TndDims", "check_tnd_call", "tnd_forward", "tnd_backward", "segment_lengths"]
+
+LAYOUT = "TND"
+_TND_MODES = (0, 1, 2, 3, 4)
+
+
+class TndDims(M._Dims):
+    """The dense view's dims (B = 1, Sq = T, Skv = Tkv) plus the segments' cumulative ends."""
+
+    __slots__ = ("cu_q", "cu_kv")
+
+    def __init__(self, Nq, Nkv, T, Tkv, D, cu_q, cu_kv):
+        super().__init__(1, Nq, Nkv, T, Tkv, D)
+        self.cu_q, self.cu_kv = cu_q, cu_kv
+
+
+def segment_lengths(value: Any, name: str, total: int) -> list[int]:
+    """The cumulative ends given as ``name`` (tensor or list), checked: 1-D integers,
+    non-decreasing, non-negative, the last equal to ``total``."""
+    if value is None:
+        raise ValueError(f"npu_fusion_attention: input_layout='TND' needs {name} (cumulative segment ends)")
+    if isinstance(value, Tensor):
+        if value.dim() != 1 or value.dtype.is_floating_point or value.dtype == torch.bool:
+            raise ValueError(f"npu_fusion_attention: {name} must be a 1-D integer tensor, got {M.describe(value)} "
+                             f"of dtype {value.dtype}")
+        ends = [int(x) for x in value.tolist()]
+    else:
+        ends = [int(x) for x in value]
+    if not ends:
+        raise ValueError(f"npu_fusion_attention: {name} is empty; it needs at least one cumulative end")
+    previous = 0
+    for i, end in enumerate(ends):
+        if end < previous:
+            raise ValueError(f"npu_fusion_attention: {name}={ends} must be non-decreasing and non-negative "
+                             f"(entry {i} is {end} after {previous})")
+        previous = end
+    if ends[-1] != total:
+        raise ValueError(f"npu_fusion_attention: {name}={ends} ends at {ends[-1]}, but the tensor has "
+                         f"{total} rows (T)")
+    return ends
+
+
+def check_tnd_call(query, key, value, head_num, pse, padding_mask, atten_mask, keep_prob, prefix,
+                   actual_seq_qlen, actual_seq_kvlen, sparse_mode, softmax_layout, sink) -> TndDims:
+    M._check_unsupported(pse, padding_mask, prefix, None, None, sink, softmax_layout)
+    M._check_sparse_mode(sparse_mode)
+    if sparse_mode not in _TND_MODES:
+        raise NotImplementedError(f"npu emulator: sparse_mode={sparse_mode} with input_layout='TND'")
+    if sparse_mode in (0, 1) and atten_mask is not None:
+        raise NotImplementedError(
+            f"npu emulator: input_layout='TND' with sparse_mode={sparse_mode} and an explicit atten_mask "
+            f"({M.describe(atten_mask)}) is not supported; use sparse_mode 2/3/4 with the compressed mask, "
+            "or no mask (full attention per segment)")
+    M._check_keep_prob(keep_prob)
+    for name, t in (("query", query), ("key", key), ("value", value)):
+        if t.dim() != 3:
+            raise ValueError(f"npu_fusion_attention: {name} must be 3-D [T, N, D] for input_layout='TND', "
+                             f"got shape {list(t.shape)}")
+    if tuple(key.shape) != tuple(value.shape):
+        raise ValueError(f"npu_fusion_attention: key and value must have the same shape, got key "
+                         f"{list(key.shape)} and value {list(value.shape)}")
+    T, Nq, D = query.shape
+    Tkv, Nkv, Dk = key.shape
+    if head_num != Nq:
+        raise ValueError(f"npu_fusion_attention: head_num={head_num} does not match the query's head count "
+                         f"{Nq} (input_layout='TND', query shape {list(query.shape)})")
+    if D != Dk:
+        raise ValueError(f"npu_fusion_attention: query head dim {D} != key/value head dim {Dk}")
+    if Nkv <= 0 or Nq % Nkv:
+        raise ValueError(f"npu_fusion_attention: query heads Nq={Nq} must be a multiple of key/value heads "
+                         f"Nkv={Nkv} (GQA)")
+    cu_q = segment_lengths(actual_seq_qlen, "actual_seq_qlen", T)
+    cu_kv = segment_lengths(actual_seq_kvlen, "actual_seq_kvlen", Tkv)
+    if len(cu_q) != len(cu_kv):
+        raise ValueError(f"npu_fusion_attention: actual_seq_qlen={cu_q} and actual_seq_kvlen={cu_kv} give "
+                         f"{len(cu_q)} and {len(cu_kv)} segments; they must give the same count")
+    return TndDims(Nq, Nkv, T, Tkv, D, cu_q, cu_kv)
+
+
+def _segments(d: TndDims):
+    """(index, q rows slice, kv rows slice, the segment's dims) of every segment with queries."""
+    q0 = k0 = 0
+    for i, (q1, k1) in enumerate(zip(d.cu_q, d.cu_kv)):
+        if q1 > q0:
+            yield i, slice(q0, q1), slice(k0, k1), M._Dims(1, d.Nq, d.Nkv, q1 - q0, k1 - k0, d.D)
+        q0, k0 = q1, k1
+
+
+def _segment_mask(atten_mask, sparse_mode: int):
+    # modes 0/1 come without a mask here (check_tnd_call): full attention in the segment
+    return (atten_mask, sparse_mode) if sparse_mode in (2, 3, 4) else (None, 1)
+
+
+def _bnsd(x: Tensor) -> Tensor:
+    return x.permute(1, 0, 2).unsqueeze(0)  # [t, N, X] -> [1, N, t, X] (a view)
+
+
+def _tnd(x: Tensor) -> Tensor:
+    return x.squeeze(0).permute(1, 0, 2)  # [1, N, t, X] -> [t, N, X] (a view)
+
+
+def tnd_forward(query, key, value, d: TndDims, atten_mask, scale, keep_prob, pre_tockens, next_tockens,
+                sparse_mode, seed: int, offset: int):
+    """(out [T, Nq, D], softmax_max [T, Nq, 8], softmax_sum [T, Nq, 8]), segment by segment:
+    the work is the segments' own (q x kv) blocks. Segment i's dropout keep mask is
+    ``dropout_keep_mask(seed, offset + i, [1, Nq, sq_i, skv_i], keep_prob)``. Rows of an
+    empty key segment: out 0, max = float32 lowest, sum 0 (LSE -inf)."""
+    sdt = M.stat_dtype(query.dtype)
+    out = torch.zeros(d.Sq, d.Nq, d.D, dtype=query.dtype)
+    smax = torch.full((d.Sq, d.Nq, STATS_WIDTH), M.FLOAT32_LOWEST, dtype=sdt)
+    ssum = torch.zeros((d.Sq, d.Nq, STATS_WIDTH), dtype=sdt)
+    mask, mode = _segment_mask(atten_mask, sparse_mode)
+    for i, qs, ks, seg in _segments(d):
+        if seg.Skv == 0:
+            continue
+        o, m, l = M.forward_math(_bnsd(query[qs]), _bnsd(key[ks]), _bnsd(value[ks]), seg, "BNSD", mask, scale,
+                                 keep_prob, pre_tockens, next_tockens, mode, seed, offset + i)
+        out[qs], smax[qs], ssum[qs] = _tnd(o), _tnd(m), _tnd(l)
+    return out, smax, ssum
+
+
+def tnd_backward(query, key, value, dy, d: TndDims, atten_mask, softmax_max, softmax_sum, attention_in,
+                 scale, keep_prob, pre_tockens, next_tockens, sparse_mode, seed: int, offset: int):
+    """(dq, dk, dv) in TND, segment by segment (as ``tnd_forward``)."""
+    dq, dk, dv = (torch.zeros_like(t, memory_format=torch.contiguous_format) for t in (query, key, value))
+    mask, mode = _segment_mask(atten_mask, sparse_mode)
+    for i, qs, ks, seg in _segments(d):
+        if seg.Skv == 0:
+            continue
+        stats = [None if s is None else _bnsd(s[qs]) for s in (softmax_max, softmax_sum)]
+        given_out = None if attention_in is None else _bnsd(attention_in[qs])
+        g = M.backward_math(_bnsd(query[qs]), _bnsd(key[ks]), _bnsd(value[ks]), _bnsd(dy[qs]), seg, "BNSD", mask,
+                            stats[0], stats[1], given_out, scale, keep_prob, pre_tockens, next_tockens, mode, seed,
+                            offset + i)
+        dq[qs] = _tnd(g[0])
+        dk[ks] += _tnd(g[1])
+        dv[ks] += _tnd(g[2])
+    return dq, dk, dv
+
+
+def stats_shape(d: TndDims) -> tuple[int, int, int]:
+    return (d.Sq, d.Nq, STATS_WIDTH)
+
+
+def dropout_numels(d: TndDims) -> int:
+    """Elements of the dropout mask the segments use: sum of Nq * sq * skv."""
+    q0 = k0 = total = 0
+    for q1, k1 in zip(d.cu_q, d.cu_kv):
+        total += d.Nq * (q1 - q0) * (k1 - k0)
+        q0, k0 = q1, k1
+    return total

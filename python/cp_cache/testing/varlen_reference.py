@@ -1,0 +1,47 @@
+"""Dense float64 references for packed documents (TND): the block-diagonal mask and
+attention on the whole packed sequence, in ``[T, N, D]``."""
+
+from __future__ import annotations
+
+from typing import Optional, Sequence
+
+import torch
+
+from .reference import dense_attention
+
+__all__ = ["document_masked", "dense_tnd_attention"]
+
+
+def document_masked(cu_q: Sequence[int], cu_kv: Sequence[int], mode: str = "full") -> torch.Tensor:
+    """[T, Tkv] bool, True = masked out: query segment i sees only key segment i; inside it
+    ``mode`` "full", "left_up" (j <= i) or "right_down" (j <= i + skv - sq), per segment."""
+    masked = torch.ones(cu_q[-1], cu_kv[-1], dtype=torch.bool)
+    q0 = k0 = 0
+    for q1, k1 in zip(cu_q, cu_kv):
+        i = torch.arange(q1 - q0).view(-1, 1)
+        j = torch.arange(k1 - k0).view(1, -1)
+        if mode == "full":
+            allowed = torch.ones(q1 - q0, k1 - k0, dtype=torch.bool)
+        elif mode == "left_up":
+            allowed = j <= i
+        elif mode == "right_down":
+            allowed = j <= i + (k1 - k0) - (q1 - q0)
+        else:
+            raise ValueError(f"unknown mode {mode!r}")
+        masked[q0:q1, k0:k1] = ~allowed
+        q0, k0 = q1, k1
+    return masked
+
+
+def dense_tnd_attention(q, k, v, dout, cu_q: Sequence[int], cu_kv: Optional[Sequence[int]] = None,
+                        mode: str = "full", keep=None, keep_prob: float = 1.0) -> dict:
+    """``dense_attention`` (float64, scale 1/sqrt(D)) of TND tensors q/dout [T, Nq, D],
+    k/v [Tkv, Nkv, D] under the documents' block-diagonal mask; ``keep``: [1, Nq, T, Tkv].
+    Returns out/dq/dk/dv in [T, N, D] and lse [T, Nq] (-inf for rows that see no key)."""
+    cu_kv = cu_q if cu_kv is None else cu_kv
+    dense = [t.permute(1, 0, 2).unsqueeze(0) for t in (q, k, v, dout)]
+    res = dense_attention(*dense, causal=False, keep=keep, keep_prob=keep_prob,
+                          masked=document_masked(cu_q, cu_kv, mode))
+    out = {name: res[name].squeeze(0).permute(1, 0, 2) for name in ("out", "dq", "dk", "dv")}
+    out["lse"] = res["lse"].squeeze(0).permute(1, 0)
+    return out

@@ -1,0 +1,435 @@
+"""Ring attention over packed documents (input_layout TND, DESIGN.md section 10).
+
+The local q/k/v are ``[T/W, N, D]`` in the layout of ``documents`` (per-document head-tail
+under load balancing, contiguous slices without). Attention never crosses a document, so
+each ring step computes, per document, the part the ring rules of ``ring.py`` give for
+that document alone:
+
+* load balancing (each rank holds chunks r and 2W-1-r of every document): step 0 causal
+  over the document's local block; a block from a lower rank: all the document's local
+  queries against the head half of its keys ("kv_head"); from a higher rank: the tail
+  half of its queries against all its keys ("q_tail");
+* contiguous: step 0 causal over the document's rows in the slice; a lower rank's slice:
+  full for every document the two slices share; a higher rank's: nothing;
+* non-causal: full for every document both blocks hold.
+
+A step's documents become the segments of ONE kernel call in TND (its
+``actual_seq_qlen/kvlen``), so the kernel does the masking; the rows a step uses are
+gathered (``index_select``) only when they are not the whole block. Documents with no
+work on a step are left out, and a step with none makes no kernel call. The softmax
+statistics are ``[T, N]`` LSEs (the ops' ``[T, N, 8]``). Step results merge into float32
+accumulators in plain torch or, with ``fused_merge``, by ``npu_ring_attention_update`` in
+TND.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from typing import Optional, Sequence
+
+import torch
+from torch import Tensor
+
+from . import agreement
+from .documents import check_documents, cumulative_lengths, document_pieces
+from .kernels.base import StepForward, StepKernel, StepMask
+from .merge import OP_NAME as MERGE_OP
+from .merge import _stats as merge_stats
+from .npu_ops import lse_from_stats
+from .ring import (
+    _TAG_KV,
+    RingBackward,
+    RingConfig,
+    RingForward,
+    RingStep,
+    _CHECK_ERRORS,
+    _GradAccumulators,
+    _group_info,
+    _Rotation,
+)
+
+__all__ = [
+    "TND",
+    "Segment",
+    "VarlenStep",
+    "encode_documents",
+    "decode_documents",
+    "plan_varlen_step",
+    "step_pairs",
+    "varlen_ring_forward",
+    "varlen_ring_backward",
+]
+
+log = logging.getLogger("cp_cache")
+
+TND = "TND"
+_CAUSAL = StepMask("causal")
+_FULL = StepMask("none")
+
+
+def encode_documents(cu: Sequence[int]) -> str:
+    """The ``RingConfig.documents`` string of cumulative ends: "5,12,20"."""
+    return ",".join(str(int(x)) for x in cu)
+
+
+def decode_documents(documents: str) -> tuple[int, ...]:
+    if not documents:
+        raise ValueError("a TND ring call needs RingConfig.documents (the global cumulative document ends)")
+    return cumulative_lengths([int(x) for x in documents.split(",")], "RingConfig.documents")
+
+
+@dataclass(frozen=True)
+class Segment:
+    """One document's part of a step: local query rows x rows of the K/V block, (start, length)."""
+
+    document: int
+    q_start: int
+    q_len: int
+    kv_start: int
+    kv_len: int
+
+
+@dataclass(frozen=True)
+class VarlenStep:
+    part: str  # one of ring_plan.PARTS
+    mask: StepMask  # the same for every segment of the step: "causal" (step 0) or "none"
+    segments: tuple[Segment, ...]
+
+
+def _doc_blocks(cu: Sequence[int], rank: int, world_size: int, load_balance: bool) -> dict[int, tuple[int, int]]:
+    """{document: (local start, local length)} of the documents ``rank`` holds."""
+    blocks: dict[int, tuple[int, int]] = {}
+    for doc, local, _, length in document_pieces(cu, rank, world_size, load_balance):
+        start, held = blocks.get(doc, (local, 0))
+        blocks[doc] = (start, held + length)  # a document's pieces on one rank are adjacent
+    return blocks
+
+
+def plan_varlen_step(cu: Sequence[int], rank: int, index: int, world_size: int, causal: bool,
+                     load_balance: bool) -> VarlenStep:
+    """What step ``index`` on ``rank`` computes for each document (see the module docstring)."""
+    source = (rank - index) % world_size
+    mine = _doc_blocks(cu, rank, world_size, load_balance)
+    theirs = mine if source == rank else _doc_blocks(cu, source, world_size, load_balance)
+    if not causal:
+        part, mask = "full", _FULL
+    elif index == 0:
+        part, mask = "causal", _CAUSAL
+    elif load_balance:
+        part, mask = ("kv_head" if source < rank else "q_tail"), _FULL
+    else:
+        part, mask = ("full" if source < rank else "skip"), _FULL
+    segments = []
+    if part != "skip":
+        for doc, (q_start, q_len) in mine.items():
+            if doc not in theirs:
+                continue
+            kv_start, kv_len = theirs[doc]
+            if part == "kv_head":
+                kv_len //= 2
+            elif part == "q_tail":
+                q_start, q_len = q_start + q_len // 2, q_len // 2
+            if q_len and kv_len:
+                segments.append(Segment(doc, q_start, q_len, kv_start, kv_len))
+    if not segments:
+        part = "skip"
+    return VarlenStep(part, mask, tuple(segments))
+
+
+def step_pairs(step: VarlenStep) -> int:
+    """(query, key) pairs the step's kernel call computes: its attention FLOPs are
+    4 * pairs * N * D forward (QK^T and PV)."""
+    if step.mask.kind == "causal":
+        return sum(s.q_len * (s.q_len + 1) // 2 for s in step.segments)
+    return sum(s.q_len * s.kv_len for s in step.segments)
+
+
+# ---------------------------------------------------------------- checks and agreement
+
+
+def _check_inputs(q: Tensor, k: Tensor, v: Tensor, config: RingConfig, cu: Sequence[int]) -> int:
+    """The K/V head count, after checking the local TND shapes against the documents."""
+    if config.layout != TND:
+        raise ValueError(f"varlen ring attention takes input_layout='TND', got {config.layout!r}")
+    for name, t in (("query", q), ("key", k), ("value", v)):
+        if t.dim() != 3:
+            raise ValueError(f"input_layout='TND' needs {name} as [T, N, D], got shape {tuple(t.shape)}")
+    if k.shape != v.shape:
+        raise ValueError(f"key and value shapes differ: key {tuple(k.shape)}, value {tuple(v.shape)}")
+    if q.size(1) != config.head_num:
+        raise ValueError(f"head_num={config.head_num} but the local query {tuple(q.shape)} has {q.size(1)} heads")
+    if k.size(0) != q.size(0) or k.size(2) != q.size(2):
+        raise ValueError(f"local query {tuple(q.shape)} and key {tuple(k.shape)} must agree on T and D "
+                         "(the documents are the same for queries and keys)")
+    nkv = k.size(1)
+    if nkv <= 0 or config.head_num % nkv:
+        raise ValueError(f"head_num={config.head_num} is not a multiple of the K/V head count {nkv}")
+    check_documents(cu, q.size(0) * config.world_size, config.world_size, config.load_balance,
+                    name="actual_seq_qlen")
+    if not 0.0 < config.keep_prob <= 1.0:
+        raise ValueError(f"keep_prob must be in (0, 1], got {config.keep_prob}")
+    return nkv
+
+
+def _agreed(direction: str, check, config: RingConfig, q, k, v, *, size: int, group, kernel, steps: int = -1):
+    """This rank's checks, then (W > 1) the ranks' agreement on the call (documents included):
+    the same error on every rank before any K/V moves (as ``ring._agreed_checks``)."""
+    if size == 1:
+        return check()
+    error = result = None
+    try:
+        result = check()
+    except _CHECK_ERRORS as exc:
+        error = exc
+    kv_heads = k.size(1) if k.dim() == 3 else -1
+    sig = agreement.signature(direction=direction, config=config, q=q, k=k, v=v, kv_heads=kv_heads,
+                              kernel=getattr(kernel, "name", ""), steps=steps, error=error)
+    agreement.agree(sig, group, size, error)
+    if error is not None:
+        raise error
+    return result
+
+
+# ---------------------------------------------------------------- one step's kernel call
+
+
+def _rows_index(spans: list[tuple[int, int]], total: int, device) -> Optional[Tensor]:
+    """Index of the rows of ``spans`` (start, length) in order, or None when they are all rows."""
+    if len(spans) and spans[0][0] == 0 and sum(n for _, n in spans) == total and all(
+            a[0] + a[1] == b[0] for a, b in zip(spans, spans[1:])):
+        return None
+    return torch.cat([torch.arange(s, s + n) for s, n in spans]).to(device)
+
+
+def _take(x: Tensor, index: Optional[Tensor]) -> Tensor:
+    return x if index is None else x.index_select(0, index)
+
+
+def _cumulative(lengths: list[int]) -> Tensor:
+    return torch.tensor(lengths, dtype=torch.int64).cumsum(0)
+
+
+class _StepOperands:
+    """A step's gathered rows and its segments' cumulative ends."""
+
+    def __init__(self, step: VarlenStep, rows: int, device):
+        segs = step.segments
+        self.q_index = _rows_index([(s.q_start, s.q_len) for s in segs], rows, device)
+        self.kv_index = _rows_index([(s.kv_start, s.kv_len) for s in segs], rows, device)
+        self.q_lens = [s.q_len for s in segs]
+        self.kv_lens = [s.kv_len for s in segs]
+        self.actual_seq_lens = (_cumulative(self.q_lens), _cumulative(self.kv_lens))
+
+
+def _segments_forward(kernel: StepKernel, q, k, v, ops: _StepOperands, mask: StepMask, kw) -> StepForward:
+    if getattr(kernel, "takes_tnd", False):
+        return kernel.forward(q, k, v, mask=mask, layout=TND, actual_seq_lens=ops.actual_seq_lens, **kw)
+    # a kernel without TND: one call per segment, each segment a batch of one in BSND
+    outs, lses = [], []
+    for qs, ks, vs in zip(q.split(ops.q_lens), k.split(ops.kv_lens), v.split(ops.kv_lens)):
+        res = kernel.forward(qs.unsqueeze(0), ks.unsqueeze(0), vs.unsqueeze(0), mask=mask, layout="BSND", **kw)
+        outs.append(res.out.squeeze(0))
+        lses.append(res.lse.squeeze(0).transpose(0, 1))
+    return StepForward(out=torch.cat(outs), lse=torch.cat(lses), seed=None, offset=None)
+
+
+def _segments_backward(kernel: StepKernel, q, k, v, dout, out, lse, ops: _StepOperands, mask: StepMask, seed,
+                       offset, kw) -> tuple[Tensor, Tensor, Tensor]:
+    if getattr(kernel, "takes_tnd", False):
+        return kernel.backward(q, k, v, dout, out, lse, mask=mask, layout=TND, seed=seed, offset=offset,
+                               actual_seq_lens=ops.actual_seq_lens, **kw)
+    grads = ([], [], [])
+    for qs, ks, vs, ds, os_, ls in zip(q.split(ops.q_lens), k.split(ops.kv_lens), v.split(ops.kv_lens),
+                                       dout.split(ops.q_lens), out.split(ops.q_lens), lse.split(ops.q_lens)):
+        res = kernel.backward(qs.unsqueeze(0), ks.unsqueeze(0), vs.unsqueeze(0), ds.unsqueeze(0), os_.unsqueeze(0),
+                              ls.transpose(0, 1).unsqueeze(0), mask=mask, layout="BSND", seed=None, offset=None, **kw)
+        for acc, g in zip(grads, res):
+            acc.append(g.squeeze(0))
+    return tuple(torch.cat(g) for g in grads)
+
+
+def _merge_rows(acc_out: Tensor, acc_lse: Tensor, index: Optional[Tensor], out: Tensor, lse: Tensor) -> None:
+    """In place: the log-sum-exp merge of a step's rows (out [t, N, D], lse [t, N]) into the
+    float32 accumulators at ``index`` (None: all rows)."""
+    old_out, old_lse = _take(acc_out, index), _take(acc_lse, index)
+    new_lse = torch.logaddexp(old_lse, lse)
+    ref = torch.where(torch.isneginf(new_lse), torch.zeros_like(new_lse), new_lse)
+    merged = old_out * torch.exp(old_lse - ref).unsqueeze(-1) + out.float() * torch.exp(lse - ref).unsqueeze(-1)
+    if index is None:
+        acc_out.copy_(merged)
+        acc_lse.copy_(new_lse)
+    else:
+        acc_out.index_copy_(0, index, merged)
+        acc_lse.index_copy_(0, index, new_lse)
+
+
+def _merge_rows_fused(acc_out: Tensor, acc_lse: Tensor, index: Optional[Tensor], out: Tensor, lse: Tensor,
+                      actual_seq_qlen: Tensor) -> None:
+    """As ``_merge_rows``, by ``npu_ring_attention_update`` in TND (its [t, N, 8] statistics
+    encode the LSEs as max = LSE, sum = 1; rows that saw no key as lowest, 0)."""
+    op = getattr(torch.ops.npu, MERGE_OP)
+    prev_max, prev_sum = merge_stats(_take(acc_lse, index))
+    cur_max, cur_sum = merge_stats(lse)
+    merged, new_max, new_sum = op(_take(acc_out, index), prev_max, prev_sum, out.float(), cur_max, cur_sum,
+                                  actual_seq_qlen=actual_seq_qlen, input_layout=TND)
+    new_lse = lse_from_stats(new_max, new_sum)
+    if index is None:
+        acc_out.copy_(merged)
+        acc_lse.copy_(new_lse)
+    else:
+        acc_out.index_copy_(0, index, merged)
+        acc_lse.index_copy_(0, index, new_lse)
+
+
+def _add_rows(acc: Tensor, index: Optional[Tensor], value: Tensor) -> None:
+    if index is None:
+        acc.add_(value)
+    else:
+        acc.index_add_(0, index, value.to(acc.dtype))
+
+
+# ---------------------------------------------------------------- forward and backward
+
+
+def _plan(config: RingConfig, cu, rank: int, index: int) -> VarlenStep:
+    return plan_varlen_step(cu, rank, index, config.world_size, config.causal, config.load_balance)
+
+
+def varlen_ring_forward(q: Tensor, k: Tensor, v: Tensor, config: RingConfig, *, group,
+                        kernel: StepKernel, fused_merge: bool = False) -> RingForward:
+    """Ring attention of the local packed queries ``[T/W, Nq, D]`` against every rank's K/V,
+    within documents (``config.documents``). ``fused_merge``: merge the steps with
+    ``npu_ring_attention_update`` (TND; it must exist) instead of plain torch. Returns the merged output (query dtype), the
+    float32 LSE ``[T/W, Nq]``, the per-step records and the bytes sent."""
+    size, rank, group = _group_info(config, group)
+    cu = decode_documents(config.documents)
+    _agreed("forward", lambda: _check_inputs(q, k, v, config, cu), config, q, k, v, size=size, group=group,
+            kernel=kernel)
+    rows = q.size(0)
+    acc_out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+    acc_lse = torch.full((rows, config.head_num), float("-inf"), dtype=torch.float32, device=q.device)
+    kw = dict(head_num=config.head_num, scale=config.scale, keep_prob=config.keep_prob)
+    steps: list[RingStep] = []
+    bytes_sent = 0
+    compute_s = wait_s = 0.0
+    kv = _Rotation([k.contiguous(), v.contiguous()], group, rank, size, _TAG_KV)
+    last = size - 1
+    try:
+        for i in range(size):
+            cur_k, cur_v = kv.current
+            if i < last:
+                bytes_sent += kv.post()
+            started = time.perf_counter()
+            step = _plan(config, cu, rank, i)
+            rng = []
+            if step.segments:
+                ops = _StepOperands(step, rows, q.device)
+                res = _segments_forward(kernel, _take(q, ops.q_index), _take(cur_k, ops.kv_index),
+                                        _take(cur_v, ops.kv_index), ops, step.mask, kw)
+                if res.seed is not None:
+                    rng.append((res.seed, res.offset))
+                if fused_merge:
+                    _merge_rows_fused(acc_out, acc_lse, ops.q_index, res.out, res.lse, ops.actual_seq_lens[0])
+                else:
+                    _merge_rows(acc_out, acc_lse, ops.q_index, res.out, res.lse)
+                del res
+            steps.append(RingStep(index=i, source_rank=(rank - i) % size, part=step.part, rng=tuple(rng)))
+            computed = time.perf_counter()
+            compute_s += computed - started
+            del cur_k, cur_v
+            if kv.in_flight:
+                kv.advance()
+                wait_s += time.perf_counter() - computed
+    except BaseException:
+        kv.drain()
+        raise
+    log.debug("varlen ring forward rank %d/%d: parts %s, %d bytes sent", rank, size, [s.part for s in steps],
+              bytes_sent)
+    return RingForward(out=acc_out.to(q.dtype), lse=acc_lse, steps=steps, bytes_sent=bytes_sent,
+                       compute_seconds=compute_s, wait_seconds=wait_s)
+
+
+def _check_records(steps: list[RingStep], config: RingConfig, cu, rank: int, size: int) -> list[VarlenStep]:
+    if len(steps) != size:
+        raise RuntimeError(f"backward got {len(steps)} ring steps where its forward makes {size} (world size {size})")
+    plans = []
+    for i, st in enumerate(steps):
+        plan = _plan(config, cu, rank, i)
+        calls = 1 if plan.segments else 0
+        if st.index != i or st.source_rank != (rank - i) % size or st.part != plan.part or \
+                (st.rng and len(st.rng) != calls):
+            raise RuntimeError(
+                f"ring step record {i} (index={st.index}, source_rank={st.source_rank}, part={st.part!r}, "
+                f"{len(st.rng)} kernel calls) does not match rank {rank}'s plan ({plan.part!r}, {calls} calls): "
+                "the backward's documents or configuration differ from the forward's")
+        plans.append(plan)
+    return plans
+
+
+def varlen_ring_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
+                         steps: list[RingStep], config: RingConfig, *, group, kernel: StepKernel) -> RingBackward:
+    """Gradients of the local packed q and of this rank's own K/V block (``lse``: [T/W, Nq])."""
+    size, rank, group = _group_info(config, group)
+    cu = decode_documents(config.documents)
+
+    def check():
+        _check_inputs(q, k, v, config, cu)
+        if dout.shape != q.shape or out.shape != q.shape:
+            raise ValueError(f"dout {tuple(dout.shape)} and out {tuple(out.shape)} must have the query's shape "
+                             f"{tuple(q.shape)}")
+        if tuple(lse.shape) != (q.size(0), config.head_num):
+            raise ValueError(f"lse has shape {tuple(lse.shape)}, expected {(q.size(0), config.head_num)}")
+        return _check_records(steps, config, cu, rank, size)
+
+    plans = _agreed("backward", check, config, q, k, v, size=size, group=group, kernel=kernel, steps=len(steps))
+    rows = q.size(0)
+    lse = lse.float()
+    kw = dict(head_num=config.head_num, scale=config.scale, keep_prob=config.keep_prob)
+    dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+    accumulators = _GradAccumulators(group, rank, size)
+    bytes_sent = 0
+    compute_s = wait_s = 0.0
+    last = size - 1
+    kv = _Rotation([k.contiguous(), v.contiguous()], group, rank, size, _TAG_KV)
+    try:
+        for i, (st, plan) in enumerate(zip(steps, plans)):
+            cur_k, cur_v = kv.current
+            if i < last:
+                bytes_sent += kv.post()
+            started = time.perf_counter()
+            grads = None
+            if plan.segments:
+                ops = _StepOperands(plan, rows, q.device)
+                seed, offset = st.rng[0] if st.rng else (None, None)
+                qi = ops.q_index
+                grads = _segments_backward(
+                    kernel, _take(q, qi), _take(cur_k, ops.kv_index), _take(cur_v, ops.kv_index), _take(dout, qi),
+                    _take(out, qi), _take(lse, qi), ops, plan.mask, seed, offset, kw)
+                _add_rows(dq, qi, grads[0])
+            computed = time.perf_counter()
+            dk_acc, dv_acc = accumulators.for_block(cur_k, cur_v)
+            received = time.perf_counter()
+            if grads is not None:
+                _add_rows(dk_acc, ops.kv_index, grads[1])
+                _add_rows(dv_acc, ops.kv_index, grads[2])
+            del dk_acc, dv_acc, grads
+            accumulators.pass_on(1)
+            passed = time.perf_counter()
+            compute_s += (computed - started) + (passed - received)
+            wait_s += received - computed
+            del cur_k, cur_v
+            if kv.in_flight:
+                kv.advance()
+                wait_s += time.perf_counter() - passed
+    except BaseException:
+        kv.drain()
+        accumulators.drain()
+        raise
+    homed = time.perf_counter()
+    dk, dv = accumulators.home()
+    wait_s += time.perf_counter() - homed
+    bytes_sent += accumulators.bytes_sent
+    return RingBackward(dq=dq.to(q.dtype), dk=dk.to(k.dtype), dv=dv.to(v.dtype), bytes_sent=bytes_sent,
+                        compute_seconds=compute_s, wait_seconds=wait_s)
