@@ -90,7 +90,9 @@ class RingConfig:
     next_tockens: int = INT_MAX
     given_mask: bool = False  # an explicit mask comes with the call
     policy: str = ""  # the step-cache policy of the handlers ("handle", "stack"), "" when driven directly
-    algorithm: str = ""  # the handlers' CP algorithm ("ring"), "" when driven directly
+    algorithm: str = ""  # the handlers' CP algorithm ("ring", "ulysses", "hybrid"), "" when driven directly
+    # Ulysses degree: world_size / ulysses_size ranks form the ring (ulysses.py); 1 for the ring alone
+    ulysses_size: int = 1
 
     @property
     def mask(self) -> MaskSpec:
