@@ -128,15 +128,16 @@ def bytes_per_rank(algorithm: str, *, nq: int, nkv: int, world: int, batch: int,
     raise ValueError(f"bytes_per_rank: algorithm={algorithm!r} is not 'ring' or 'ulysses'")
 
 
-def choose_algorithm(*, nq: int, nkv: int, world: int, given_mask: bool) -> str:
+def choose_algorithm(*, nq: int, nkv: int, world: int, given_mask: bool, batch: int = 1, local_seq: int = 1,
+                     head_dim: int = 128, itemsize: int = 2) -> str:
     """What ``algorithm="auto"`` runs on one CP mesh dimension of ``world`` ranks.
 
     Ulysses when its head split exists (N and Nkv as ``head_plan`` needs), the mask is not a
-    given one, and it sends fewer bytes per rank than the ring (``bytes_per_rank``, the
-    shapes cancel out but for the head counts and W); the ring otherwise, ties included
-    (the ring hides its transfers behind the step kernels, Ulysses' all-to-alls are not
-    hidden). For MHA that is Ulysses from W = 4 up (W = 2: ring, 3 full-size exchanges
-    each way against 3).
+    given one, and it sends fewer bytes per rank than the ring for this call's shapes
+    (``bytes_per_rank``: apart from the small LSE, only the head counts and W matter); the
+    ring otherwise, ties included (the ring hides its transfers behind the step kernels,
+    Ulysses' all-to-alls are not hidden). For MHA that is Ulysses from W = 2 up (the ring's
+    backward sends W float32 dK/dV blocks); for GQA with few K/V heads, the ring.
     """
     if world == 1 or given_mask:
         return "ring"
@@ -144,7 +145,8 @@ def choose_algorithm(*, nq: int, nkv: int, world: int, given_mask: bool) -> str:
         head_plan(nq, nkv, world)
     except ValueError:
         return "ring"
-    shape = dict(nq=nq, nkv=nkv, world=world, batch=1, local_seq=1, head_dim=1, itemsize=2)
+    shape = dict(nq=nq, nkv=nkv, world=world, batch=batch, local_seq=local_seq, head_dim=head_dim,
+                 itemsize=itemsize)
     return "ulysses" if bytes_per_rank("ulysses", **shape) < bytes_per_rank("ring", **shape) else "ring"
 
 

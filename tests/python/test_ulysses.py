@@ -452,7 +452,7 @@ def test_matches_dense_float64(world, case):
                 assert err < TOLERANCE, (case.name, rank, key, err)
         else:  # dropout off the 1-D Ulysses path: directional derivatives only
             assert case.keep_prob < 1
-        assert r["live_after_forward"] == (1 if case.policy == "handle" else 0), (case.name, rank)
+        assert r["live_after_forward"] == 1, (case.name, rank)  # the graph holds the handle, or the stack the entry
         assert r["live_after_backward"] == 0 and r["stack_depth"] == 0, (case.name, rank)
         assert r["placements"][0] == r["expected_placements"], (case.name, r["placements"])
         assert r["grad_placements"] == [r["expected_placements"]] * 3, (case.name, r["grad_placements"])
@@ -471,10 +471,14 @@ def test_dropout(world, case):
         if "kept" in r and r["kept"] is not None:
             assert abs(r["kept"] - case.keep_prob) < 0.1, r["kept"]
             assert r["differs_without_dropout"] > 1e-2
-    # every rank of a Ulysses group drew its own seed/offset from the same RNG state, and the
-    # ranks leave the generator in the same state
-    assert len({tuple(map(tuple, res[case.name]["seeds"])) for res in results}) == len(results)
-    assert len({res[case.name]["rng_after"] for res in results}) == 1
+    # every rank of a Ulysses group (hybrid: the ranks sharing a ring position) drew its own
+    # seed/offset from the same RNG state, and the ranks leave the generator in the same state
+    group = world if case.dims == ("seq",) else 2
+    for start in range(0, world, group):
+        seeds = {tuple(map(tuple, res[case.name]["seeds"])) for res in results[start:start + group]}
+        assert len(seeds) == group, (case.name, seeds)
+        # (a causal ring skips kernel calls, so only the ranks of a Ulysses group end in step)
+        assert len({res[case.name]["rng_after"] for res in results[start:start + group]}) == 1
 
 
 @pytest.mark.parametrize("world", (2, 4))
@@ -528,14 +532,16 @@ def test_context_parallel_algorithm_trains_like_single_process():
 def test_auto_rule():
     from cp_cache.ulysses import bytes_per_rank, choose_algorithm
 
-    assert choose_algorithm(nq=8, nkv=8, world=2, given_mask=False) == "ring"  # equal bytes: ring
-    assert choose_algorithm(nq=8, nkv=8, world=4, given_mask=False) == "ulysses"
-    assert choose_algorithm(nq=8, nkv=8, world=8, given_mask=False) == "ulysses"
+    for world in (2, 4, 8):  # MHA: Ulysses (the ring's backward sends W float32 dK/dV blocks)
+        assert choose_algorithm(nq=8, nkv=8, world=world, given_mask=False) == "ulysses"
+    assert choose_algorithm(nq=8, nkv=8, world=1, given_mask=False) == "ring"
     assert choose_algorithm(nq=6, nkv=6, world=4, given_mask=False) == "ring"  # heads do not split
-    assert choose_algorithm(nq=8, nkv=8, world=4, given_mask=True) == "ring"
-    assert choose_algorithm(nq=32, nkv=4, world=4, given_mask=False) == "ring"  # GQA: small K/V ring
-    shape = dict(nq=8, nkv=8, world=4, batch=1, local_seq=1, head_dim=1, itemsize=2)
-    assert bytes_per_rank("ulysses", **shape) < bytes_per_rank("ring", **shape)
+    assert choose_algorithm(nq=8, nkv=8, world=4, given_mask=True) == "ring"  # given masks: ring only
+    assert choose_algorithm(nq=32, nkv=4, world=4, given_mask=False) == "ring"  # few K/V heads: ring
+    assert choose_algorithm(nq=32, nkv=16, world=4, given_mask=False) == "ulysses"
+    shape = dict(nq=32, nkv=4, world=4, batch=1, local_seq=1, head_dim=128, itemsize=2)
+    assert bytes_per_rank("ring", **shape) == 224 * 128 * 2 // 2  # 3 * 2 blocks bf16 + 4 float32 dK/dV
+    assert bytes_per_rank("ulysses", **shape) > bytes_per_rank("ring", **shape)
 
 
 def test_algorithm_from_argument_and_environment(monkeypatch):

@@ -51,8 +51,10 @@ def _algorithm(a: dict[str, Any], layout: str, spec: MaskSpec, sharding: CPShard
     """The algorithm this call runs (``cp.algorithm``, "auto" resolved by the local head counts)."""
     q, k = a["query"].to_local(), a["key"].to_local()
     nq = sharding.local_heads(int(a["head_num"]))
-    nkv = L.heads_of(k, layout, L.dims(q, layout, nq).head_dim)
-    return resolve_algorithm(cp.algorithm, sharding, nq=nq, nkv=nkv, given_mask=spec.given)
+    qd = L.dims(q, layout, nq)
+    nkv = L.heads_of(k, layout, qd.head_dim)
+    return resolve_algorithm(cp.algorithm, sharding, nq=nq, nkv=nkv, given_mask=spec.given, batch=qd.batch,
+                             local_seq=qd.seq, head_dim=qd.head_dim, itemsize=q.element_size())
 
 
 def _ring_config(a: dict[str, Any], layout: str, spec: MaskSpec, sharding: CPSharding, cp: CPConfig,

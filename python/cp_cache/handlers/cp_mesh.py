@@ -111,13 +111,14 @@ def cp_sharding(tensors: dict[str, Any], layout: str) -> CPSharding:
     return CPSharding(mesh, placements, cp_dims, head_shards)
 
 
-def resolve_algorithm(configured: str, sharding: CPSharding, *, nq: int, nkv: int, given_mask: bool) -> str:
+def resolve_algorithm(configured: str, sharding: CPSharding, *, nq: int, nkv: int, given_mask: bool,
+                      **shape: int) -> str:
     """The algorithm a call runs: the configured one, or for "auto" hybrid on two CP dimensions
-    and ``ulysses.choose_algorithm`` on one."""
+    and ``ulysses.choose_algorithm`` on one (``shape``: batch, local_seq, head_dim, itemsize)."""
     count = len(sharding.cp_dims)
     if configured == "auto":
         configured = "hybrid" if count == 2 else choose_algorithm(nq=nq, nkv=nkv, world=sharding.size,
-                                                                  given_mask=given_mask)
+                                                                  given_mask=given_mask, **shape)
     needed = ALGORITHM_CP_DIMS[configured]
     if count != needed:
         hint = "; use algorithm='hybrid' for two" if needed == 1 and count == 2 else ""
