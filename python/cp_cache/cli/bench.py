@@ -28,6 +28,9 @@ Sections (``--only`` picks some):
 * ``agreement``: the ranks' agreement before each ring call (``cp_cache.agreement``): microseconds
   per call on the ring's group, the first call of a configuration (signature built, then
   all-gathered) and the steady state (cached signature, all-gathered), W > 1;
+* ``algorithms``: ring, Ulysses and hybrid (2 x 2 CP mesh at W = 4) on one causal call,
+  MHA and GQA: bytes sent per rank, time per call, fp32 error against dense float64, and
+  what ``algorithm="auto"`` picks (``cli/bench_algorithms.py``; also ``bench_algorithms.png``);
 * ``store``: the store micro-benchmark (``cli/bench_store.py``).
 
 Benchmarks measure and report; they assert nothing about timings. On CPU the
@@ -50,7 +53,8 @@ from ._common import fmt_bytes, launch, table
 NAME = "bench"
 HELP = "memory, overhead, traffic and accuracy benchmarks; JSON and a PNG plot under --out"
 
-SECTIONS = ("memory", "overhead", "traffic", "accuracy", "windows", "floor", "overlap", "agreement", "store")
+SECTIONS = ("memory", "overhead", "traffic", "accuracy", "windows", "floor", "overlap", "agreement", "algorithms",
+            "store")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -70,6 +74,7 @@ def _plan(quick: bool, worlds: list[int] | None) -> dict:
             comm_bound=dict(batch=1, heads=4, seq=16, head_dim=32),
             store=dict(number=2000, repeat=2),
             agreement=dict(calls=50),
+            algorithms=dict(batch=1, heads=4, kv_heads=[4, 2], seq=64, head_dim=16),
         )
     return dict(
         worlds=worlds or [1, 2, 4], layers=[1, 2, 4],
@@ -80,6 +85,7 @@ def _plan(quick: bool, worlds: list[int] | None) -> dict:
         comm_bound=dict(batch=1, heads=8, seq=32, head_dim=128),  # tiny blocks: the hops dominate
         store=dict(number=100_000, repeat=5),
         agreement=dict(calls=500),
+        algorithms=dict(batch=1, heads=8, kv_heads=[8, 2], seq=1024, head_dim=64),
     )
 
 
@@ -419,6 +425,10 @@ def bench_rank(rank: int, world_size: int, plan: dict, sections: list[str]) -> d
         out["windows"] = _windows(plan, rank, world_size, mesh)
     if "agreement" in sections and world_size > 1:
         out["agreement"] = _agreement(plan, rank, world_size, mesh)
+    if "algorithms" in sections:
+        from .bench_algorithms import algorithms_rank
+
+        out["algorithms"] = algorithms_rank(plan, rank, world_size)
     return out
 
 
@@ -577,6 +587,8 @@ def run(args: argparse.Namespace) -> int:
         report["exposed_fraction"] = _exposed_fraction(report["overlap"])
     if "agreement" in sections:
         report["agreement"] = _collect(per_world, "agreement", all_ranks=True)
+    if "algorithms" in sections:
+        report["algorithms"] = _collect(per_world, "algorithms", all_ranks=True)
     if "store" in sections:
         print("bench: store micro-benchmark ...", flush=True)
         report["store"] = _store_bench(plan)
@@ -588,6 +600,13 @@ def run(args: argparse.Namespace) -> int:
     _print_summary(report)
     png_path = args.out / "bench.png"
     plotted = _plot(report, png_path)
+    if report.get("algorithms"):
+        from .bench_algorithms import plot as plot_algorithms, print_summary as print_algorithms
+
+        print_algorithms(report["algorithms"])
+        algorithms_png = args.out / "bench_algorithms.png"
+        if plot_algorithms(report["algorithms"], algorithms_png):
+            print(f"written: {algorithms_png}")
     if report.get("windows"):
         windows_png = args.out / "bench_windows.png"
         if _plot_windows(report, windows_png):
