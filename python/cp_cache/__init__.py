@@ -16,6 +16,7 @@ from . import _C
 from ._C import StepCache, StepCacheStore
 from .config import CPConfig
 from .dispatch import active_config, call_stats, context_parallel, disable, enable, enabled
+from .sharding import shard_sequence, unshard_sequence
 
 __all__ = [
     "CPConfig",
@@ -29,8 +30,10 @@ __all__ = [
     "enable",
     "enabled",
     "reset_peak",
+    "shard_sequence",
     "stats",
     "store",
+    "unshard_sequence",
 ]
 
 

@@ -238,6 +238,8 @@ def _run_case(case: Case, rank: int, world: int) -> dict:
         got[key] = L.to_bnsd(leaf.grad.to_local(), case.layout, heads).double()
     del out
     res["live_after_backward"] = cp_cache.stats()["live_entries"]
+    calls = cp_cache.call_stats()
+    res["bytes_sent"] = calls["forward"]["bytes_sent"] + calls["backward"]["bytes_sent"]
     res["stack_depth"] = cp_cache.stats()["stack_depth"]
     if case.keep_prob < 1:
         keep = _keep_mask(case, res.get("seeds"), world, rank, sizes, coords)
@@ -415,6 +417,26 @@ def _model_step(rank: int, world: int) -> dict:
     return out
 
 
+def _sharding_helpers(rank: int, world: int) -> dict:
+    """cp_cache.shard_sequence / unshard_sequence: head-tail on one CP dim, nested contiguous
+    chunks on two (hybrid)."""
+    from cp_cache.ring_plan import positions
+
+    x = torch.arange(2 * 16 * 3, dtype=torch.float32).view(2, 16, 3)  # [B, S, H]
+    got = {}
+    one = _mesh(Case("ring", "BSH", "full", 1, 1), world)
+    d = cp_cache.shard_sequence(x, one, 1, load_balance=True)
+    got["lb_local"] = torch.equal(d.to_local(), x.index_select(1, positions(rank, world, 16 // world, True)))
+    got["lb_back"] = torch.equal(cp_cache.unshard_sequence(d, 1, load_balance=True), x)
+    if world == 4:
+        two = _mesh(Case("hybrid", "BSH", "full", 1, 1, mesh=(2, 2), dims=("seq", "seq")), world)
+        d = cp_cache.shard_sequence(x, two, 1)
+        got["nested_local"] = torch.equal(d.to_local(), x[:, rank * 4:(rank + 1) * 4])
+        got["nested_back"] = torch.equal(cp_cache.unshard_sequence(d, 1), x)
+        got["nested_lb"] = _capture(lambda: cp_cache.shard_sequence(x, two, 1, load_balance=True))
+    return got
+
+
 def _ranks(rank: int, world: int, cases: list[Case]) -> dict:
     from cp_cache.testing import install_npu_emulator
 
@@ -422,6 +444,7 @@ def _ranks(rank: int, world: int, cases: list[Case]) -> dict:
     results = {case.name: _run_case(case, rank, world) for case in cases}
     results["checkpointing"] = _checkpointing(rank, world)
     results["errors"] = _rejections(rank, world)
+    results["sharding"] = _sharding_helpers(rank, world)
     if world == 2:
         results["model"] = _model_step(rank, world)
     results["live_entries"] = cp_cache.stats()["live_entries"]
@@ -459,6 +482,22 @@ def test_matches_dense_float64(world, case):
         expected = {"auto": "hybrid" if "seq" in case.dims[1:] else "ulysses"}.get(case.algorithm, case.algorithm)
         if case.policy == "handle":
             assert r["algorithm"] == expected, (case.name, r["algorithm"])
+
+
+FULL = [(w, c) for w, c in ALL if c.mode == "full" and c.dims.count("seq") == 1 and c.algorithm != "auto"]
+
+
+@pytest.mark.parametrize("world, case", FULL, ids=[f"W{w}-{c.name}" for w, c in FULL])
+def test_bytes_sent_match_the_formula_auto_reads(world, case):
+    from cp_cache.ulysses import bytes_per_rank
+
+    sizes = _sizes(case, world)
+    cp = math.prod(s for d, s in zip(case.dims, sizes) if d == "seq")
+    heads = math.prod(s for d, s in zip(case.dims, sizes) if d == "head")
+    expected = bytes_per_rank(case.algorithm, nq=case.nq // heads, nkv=case.nkv // heads, world=cp, batch=case.B,
+                              local_seq=case.S // cp, head_dim=case.D, itemsize=4)
+    for rank, res in enumerate(_results(world)):
+        assert res[case.name]["bytes_sent"] == expected, (case.name, rank)
 
 
 @pytest.mark.parametrize("world, case", [(w, c) for w, c in ALL if c.keep_prob < 1],
@@ -524,6 +563,17 @@ def test_context_parallel_algorithm_trains_like_single_process():
         assert m["inside"] == "ulysses" and not m["enabled_after"], m
         assert m["calls"] == 2, m  # two layers, one CP attention call each
         assert m["loss_err"] < 1e-5 and m["grad_err"] < 1e-4, m
+
+
+@pytest.mark.parametrize("world", (2, 4))
+def test_sharding_helpers_lay_out_what_the_handlers_expect(world):
+    for rank, res in enumerate(_results(world)):
+        got = res["sharding"]
+        assert got["lb_local"] and got["lb_back"], (rank, got)
+        if world == 4:
+            assert got["nested_local"] and got["nested_back"], (rank, got)
+            kind, message = got["nested_lb"]
+            assert kind == "NotImplementedError" and "two CP mesh dimensions" in message, message
 
 
 # ---------------------------------------------------------------- no ranks: selection
