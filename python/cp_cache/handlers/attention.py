@@ -53,8 +53,10 @@ def _algorithm(a: dict[str, Any], layout: str, spec: MaskSpec, sharding: CPShard
     nq = sharding.local_heads(int(a["head_num"]))
     qd = L.dims(q, layout, nq)
     nkv = L.heads_of(k, layout, qd.head_dim)
+    # from the global length, so that every rank picks the same even if local lengths differ
+    local_seq = a["query"].size(L.seq_dim(layout)) // sharding.size
     return resolve_algorithm(cp.algorithm, sharding, nq=nq, nkv=nkv, given_mask=spec.given, batch=qd.batch,
-                             local_seq=qd.seq, head_dim=qd.head_dim, itemsize=q.element_size())
+                             local_seq=local_seq, head_dim=qd.head_dim, itemsize=q.element_size())
 
 
 def _ring_config(a: dict[str, Any], layout: str, spec: MaskSpec, sharding: CPSharding, cp: CPConfig,
