@@ -198,6 +198,15 @@ def _exchange(tensors: list[Tensor], group, world: int, to_heads: bool) -> tuple
     return results, sent
 
 
+def _own(x: Tensor) -> Tensor:
+    """``x`` in storage of its own: a result of ``_exchange`` can be a view of a receive buffer
+    shared with the other tensors of its all-to-all, which it would keep alive (autograd saves
+    the output and the LSE until backward)."""
+    if x.untyped_storage().nbytes() == x.nbytes and x.is_contiguous():
+        return x
+    return x.clone(memory_format=torch.contiguous_format)
+
+
 def _sequence_order(config: RingConfig, local_seq: int) -> Optional[Tensor]:
     """Global position of each row of the gathered sequence (rank order), or None when that
     is already the global order (contiguous shards)."""
@@ -340,7 +349,8 @@ def ulysses_attention_forward(
     finished = time.perf_counter()
     log.debug("ulysses forward rank %d/%d (ring %d): %d bytes sent", groups.ulysses_rank, u, groups.ring_size,
               sent + back + ring_bytes)
-    return RingForward(out=L.from_bnsd(out_b.to(q.dtype), config.layout), lse=lse.squeeze(-1), steps=steps,
+    return RingForward(out=_own(L.from_bnsd(out_b.to(q.dtype), config.layout)), lse=_own(lse.squeeze(-1)),
+                       steps=steps,
                        bytes_sent=sent + back + ring_bytes,
                        compute_seconds=(computed - exchanged) - ring_wait,
                        wait_seconds=(exchanged - started) + (finished - computed) + ring_wait)
@@ -404,8 +414,8 @@ def ulysses_attention_backward(
         dk_b, dv_b = (t.view(b, plan.nkv, plan.kv_repeats, s, d).sum(2) for t in (dk_b, dv_b))
     finished = time.perf_counter()
     return RingBackward(
-        dq=L.from_bnsd(dq_b.to(q.dtype), lay), dk=L.from_bnsd(dk_b.to(k.dtype), lay),
-        dv=L.from_bnsd(dv_b.to(v.dtype), lay), bytes_sent=sent + back + ring_bytes,
+        dq=_own(L.from_bnsd(dq_b.to(q.dtype), lay)), dk=_own(L.from_bnsd(dk_b.to(k.dtype), lay)),
+        dv=_own(L.from_bnsd(dv_b.to(v.dtype), lay)), bytes_sent=sent + back + ring_bytes,
         compute_seconds=(computed - exchanged) - ring_wait,
         wait_seconds=(exchanged - started) + (finished - computed) + ring_wait,
     )

@@ -417,6 +417,38 @@ def _model_step(rank: int, world: int) -> dict:
     return out
 
 
+def _memory_floor(rank: int, world: int) -> dict:
+    """What one call keeps from forward to backward (DESIGN section 13): the distinct storages
+    autograd saves (inputs and mask excluded) plus the store's live bytes, per algorithm."""
+    from cp_cache.cli._measure import SavedStorages
+
+    kept = {}
+    cases = [Case("ulysses", "BNSD", "causal_lb", 4, 2, keep_prob=0.9)]
+    if world == 4:
+        cases.append(Case("hybrid", "BNSD", "causal", 4, 2, mesh=(2, 2), dims=("seq", "seq"), keep_prob=0.9))
+    for case in cases:
+        cp_cache.enable(algorithm=case.algorithm)
+        _set_lb(case.load_balance)
+        mesh = _mesh(case, world)
+        sizes, coords = _sizes(case, world), _coords(case, world, rank)
+        local = [_piece(t, case, sizes, coords).float() for t in _full(case, 0)]
+        from torch.distributed.tensor import DTensor
+
+        leaves = [DTensor.from_local(t, mesh, _placements(case)).requires_grad_() for t in local[:3]]
+        store_before = cp_cache.stats()["live_bytes"]
+        kwargs = _op_kwargs(case)
+        with SavedStorages(exclude=(*leaves, kwargs["atten_mask"])) as saved:
+            out = torch.ops.npu.npu_fusion_attention_v3(*leaves, case.nq, case.layout, keep_prob=case.keep_prob,
+                                                        scale=0.25, **kwargs)[0]
+        kept[case.algorithm] = (saved.nbytes + cp_cache.stats()["live_bytes"] - store_before,
+                                out.to_local().nbytes, local[0].numel() // case.D * 4)
+        out.backward(DTensor.from_local(local[3], mesh, _placements(case)))
+        del out
+    _set_lb(True)
+    cp_cache.enable()
+    return kept
+
+
 def _sharding_helpers(rank: int, world: int) -> dict:
     """cp_cache.shard_sequence / unshard_sequence: head-tail on one CP dim, nested contiguous
     chunks on two (hybrid)."""
@@ -445,6 +477,7 @@ def _ranks(rank: int, world: int, cases: list[Case]) -> dict:
     results["checkpointing"] = _checkpointing(rank, world)
     results["errors"] = _rejections(rank, world)
     results["sharding"] = _sharding_helpers(rank, world)
+    results["floor"] = _memory_floor(rank, world)
     if world == 2:
         results["model"] = _model_step(rank, world)
     results["live_entries"] = cp_cache.stats()["live_entries"]
@@ -574,6 +607,15 @@ def test_sharding_helpers_lay_out_what_the_handlers_expect(world):
             assert got["nested_local"] and got["nested_back"], (rank, got)
             kind, message = got["nested_lb"]
             assert kind == "NotImplementedError" and "two CP mesh dimensions" in message, message
+
+
+@pytest.mark.parametrize("world", (2, 4))
+def test_memory_floor_output_plus_lse(world):
+    """Ulysses and hybrid keep, between forward and backward, the output, the LSE and the
+    step cache's few bytes (the seed/offset of the calls): nothing of the head shards."""
+    for rank, res in enumerate(_results(world)):
+        for algorithm, (kept, output, lse) in res["floor"].items():
+            assert output + lse <= kept <= output + lse + 1024, (rank, algorithm, kept, output, lse)
 
 
 # ---------------------------------------------------------------- no ranks: selection
