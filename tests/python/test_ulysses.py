@@ -10,6 +10,7 @@ Ulysses), and hybrid on a 2 x 2 CP mesh.
 
 from __future__ import annotations
 
+import logging
 import math
 import re
 import zlib
@@ -48,6 +49,7 @@ class Case:
     dims: tuple = ("seq",)
     keep_prob: float = 1.0
     policy: str = "handle"
+    switch: str = ""  # enable(algorithm=switch) between forward and backward
     B: int = 2
     D: int = 8
     S: int = 16  # global sequence length
@@ -60,6 +62,8 @@ class Case:
             parts.append(f"drop{self.keep_prob}")
         if self.policy != "handle":
             parts.append(self.policy)
+        if self.switch:
+            parts.append(f"then{self.switch}")
         return "-".join(parts)
 
     @property
@@ -94,6 +98,7 @@ def _matrix(world: int) -> list[Case]:
     out.append(Case("ulysses", "BSND", "causal_lb", 8, 4, policy="stack"))
     out.append(Case("ulysses", "BNSD", "causal_lb", 4, 4, keep_prob=0.8))
     out.append(Case("ulysses", "SBH", "full", 8, 2, keep_prob=0.75))
+    out.append(Case("ulysses", "BSND", "causal_lb", 4, 2, switch="ring"))  # backward runs what forward ran
     if world == 4:
         out.append(Case("ulysses", "BNSD", "causal", 8, 1))  # Nkv < W: K/V heads repeated
         out.append(Case("auto", "BSND", "causal_lb", 4, 4))  # MHA at W = 4: Ulysses
@@ -228,6 +233,8 @@ def _run_case(case: Case, rank: int, world: int) -> dict:
     res["rng_after"] = float(torch.rand(1))
     res["placements"] = [tuple(o.placements) for o in out[:3]]
     res["expected_placements"] = tuple(placements)
+    if case.switch:
+        cp_cache.enable(case.policy, algorithm=case.switch)
     lse_local = (out[1].to_local()[..., 0].double() + torch.log(out[2].to_local()[..., 0].double())).detach()
     out[0].backward(DTensor.from_local(L.from_bnsd(local[3], case.layout), mesh, placements))
     res["grad_placements"] = [tuple(t.grad.placements) for t in leaves]
@@ -469,11 +476,24 @@ def _sharding_helpers(rank: int, world: int) -> dict:
     return got
 
 
+class _Messages(logging.Handler):
+    def __init__(self):
+        super().__init__(logging.INFO)
+        self.messages: list[str] = []
+
+    def emit(self, record):
+        self.messages.append(record.getMessage())
+
+
 def _ranks(rank: int, world: int, cases: list[Case]) -> dict:
     from cp_cache.testing import install_npu_emulator
 
     install_npu_emulator(route_sdpa=True)
+    logger, messages = logging.getLogger("cp_cache"), _Messages()
+    logger.addHandler(messages)
+    logger.setLevel(logging.INFO)
     results = {case.name: _run_case(case, rank, world) for case in cases}
+    results["log"] = [m for m in messages.messages if "Ulysses" in m]
     results["checkpointing"] = _checkpointing(rank, world)
     results["errors"] = _rejections(rank, world)
     results["sharding"] = _sharding_helpers(rank, world)
@@ -551,6 +571,14 @@ def test_dropout(world, case):
         assert len(seeds) == group, (case.name, seeds)
         # (a causal ring skips kernel calls, so only the ranks of a Ulysses group end in step)
         assert len({res[case.name]["rng_after"] for res in results[start:start + group]}) == 1
+
+
+def test_kv_heads_repeated_when_fewer_than_w_and_logged():
+    for res in _results(4):
+        assert "cp_cache Ulysses: 1 K/V heads over 4 ranks: each K/V head repeated 4 times" in res["log"], res["log"]
+        assert "cp_cache Ulysses: 2 K/V heads over 4 ranks: each K/V head repeated 2 times" in res["log"]
+    for res in _results(2):
+        assert not any("repeated" in m for m in res["log"]), res["log"]  # Nkv = 2, 4 divide by W = 2
 
 
 @pytest.mark.parametrize("world", (2, 4))
