@@ -8,8 +8,8 @@ Ulysses over a group of U ranks, each holding a sequence shard of every head:
    so rank u gets the one K/V head its query heads use);
 2. the sequence arrives in the order the ranks hold it; head-tail load balancing is
    undone (global order) before the local call and redone after it;
-3. one full-sequence attention call of the step kernel (causal, band or full), with its
-   own dropout seed/offset, recorded like a ring step;
+3. one full-sequence attention call of the step kernel (causal, band, full, or a given mask
+   shared by the heads), with its own dropout seed/offset, recorded like a ring step;
 4. one all-to-all brings the output and the LSE back to sequence shards.
 
 Backward exchanges q, k, v, the output, its gradient and the LSE again (nothing but
@@ -133,7 +133,7 @@ def choose_algorithm(*, nq: int, nkv: int, world: int, given_mask: bool, batch: 
     """What ``algorithm="auto"`` runs on one CP mesh dimension of ``world`` ranks.
 
     Ulysses when its head split exists (N and Nkv as ``head_plan`` needs), the mask is not a
-    given one, and it sends fewer bytes per rank than the ring for this call's shapes
+    given one (the ring skips wholly masked blocks and takes every mask shape), and it sends fewer bytes per rank than the ring for this call's shapes
     (``bytes_per_rank``: apart from the small LSE, only the head counts and W matter); the
     ring otherwise, ties included (the ring hides its transfers behind the step kernels,
     Ulysses' all-to-alls are not hidden). For MHA that is Ulysses from W = 2 up (the ring's
@@ -231,12 +231,29 @@ def _to_rank_order(x: Tensor, order: Optional[Tensor]) -> Tensor:
 # ---------------------------------------------------------------- the local part
 
 
-def _local_mask(config: RingConfig) -> tuple[str, StepMask]:
+def _local_mask(config: RingConfig, mask: Optional[Tensor], seq: int) -> tuple[str, StepMask]:
+    """The mask of the local full-sequence call (``seq``: the global length)."""
     if config.given_mask:
-        raise NotImplementedError(
-            "cp_cache Ulysses attention does not support a given atten_mask (sparse_mode 0/1 with a "
-            "mask) yet; use algorithm='ring'"
-        )
+        if config.world_size != config.ulysses_size:
+            raise NotImplementedError(
+                "cp_cache hybrid attention does not support a given atten_mask (sparse_mode 0/1 with a "
+                "mask) yet; use algorithm='ring' or 'ulysses'"
+            )
+        if mask is not None and mask.dim() == 4 and mask.size(1) != 1:
+            raise NotImplementedError(
+                f"cp_cache Ulysses attention takes a mask shared by the heads ([S, S], [1, 1, S, S] or "
+                f"[B, 1, S, S]), not a per-head mask of shape {tuple(mask.shape)} yet; use algorithm='ring'"
+            )
+        if mask is None or mask.dim() not in (2, 4) or tuple(mask.shape[-2:]) != (seq, seq):
+            got = None if mask is None else tuple(mask.shape)
+            raise ValueError(f"a Ulysses call with a given mask needs it over the whole sequence "
+                             f"[..., {seq}, {seq}]; got {got}")
+        block = mask.bool()
+        if config.window:  # sparse_mode 0: the band applies on top of the mask
+            i = torch.arange(seq, device=mask.device).view(-1, 1)
+            j = torch.arange(seq, device=mask.device).view(1, -1)
+            block = block | (j - i > config.next_tockens) | (i - j > config.pre_tockens)
+        return "masked", StepMask("given", block=block)
     if config.causal:
         return "causal", StepMask("causal")
     if config.window:
@@ -280,9 +297,14 @@ def _ring_config(config: RingConfig, groups: _Groups, local_heads: int) -> RingC
                    layout=_BNSD, load_balance=False, ulysses_size=1)
 
 
-def _check(q: Tensor, k: Tensor, v: Tensor, config: RingConfig) -> HeadPlan:
-    _local_mask(config)
-    qd, nkv = _check_inputs(q, k, v, config)
+def _check(q: Tensor, k: Tensor, v: Tensor, config: RingConfig, mask: Optional[Tensor]) -> HeadPlan:
+    local_seq = q.size(L.seq_dim(config.layout))
+    _local_mask(config, mask, local_seq * config.ulysses_size)
+    # the ring's checks but for its mask rows (here: the whole mask, checked above)
+    qd, nkv = _check_inputs(q, k, v, replace(config, given_mask=False))
+    if config.given_mask and k.size(L.seq_dim(config.layout)) != local_seq:
+        raise ValueError(f"masked Ulysses attention needs equal local query and key lengths, got "
+                         f"{local_seq} and {k.size(L.seq_dim(config.layout))}")
     if config.ulysses_size > 1 and config.world_size > config.ulysses_size and config.load_balance:
         raise NotImplementedError(
             "cp_cache hybrid (Ulysses x ring) attention lays the sequence out contiguously; load "
@@ -306,16 +328,18 @@ def _kv_bnsd(x: Tensor, config: RingConfig, plan: HeadPlan) -> Tensor:
 
 def ulysses_attention_forward(
     q: Tensor, k: Tensor, v: Tensor, config: RingConfig, *, group, kernel: StepKernel,
-    ring_group=None, fused_merge: bool = False,
+    ring_group=None, fused_merge: bool = False, mask: Optional[Tensor] = None,
 ) -> RingForward:
     """Ulysses (``config.ulysses_size == config.world_size``) or hybrid attention of the local
     sequence shards; returns, like the ring, the output (input layout and dtype), the float32
     LSE [B, Nq, s], the records of the attention calls (one step for Ulysses, the ring's
-    steps for hybrid) and the bytes sent."""
+    steps for hybrid) and the bytes sent. ``mask``: with ``config.given_mask``, the mask over
+    the whole sequence in global order, [S, S], [1, 1, S, S] or [B, 1, S, S] (True = masked
+    out; Ulysses only)."""
     groups = _groups(config, group, ring_group)
     u = config.ulysses_size
-    plan = _agreed_checks("forward", lambda: _check(q, k, v, config), config, q, k, v, size=u, group=group,
-                          kernel=kernel, mask_rows=None)
+    plan = _agreed_checks("forward", lambda: _check(q, k, v, config, mask), config, q, k, v, size=u, group=group,
+                          kernel=kernel, mask_rows=mask)
     if plan.kv_repeats > 1:
         log.info("cp_cache Ulysses: %d K/V heads over %d ranks: each K/V head repeated %d times",
                  plan.nkv, u, plan.kv_repeats)
@@ -326,13 +350,13 @@ def ulysses_attention_forward(
     exchanged = time.perf_counter()
     order = _sequence_order(config, local_seq)
     qh, kh, vh = (_to_global(t, order) for t in (qh, kh, vh))
-    part, mask = _local_mask(config)
+    part, step_mask = _local_mask(config, mask, qh.size(2))
     dropout = config.keep_prob < 1.0
     if dropout:
         _advance_rng(q.device, groups.ulysses_rank)
     if groups.ring_size == 1:
         res = kernel.forward(qh, kh, vh, layout=_BNSD, head_num=plan.local_nq, scale=config.scale,
-                             keep_prob=config.keep_prob, mask=mask)
+                             keep_prob=config.keep_prob, mask=step_mask)
         rng = ((res.seed, res.offset),) if res.seed is not None else ()
         steps = [RingStep(index=0, source_rank=config.rank, part=part, rng=rng)]
         out_h, lse_h, ring_bytes, ring_wait = res.out, res.lse, 0, 0.0
@@ -361,14 +385,14 @@ def ulysses_attention_forward(
 
 def ulysses_attention_backward(
     dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, steps: list[RingStep],
-    config: RingConfig, *, group, kernel: StepKernel, ring_group=None,
+    config: RingConfig, *, group, kernel: StepKernel, ring_group=None, mask: Optional[Tensor] = None,
 ) -> RingBackward:
-    """Gradients of the local q, k, v shards; ``steps`` as the forward recorded them."""
+    """Gradients of the local q, k, v shards; ``steps`` and ``mask`` as in the forward."""
     groups = _groups(config, group, ring_group)
     u = config.ulysses_size
 
     def check() -> HeadPlan:
-        plan = _check(q, k, v, config)
+        plan = _check(q, k, v, config, mask)
         if dout.shape != q.shape or out.shape != q.shape:
             raise ValueError(
                 f"dout {tuple(dout.shape)} and out {tuple(out.shape)} must have the query's shape {tuple(q.shape)}"
@@ -381,7 +405,7 @@ def ulysses_attention_backward(
         return plan
 
     plan = _agreed_checks("backward", check, config, q, k, v, size=u, group=group, kernel=kernel,
-                          mask_rows=None, steps=len(steps))
+                          mask_rows=mask, steps=len(steps))
     started = time.perf_counter()
     lay, local_seq = config.layout, q.size(L.seq_dim(config.layout))
     tensors = [_bnsd(q, lay, plan.nq), _kv_bnsd(k, config, plan), _kv_bnsd(v, config, plan),
@@ -391,11 +415,11 @@ def ulysses_attention_backward(
     order = _sequence_order(config, local_seq)
     qh, kh, vh, outh, douth, lseh = (_to_global(t, order) for t in exchanged_in)
     lseh = lseh.squeeze(-1)
-    _, mask = _local_mask(config)
+    _, step_mask = _local_mask(config, mask, qh.size(2))
     if groups.ring_size == 1:
         (seed, offset), = steps[0].rng or ((None, None),)
         dq, dk, dv = kernel.backward(qh, kh, vh, douth, outh, lseh, layout=_BNSD, head_num=plan.local_nq,
-                                     scale=config.scale, keep_prob=config.keep_prob, mask=mask,
+                                     scale=config.scale, keep_prob=config.keep_prob, mask=step_mask,
                                      seed=seed, offset=offset)
         ring_bytes, ring_wait = 0, 0.0
     else:

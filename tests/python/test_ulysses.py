@@ -41,7 +41,7 @@ def no_live_caches():
 class Case:
     algorithm: str  # ring | ulysses | hybrid | auto
     layout: str
-    mode: str  # causal_lb | causal | full | band | band_lb
+    mode: str  # causal_lb | causal | full | band | band_lb | given | given_lb | givenband_lb
     nq: int
     nkv: int
     mesh: tuple = (0,)  # sizes; 0 = the world size
@@ -75,8 +75,21 @@ class Case:
         return self.mode.startswith("band")
 
     @property
+    def given(self) -> bool:
+        return self.mode.startswith("given")
+
+    @property
     def load_balance(self) -> bool:
         return self.mode.endswith("_lb")
+
+
+def _given_mask(case: Case) -> torch.Tensor:
+    """A random mask over the whole sequence (True = masked out; the diagonal kept, so no row is
+    wholly masked): [S, S], or [B, 1, S, S] with the band (sparse_mode 0)."""
+    g = torch.Generator().manual_seed(zlib.crc32(case.name.encode()))
+    shape = (case.B, 1, case.S, case.S) if "band" in case.mode else (case.S, case.S)
+    mask = torch.rand(shape, generator=g) < 0.3
+    return mask & ~torch.eye(case.S, dtype=torch.bool)
 
 
 PRE, NXT = 5, 0  # the band cases: a causal window of 6 tokens
@@ -99,6 +112,9 @@ def _matrix(world: int) -> list[Case]:
     out.append(Case("ulysses", "BNSD", "causal_lb", 4, 4, keep_prob=0.8))
     out.append(Case("ulysses", "SBH", "full", 8, 2, keep_prob=0.75))
     out.append(Case("ulysses", "BSND", "causal_lb", 4, 2, switch="ring"))  # backward runs what forward ran
+    out.append(Case("ulysses", "BNSD", "given", 4, 4))
+    out.append(Case("ulysses", "BSND", "given_lb", 8, 2))
+    out.append(Case("ulysses", "SBH", "givenband_lb", 4, 2, keep_prob=0.8))
     if world == 4:
         out.append(Case("ulysses", "BNSD", "causal", 8, 1))  # Nkv < W: K/V heads repeated
         out.append(Case("auto", "BSND", "causal_lb", 4, 4))  # MHA at W = 4: Ulysses
@@ -191,6 +207,10 @@ def _op_kwargs(case: Case) -> dict:
         return dict(atten_mask=causal_mask, sparse_mode=2, next_tockens=0)
     if case.band:
         return dict(atten_mask=causal_mask, sparse_mode=4, pre_tockens=PRE, next_tockens=NXT)
+    if case.given:
+        if "band" in case.mode:
+            return dict(atten_mask=_given_mask(case), sparse_mode=0, pre_tockens=PRE, next_tockens=NXT)
+        return dict(atten_mask=_given_mask(case), sparse_mode=1)
     return {}
 
 
@@ -253,7 +273,9 @@ def _run_case(case: Case, rank: int, world: int) -> dict:
         res["kept"] = float(keep.float().mean()) if keep is not None else None
     else:
         keep = None
-    masked = band_masked(case.S, PRE, NXT) if case.band else None
+    masked = band_masked(case.S, PRE, NXT) if case.band or "band" in case.mode else None
+    if case.given:
+        masked = _given_mask(case) if masked is None else _given_mask(case) | masked
     if case.keep_prob == 1 or keep is not None:
         ref = dense_attention(*full, causal=case.causal, keep=keep, keep_prob=case.keep_prob, masked=masked)
         res["errors"] = {}
@@ -377,6 +399,21 @@ def _rejections(rank: int, world: int) -> dict:
         _set_lb(True)
         lb = Case("hybrid", "BNSD", "causal_lb", 4, 4, mesh=(2, 2), dims=("seq", "seq"))
         got["hybrid_lb"] = _capture(lambda: _forward(lb, local[:3], mesh))
+        given = Case("hybrid", "BNSD", "given", 4, 4, mesh=(2, 2), dims=("seq", "seq"))
+        _set_lb(False)
+        got["hybrid_given"] = _capture(lambda: _forward(given, local[:3], mesh))
+        _set_lb(True)
+    cp_cache.enable(algorithm="ulysses")
+    per_head = Case("ulysses", "BNSD", "full", 4, 4)
+    mesh = _mesh(per_head, world)
+    sizes, coords = _sizes(per_head, world), _coords(per_head, world, rank)
+    local = [_piece(t, per_head, sizes, coords).float() for t in _full(per_head, 0)]
+    from torch.distributed.tensor import DTensor
+
+    q, k, v = (DTensor.from_local(t, mesh, _placements(per_head)) for t in local[:3])
+    heads_mask = torch.zeros(2, 4, 16, 16, dtype=torch.bool)
+    got["per_head_mask"] = _capture(lambda: torch.ops.npu.npu_fusion_attention_v3(
+        q, k, v, 4, "BNSD", atten_mask=heads_mask, sparse_mode=1))
     cp_cache.enable(algorithm="hybrid")
     one = Case("hybrid", "BNSD", "full", 4, 4)
     mesh = _mesh(one, world)
@@ -609,11 +646,15 @@ def test_bad_head_counts_raise_on_every_rank(world):
         kind, message = e[(6, 3)]
         if world == 4:
             assert kind == "ValueError" and "N=6, Nkv=3, W=4" in message, message
+        kind, message = e["per_head_mask"]
+        assert kind == "NotImplementedError" and "not a per-head mask of shape (2, 4, 16, 16)" in message, message
         kind, message = e["hybrid_one_dim"]
         assert kind == "NotImplementedError" and "algorithm='hybrid' runs over 2" in message, message
         if world == 4:
             kind, message = e["two_cp_dims"]
             assert kind == "NotImplementedError" and "use algorithm='hybrid'" in message, message
+            kind, message = e["hybrid_given"]
+            assert kind == "NotImplementedError" and "hybrid attention does not support a given" in message, message
             kind, message = e["hybrid_lb"]
             assert kind == "NotImplementedError" and re.search("load balancing.*not supported", message), message
 

@@ -30,7 +30,7 @@ from . import step_records as records
 from .arguments import bind_arguments, describe
 from .calls import CallLog
 from .checks import local_mask_rows, local_tensor, mask_spec, sharded_like
-from .cp_mesh import CPSharding, cp_sharding, resolve_algorithm
+from .cp_mesh import CPSharding, cp_sharding, resolve_algorithm, whole_mask
 
 __all__ = ["AttentionHandlers"]
 
@@ -94,7 +94,7 @@ def _run_forward(q, k, v, config: RingConfig, sharding: CPSharding, kernel, mask
         inner = sharding.group(len(sharding.cp_dims) - 1)
         ring_group = sharding.group(0) if config.algorithm == "hybrid" else None
         return ulysses_attention_forward(q, k, v, config, group=inner, ring_group=ring_group, kernel=kernel,
-                                         fused_merge=fused_merge)
+                                         fused_merge=fused_merge, mask=mask_rows)
     return ring_attention_forward(q, k, v, config, group=sharding.group(0), kernel=kernel, mask_rows=mask_rows,
                                   fused_merge=fused_merge)
 
@@ -104,15 +104,18 @@ def _run_backward(dy, q, k, v, out, lse, steps, config: RingConfig, sharding: CP
         inner = sharding.group(len(sharding.cp_dims) - 1)
         ring_group = sharding.group(0) if config.algorithm == "hybrid" else None
         return ulysses_attention_backward(dy, q, k, v, out, lse, steps, config, group=inner, ring_group=ring_group,
-                                          kernel=kernel)
+                                          kernel=kernel, mask=mask_rows)
     return ring_attention_backward(dy, q, k, v, out, lse, steps, config, group=sharding.group(0), kernel=kernel,
                                    mask_rows=mask_rows)
 
 
 def _mask_rows(a: dict[str, Any], layout: str, config: RingConfig):
-    """The given mask's rows of this rank's queries (None for the other mask kinds)."""
+    """The given mask's rows of this rank's queries (None for the other mask kinds); for
+    Ulysses, the whole mask."""
     if not config.given_mask:
         return None
+    if config.algorithm != "ring":
+        return whole_mask(a["atten_mask"], a["query"], layout)
     local_len = a["query"].to_local().size(L.seq_dim(layout))
     rows = positions(config.rank, config.world_size, local_len, config.load_balance)
     return local_mask_rows(a["atten_mask"], a["query"], layout, rows)

@@ -20,7 +20,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from .. import layout as L
 from ..ulysses import choose_algorithm
 
-__all__ = ["CPSharding", "cp_sharding", "resolve_algorithm", "head_dim_of", "ALGORITHM_CP_DIMS"]
+__all__ = ["CPSharding", "cp_sharding", "resolve_algorithm", "head_dim_of", "whole_mask", "ALGORITHM_CP_DIMS"]
 
 _HEAD_DIM = {"BNSD": 1, "BSND": 2, "BSH": 2, "SBH": 2}  # BSH/SBH: the hidden dim N*D, split by whole heads
 _STATS_SEQ_DIM, _STATS_HEAD_DIM = 2, 1  # softmax_max / softmax_sum are [B, N, S, 8]
@@ -128,3 +128,22 @@ def resolve_algorithm(configured: str, sharding: CPSharding, *, nq: int, nkv: in
             f"placements={sharding.placements}){hint}"
         )
     return configured
+
+
+def whole_mask(mask: Any, query: DTensor, layout: str):
+    """A given ``atten_mask`` over the whole sequence as a plain tensor, for Ulysses (which
+    attends every query to every key in one call): a plain tensor or a replicated DTensor."""
+    if isinstance(mask, DTensor):
+        if not all(isinstance(p, Replicate) for p in mask.placements):
+            raise NotImplementedError(
+                f"cp_cache Ulysses attention takes atten_mask as a plain tensor or replicated, got a DTensor "
+                f"with placements={tuple(mask.placements)}; use algorithm='ring' for a sharded mask"
+            )
+        mask = mask.to_local()
+    seq = query.size(L.seq_dim(layout))
+    if mask.dim() not in (2, 4) or tuple(mask.shape[-2:]) != (seq, seq):
+        raise ValueError(
+            f"atten_mask for sparse_mode 0/1 must be [S, S], [1, 1, S, S], [B, 1, S, S] or [B, N, S, S] "
+            f"over the global sequence S={seq}, got <tensor of shape {tuple(mask.shape)}>"
+        )
+    return mask
