@@ -133,11 +133,12 @@ def choose_algorithm(*, nq: int, nkv: int, world: int, given_mask: bool, batch: 
     """What ``algorithm="auto"`` runs on one CP mesh dimension of ``world`` ranks.
 
     Ulysses when its head split exists (N and Nkv as ``head_plan`` needs), the mask is not a
-    given one (the ring skips wholly masked blocks and takes every mask shape), and it sends fewer bytes per rank than the ring for this call's shapes
-    (``bytes_per_rank``: apart from the small LSE, only the head counts and W matter); the
-    ring otherwise, ties included (the ring hides its transfers behind the step kernels,
-    Ulysses' all-to-alls are not hidden). For MHA that is Ulysses from W = 2 up (the ring's
-    backward sends W float32 dK/dV blocks); for GQA with few K/V heads, the ring.
+    given one (the ring skips wholly masked blocks and takes every mask shape), and it sends
+    fewer bytes per rank than the ring for this call's shapes (``bytes_per_rank``: apart from
+    the small LSE, only the head counts and W matter); the ring otherwise, ties included (the
+    ring hides its transfers behind the step kernels, Ulysses' all-to-alls are not hidden).
+    For MHA that is Ulysses from W = 2 up (the ring's backward sends W float32 dK/dV blocks);
+    for GQA with few K/V heads, the ring.
     """
     if world == 1 or given_mask:
         return "ring"
@@ -231,23 +232,34 @@ def _to_rank_order(x: Tensor, order: Optional[Tensor]) -> Tensor:
 # ---------------------------------------------------------------- the local part
 
 
+def _check_mask(config: RingConfig, mask: Optional[Tensor], seq: int) -> None:
+    """A given mask must cover the whole sequence (``seq``: the global length) and be shared by
+    the heads (each rank computes other heads)."""
+    if not config.given_mask:
+        return
+    if mask is not None and mask.dim() == 4 and mask.size(1) != 1:
+        raise NotImplementedError(
+            f"cp_cache Ulysses attention takes a mask shared by the heads ([S, S], [1, 1, S, S] or "
+            f"[B, 1, S, S]), not a per-head mask of shape {tuple(mask.shape)} yet; use algorithm='ring'"
+        )
+    if mask is None or mask.dim() not in (2, 4) or tuple(mask.shape[-2:]) != (seq, seq):
+        got = None if mask is None else tuple(mask.shape)
+        raise ValueError(f"a Ulysses call with a given mask needs it over the whole sequence "
+                         f"[..., {seq}, {seq}]; got {got}")
+
+
+def _ring_mask_rows(config: RingConfig, groups: "_Groups", mask: Optional[Tensor], seq: int) -> Optional[Tensor]:
+    """Hybrid: the given mask's rows of this rank's contiguous block (the ring plans the rest)."""
+    if not config.given_mask:
+        return None
+    rows = seq // groups.ring_size
+    return mask.narrow(mask.dim() - 2, groups.ring_rank * rows, rows)
+
+
 def _local_mask(config: RingConfig, mask: Optional[Tensor], seq: int) -> tuple[str, StepMask]:
     """The mask of the local full-sequence call (``seq``: the global length)."""
     if config.given_mask:
-        if config.world_size != config.ulysses_size:
-            raise NotImplementedError(
-                "cp_cache hybrid attention does not support a given atten_mask (sparse_mode 0/1 with a "
-                "mask) yet; use algorithm='ring' or 'ulysses'"
-            )
-        if mask is not None and mask.dim() == 4 and mask.size(1) != 1:
-            raise NotImplementedError(
-                f"cp_cache Ulysses attention takes a mask shared by the heads ([S, S], [1, 1, S, S] or "
-                f"[B, 1, S, S]), not a per-head mask of shape {tuple(mask.shape)} yet; use algorithm='ring'"
-            )
-        if mask is None or mask.dim() not in (2, 4) or tuple(mask.shape[-2:]) != (seq, seq):
-            got = None if mask is None else tuple(mask.shape)
-            raise ValueError(f"a Ulysses call with a given mask needs it over the whole sequence "
-                             f"[..., {seq}, {seq}]; got {got}")
+        _check_mask(config, mask, seq)
         block = mask.bool()
         if config.window:  # sparse_mode 0: the band applies on top of the mask
             i = torch.arange(seq, device=mask.device).view(-1, 1)
@@ -299,7 +311,7 @@ def _ring_config(config: RingConfig, groups: _Groups, local_heads: int) -> RingC
 
 def _check(q: Tensor, k: Tensor, v: Tensor, config: RingConfig, mask: Optional[Tensor]) -> HeadPlan:
     local_seq = q.size(L.seq_dim(config.layout))
-    _local_mask(config, mask, local_seq * config.ulysses_size)
+    _check_mask(config, mask, local_seq * config.world_size)
     # the ring's checks but for its mask rows (here: the whole mask, checked above)
     qd, nkv = _check_inputs(q, k, v, replace(config, given_mask=False))
     if config.given_mask and k.size(L.seq_dim(config.layout)) != local_seq:
@@ -350,11 +362,11 @@ def ulysses_attention_forward(
     exchanged = time.perf_counter()
     order = _sequence_order(config, local_seq)
     qh, kh, vh = (_to_global(t, order) for t in (qh, kh, vh))
-    part, step_mask = _local_mask(config, mask, qh.size(2))
     dropout = config.keep_prob < 1.0
     if dropout:
         _advance_rng(q.device, groups.ulysses_rank)
     if groups.ring_size == 1:
+        part, step_mask = _local_mask(config, mask, qh.size(2))
         res = kernel.forward(qh, kh, vh, layout=_BNSD, head_num=plan.local_nq, scale=config.scale,
                              keep_prob=config.keep_prob, mask=step_mask)
         rng = ((res.seed, res.offset),) if res.seed is not None else ()
@@ -362,7 +374,9 @@ def ulysses_attention_forward(
         out_h, lse_h, ring_bytes, ring_wait = res.out, res.lse, 0, 0.0
     else:
         ring = ring_attention_forward(qh, kh, vh, _ring_config(config, groups, plan.local_nq), group=ring_group,
-                                      kernel=kernel, fused_merge=fused_merge)
+                                      kernel=kernel, fused_merge=fused_merge,
+                                      mask_rows=_ring_mask_rows(config, groups, mask,
+                                                                local_seq * config.world_size))
         steps, out_h, lse_h, ring_bytes, ring_wait = ring.steps, ring.out, ring.lse, ring.bytes_sent, ring.wait_seconds
     if dropout:
         _advance_rng(q.device, u - 1 - groups.ulysses_rank)
@@ -415,8 +429,8 @@ def ulysses_attention_backward(
     order = _sequence_order(config, local_seq)
     qh, kh, vh, outh, douth, lseh = (_to_global(t, order) for t in exchanged_in)
     lseh = lseh.squeeze(-1)
-    _, step_mask = _local_mask(config, mask, qh.size(2))
     if groups.ring_size == 1:
+        _, step_mask = _local_mask(config, mask, qh.size(2))
         (seed, offset), = steps[0].rng or ((None, None),)
         dq, dk, dv = kernel.backward(qh, kh, vh, douth, outh, lseh, layout=_BNSD, head_num=plan.local_nq,
                                      scale=config.scale, keep_prob=config.keep_prob, mask=step_mask,
@@ -426,7 +440,8 @@ def ulysses_attention_backward(
         ring_cfg = _ring_config(config, groups, plan.local_nq)
         ring_steps = [replace(st, source_rank=(ring_cfg.rank - st.index) % ring_cfg.world_size) for st in steps]
         ring = ring_attention_backward(douth, qh, kh, vh, outh, lseh, ring_steps, ring_cfg, group=ring_group,
-                                       kernel=kernel)
+                                       kernel=kernel,
+                                       mask_rows=_ring_mask_rows(config, groups, mask, local_seq * config.world_size))
         dq, dk, dv, ring_bytes, ring_wait = ring.dq, ring.dk, ring.dv, ring.bytes_sent, ring.wait_seconds
     computed = time.perf_counter()
     grads = [_to_rank_order(t, order) for t in (dq, dk, dv)]

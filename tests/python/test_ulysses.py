@@ -127,6 +127,8 @@ def _matrix(world: int) -> list[Case]:
         out.append(Case("hybrid", "SBH", "band", 4, 2, mesh=(2, 2), dims=("seq", "seq")))
         out.append(Case("hybrid", "BSH", "causal", 4, 4, mesh=(2, 2), dims=("seq", "seq"), keep_prob=0.8))
         out.append(Case("auto", "BSH", "causal", 8, 2, mesh=(2, 2), dims=("seq", "seq")))
+        out.append(Case("hybrid", "BSND", "given", 4, 2, mesh=(2, 2), dims=("seq", "seq")))
+        out.append(Case("hybrid", "BNSD", "givenband", 4, 4, mesh=(2, 2), dims=("seq", "seq")))
     return out
 
 
@@ -399,10 +401,6 @@ def _rejections(rank: int, world: int) -> dict:
         _set_lb(True)
         lb = Case("hybrid", "BNSD", "causal_lb", 4, 4, mesh=(2, 2), dims=("seq", "seq"))
         got["hybrid_lb"] = _capture(lambda: _forward(lb, local[:3], mesh))
-        given = Case("hybrid", "BNSD", "given", 4, 4, mesh=(2, 2), dims=("seq", "seq"))
-        _set_lb(False)
-        got["hybrid_given"] = _capture(lambda: _forward(given, local[:3], mesh))
-        _set_lb(True)
     cp_cache.enable(algorithm="ulysses")
     per_head = Case("ulysses", "BNSD", "full", 4, 4)
     mesh = _mesh(per_head, world)
@@ -653,8 +651,6 @@ def test_bad_head_counts_raise_on_every_rank(world):
         if world == 4:
             kind, message = e["two_cp_dims"]
             assert kind == "NotImplementedError" and "use algorithm='hybrid'" in message, message
-            kind, message = e["hybrid_given"]
-            assert kind == "NotImplementedError" and "hybrid attention does not support a given" in message, message
             kind, message = e["hybrid_lb"]
             assert kind == "NotImplementedError" and re.search("load balancing.*not supported", message), message
 

@@ -130,7 +130,8 @@ def plot(rows: list[dict], path) -> bool:
     styles = {"ring": "o-", "ulysses": "s--", "hybrid": "^"}
     for kv_heads in sorted({r["kv_heads"] for r in rows}, reverse=True):
         for algorithm in ALGORITHMS:
-            pts = sorted((r["world_size"], r) for r in rows if r["algorithm"] == algorithm and r["kv_heads"] == kv_heads)
+            pts = sorted(((r["world_size"], r) for r in rows
+                          if r["algorithm"] == algorithm and r["kv_heads"] == kv_heads), key=lambda p: p[0])
             if not pts:
                 continue
             label = f"{algorithm}, {pts[0][1]['heads']}/{kv_heads} heads"

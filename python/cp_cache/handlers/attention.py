@@ -164,7 +164,8 @@ class AttentionHandlers:
         sharding = cp_sharding({n: a[n] for n in ("query", "key", "value")}, layout)
         mesh, placements = sharding.mesh, sharding.placements
         spec = spec.simplified(a["query"].size(L.seq_dim(layout)))
-        config = _ring_config(a, layout, spec, sharding, self.config, _algorithm(a, layout, spec, sharding, self.config))
+        algorithm = _algorithm(a, layout, spec, sharding, self.config)
+        config = _ring_config(a, layout, spec, sharding, self.config, algorithm)
         mask_rows = _mask_rows(a, layout, config)
         q, k, v = (a[n].to_local() for n in ("query", "key", "value"))
         kernel = get_kernel(self.config.kernel)
