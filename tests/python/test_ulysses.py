@@ -456,6 +456,12 @@ def _model_step(rank: int, world: int) -> dict:
         dist.all_reduce(p.grad)
         errs.append(float((p.grad / world - r.grad).abs().max() / r.grad.abs().max().clamp_min(1e-12)))
     out["grad_err"] = max(errs)
+    # enabled outside with another algorithm: inside runs the argument's, the outer one comes back
+    cp_cache.enable("stack", algorithm="ring")
+    with cp_cache.context_parallel(mesh, algorithm="ulysses"):
+        out["nested_inside"] = (cp_cache.active_config().policy, cp_cache.active_config().algorithm)
+    out["nested_after"] = (cp_cache.active_config().policy, cp_cache.active_config().algorithm)
+    cp_cache.enable()
     return out
 
 
@@ -661,6 +667,7 @@ def test_context_parallel_algorithm_trains_like_single_process():
         assert m["inside"] == "ulysses" and not m["enabled_after"], m
         assert m["calls"] == 2, m  # two layers, one CP attention call each
         assert m["loss_err"] < 1e-5 and m["grad_err"] < 1e-4, m
+        assert m["nested_inside"] == ("stack", "ulysses") and m["nested_after"] == ("stack", "ring"), m
 
 
 @pytest.mark.parametrize("world", (2, 4))
