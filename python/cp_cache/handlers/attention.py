@@ -84,8 +84,8 @@ def _ring_config(a: dict[str, Any], layout: str, spec: MaskSpec, sharding: CPSha
 def _ulysses_size(algorithm: str, sharding: CPSharding) -> int:
     if algorithm == "ulysses":
         return sharding.size
-    if algorithm == "hybrid":
-        return sharding.mesh.size(sharding.cp_dims[1])
+    if algorithm == "hybrid":  # the inner CP dimension (0: none, which a backward reports as a mismatch)
+        return sharding.mesh.size(sharding.cp_dims[1]) if len(sharding.cp_dims) == 2 else 0
     return 1
 
 
