@@ -22,13 +22,16 @@ from ..ulysses import choose_algorithm
 
 __all__ = ["CPSharding", "cp_sharding", "resolve_algorithm", "head_dim_of", "whole_mask", "ALGORITHM_CP_DIMS"]
 
-_HEAD_DIM = {"BNSD": 1, "BSND": 2, "BSH": 2, "SBH": 2}  # BSH/SBH: the hidden dim N*D, split by whole heads
-_STATS_SEQ_DIM, _STATS_HEAD_DIM = 2, 1  # softmax_max / softmax_sum are [B, N, S, 8]
+# BSH/SBH: the hidden dim N*D, split by whole heads; TND: [T, N, D]
+_HEAD_DIM = {"BNSD": 1, "BSND": 2, "BSH": 2, "SBH": 2, "TND": 1}
+# softmax_max / softmax_sum: [B, N, S, 8] (TND: [T, N, 8]): their (sequence, head) dims
+_STATS_DIMS = {"TND": (0, 1)}
+_STATS_DIMS_DEFAULT = (2, 1)
 ALGORITHM_CP_DIMS = {"ring": 1, "ulysses": 1, "hybrid": 2}
 
 
 def head_dim_of(layout: str) -> int:
-    L.check_layout(layout)
+    L.seq_dim(layout)  # raises for a layout the handlers do not take
     return _HEAD_DIM[layout]
 
 
@@ -69,12 +72,13 @@ class CPSharding:
 
     def stats_placements(self, layout: str) -> tuple:
         seq, head = L.seq_dim(layout), _HEAD_DIM[layout]
+        stats_seq, stats_head = _STATS_DIMS.get(layout, _STATS_DIMS_DEFAULT)
         out = []
         for p in self.placements:
             if p == Shard(seq):
-                out.append(Shard(_STATS_SEQ_DIM))
+                out.append(Shard(stats_seq))
             elif p == Shard(head):
-                out.append(Shard(_STATS_HEAD_DIM))
+                out.append(Shard(stats_head))
             else:
                 out.append(Replicate())
         return tuple(out)
