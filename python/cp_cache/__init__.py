@@ -17,6 +17,7 @@ from ._C import StepCache, StepCacheStore
 from .config import CPConfig
 from .dispatch import active_config, call_stats, context_parallel, disable, enable, enabled
 from .packing import pad_documents, shard_documents, unshard_documents
+from .sharding import shard_sequence, unshard_sequence
 
 __all__ = [
     "CPConfig",
@@ -32,9 +33,11 @@ __all__ = [
     "pad_documents",
     "reset_peak",
     "shard_documents",
+    "shard_sequence",
     "stats",
     "store",
     "unshard_documents",
+    "unshard_sequence",
 ]
 
 

@@ -48,7 +48,7 @@ _DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.fl
            torch.float8_e5m2, torch.int8, torch.uint8, torch.bool, torch.int32, torch.int64)
 _LAYOUTS = ("BNSD", "BSND", "BSH", "SBH", "TND")
 _POLICIES = ("", "handle", "stack")
-_ALGORITHMS = ("", "ring")
+_ALGORITHMS = ("", "ring", "ulysses", "hybrid")
 _KERNELS = ("", "npu", "reference")
 _DIRECTIONS = ("forward", "backward")
 _CHECKS = ("passed", "ValueError", "NotImplementedError", "TypeError", "RuntimeError", "failed")

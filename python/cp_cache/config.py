@@ -19,6 +19,7 @@ __all__ = [
     "FUSED_MERGE_ENV",
     "KERNELS",
     "ALGORITHMS",
+    "ALGORITHM_ENV",
     "CPConfig",
     "resolve_config",
     "load_balance_enabled",
@@ -30,7 +31,8 @@ POLICIES = (HANDLE_POLICY, STACK_POLICY)
 POLICY_ENV = "CP_CACHE_POLICY"
 FUSED_MERGE_ENV = "CP_CACHE_FUSED_MERGE"
 KERNELS = KERNEL_NAMES
-ALGORITHMS = ("ring",)
+ALGORITHMS = ("ring", "ulysses", "hybrid", "auto")
+ALGORITHM_ENV = "CP_CACHE_ALGORITHM"
 
 
 @dataclass(frozen=True)
@@ -40,7 +42,9 @@ class CPConfig:
     policy: where the step cache waits for its backward: "handle" (in the op's seed
         output, owned by autograd) or "stack" (torch_npu's discipline, natively).
     kernel: the step kernel, "npu" or "reference"; None picks "npu" when the op exists.
-    algorithm: how the sequence is distributed; "ring".
+    algorithm: how the sequence is distributed: "ring", "ulysses" (all-to-all to head
+        shards), "hybrid" (Ulysses over the inner of two CP mesh dims, the ring over the
+        outer) or "auto" (per call, ``ulysses.choose_algorithm``).
     fused_merge: merge ring steps with ``npu_ring_attention_update`` when the op exists
         (else, or when False, the float32 merge in plain torch).
     """
@@ -63,9 +67,16 @@ def _check_choice(name: str, value, choices: tuple) -> None:
 
 
 def resolve_config(policy: str | None = None, *, kernel: str | None = None,
-                   fused_merge: bool | None = None) -> CPConfig:
+                   fused_merge: bool | None = None, algorithm: str | None = None) -> CPConfig:
     """A CPConfig from explicit arguments, falling back on the environment (CP_CACHE_POLICY,
-    CP_CACHE_FUSED_MERGE: "0" turns the fused merge off)."""
+    CP_CACHE_FUSED_MERGE: "0" turns the fused merge off, CP_CACHE_ALGORITHM)."""
+    if algorithm is None:
+        algorithm = os.environ.get(ALGORITHM_ENV, "ring").strip() or "ring"
+        if algorithm not in ALGORITHMS:
+            raise ValueError(
+                f"environment variable {ALGORITHM_ENV}={algorithm!r} is not a cp_cache algorithm; "
+                f"use one of {ALGORITHMS}"
+            )
     if policy is None:
         policy = os.environ.get(POLICY_ENV, HANDLE_POLICY)
         if policy not in POLICIES:
@@ -77,7 +88,7 @@ def resolve_config(policy: str | None = None, *, kernel: str | None = None,
         if value not in ("0", "1"):
             raise ValueError(f"environment variable {FUSED_MERGE_ENV}={value!r}: use 0 or 1")
         fused_merge = value == "1"
-    return CPConfig(policy=policy, kernel=kernel, fused_merge=fused_merge)
+    return CPConfig(policy=policy, kernel=kernel, fused_merge=fused_merge, algorithm=algorithm)
 
 
 def load_balance_enabled() -> bool:

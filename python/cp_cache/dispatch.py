@@ -133,7 +133,8 @@ _registered: _Registration | None = None
 _call_log = CallLog()
 
 
-def enable(policy: str | None = None, *, kernel: str | None = None, fused_merge: bool | None = None) -> None:
+def enable(policy: str | None = None, *, kernel: str | None = None, fused_merge: bool | None = None,
+           algorithm: str | None = None) -> None:
     """Register the CP handlers for the NPU attention ops (idempotent; a new configuration
     replaces the handlers).
 
@@ -141,12 +142,13 @@ def enable(policy: str | None = None, *, kernel: str | None = None, fused_merge:
     ``kernel``: the step kernel, "npu" or "reference"; None picks "npu" when the op exists.
     ``fused_merge``: merge ring steps with ``npu_ring_attention_update`` when it exists;
     None reads CP_CACHE_FUSED_MERGE (default on).
+    ``algorithm``: "ring" (default), "ulysses", "hybrid" or "auto"; None reads CP_CACHE_ALGORITHM.
 
     Call it after ``import torch_npu``: torch_npu's import replaces torch's CP dispatcher
     switches and its handler table, and cp_cache wraps what it finds.
     """
     global _registered
-    config = resolve_config(policy, kernel=kernel, fused_merge=fused_merge)
+    config = resolve_config(policy, kernel=kernel, fused_merge=fused_merge, algorithm=algorithm)
     handlers = AttentionHandlers(config, _call_log)
     if not handlers.table():
         raise RuntimeError(
@@ -226,23 +228,27 @@ def context_parallel(
     buffers: list[torch.Tensor] | None = None,
     buffer_seq_dims: list[int] | None = None,
     no_restore_buffers: set[torch.Tensor] | None = None,
+    algorithm: str | None = None,
 ) -> Iterator[None]:
     """torch's ``context_parallel()`` with the cp_cache handlers active inside.
 
     Enables cp_cache (default policy) when it is not enabled, and disables it again
-    on exit in that case.
+    on exit in that case. ``algorithm`` (None: as enabled, or CP_CACHE_ALGORITHM) applies
+    inside; the configuration before entry comes back on exit.
     """
     from torch.distributed.tensor.experimental import context_parallel as torch_context_parallel
     from torch.distributed.tensor.experimental._context_parallel import _attention
 
     was_enabled = enabled()
+    outer_config = _registered.handlers.config if was_enabled else None
     if not was_enabled:
-        enable()
-    elif not _registered.hooked():
-        log.warning("cp_cache: torch's CP dispatcher switches were replaced after cp_cache.enable() "
-                    "(torch_npu imported late?); enabling again on top of them")
-        config = _registered.handlers.config
-        enable(config.policy, kernel=config.kernel, fused_merge=config.fused_merge)
+        enable(algorithm=algorithm)
+    elif not _registered.hooked() or (algorithm is not None and algorithm != outer_config.algorithm):
+        if not _registered.hooked():
+            log.warning("cp_cache: torch's CP dispatcher switches were replaced after cp_cache.enable() "
+                        "(torch_npu imported late?); enabling again on top of them")
+        enable(outer_config.policy, kernel=outer_config.kernel, fused_merge=outer_config.fused_merge,
+               algorithm=algorithm or outer_config.algorithm)
     try:
         if buffers:
             with torch_context_parallel(
@@ -261,3 +267,6 @@ def context_parallel(
     finally:
         if not was_enabled:
             disable()
+        elif _registered is not None and _registered.handlers.config != outer_config:
+            enable(outer_config.policy, kernel=outer_config.kernel, fused_merge=outer_config.fused_merge,
+                   algorithm=outer_config.algorithm)

@@ -90,8 +90,10 @@ class RingConfig:
     next_tockens: int = INT_MAX
     given_mask: bool = False  # an explicit mask comes with the call
     policy: str = ""  # the step-cache policy of the handlers ("handle", "stack"), "" when driven directly
-    algorithm: str = ""  # the handlers' CP algorithm ("ring"), "" when driven directly
+    algorithm: str = ""  # the handlers' CP algorithm ("ring", "ulysses", "hybrid"), "" when driven directly
     documents: str = ""  # layout TND: the packed documents' global cumulative ends, "5,12,20" (varlen.py)
+    # Ulysses degree: world_size / ulysses_size ranks form the ring (ulysses.py); 1 for the ring alone
+    ulysses_size: int = 1
 
     @property
     def mask(self) -> MaskSpec:
@@ -200,9 +202,12 @@ _CHECK_ERRORS = (ValueError, NotImplementedError, TypeError, RuntimeError)
 
 
 def uneven_allowed(config: RingConfig) -> bool:
-    """Whether the ranks may hold local sequences of different lengths: full attention, or
-    causal attention on contiguous shards (each block is then wholly before, on, or after
-    the diagonal whatever the lengths); windows, masks and head-tail shards are positional."""
+    """Whether the ranks may hold local sequences of different lengths: the ring alone (not
+    Ulysses' all-to-alls, nor a hybrid's ring on their results), for full attention or causal
+    attention on contiguous shards (each block is then wholly before, on, or after the
+    diagonal whatever the lengths); windows, masks and head-tail shards are positional."""
+    if config.algorithm not in ("", "ring"):
+        return False
     return not (config.window or config.given_mask or (config.causal and config.load_balance))
 
 
@@ -418,9 +423,8 @@ class _GradAccumulators:
     ring went all the way round). Two pairs of buffers serve every hop.
     """
 
-    def __init__(self, group, rank: int, size: int, block_shapes):
+    def __init__(self, group, rank: int, size: int):
         self._group, self._rank, self._size = group, rank, size
-        self._block_shapes = block_shapes  # group rank -> the shapes of its dK/dV (uneven shards)
         self._rotation: Optional[_Rotation] = None
         self.bytes_sent = 0
 
@@ -433,12 +437,11 @@ class _GradAccumulators:
             self._rotation.advance()
         return tuple(self._rotation.current)
 
-    def pass_on(self, index: int, shift: int = 1) -> None:
-        """At step ``index``, send the held accumulators ``shift`` ranks ahead (nothing to do when
-        that is this rank), receiving those the rank ``shift`` behind holds."""
+    def pass_on(self, shift: int = 1, recv_shapes: Optional[list[torch.Size]] = None) -> None:
+        """Send the held accumulators ``shift`` ranks ahead (nothing to do when that is this rank),
+        receiving those the rank ``shift`` behind holds (of ``recv_shapes``: uneven shards)."""
         if shift % self._size:
-            incoming = (self._rank - shift - index) % self._size
-            self.bytes_sent += self._rotation.post(shift, recv_shapes=self._block_shapes(incoming))
+            self.bytes_sent += self._rotation.post(shift, recv_shapes=recv_shapes)
 
     def drain(self) -> None:
         if self._rotation is not None:
@@ -509,7 +512,7 @@ def ring_attention_backward(
     kw = dict(layout=lay, head_num=config.head_num, scale=config.scale, keep_prob=config.keep_prob)
 
     dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
-    accumulators = _GradAccumulators(group, rank, size, block_shapes)
+    accumulators = _GradAccumulators(group, rank, size)
     bytes_sent = 0
     compute_s = wait_s = 0.0
     kv = _Rotation([k.contiguous(), v.contiguous()], group, rank, size, _TAG_KV)
@@ -536,7 +539,8 @@ def ring_attention_backward(
                 _rows(dk_acc, lay, kv_rows).add_(dk_i)
                 _rows(dv_acc, lay, kv_rows).add_(dv_i)
             del dk_acc, dv_acc, kv_grads
-            accumulators.pass_on(i, 1 if i < last else size - last)
+            shift = 1 if i < last else size - last
+            accumulators.pass_on(shift, block_shapes((rank - shift - i) % size))  # the block it holds
             passed = time.perf_counter()
             compute_s += (computed - started) + (passed - received)
             wait_s += received - computed

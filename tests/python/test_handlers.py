@@ -231,9 +231,10 @@ def _rejections(rank: int, world: int, mesh) -> dict:
     got["wrong_shard_dim"] = _capture(lambda: op(qh, kh, vh, N, "BNSD"))
     got["local_key"] = _capture(lambda: op(q, full[1], v, N, "BNSD"))
 
-    # a 2-D mesh (W x 1), and a 1-rank mesh per rank for a backward on another mesh size
+    # a 2-D mesh (W x 1) whose second dim shards the head size (neither Replicate nor heads),
+    # and a 1-rank mesh per rank for a backward on another mesh size
     mesh2d = init_device_mesh("cpu", (world, 1), mesh_dim_names=("cp", "one"))
-    q2, k2, v2 = (distribute_tensor(t, mesh2d, [Shard(2), Replicate()]) for t in full[:3])
+    q2, k2, v2 = (distribute_tensor(t, mesh2d, [Shard(2), Shard(3)]) for t in full[:3])
     got["mesh_2d"] = _capture(lambda: op(q2, k2, v2, N, "BNSD"))
 
     # odd local length under load balancing: S = 3W is not divisible by 2W
@@ -444,7 +445,7 @@ REJECTED = [
     ("replicate", "NotImplementedError", r"query sharded as \(Shard\(2\),\).*placements=\(Replicate\(\),\)"),
     ("wrong_shard_dim", "NotImplementedError", r"placements=\(Shard\(dim=1\),\)"),
     ("local_key", "TypeError", r"key as a DTensor.*got Tensor"),
-    ("mesh_2d", "NotImplementedError", r"1-D device mesh.*2-D mesh"),
+    ("mesh_2d", "NotImplementedError", r"Replicate\(\) or Shard\(1\) \(heads\).*placements=\(Shard\(dim=2\), Shard\(dim=3\)\)"),
     ("seed_forged", "RuntimeError", r"expected a step-cache handle.*no handle created"),
     ("seed_clone", "RuntimeError", r"expected a step-cache handle.*clone"),
     ("seed_none", "RuntimeError", r"seed=None"),

@@ -31,6 +31,9 @@ Sections (``--only`` picks some):
 * ``varlen``: packed documents (TND): work per rank (max/mean) and FLOPs against the
   block-diagonal minimum for per-document head-tail, contiguous and whole-sequence
   head-tail sharding, and time per call (``cli/bench_varlen.py``);
+* ``algorithms``: ring, Ulysses and hybrid (2 x 2 CP mesh at W = 4) on one causal call,
+  MHA and GQA: bytes sent per rank, time per call, fp32 error against dense float64, and
+  what ``algorithm="auto"`` picks (``cli/bench_algorithms.py``; also ``bench_algorithms.png``);
 * ``store``: the store micro-benchmark (``cli/bench_store.py``).
 
 Benchmarks measure and report; they assert nothing about timings. On CPU the
@@ -54,7 +57,7 @@ NAME = "bench"
 HELP = "memory, overhead, traffic and accuracy benchmarks; JSON and a PNG plot under --out"
 
 SECTIONS = ("memory", "overhead", "traffic", "accuracy", "windows", "floor", "overlap", "agreement", "varlen",
-            "store")
+            "algorithms", "store")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -75,6 +78,7 @@ def _plan(quick: bool, worlds: list[int] | None) -> dict:
             store=dict(number=2000, repeat=2),
             agreement=dict(calls=50),
             varlen=dict(tokens=256, heads=2, head_dim=16), varlen_balance=dict(tokens=4096, worlds=[2, 4]),
+            algorithms=dict(batch=1, heads=4, kv_heads=[4, 2], seq=64, head_dim=16),
         )
     return dict(
         worlds=worlds or [1, 2, 4], layers=[1, 2, 4],
@@ -86,6 +90,7 @@ def _plan(quick: bool, worlds: list[int] | None) -> dict:
         store=dict(number=100_000, repeat=5),
         agreement=dict(calls=500),
         varlen=dict(tokens=2048, heads=4, head_dim=32), varlen_balance=dict(tokens=65536, worlds=[2, 4, 8]),
+        algorithms=dict(batch=1, heads=8, kv_heads=[8, 2], seq=1024, head_dim=64),
     )
 
 
@@ -429,6 +434,10 @@ def bench_rank(rank: int, world_size: int, plan: dict, sections: list[str]) -> d
         from .bench_varlen import varlen_rank
 
         out["varlen"] = varlen_rank(plan["varlen"], plan["repeats"], plan["warmup"], rank, world_size, mesh)
+    if "algorithms" in sections:
+        from .bench_algorithms import algorithms_rank
+
+        out["algorithms"] = algorithms_rank(plan, rank, world_size)
     return out
 
 
@@ -596,6 +605,8 @@ def run(args: argparse.Namespace) -> int:
 
         report["varlen"] = _collect(per_world, "varlen", all_ranks=True)
         report["varlen_balance"] = balance_rows(plan["varlen_balance"]["tokens"], plan["varlen_balance"]["worlds"])
+    if "algorithms" in sections:
+        report["algorithms"] = _collect(per_world, "algorithms", all_ranks=True)
     if "store" in sections:
         print("bench: store micro-benchmark ...", flush=True)
         report["store"] = _store_bench(plan)
@@ -607,6 +618,13 @@ def run(args: argparse.Namespace) -> int:
     _print_summary(report)
     png_path = args.out / "bench.png"
     plotted = _plot(report, png_path)
+    if report.get("algorithms"):
+        from .bench_algorithms import plot as plot_algorithms, print_summary as print_algorithms
+
+        print_algorithms(report["algorithms"])
+        algorithms_png = args.out / "bench_algorithms.png"
+        if plot_algorithms(report["algorithms"], algorithms_png):
+            print(f"written: {algorithms_png}")
     if report.get("windows"):
         windows_png = args.out / "bench_windows.png"
         if _plot_windows(report, windows_png):

@@ -17,7 +17,8 @@ from ..ring import RingConfig, RingStep
 __all__ = ["cache_from_forward", "config_from_cache", "steps_from_cache", "pairing_key"]
 
 _META_KEYS = ("world_size", "rank", "causal", "load_balance", "layout", "head_num", "scale", "keep_prob",
-              "window", "pre_tockens", "next_tockens", "given_mask", "policy", "algorithm", "documents")
+              "window", "pre_tockens", "next_tockens", "given_mask", "policy", "algorithm", "documents",
+              "ulysses_size")
 _KERNEL_KEY = "kernel"
 
 

@@ -1,0 +1,76 @@
+"""Laying a full sequence out the way the CP handlers expect it, and back (DESIGN sections 5, 12).
+
+* One CP mesh dimension (ring, Ulysses): with load balancing (torch's
+  ``_cp_options.enable_load_balance``, the default of ``load_balance``) rank r holds the
+  chunks r and 2W-1-r of 2W (head-tail), else the contiguous chunk r.
+* Two CP mesh dimensions (hybrid): DTensor's nested order, contiguous: mesh coordinate
+  (i, j) holds chunk i*W1 + j of W0*W1; load balancing is not supported there.
+* Mesh dimensions that are not CP dimensions: ``Replicate()``.
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Sequence
+
+import torch
+from torch import Tensor
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+
+from .config import load_balance_enabled
+from .ring_plan import positions
+
+__all__ = ["shard_sequence", "unshard_sequence"]
+
+
+def _cp_dims(mesh, cp_dims: Optional[Sequence[int]]) -> tuple[int, ...]:
+    dims = tuple(range(mesh.ndim)) if cp_dims is None else tuple(cp_dims)
+    if not 1 <= len(dims) <= 2 or any(not 0 <= d < mesh.ndim for d in dims) or len(set(dims)) != len(dims):
+        raise ValueError(f"cp_dims={cp_dims} must name one or two distinct dimensions of the {mesh.ndim}-D mesh")
+    return tuple(sorted(dims))
+
+
+def _order(seq: int, world: int, load_balance: bool, cp_dims: tuple) -> Optional[Tensor]:
+    """The global positions in the order the ranks hold them, or None (contiguous)."""
+    if not load_balance:
+        return None
+    if len(cp_dims) > 1:
+        raise NotImplementedError(
+            "load balancing (head-tail) over two CP mesh dimensions (hybrid) is not supported; "
+            "pass load_balance=False"
+        )
+    if seq % (2 * world):
+        raise ValueError(f"load balancing needs the sequence length {seq} divisible by 2*W = {2 * world}")
+    return torch.cat([positions(r, world, seq // world, True) for r in range(world)])
+
+
+def shard_sequence(x: Tensor, mesh, seq_dim: int, *, cp_dims: Optional[Sequence[int]] = None,
+                   load_balance: Optional[bool] = None) -> DTensor:
+    """``x`` (the full sequence, the same on every rank) as a DTensor sharded on ``seq_dim`` over
+    the CP dimensions ``cp_dims`` of ``mesh`` (default: all of them), Replicate elsewhere.
+    ``load_balance``: head-tail layout; None reads torch's ``_cp_options.enable_load_balance``."""
+    dims = _cp_dims(mesh, cp_dims)
+    world = 1
+    for d in dims:
+        world *= mesh.size(d)
+    if load_balance is None:
+        load_balance = load_balance_enabled() and len(dims) == 1
+    order = _order(x.size(seq_dim), world, load_balance, dims)
+    if order is not None:
+        x = x.index_select(seq_dim, order.to(x.device))
+    placements = [Shard(seq_dim) if d in dims else Replicate() for d in range(mesh.ndim)]
+    return distribute_tensor(x, mesh, placements)
+
+
+def unshard_sequence(x: DTensor, seq_dim: int, *, load_balance: Optional[bool] = None) -> Tensor:
+    """The full sequence of a DTensor laid out by ``shard_sequence`` (same ``load_balance``)."""
+    dims = tuple(d for d, p in enumerate(x.placements) if p == Shard(seq_dim))
+    world = 1
+    for d in dims:
+        world *= x.device_mesh.size(d)
+    if load_balance is None:
+        load_balance = load_balance_enabled() and len(dims) == 1
+    full = x.full_tensor()
+    order = _order(full.size(seq_dim), world, load_balance, dims) if dims else None
+    if order is None:
+        return full
+    return full.index_select(seq_dim, torch.argsort(order).to(full.device))
