@@ -4,11 +4,14 @@ With q/k/v DTensors sharded on the sequence dimension of a 1-D mesh, the forward
 runs ring attention and returns DTensors; the call's step cache goes out in the
 ``seed`` slot (a handle whose storage owns it, or, under the stack policy, the
 cache's pairing key) and autograd hands it back to the grad op's ``seed``.
+The handlers check and wrap; the local work (ring, step cache) runs in the custom
+ops of ``ring_ops``, so that a traced (compiled) graph records it.
 """
 
 from __future__ import annotations
 
 import time
+from dataclasses import asdict
 from typing import Any
 
 import torch
@@ -16,16 +19,15 @@ from torch import Tensor
 from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 
-from .. import _C
 from .. import layout as L
-from ..config import HANDLE_POLICY, STACK_POLICY, CPConfig, load_balance_enabled
+from ..config import CPConfig, load_balance_enabled
 from ..kernels import get_kernel
 from ..merge import fused_merge_available
 from ..npu_ops import lse_from_stats, stats_views_from_lse
-from ..ring import RingConfig, ring_attention_backward, ring_attention_forward
+from ..ring import RingConfig
 from ..ring_plan import MaskSpec, positions
-from . import step_records as records
-from .arguments import bind_arguments, describe
+from . import ring_ops
+from .arguments import bind_arguments
 from .calls import CallLog
 from .checks import check_sharding, local_mask_rows, local_tensor, mask_spec, sharded_like
 
@@ -75,17 +77,6 @@ def _mask_rows(a: dict[str, Any], layout: str, config: RingConfig):
     return local_mask_rows(a["atten_mask"], a["query"], layout, rows)
 
 
-def _check_backward_matches(a: dict[str, Any], layout: str, spec: MaskSpec, config: RingConfig, cache_id: int) -> None:
-    called = dict(layout=layout, head_num=int(a["head_num"]), scale=float(a["scale_value"]),
-                  keep_prob=float(a["keep_prob"]), mask=spec)
-    recorded = dict(layout=config.layout, head_num=config.head_num, scale=config.scale,
-                    keep_prob=config.keep_prob, mask=config.mask)
-    if called != recorded:
-        raise RuntimeError(
-            f"cp_cache: backward called with {called} but its forward (cache {cache_id}) ran with {recorded}"
-        )
-
-
 class AttentionHandlers:
     """The forward and backward handlers of one ``cp_cache.enable()``, and the table that
     maps the ops to them (the same bound methods every time, so a table can be checked)."""
@@ -120,58 +111,26 @@ class AttentionHandlers:
         config = _ring_config(a, layout, spec, mesh, self.config)
         mask_rows = _mask_rows(a, layout, config)
         q, k, v = (a[n].to_local() for n in ("query", "key", "value"))
-        kernel = get_kernel(self.config.kernel)
+        kernel_name = get_kernel(self.config.kernel).name
         fused_merge = self.config.fused_merge and fused_merge_available()
-        ring_started = time.perf_counter()
-        result = ring_attention_forward(q, k, v, config, group=mesh.get_group(), kernel=kernel, mask_rows=mask_rows,
-                                        fused_merge=fused_merge)
-        ring_seconds = time.perf_counter() - ring_started
+        # the ring runs in a custom op: now when eager, in the compiled graph when traced
+        out, lse, seed = ring_ops.ring_forward(q, k, v, mask_rows, mesh.get_group().group_name,
+                                               ring_ops.encode_forward_call(config, kernel_name, fused_merge))
 
-        softmax_max, softmax_sum = stats_views_from_lse(result.lse)  # the memory floor: LSE + 4 bytes
+        softmax_max, softmax_sum = stats_views_from_lse(lse)  # the memory floor: LSE + 4 bytes
         stats_placements = (Shard(_STATS_SEQ_DIM),)
         outputs = (
-            _wrap(result.out, mesh, placements),
+            _wrap(out, mesh, placements),
             _wrap(softmax_max, mesh, stats_placements),
             _wrap(softmax_sum, mesh, stats_placements),
             torch.empty(0, dtype=q.dtype, device=q.device),
-            self._seed_slot(config, kernel.name, result.steps),
+            seed,
             _slot_tensor(config.world_size),
         )
-        self.call_log.record("forward", result, started, ring_seconds, fused_merge=fused_merge)
+        self.call_log.set_handler_seconds("forward", started)
         return outputs
 
-    def _seed_slot(self, config: RingConfig, kernel_name: str, steps) -> Tensor:
-        """The seed output: the cache's handle, or (stack policy) its pairing key after the push."""
-        cache = records.cache_from_forward(config, kernel_name, steps)
-        if self.config.policy == HANDLE_POLICY:
-            return _C.default_store().attach(cache)
-        cache.pairing_key = records.pairing_key(config, kernel_name, steps)
-        _C.default_store().push(cache)  # skipped (and the cache dropped) in a recompute
-        return _slot_tensor(cache.pairing_key)
-
     # ------------------------------------------------------------ backward
-
-    def _claim_cache(self, seed: Any):
-        """The forward's cache from the seed slot: resolve a handle, or pop the stack."""
-        if isinstance(seed, DTensor):
-            raise RuntimeError(
-                "cp_cache: the seed argument of npu_fusion_attention_grad_v3 is a DTensor; it must be "
-                "the seed output of the CP attention forward (a plain int64 tensor)"
-            )
-        if not isinstance(seed, Tensor):
-            raise RuntimeError(
-                f"cp_cache: npu_fusion_attention_grad_v3 got seed={describe(seed)}; it needs the seed "
-                "output of the CP attention forward"
-            )
-        store = _C.default_store()
-        if store.is_handle(seed):
-            cache = store.resolve(seed)
-            if _C.in_graph_task() and not _C.current_graph_task_keeps_graph():
-                store.release(seed)  # this graph's backward runs once: free the cache now
-            return cache
-        if self.config.policy == STACK_POLICY:
-            return store.pop(int(seed.reshape(-1)[0]))
-        return store.resolve(seed)  # raises, naming what was passed and the likely cause
 
     def backward(self, op_call, args, kwargs):
         """Handler of ``npu_fusion_attention_grad_v3`` for DTensor inputs."""
@@ -179,35 +138,31 @@ class AttentionHandlers:
         a = bind_arguments(op_call._schema, args, kwargs)
         layout = L.check_layout(a["input_layout"])
         spec = mask_spec(a)  # same argument checks as the forward
-        cache = self._claim_cache(a["seed"])
-        config, kernel_name = records.config_from_cache(cache)
+        ring_ops.check_seed(a["seed"])
         tensors = {n: a[n] for n in ("query", "key", "value")}
         mesh, placements = check_sharding(tensors, layout)
         spec = spec.simplified(a["query"].size(L.seq_dim(layout)))
-        _check_backward_matches(a, layout, spec, config, cache.id)
         for name in ("dy", "attention_in"):
             tensors[name] = sharded_like(a[name], name, mesh, placements)
-        if mesh.size() != config.world_size or mesh.get_local_rank() != config.rank:
-            raise RuntimeError(
-                f"cp_cache: backward runs on rank {mesh.get_local_rank()} of {mesh.size()} but its "
-                f"forward ran on rank {config.rank} of {config.world_size}"
-            )
         q, k, v, dy, out = (tensors[n].to_local() for n in tensors)
         lse = lse_from_stats(*(local_tensor(a[n], n) for n in ("softmax_max", "softmax_sum")))
-        steps = records.steps_from_cache(cache, config)
-        del cache
-        ring_started = time.perf_counter()
-        result = ring_attention_backward(
-            dy, q, k, v, out, lse, steps, config, group=mesh.get_group(), kernel=get_kernel(kernel_name),
-            mask_rows=_mask_rows(a, layout, config),
+        # the given mask's rows for the layout of now; the op checks that the forward's was the same
+        load_balance = spec.given and load_balance_enabled()
+        rows_config = RingConfig(world_size=mesh.size(), rank=mesh.get_local_rank(), causal=False,
+                                 load_balance=load_balance, layout=layout, head_num=int(a["head_num"]),
+                                 scale=float(a["scale_value"]), keep_prob=float(a["keep_prob"]), given_mask=spec.given)
+        called = dict(layout=layout, head_num=int(a["head_num"]), scale=float(a["scale_value"]),
+                      keep_prob=float(a["keep_prob"]), mask=asdict(spec))
+        dq, dk, dv = ring_ops.ring_backward(
+            dy, q, k, v, out, lse, a["seed"], _mask_rows(a, layout, rows_config), mesh.get_group().group_name,
+            ring_ops.encode_backward_call(called, self.config.policy, load_balance),
         )
-        ring_seconds = time.perf_counter() - ring_started
         outputs = (
-            _wrap(result.dq, mesh, placements),
-            _wrap(result.dk, mesh, placements),
-            _wrap(result.dv, mesh, placements),
+            _wrap(dq, mesh, placements),
+            _wrap(dk, mesh, placements),
+            _wrap(dv, mesh, placements),
             torch.empty(0, dtype=q.dtype, device=q.device),  # dpse: no pse
             torch.zeros((), dtype=torch.float32, device=q.device),  # dsink: no sink (0-d, as the op's meta)
         )
-        self.call_log.record("backward", result, started, ring_seconds)
+        self.call_log.set_handler_seconds("backward", started)
         return outputs
