@@ -38,10 +38,11 @@ class Case:
     checkpoint: str = "none"
     policy: str = "handle"
     backend: str = "aot_eager"
+    whole: bool = False  # compile the whole model (checkpointing inside the compiled region), not each block
 
     @property
     def name(self) -> str:
-        return f"{self.backend}-{self.policy}-{self.checkpoint}-p{self.dropout}"
+        return f"{self.backend}-{self.policy}-{self.checkpoint}-p{self.dropout}" + ("-whole" if self.whole else "")
 
 
 CASES = [
@@ -53,6 +54,10 @@ CASES = [
     Case(policy="stack"),
     Case(policy="stack", dropout=DROPOUT, checkpoint="non_reentrant"),
     Case(backend="inductor", dropout=DROPOUT),
+    # torchtitan's order: checkpoint, then compile; the compiled backward recomputes the ring
+    Case(dropout=DROPOUT, checkpoint="non_reentrant", whole=True),
+    Case(dropout=DROPOUT, checkpoint="non_reentrant", policy="stack", whole=True),
+    Case(dropout=DROPOUT, checkpoint="non_reentrant", backend="inductor", whole=True),
 ]
 
 
@@ -130,7 +135,10 @@ def _train_case(case: Case, mesh, world: int) -> dict:
         if hasattr(module, "dropout") and isinstance(module.dropout, float):
             module.dropout = 0.0
     counter = CompileCounterWithBackend(case.backend)
-    _compile_blocks(compiled, counter)
+    if case.whole:
+        compiled = torch.compile(compiled, backend=counter)
+    else:
+        _compile_blocks(compiled, counter)
     models = dict(eager=eager, compiled=compiled, reference=reference)
     optimizers = {name: torch.optim.SGD(m.parameters(), lr=0.5) for name, m in models.items()}
     out = {k: [] for k in ("loss", "eager_loss", "ref_loss", "grad_vs_eager", "grad_vs_ref", "live_fwd",

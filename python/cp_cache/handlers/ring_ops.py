@@ -66,7 +66,10 @@ def _group(group_name: str):
 # ---------------------------------------------------------------- forward
 
 
-@torch.library.custom_op("cp_cache::ring_forward", mutates_args=())
+# nondeterministic_seeded: the kernels draw dropout seeds from the default generator, so when a
+# compiled backward recomputes this op (activation checkpointing inside the compiled region)
+# torch replays the forward's generator state around the recompute, as for its own dropout
+@torch.library.custom_op("cp_cache::ring_forward", mutates_args=(), tags=(torch.Tag.nondeterministic_seeded,))
 def ring_forward(query: Tensor, key: Tensor, value: Tensor, mask_rows: Optional[Tensor], group_name: str,
                  call: str) -> tuple[Tensor, Tensor, Tensor]:
     """Ring attention of the local shards: (out, float32 LSE [B, N, S], seed slot). The seed
