@@ -260,6 +260,50 @@ def _fake_tracing(mesh, world: int) -> dict:
     )
 
 
+MASK_KINDS = ("band", "given", "given-sharded", "causal-contiguous")
+
+
+def _masks_compiled(mesh, world: int, rank: int) -> dict:
+    """The v3 op on DTensors in a compiled function (fullgraph), for windows and given masks,
+    against the same call run eagerly: output and q/k/v gradients."""
+    from torch.distributed.tensor import DTensor, Shard
+    from torch.distributed.tensor.experimental._context_parallel._attention import _cp_options
+
+    from cp_cache.npu_ops import causal_mask
+    from cp_cache.testing.reference import rank_positions
+
+    B, N, s_local, D = 2, 2, 4, 8
+    S = s_local * world
+    g = torch.Generator().manual_seed(3)
+    q, k, v, dout = (torch.randn(B, N, S, D, generator=g) for _ in range(4))
+    given = torch.rand(S, S, generator=g) < 0.4
+    res = {}
+    for kind in MASK_KINDS:
+        _quiet_compile()
+        _cp_options.enable_load_balance = kind != "causal-contiguous"
+        pos = rank_positions(world, rank, s_local, _cp_options.enable_load_balance)
+        mask, kw = given, dict(sparse_mode=1)
+        if kind == "band":
+            mask, kw = causal_mask("cpu"), dict(sparse_mode=4, pre_tockens=s_local + 2, next_tockens=0)
+        elif kind == "given-sharded":
+            mask, kw = DTensor.from_local(given[pos], mesh, [Shard(0)]), dict(sparse_mode=0)
+        elif kind == "causal-contiguous":
+            mask, kw = causal_mask("cpu"), dict(sparse_mode=2, next_tockens=0)
+
+        def attend(q, k, v, mask):
+            return torch.ops.npu.npu_fusion_attention_v3(q, k, v, N, "BNSD", atten_mask=mask, scale=0.3, **kw)[0]
+
+        runs = []
+        for fn in (attend, torch.compile(attend, backend="aot_eager", fullgraph=True)):
+            qd, kd, vd = (DTensor.from_local(t[:, :, pos].clone(), mesh, [Shard(2)]).requires_grad_() for t in (q, k, v))
+            out = fn(qd, kd, vd, mask)
+            out.backward(DTensor.from_local(dout[:, :, pos], mesh, [Shard(2)]))
+            runs.append([t.to_local().detach() for t in (out, qd.grad, kd.grad, vd.grad)])
+        res[kind] = max(_rel(a, b) for a, b in zip(runs[1], runs[0]))
+    _cp_options.enable_load_balance = True
+    return res
+
+
 def _compile_rank(rank: int, world: int, cases: list[Case]) -> dict:
     from torch.distributed.device_mesh import init_device_mesh
 
@@ -268,7 +312,8 @@ def _compile_rank(rank: int, world: int, cases: list[Case]) -> dict:
     install_npu_emulator(route_sdpa=True)
     mesh = init_device_mesh("cpu", (world,))
     cp_cache.enable("handle")
-    results = {"fake": _fake_tracing(mesh, world), "block": _single_block(mesh, world, rank)}
+    results = {"fake": _fake_tracing(mesh, world), "block": _single_block(mesh, world, rank),
+               "masks": _masks_compiled(mesh, world, rank)}
     results["train"] = {case.name: _train_case(case, mesh, world) for case in cases}
     results["live_entries"] = cp_cache.stats()["live_entries"]
     cp_cache.disable()
@@ -363,6 +408,13 @@ def test_handlers_under_fake_tensors(world):
         for grad in f["backward"]:
             assert grad == dict(type="DTensor", shape=(B, N, S, D), dtype=torch.float32, device="cpu",
                                 placements=(Shard(2),), fake=True)
+
+
+@pytest.mark.parametrize("world", WORLDS)
+@pytest.mark.parametrize("kind", MASK_KINDS)
+def test_compiled_windows_and_masks_match_eager(world, kind):
+    for res in _results(world):
+        assert res["masks"][kind] <= 1e-6, res["masks"]
 
 
 def test_demo_compile_runs(tmp_path):
