@@ -44,8 +44,9 @@ def _wrap(local: Tensor, mesh, placements) -> DTensor:
     return DTensor(local, spec, requires_grad=False)
 
 
-def _slot_tensor(value: int) -> Tensor:
-    return torch.tensor([value], dtype=torch.int64)
+def _slot_tensor(value: int, like: Tensor) -> Tensor:
+    """An int64 [1] output slot, on the CPU (on meta when ``like`` is: tracing with meta tensors)."""
+    return torch.tensor([value], dtype=torch.int64, device="meta" if like.is_meta else "cpu")
 
 
 def _ring_config(a: dict[str, Any], layout: str, spec: MaskSpec, mesh, cp: CPConfig) -> RingConfig:
@@ -125,7 +126,7 @@ class AttentionHandlers:
             _wrap(softmax_sum, mesh, stats_placements),
             torch.empty(0, dtype=q.dtype, device=q.device),
             seed,
-            _slot_tensor(config.world_size),
+            _slot_tensor(config.world_size, q),
         )
         self.call_log.set_handler_seconds("forward", started)
         return outputs

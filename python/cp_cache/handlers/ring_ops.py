@@ -94,7 +94,8 @@ def _ring_forward_fake(query, key, value, mask_rows, group_name, call):
     return (
         query.new_empty(query.shape),
         query.new_empty((d.batch, d.heads, d.seq), dtype=torch.float32),
-        torch.empty(1, dtype=torch.int64, device="cpu"),  # the handle / pairing key: CPU int64 [1]
+        # the handle / pairing key: CPU int64 [1] (meta when tracing with meta tensors)
+        torch.empty(1, dtype=torch.int64, device="meta" if query.is_meta else "cpu"),
     )
 
 
