@@ -141,8 +141,8 @@ def _train(policy: str, opts: dict, rank: int, world_size: int, device, mesh, pr
         model.embed.weight.normal_(0.0, 0.02)
         model.position.weight.normal_(0.0, 0.02)
     model = model.to(device)
-    if opts["compile"]:
-        _compile_blocks(model, opts["compile_backend"])
+    if opts.get("compile"):
+        _compile_blocks(model, opts.get("compile_backend", "inductor"))
     optimizer = torch.optim.AdamW(model.parameters(), lr=opts["lr"])
     # one fixed batch: the model memorises it, so the loss visibly falls in a few dozen steps
     batch = tuple(t.to(device) for t in make_batch(opts["batch"], opts["seq_len"], config.vocab, seed=opts["seed"]))
