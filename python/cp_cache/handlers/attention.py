@@ -11,7 +11,6 @@ ops of ``ring_ops``, so that a traced (compiled) graph records it.
 from __future__ import annotations
 
 import time
-from dataclasses import asdict
 from typing import Any
 
 import torch
@@ -153,7 +152,7 @@ class AttentionHandlers:
                                  load_balance=load_balance, layout=layout, head_num=int(a["head_num"]),
                                  scale=float(a["scale_value"]), keep_prob=float(a["keep_prob"]), given_mask=spec.given)
         called = dict(layout=layout, head_num=int(a["head_num"]), scale=float(a["scale_value"]),
-                      keep_prob=float(a["keep_prob"]), mask=asdict(spec))
+                      keep_prob=float(a["keep_prob"]), mask=ring_ops.flat_fields(spec))
         dq, dk, dv = ring_ops.ring_backward(
             dy, q, k, v, out, lse, a["seed"], _mask_rows(a, layout, rows_config), mesh.get_group().group_name,
             ring_ops.encode_backward_call(called, self.config.policy, load_balance),
