@@ -185,15 +185,21 @@ def _single_block(mesh, world: int, rank: int) -> dict:
     pos = rank_positions(world, rank, SEQ // world, load_balance=True)
     res = {}
 
+    def calls():
+        stats = cp_cache.call_stats()
+        return stats["forward"]["calls"], stats["backward"]["calls"]
+
     def run(fn):
         block.zero_grad(set_to_none=True)
         xl = x[:, pos].clone().requires_grad_()
+        before = calls()
         with cp_cache.context_parallel(mesh):
             y = fn(xl)
-            res_live = cp_cache.stats()["live_entries"]
+            live = cp_cache.stats()["live_entries"]
             y.backward(dy[:, pos])
         grads = [p.grad.clone() for p in block.parameters()]
-        return y.detach(), xl.grad, grads, res_live
+        ring_calls = tuple(now - then for now, then in zip(calls(), before))
+        return y.detach(), xl.grad, grads, live, ring_calls
 
     with cp_cache.context_parallel(mesh), torch.no_grad():
         explained = torch._dynamo.explain(block)(x[:, pos].clone())
@@ -213,6 +219,7 @@ def _single_block(mesh, world: int, rank: int) -> dict:
             dx_err=max(_rel(o[1], eager[1]) for o in outs),
             dparam_err=max(_rel(a, b) for o in outs for a, b in zip(o[2], eager[2])),
             live_fwd=[o[3] for o in outs],
+            ring_calls=[o[4] for o in outs],
         )
     # one process, the whole sequence, against the eager CP rows of this rank
     block.zero_grad(set_to_none=True)
@@ -397,6 +404,7 @@ def test_single_compiled_block_fullgraph(world):
             assert r["frames"] == 1, (backend, r)  # the second call reuses the first compile
             assert r["out_err"] <= tol and r["dx_err"] <= tol and r["dparam_err"] <= tol, (backend, r)
             assert r["live_fwd"] == [1, 1], (backend, r)  # the block's one attention call
+            assert r["ring_calls"] == [(1, 1), (1, 1)], (backend, r)  # the compiled graphs ran the ring
         assert b["live"] == 0
 
 
