@@ -30,6 +30,7 @@ is measured by ``python -m cp_cache bench --only agreement``.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import struct
 import threading
@@ -39,8 +40,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-__all__ = ["SIGNATURE_LEN", "FIELDS", "signature", "refusal_signature", "agree", "counters", "reset_counters",
-           "describe"]
+__all__ = ["SIGNATURE_LEN", "FIELDS", "signature", "refusal_signature", "refusal_shared", "agree", "counters",
+           "reset_counters", "describe", "lengths"]
 
 _SHAPE_DIMS = 4  # q/k/v shapes padded with -1 to this many dims (the layouts have 3 or 4)
 
@@ -243,6 +244,25 @@ def refusal_signature(direction: str, error: BaseException) -> Tensor:
     values[_OFFSET["direction"][0]] = _code(_DIRECTIONS, direction)
     values[_OFFSET["argument checks"][0]] = _check_code(error)
     return torch.tensor(values, dtype=torch.int64)
+
+
+_CHECK_ERRORS = (ValueError, NotImplementedError, TypeError, RuntimeError)
+
+
+@contextlib.contextmanager
+def refusal_shared(direction: str, first_agreement: Callable[[], Optional[tuple]]):
+    """Checks made before a call's first exchange: a refusal on this rank joins the ranks'
+    agreement (as a refusal signature, on the group ``first_agreement()`` names, or nowhere
+    when it returns None or a group of one) before it is raised, so the other ranks, already
+    waiting in that agreement, raise too instead of waiting for a call this rank will not make."""
+    try:
+        yield
+    except _CHECK_ERRORS as error:
+        found = first_agreement()
+        if found is None or found[1] == 1:
+            raise
+        agree(refusal_signature(direction, error), *found, error)
+        raise  # every rank refused the same way: each raises its own error
 
 
 def _seq_dim(layout: str) -> int:

@@ -27,7 +27,8 @@ from torch.distributed.tensor import DTensor
 
 from . import _C
 from .config import CPConfig, resolve_config
-from .handlers import AttentionHandlers, CallLog
+from .handlers import AttentionHandlers
+from .handlers.calls import CALL_LOG
 
 __all__ = ["enable", "disable", "enabled", "active_config", "call_stats", "context_parallel"]
 
@@ -130,7 +131,7 @@ class _Registration:
 # The registration of the enabled handlers (None: disabled).
 _registered: _Registration | None = None
 # Measurements of every call, kept across enable()/disable() so they can be read afterwards.
-_call_log = CallLog()
+_call_log = CALL_LOG
 
 
 def enable(policy: str | None = None, *, kernel: str | None = None, fused_merge: bool | None = None,

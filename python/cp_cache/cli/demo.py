@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import time
 from pathlib import Path
 from typing import Any
@@ -49,6 +50,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--heads", type=int, default=4)
     p.add_argument("--kv-heads", type=int, default=2, help="K/V heads (GQA when fewer than --heads)")
     p.add_argument("--lr", type=float, default=1e-2)
+    p.add_argument("--compile", action="store_true",
+                   help="compile each decoder block with torch.compile (the ring runs inside the compiled graphs)")
+    p.add_argument("--compile-backend", default="inductor",
+                   help="torch.compile backend with --compile (default inductor; aot_eager compiles faster)")
     p.add_argument("--json", type=Path, default=None, help="also write the measured rows to this JSON file")
 
 
@@ -136,6 +141,8 @@ def _train(policy: str, opts: dict, rank: int, world_size: int, device, mesh, pr
         model.embed.weight.normal_(0.0, 0.02)
         model.position.weight.normal_(0.0, 0.02)
     model = model.to(device)
+    if opts.get("compile"):
+        _compile_blocks(model, opts.get("compile_backend", "inductor"))
     optimizer = torch.optim.AdamW(model.parameters(), lr=opts["lr"])
     # one fixed batch: the model memorises it, so the loss visibly falls in a few dozen steps
     batch = tuple(t.to(device) for t in make_batch(opts["batch"], opts["seq_len"], config.vocab, seed=opts["seed"]))
@@ -159,6 +166,7 @@ def _train(policy: str, opts: dict, rank: int, world_size: int, device, mesh, pr
         _average_grads(model, world_size)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
+        train_seconds = time.perf_counter() - t0
         # parity: the updated weights, dropout off, under CP and on one process
         model.eval()
         tokens, labels, positions = (t.clone() for t in batch)
@@ -174,7 +182,7 @@ def _train(policy: str, opts: dict, rank: int, world_size: int, device, mesh, pr
             live_fwd=fwd[0], bytes_fwd=fwd[1], live_bwd=bwd[0], bytes_bwd=bwd[1],
             live_eval=after_eval[0], bytes_eval=after_eval[1],
             peak_entries=stats["peak_entries"], peak_bytes=stats["peak_bytes"],
-            seconds=time.perf_counter() - t0,
+            seconds=time.perf_counter() - t0, train_seconds=train_seconds,
         ))
         if progress is not None:
             progress.update(step + 1, f"loss {train_loss:.4f}")
@@ -182,6 +190,19 @@ def _train(policy: str, opts: dict, rank: int, world_size: int, device, mesh, pr
     final = cp_cache.stats()
     cp_cache.disable()  # drops what the stack still holds
     return dict(policy=policy, rows=rows, grad_diff=grad_diff, seconds=seconds, final_stats=final)
+
+
+def _compile_blocks(model, backend: str) -> None:
+    """Each block compiled, as torchtitan does; the graphs are traced afresh for each policy."""
+    import torch
+    import torch._functorch.config as functorch_config
+
+    # torch's AOTAutograd cache can crash (SIGSEGV in pickle) saving a backward graph that calls
+    # a custom op (pytorch/pytorch#177442; seen here in about 1 run in 4): the demo compiles once anyway
+    functorch_config.enable_autograd_cache = False
+    torch._dynamo.reset()
+    for index, block in enumerate(model.blocks):
+        model.blocks[index] = torch.compile(block, backend=backend)
 
 
 def demo_rank(rank: int, world_size: int, opts: dict) -> dict:
@@ -213,7 +234,7 @@ def _merge_ranks(results: list[dict]) -> list[dict]:
         for step, row0 in enumerate(run0["rows"]):
             row = dict(row0)
             for key in ("new_fwd", "new_bytes_fwd", "live_fwd", "bytes_fwd", "live_bwd", "bytes_bwd", "live_eval", "bytes_eval",
-                        "peak_entries", "peak_bytes", "seconds"):
+                        "peak_entries", "peak_bytes", "seconds", "train_seconds"):
                 row[key] = max(r["runs"][index]["rows"][step][key] for r in results)
             row["parity"] = abs(row["eval_cp"] - row["eval_one"])
             rows.append(row)
@@ -254,6 +275,8 @@ def _summary(run: dict) -> dict:
         max_peak=max((r["peak_entries"] for r in rows), default=0),
         max_peak_bytes=max((r["peak_bytes"] for r in rows), default=0),
         seconds=run["seconds"],
+        first_step_seconds=rows[0]["train_seconds"] if rows else float("nan"),
+        median_step_seconds=statistics.median(r["train_seconds"] for r in rows[1:]) if len(rows) > 1 else float("nan"),
     )
 
 
@@ -312,6 +335,7 @@ def run(args: argparse.Namespace) -> int:
         steps=args.steps, seq_len=args.seq_len, layers=args.layers, policy=args.policy,
         checkpoint=args.checkpoint, dropout=args.dropout, seed=args.seed, batch=args.batch,
         dim=args.dim, heads=args.heads, kv_heads=args.kv_heads, lr=args.lr,
+        compile=args.compile, compile_backend=args.compile_backend,
     )
     if args.seq_len % (2 * args.ranks):
         print(f"note: --seq-len {args.seq_len} is not divisible by 2*ranks = {2 * args.ranks}; "
@@ -327,7 +351,8 @@ def run(args: argparse.Namespace) -> int:
           f"torch {info['torch']}{', torchrun' if under_torchrun() else ', spawned, gloo on loopback'})")
     print(f"TinyDecoder: {args.layers} layers, dim {args.dim}, {args.heads} heads / {args.kv_heads} K/V heads, "
           f"batch {args.batch} x {args.seq_len} tokens (one fixed batch), checkpoint={args.checkpoint}, "
-          f"dropout={args.dropout}, seed={args.seed}")
+          f"dropout={args.dropout}, seed={args.seed}, "
+          + (f"blocks compiled (torch.compile, backend {args.compile_backend})" if args.compile else "eager"))
     print("Columns: train loss = CP loss with dropout (mean over ranks); eval CP / eval 1-proc = the same "
           "weights after the step,\nevaluated with dropout off under CP and on one process over the whole "
           "sequence; |diff| = their difference (parity);\nheld fwd->bwd = step caches the training forward left "
@@ -338,6 +363,11 @@ def run(args: argparse.Namespace) -> int:
         print(f"\npolicy = {run_['policy']}  ({run_['seconds']:.1f} s)")
         print(_step_table(run_))
     summaries = [_summary(r) for r in runs]
+    mode = f"compiled ({args.compile_backend})" if args.compile else "eager"
+    for s in summaries:
+        print(f"{s['policy']}: training step ({mode}, forward + backward + optimizer, max over ranks): first "
+              f"{s['first_step_seconds']:.3f} s{' (compiles)' if args.compile else ''}, then median "
+              f"{s['median_step_seconds']:.3f} s")
     print("\nside by side")
     headers = ["policy", "loss first -> last", "max |diff|", "max grad diff", "held fwd->bwd", "max after fwd",
                "max after bwd", "alive at end", "max peak", "seconds"]

@@ -5,11 +5,12 @@ hybrid; other dimensions Replicate or sharded on heads: ``cp_mesh``), the forwar
 ring, Ulysses or hybrid attention and returns DTensors; the call's step cache goes out in the
 ``seed`` slot (a handle whose storage owns it, or, under the stack policy, the
 cache's pairing key) and autograd hands it back to the grad op's ``seed``.
+The handlers check and wrap; the local work (ring, Ulysses, step cache) runs in the custom
+ops of ``ring_ops``, so that a traced (compiled) graph records it.
 """
 
 from __future__ import annotations
 
-import contextlib
 import time
 from typing import Any, Optional
 
@@ -18,17 +19,16 @@ from torch import Tensor
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 
-from .. import _C, agreement
+from .. import agreement
 from .. import layout as L
-from ..config import HANDLE_POLICY, STACK_POLICY, CPConfig, load_balance_enabled
+from ..config import CPConfig, load_balance_enabled
 from ..kernels import get_kernel
 from ..merge import fused_merge_available
 from ..npu_ops import lse_from_stats, stats_views_from_lse
-from ..ring import RingConfig, ring_attention_backward, ring_attention_forward
+from ..ring import RingConfig
 from ..ring_plan import MaskSpec, positions
-from ..ulysses import ulysses_attention_backward, ulysses_attention_forward
-from . import step_records as records
-from .arguments import bind_arguments, describe
+from . import ring_ops
+from .arguments import bind_arguments
 from .calls import CallLog
 from .checks import local_mask_rows, local_tensor, mask_spec, sharded_like
 from .cp_mesh import CPSharding, cp_sharding, resolve_algorithm, whole_mask
@@ -37,7 +37,6 @@ from .varlen import is_varlen, varlen_backward, varlen_forward
 __all__ = ["AttentionHandlers"]
 
 _STATS_SEQ_DIM = 2  # softmax_max / softmax_sum are [B, N, S, 8]
-_CHECK_ERRORS = (ValueError, NotImplementedError, TypeError, RuntimeError)
 
 
 def _wrap(local: Tensor, mesh, placements, seq_dim: Optional[int] = None, total: Optional[int] = None) -> DTensor:
@@ -56,35 +55,35 @@ def _wrap(local: Tensor, mesh, placements, seq_dim: Optional[int] = None, total:
     return DTensor(local, spec, requires_grad=False)
 
 
-def _first_agreement_group(op_call, args, kwargs):
+def _first_agreement(op_call, args, kwargs):
     """(group, size) of the mesh dimension where the call's first agreement happens (the
-    ring's, or Ulysses' inner one), or None when the arguments do not say."""
+    ring's, or Ulysses' inner one), or None when the arguments do not say or are traced
+    (fake tensors: no collective while tracing)."""
     try:
         a = bind_arguments(op_call._schema, args, kwargs)
-        sharding = cp_sharding({n: a[n] for n in ("query", "key", "value")}, L.check_layout(a["input_layout"]))
+        tensors = {n: a[n] for n in ("query", "key", "value")}
+        sharding = cp_sharding(tensors, L.check_layout(a["input_layout"]))
     except Exception:  # noqa: BLE001 - the refusal itself is what gets raised
+        return None
+    if any(_traced(t.to_local()) for t in tensors.values()):
         return None
     dim = sharding.cp_dims[-1]
     return sharding.mesh.get_group(dim), sharding.mesh.size(dim)
 
 
-@contextlib.contextmanager
-def _refused_together(direction: str, op_call, args, kwargs):
-    """Argument checks before the ring: a refusal on this rank joins the ranks' agreement (as
-    a refusal signature) before it is raised, so the other ranks, already waiting in theirs,
-    raise too instead of waiting for a ring this rank will not enter."""
-    try:
-        yield
-    except _CHECK_ERRORS as error:
-        found = _first_agreement_group(op_call, args, kwargs)
-        if found is None or found[1] == 1:
-            raise
-        agreement.agree(agreement.refusal_signature(direction, error), *found, error)
-        raise  # every rank refused the same way: each raises its own error
+def _traced(t: Tensor) -> bool:
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    return t.is_meta or isinstance(t, FakeTensor)
 
 
-def _slot_tensor(value: int) -> Tensor:
-    return torch.tensor([value], dtype=torch.int64)
+def _refusal_shared(direction: str, op_call, args, kwargs):
+    return agreement.refusal_shared(direction, lambda: _first_agreement(op_call, args, kwargs))
+
+
+def _slot_tensor(value: int, like: Tensor) -> Tensor:
+    """An int64 [1] output slot, on the CPU (on meta when ``like`` is: tracing with meta tensors)."""
+    return torch.tensor([value], dtype=torch.int64, device="meta" if like.is_meta else "cpu")
 
 
 def _algorithm(a: dict[str, Any], layout: str, spec: MaskSpec, sharding: CPSharding, cp: CPConfig) -> str:
@@ -124,29 +123,14 @@ def _ring_config(a: dict[str, Any], layout: str, spec: MaskSpec, sharding: CPSha
 def _ulysses_size(algorithm: str, sharding: CPSharding) -> int:
     if algorithm == "ulysses":
         return sharding.size
-    if algorithm == "hybrid":  # the inner CP dimension (0: none, which a backward reports as a mismatch)
-        return sharding.mesh.size(sharding.cp_dims[1]) if len(sharding.cp_dims) == 2 else 0
+    if algorithm == "hybrid":  # the inner CP dimension
+        return sharding.mesh.size(sharding.cp_dims[1])
     return 1
 
 
-def _run_forward(q, k, v, config: RingConfig, sharding: CPSharding, kernel, mask_rows, fused_merge: bool):
-    if config.algorithm in ("ulysses", "hybrid"):
-        inner = sharding.group(len(sharding.cp_dims) - 1)
-        ring_group = sharding.group(0) if config.algorithm == "hybrid" else None
-        return ulysses_attention_forward(q, k, v, config, group=inner, ring_group=ring_group, kernel=kernel,
-                                         fused_merge=fused_merge, mask=mask_rows)
-    return ring_attention_forward(q, k, v, config, group=sharding.group(0), kernel=kernel, mask_rows=mask_rows,
-                                  fused_merge=fused_merge)
-
-
-def _run_backward(dy, q, k, v, out, lse, steps, config: RingConfig, sharding: CPSharding, kernel, mask_rows):
-    if config.algorithm in ("ulysses", "hybrid"):
-        inner = sharding.group(len(sharding.cp_dims) - 1)
-        ring_group = sharding.group(0) if config.algorithm == "hybrid" else None
-        return ulysses_attention_backward(dy, q, k, v, out, lse, steps, config, group=inner, ring_group=ring_group,
-                                          kernel=kernel, mask=mask_rows)
-    return ring_attention_backward(dy, q, k, v, out, lse, steps, config, group=sharding.group(0), kernel=kernel,
-                                   mask_rows=mask_rows)
+def _cp_groups(sharding: CPSharding) -> str:
+    """The CP dimensions' process groups, outer first, as the ops take them."""
+    return ring_ops.group_names(sharding.group(i) for i in range(len(sharding.cp_dims)))
 
 
 def _mask_rows(a: dict[str, Any], layout: str, config: RingConfig):
@@ -159,17 +143,6 @@ def _mask_rows(a: dict[str, Any], layout: str, config: RingConfig):
     local_len = a["query"].to_local().size(L.seq_dim(layout))
     rows = positions(config.rank, config.world_size, local_len, config.load_balance)
     return local_mask_rows(a["atten_mask"], a["query"], layout, rows)
-
-
-def _check_backward_matches(a: dict[str, Any], layout: str, spec: MaskSpec, config: RingConfig, cache_id: int) -> None:
-    called = dict(layout=layout, head_num=int(a["head_num"]), scale=float(a["scale_value"]),
-                  keep_prob=float(a["keep_prob"]), mask=spec)
-    recorded = dict(layout=config.layout, head_num=config.head_num, scale=config.scale,
-                    keep_prob=config.keep_prob, mask=config.mask)
-    if called != recorded:
-        raise RuntimeError(
-            f"cp_cache: backward called with {called} but its forward (cache {cache_id}) ran with {recorded}"
-        )
 
 
 class AttentionHandlers:
@@ -198,7 +171,7 @@ class AttentionHandlers:
     def forward(self, op_call, args, kwargs):
         """Handler of ``npu_fusion_attention_v3`` for DTensor inputs."""
         started = time.perf_counter()
-        with _refused_together("forward", op_call, args, kwargs):
+        with _refusal_shared("forward", op_call, args, kwargs):
             a = bind_arguments(op_call._schema, args, kwargs)
             varlen = is_varlen(a)
             if not varlen:
@@ -210,106 +183,74 @@ class AttentionHandlers:
                 algorithm = _algorithm(a, layout, spec, sharding, self.config)
                 config = _ring_config(a, layout, spec, sharding, self.config, algorithm)
                 mask_rows = _mask_rows(a, layout, config)
-                kernel = get_kernel(self.config.kernel)
+                kernel_name = get_kernel(self.config.kernel).name
         if varlen:  # packed documents: handlers/varlen.py (its checks are on arguments every rank shares)
             return varlen_forward(self, a, started, _wrap)
         q, k, v = (a[n].to_local() for n in ("query", "key", "value"))
         fused_merge = self.config.fused_merge and fused_merge_available()
-        ring_started = time.perf_counter()
-        result = _run_forward(q, k, v, config, sharding, kernel, mask_rows, fused_merge)
-        ring_seconds = time.perf_counter() - ring_started
+        # the local work runs in a custom op: now when eager, in the compiled graph when traced
+        out, lse, seed = ring_ops.ring_forward(q, k, v, mask_rows, _cp_groups(sharding),
+                                               ring_ops.encode_forward_call(config, kernel_name, fused_merge))
 
         seq_dim, q_total = L.seq_dim(layout), a["query"].size(L.seq_dim(layout))
-        softmax_max, softmax_sum = stats_views_from_lse(result.lse)  # the memory floor: LSE + 4 bytes
+        softmax_max, softmax_sum = stats_views_from_lse(lse)  # the memory floor: LSE + 4 bytes
         stats_placements = sharding.stats_placements(layout)
         outputs = (
-            _wrap(result.out, mesh, placements, seq_dim, q_total),
+            _wrap(out, mesh, placements, seq_dim, q_total),
             _wrap(softmax_max, mesh, stats_placements, _STATS_SEQ_DIM, q_total),
             _wrap(softmax_sum, mesh, stats_placements, _STATS_SEQ_DIM, q_total),
             torch.empty(0, dtype=q.dtype, device=q.device),
-            self._seed_slot(config, kernel.name, result.steps),
-            _slot_tensor(config.world_size),
+            seed,
+            _slot_tensor(config.world_size, q),
         )
-        self.call_log.record("forward", result, started, ring_seconds, fused_merge=fused_merge)
+        self.call_log.set_handler_seconds("forward", started)
         return outputs
 
-    def _seed_slot(self, config: RingConfig, kernel_name: str, steps) -> Tensor:
-        """The seed output: the cache's handle, or (stack policy) its pairing key after the push."""
-        cache = records.cache_from_forward(config, kernel_name, steps)
-        if self.config.policy == HANDLE_POLICY:
-            return _C.default_store().attach(cache)
-        cache.pairing_key = records.pairing_key(config, kernel_name, steps)
-        _C.default_store().push(cache)  # skipped (and the cache dropped) in a recompute
-        return _slot_tensor(cache.pairing_key)
-
     # ------------------------------------------------------------ backward
-
-    def _claim_cache(self, seed: Any):
-        """The forward's cache from the seed slot: resolve a handle, or pop the stack."""
-        if isinstance(seed, DTensor):
-            raise RuntimeError(
-                "cp_cache: the seed argument of npu_fusion_attention_grad_v3 is a DTensor; it must be "
-                "the seed output of the CP attention forward (a plain int64 tensor)"
-            )
-        if not isinstance(seed, Tensor):
-            raise RuntimeError(
-                f"cp_cache: npu_fusion_attention_grad_v3 got seed={describe(seed)}; it needs the seed "
-                "output of the CP attention forward"
-            )
-        store = _C.default_store()
-        if store.is_handle(seed):
-            cache = store.resolve(seed)
-            if _C.in_graph_task() and not _C.current_graph_task_keeps_graph():
-                store.release(seed)  # this graph's backward runs once: free the cache now
-            return cache
-        if self.config.policy == STACK_POLICY:
-            return store.pop(int(seed.reshape(-1)[0]))
-        return store.resolve(seed)  # raises, naming what was passed and the likely cause
 
     def backward(self, op_call, args, kwargs):
         """Handler of ``npu_fusion_attention_grad_v3`` for DTensor inputs."""
         started = time.perf_counter()
-        with _refused_together("backward", op_call, args, kwargs):
+        with _refusal_shared("backward", op_call, args, kwargs):
             a = bind_arguments(op_call._schema, args, kwargs)
             varlen = is_varlen(a)
             if not varlen:
                 layout = L.check_layout(a["input_layout"])
                 spec = mask_spec(a)  # same argument checks as the forward
-                cache = self._claim_cache(a["seed"])
-                config, kernel_name = records.config_from_cache(cache)
+                ring_ops.check_seed(a["seed"])
                 tensors = {n: a[n] for n in ("query", "key", "value")}
                 sharding = cp_sharding(tensors, layout)
                 mesh, placements = sharding.mesh, sharding.placements
                 spec = spec.simplified(a["query"].size(L.seq_dim(layout)))
-                _check_backward_matches(dict(a, head_num=sharding.local_heads(int(a["head_num"]))), layout, spec,
-                                        config, cache.id)
                 for name in ("dy", "attention_in"):
                     tensors[name] = sharded_like(a[name], name, mesh, placements)
-                if (sharding.size != config.world_size or sharding.rank != config.rank
-                        or _ulysses_size(config.algorithm, sharding) != config.ulysses_size):
-                    raise RuntimeError(
-                        f"cp_cache: backward runs on rank {sharding.rank} of {sharding.size} but its "
-                        f"forward ran on rank {config.rank} of {config.world_size} ({config.algorithm}, Ulysses "
-                        f"degree {config.ulysses_size})"
-                    )
                 lse = lse_from_stats(*(local_tensor(a[n], n) for n in ("softmax_max", "softmax_sum")))
-                steps = records.steps_from_cache(cache, config)
-                mask_rows = _mask_rows(a, layout, config)
+                called = dict(layout=layout, head_num=sharding.local_heads(int(a["head_num"])),
+                              scale=float(a["scale_value"]), keep_prob=float(a["keep_prob"]),
+                              mask=ring_ops.flat_fields(spec))
+                mask_rows, load_balance = None, False
+                if spec.given:  # the mask's rows (ring) or whole mask (Ulysses), as the forward took them
+                    called["algorithm"] = _algorithm(a, layout, spec, sharding, self.config)
+                    load_balance = load_balance_enabled()
+                    mask_rows = _mask_rows(a, layout, RingConfig(
+                        world_size=sharding.size, rank=sharding.rank, causal=False, load_balance=load_balance,
+                        layout=layout, head_num=called["head_num"], scale=called["scale"],
+                        keep_prob=called["keep_prob"], given_mask=True, algorithm=called["algorithm"]))
+                call = ring_ops.encode_backward_call(called, self.config.policy,
+                                                     [mesh.size(d) for d in sharding.cp_dims], sharding.rank,
+                                                     load_balance)
         if varlen:
             return varlen_backward(self, a, started, _wrap)
         q, k, v, dy, out = (tensors[n].to_local() for n in tensors)
-        del cache
-        ring_started = time.perf_counter()
-        result = _run_backward(dy, q, k, v, out, lse, steps, config, sharding, get_kernel(kernel_name), mask_rows)
-        ring_seconds = time.perf_counter() - ring_started
+        dq, dk, dv = ring_ops.ring_backward(dy, q, k, v, out, lse, a["seed"], mask_rows, _cp_groups(sharding), call)
         seq_dim = L.seq_dim(layout)
         q_total, kv_total = a["query"].size(seq_dim), a["key"].size(seq_dim)
         outputs = (
-            _wrap(result.dq, mesh, placements, seq_dim, q_total),
-            _wrap(result.dk, mesh, placements, seq_dim, kv_total),
-            _wrap(result.dv, mesh, placements, seq_dim, kv_total),
+            _wrap(dq, mesh, placements, seq_dim, q_total),
+            _wrap(dk, mesh, placements, seq_dim, kv_total),
+            _wrap(dv, mesh, placements, seq_dim, kv_total),
             torch.empty(0, dtype=q.dtype, device=q.device),  # dpse: no pse
             torch.zeros((), dtype=torch.float32, device=q.device),  # dsink: no sink (0-d, as the op's meta)
         )
-        self.call_log.record("backward", result, started, ring_seconds)
+        self.call_log.set_handler_seconds("backward", started)
         return outputs

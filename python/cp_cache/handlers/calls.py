@@ -6,7 +6,7 @@ import threading
 import time
 from dataclasses import asdict, dataclass
 
-__all__ = ["CallRecord", "CallLog"]
+__all__ = ["CallRecord", "CallLog", "CALL_LOG"]
 
 
 @dataclass
@@ -55,6 +55,12 @@ class CallLog:
             record.fused_merge = fused_merge
             record.calls += 1
 
+    def set_handler_seconds(self, direction: str, started: float) -> None:
+        """The whole handler's time of the last ``direction`` call, recorded by the ring op
+        inside it (a compiled graph runs the op without the handler: its own time stays)."""
+        with self._lock:
+            self._records[direction].handler_seconds = time.perf_counter() - started
+
     def snapshot(self) -> dict[str, dict]:
         """{"forward": {...}, "backward": {...}} with bytes_sent, handler_seconds, ring_seconds,
         overhead_seconds, compute_seconds, wait_seconds, exposed_fraction, fused_merge and
@@ -64,3 +70,8 @@ class CallLog:
                 d: dict(asdict(r), overhead_seconds=r.overhead_seconds, exposed_fraction=r.exposed_fraction)
                 for d, r in self._records.items()
             }
+
+
+# The process's call log: the ring ops record into it (a compiled graph runs them with no
+# handler around), the handlers and ``cp_cache.call_stats()`` read the same one.
+CALL_LOG = CallLog()

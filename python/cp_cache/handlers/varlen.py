@@ -11,7 +11,6 @@ and the backward refuses lengths that differ from its forward's.
 
 from __future__ import annotations
 
-import time
 from typing import Any
 
 import torch
@@ -23,8 +22,8 @@ from ..kernels import get_kernel
 from ..merge import fused_merge_available
 from ..npu_ops import CAUSAL_MODES, SparseMode, is_compressed_mask, lse_from_stats, stats_views_from_lse
 from ..ring import RingConfig
-from ..varlen import TND, decode_documents, encode_documents, varlen_ring_backward, varlen_ring_forward
-from . import step_records as records
+from ..varlen import TND, encode_documents
+from . import ring_ops
 from .arguments import describe
 from .checks import local_tensor, sharded_like
 
@@ -101,7 +100,7 @@ def _config(a: dict[str, Any], causal: bool, cu, mesh, cp) -> RingConfig:
     check_documents(cu, a["query"].size(0), world_size, load_balance, name="actual_seq_qlen")
     return RingConfig(world_size=world_size, rank=mesh.get_local_rank(), causal=causal, load_balance=load_balance,
                       layout=TND, head_num=int(a["head_num"]), scale=float(a["scale"]),
-                      keep_prob=float(a["keep_prob"]), policy=cp.policy, algorithm=cp.algorithm,
+                      keep_prob=float(a["keep_prob"]), policy=cp.policy, algorithm="ring",  # whatever is enabled
                       documents=encode_documents(cu))
 
 
@@ -112,21 +111,21 @@ def varlen_forward(handlers, a: dict[str, Any], started: float, wrap) -> tuple:
     mesh, placements = _check_sharding({n: a[n] for n in ("query", "key", "value")})
     config = _config(a, causal, cu, mesh, handlers.config)
     q, k, v = (a[n].to_local() for n in ("query", "key", "value"))
-    kernel = get_kernel(handlers.config.kernel)
-    ring_started = time.perf_counter()
+    kernel_name = get_kernel(handlers.config.kernel).name
     fused_merge = handlers.config.fused_merge and fused_merge_available()
-    result = varlen_ring_forward(q, k, v, config, group=mesh.get_group(), kernel=kernel, fused_merge=fused_merge)
-    ring_seconds = time.perf_counter() - ring_started
-    softmax_max, softmax_sum = stats_views_from_lse(result.lse)  # [T/W, N, 8] views of the LSE
+    # the ring runs in the custom op (handlers/ring_ops.py): now when eager, in the graph when traced
+    out, lse, seed = ring_ops.ring_forward(q, k, v, None, ring_ops.group_names([mesh.get_group()]),
+                                           ring_ops.encode_forward_call(config, kernel_name, fused_merge))
+    softmax_max, softmax_sum = stats_views_from_lse(lse)  # [T/W, N, 8] views of the LSE
     outputs = (
-        wrap(result.out, mesh, placements),
+        wrap(out, mesh, placements),
         wrap(softmax_max, mesh, _TND_PLACEMENTS),
         wrap(softmax_sum, mesh, _TND_PLACEMENTS),
         torch.empty(0, dtype=q.dtype, device=q.device),
-        handlers._seed_slot(config, kernel.name, result.steps),
-        torch.tensor([config.world_size], dtype=torch.int64),
+        seed,
+        torch.tensor([config.world_size], dtype=torch.int64, device="meta" if q.is_meta else "cpu"),
     )
-    handlers.call_log.record("forward", result, started, ring_seconds, fused_merge=fused_merge)
+    handlers.call_log.set_handler_seconds("forward", started)
     return outputs
 
 
@@ -134,37 +133,24 @@ def varlen_backward(handlers, a: dict[str, Any], started: float, wrap) -> tuple:
     """The grad handler's TND path."""
     causal = _causal(a)
     cu = _documents(a)
-    cache = handlers._claim_cache(a["seed"])
-    config, kernel_name = records.config_from_cache(cache)
+    ring_ops.check_seed(a["seed"])
     tensors = {n: a[n] for n in ("query", "key", "value")}
     mesh, placements = _check_sharding(tensors)
-    called = dict(layout=TND, head_num=int(a["head_num"]), scale=float(a["scale_value"]),
-                  keep_prob=float(a["keep_prob"]), causal=causal, documents=list(cu))
-    recorded = dict(layout=config.layout, head_num=config.head_num, scale=config.scale, keep_prob=config.keep_prob,
-                    causal=config.causal, documents=list(decode_documents(config.documents)) if config.documents
-                    else [])
-    if called != recorded:
-        raise RuntimeError(f"cp_cache: backward called with {called} but its forward (cache {cache.id}) ran with "
-                           f"{recorded}")
-    if mesh.size() != config.world_size or mesh.get_local_rank() != config.rank:
-        raise RuntimeError(f"cp_cache: backward runs on rank {mesh.get_local_rank()} of {mesh.size()} but its "
-                           f"forward ran on rank {config.rank} of {config.world_size}")
     for name in ("dy", "attention_in"):
         tensors[name] = sharded_like(a[name], name, mesh, placements)
     q, k, v, dy, out = (tensors[n].to_local() for n in tensors)
     lse = lse_from_stats(*(local_tensor(a[n], n) for n in ("softmax_max", "softmax_sum")))
-    steps = records.steps_from_cache(cache, config)
-    del cache
-    ring_started = time.perf_counter()
-    result = varlen_ring_backward(dy, q, k, v, out, lse, steps, config, group=mesh.get_group(),
-                                  kernel=get_kernel(kernel_name))
-    ring_seconds = time.perf_counter() - ring_started
+    called = dict(layout=TND, head_num=int(a["head_num"]), scale=float(a["scale_value"]),
+                  keep_prob=float(a["keep_prob"]), causal=causal, documents=encode_documents(cu))
+    call = ring_ops.encode_backward_call(called, handlers.config.policy, [mesh.size()], mesh.get_local_rank(), False)
+    dq, dk, dv = ring_ops.ring_backward(dy, q, k, v, out, lse, a["seed"], None,
+                                        ring_ops.group_names([mesh.get_group()]), call)
     outputs = (
-        wrap(result.dq, mesh, placements),
-        wrap(result.dk, mesh, placements),
-        wrap(result.dv, mesh, placements),
+        wrap(dq, mesh, placements),
+        wrap(dk, mesh, placements),
+        wrap(dv, mesh, placements),
         torch.empty(0, dtype=q.dtype, device=q.device),
         torch.zeros((), dtype=torch.float32, device=q.device),
     )
-    handlers.call_log.record("backward", result, started, ring_seconds)
+    handlers.call_log.set_handler_seconds("backward", started)
     return outputs

@@ -90,6 +90,9 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
 
 def install_route() -> None:
     global _ROUTED, _ORIGINAL_SDPA
+    # built now, not at the first causal call: a model compiled before any eager call would
+    # otherwise trace the mask's first build (a lock: a graph break kept for every later call)
+    causal_mask("cpu")
     current = F.scaled_dot_product_attention
     if current is scaled_dot_product_attention:
         _ROUTED = True
