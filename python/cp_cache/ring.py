@@ -54,6 +54,8 @@ __all__ = [
 
 log = logging.getLogger("cp_cache")
 
+_TND = "TND"  # packed documents: run by varlen.py on this module's checks and ring loops
+
 @dataclass
 class RingStep:
     index: int  # 0..W-1
@@ -192,6 +194,8 @@ def _check_inputs(q: Tensor, k: Tensor, v: Tensor, config: RingConfig,
 
 def _kv_heads(q: Tensor, k: Tensor, config: RingConfig) -> int:
     """The K/V head count, or -1 when the shapes do not say (the checks will tell why)."""
+    if config.layout == _TND:
+        return k.size(1) if k.dim() == 3 else -1
     try:
         return L.heads_of(k, config.layout, L.dims(q, config.layout, config.head_num).head_dim)
     except Exception:  # noqa: BLE001 - reported by the checks
@@ -205,21 +209,23 @@ def uneven_allowed(config: RingConfig) -> bool:
     """Whether the ranks may hold local sequences of different lengths: the ring alone (not
     Ulysses' all-to-alls, nor a hybrid's ring on their results), for full attention or causal
     attention on contiguous shards (each block is then wholly before, on, or after the
-    diagonal whatever the lengths); windows, masks and head-tail shards are positional."""
-    if config.algorithm not in ("", "ring"):
+    diagonal whatever the lengths); windows, masks and head-tail shards are positional.
+    Packed documents (TND, varlen.py) are cut into equal slices."""
+    if config.algorithm not in ("", "ring") or config.layout == _TND:
         return False
     return not (config.window or config.given_mask or (config.causal and config.load_balance))
 
 
 def _agreed_checks(direction: str, check, config: RingConfig, q: Tensor, k: Tensor, v: Tensor, *,
-                   size: int, group, kernel: StepKernel, mask_rows: Optional[Tensor], steps: int = -1):
+                   size: int, group, kernel: StepKernel, mask_rows: Optional[Tensor] = None, steps: int = -1):
     """Run this rank's argument checks, then (W > 1) agree with the other ranks on the call's
     signature before anything is exchanged: the ranks disagree -> the same RuntimeError on
     every rank; they agree -> a check that failed failed on every rank, and raises there.
     Returns (the check's result, every rank's (query length, K/V length))."""
-    seq_dim = L.seq_dim(config.layout)
     if size == 1:
-        return check(), [(q.size(seq_dim), k.size(seq_dim))]
+        result = check()
+        seq_dim = _seq_dim(config.layout)
+        return result, [(q.size(seq_dim), k.size(seq_dim))]
     error = result = None
     try:
         result = check()
@@ -237,9 +243,13 @@ def _agreed_checks(direction: str, check, config: RingConfig, q: Tensor, k: Tens
     return result, lengths
 
 
+def _seq_dim(layout: str) -> int:
+    return 0 if layout == _TND else L.seq_dim(layout)
+
+
 def _with_length(t: Tensor, layout: str, length: int) -> torch.Size:
     shape = list(t.shape)
-    shape[L.seq_dim(layout)] = length
+    shape[_seq_dim(layout)] = length
     return torch.Size(shape)
 
 
@@ -352,6 +362,37 @@ def _task_operands(task: BlockTask, layout: str, q: Tensor, k: Tensor, v: Tensor
     return _rows(q, layout, task.q_rows), _rows(k, layout, task.kv_rows), _rows(v, layout, task.kv_rows)
 
 
+def _forward_ring(k: Tensor, v: Tensor, lengths: list, layout: str, last: int, compute, *, group, rank: int,
+                 size: int) -> tuple[list[RingStep], int, float, float]:
+    """Steps 0..``last`` of a forward ring: this rank's K/V block (``k``, ``v``; every rank's
+    lengths in ``lengths``) travels round while ``compute(i, cur_k, cur_v) -> (part, rng)``
+    computes step i on the block it holds. Returns (the step records, bytes sent, compute
+    seconds, seconds blocked on a receive)."""
+    steps: list[RingStep] = []
+    bytes_sent = 0
+    compute_s = wait_s = 0.0
+    kv = _Rotation([k.contiguous(), v.contiguous()], group, rank, size, _TAG_KV)
+    try:
+        for i in range(last + 1):
+            cur_k, cur_v = kv.current
+            if i < last:
+                incoming = lengths[(rank - i - 1) % size][1]
+                bytes_sent += kv.post(recv_shapes=[_with_length(t, layout, incoming) for t in (k, v)])
+            started = time.perf_counter()
+            part, rng = compute(i, cur_k, cur_v)
+            steps.append(RingStep(index=i, source_rank=(rank - i) % size, part=part, rng=tuple(rng)))
+            computed = time.perf_counter()
+            compute_s += computed - started
+            del cur_k, cur_v
+            if kv.in_flight:
+                kv.advance()
+                wait_s += time.perf_counter() - computed
+    except BaseException:
+        kv.drain()
+        raise
+    return steps, bytes_sent, compute_s, wait_s
+
+
 def ring_attention_forward(
     q: Tensor, k: Tensor, v: Tensor, config: RingConfig, *, group, kernel: StepKernel,
     mask_rows: Optional[Tensor] = None, fused_merge: bool = False,
@@ -374,37 +415,20 @@ def ring_attention_forward(
     acc_lse = torch.full((qd.batch, hn, qd.seq), float("-inf"), dtype=torch.float32, device=q.device)
     kw = dict(layout=lay, head_num=hn, scale=config.scale, keep_prob=config.keep_prob)
 
-    steps: list[RingStep] = []
-    bytes_sent = 0
-    compute_s = wait_s = 0.0
-    kv = _Rotation([k.contiguous(), v.contiguous()], group, rank, size, _TAG_KV)
-    last = _last_step(config, k.size(seq_dim))
-    try:
-        for i in range(last + 1):
-            cur_k, cur_v = kv.current
-            if i < last:
-                incoming = lengths[(rank - i - 1) % size][1]
-                bytes_sent += kv.post(recv_shapes=[_with_length(t, lay, incoming) for t in (k, v)])
-            started = time.perf_counter()
-            part, tasks = _plan(rank, i, config, qd.seq, cur_k.size(seq_dim), mask_rows)
-            rng = []
-            for task in tasks:
-                res = kernel.forward(*_task_operands(task, lay, q, cur_k, cur_v), mask=task.mask, **kw)
-                if res.seed is not None:
-                    rng.append((res.seed, res.offset))
-                merge_into(_rows(acc_out, lay, task.q_rows), _lse_rows(acc_lse, task.q_rows), res.out, res.lse,
-                           lay, hn, fused=fused_merge)
-                del res
-            steps.append(RingStep(index=i, source_rank=(rank - i) % size, part=part, rng=tuple(rng)))
-            computed = time.perf_counter()
-            compute_s += computed - started
-            del cur_k, cur_v
-            if kv.in_flight:
-                kv.advance()
-                wait_s += time.perf_counter() - computed
-    except BaseException:
-        kv.drain()
-        raise
+    def compute(i: int, cur_k: Tensor, cur_v: Tensor) -> tuple[str, list]:
+        part, tasks = _plan(rank, i, config, qd.seq, cur_k.size(seq_dim), mask_rows)
+        rng = []
+        for task in tasks:
+            res = kernel.forward(*_task_operands(task, lay, q, cur_k, cur_v), mask=task.mask, **kw)
+            if res.seed is not None:
+                rng.append((res.seed, res.offset))
+            merge_into(_rows(acc_out, lay, task.q_rows), _lse_rows(acc_lse, task.q_rows), res.out, res.lse,
+                       lay, hn, fused=fused_merge)
+            del res
+        return part, rng
+
+    steps, bytes_sent, compute_s, wait_s = _forward_ring(k, v, lengths, lay, _last_step(config, k.size(seq_dim)),
+                                                         compute, group=group, rank=rank, size=size)
     log.debug("ring forward rank %d/%d: parts %s, %d bytes sent", rank, size, [s.part for s in steps], bytes_sent)
     return RingForward(out=acc_out.to(q.dtype), lse=acc_lse, steps=steps, bytes_sent=bytes_sent,
                        compute_seconds=compute_s, wait_seconds=wait_s, lengths=lengths)
@@ -452,6 +476,55 @@ class _GradAccumulators:
         if self._rotation.in_flight:
             self._rotation.advance()
         return tuple(self._rotation.current)
+
+
+def _backward_ring(k: Tensor, v: Tensor, lengths: list, layout: str, last: int, compute, add_rows, *, group,
+                  rank: int, size: int) -> tuple[Tensor, Tensor, int, float, float]:
+    """Steps 0..``last`` of a backward ring: the K/V blocks travel round as in ``_forward_ring``;
+    ``compute(i, cur_k, cur_v) -> [(where, dk, dv)]`` computes step i, whose gradients
+    ``add_rows(accumulator, where, grad)`` adds into the held block's float32 accumulators,
+    which then move on with their block, and home after the last step. Returns (this rank's
+    own block's dK and dV accumulators, bytes sent, compute seconds, seconds blocked on a
+    receive)."""
+
+    def block_shapes(source: int) -> list[torch.Size]:
+        return [_with_length(t, layout, lengths[source][1]) for t in (k, v)]
+
+    accumulators = _GradAccumulators(group, rank, size)
+    bytes_sent = 0
+    compute_s = wait_s = 0.0
+    kv = _Rotation([k.contiguous(), v.contiguous()], group, rank, size, _TAG_KV)
+    try:
+        for i in range(last + 1):
+            cur_k, cur_v = kv.current
+            if i < last:
+                bytes_sent += kv.post(recv_shapes=block_shapes((rank - i - 1) % size))
+            started = time.perf_counter()
+            kv_grads = compute(i, cur_k, cur_v)
+            computed = time.perf_counter()
+            dk_acc, dv_acc = accumulators.for_block(cur_k, cur_v)
+            received = time.perf_counter()
+            for where, dk_i, dv_i in kv_grads:
+                add_rows(dk_acc, where, dk_i)
+                add_rows(dv_acc, where, dv_i)
+            del dk_acc, dv_acc, kv_grads
+            shift = 1 if i < last else size - last
+            accumulators.pass_on(shift, block_shapes((rank - shift - i) % size))  # the block it holds
+            passed = time.perf_counter()
+            compute_s += (computed - started) + (passed - received)
+            wait_s += received - computed
+            del cur_k, cur_v
+            if kv.in_flight:
+                kv.advance()
+                wait_s += time.perf_counter() - passed
+    except BaseException:
+        kv.drain()
+        accumulators.drain()
+        raise
+    homed = time.perf_counter()
+    dk, dv = accumulators.home()
+    wait_s += time.perf_counter() - homed
+    return dk, dv, bytes_sent + accumulators.bytes_sent, compute_s, wait_s
 
 
 def _check_steps(steps: list[RingStep], rank: int, size: int, expected: int) -> None:
@@ -505,57 +578,28 @@ def ring_attention_backward(
     seq_dim = L.seq_dim(lay)
     last = _last_step(config, k.size(seq_dim))
 
-    def block_shapes(source: int) -> list[torch.Size]:
-        return [_with_length(t, lay, lengths[source][1]) for t in (k, v)]
-
     lse = lse.float()
     kw = dict(layout=lay, head_num=config.head_num, scale=config.scale, keep_prob=config.keep_prob)
-
     dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
-    accumulators = _GradAccumulators(group, rank, size)
-    bytes_sent = 0
-    compute_s = wait_s = 0.0
-    kv = _Rotation([k.contiguous(), v.contiguous()], group, rank, size, _TAG_KV)
-    try:
-        for i, st in enumerate(steps):
-            cur_k, cur_v = kv.current
-            if i < last:
-                bytes_sent += kv.post(recv_shapes=block_shapes((rank - i - 1) % size))
-            started = time.perf_counter()
-            kv_grads = []
-            for task, (seed, offset) in _recorded_tasks(st, rank, config, qd.seq, cur_k.size(seq_dim), mask_rows):
-                grads = kernel.backward(
-                    *_task_operands(task, lay, q, cur_k, cur_v),
-                    _rows(dout, lay, task.q_rows), _rows(out, lay, task.q_rows), _lse_rows(lse, task.q_rows),
-                    mask=task.mask, seed=seed, offset=offset, **kw,
-                )
-                _rows(dq, lay, task.q_rows).add_(grads[0])
-                kv_grads.append((task.kv_rows, grads[1], grads[2]))
-                del grads
-            computed = time.perf_counter()
-            dk_acc, dv_acc = accumulators.for_block(cur_k, cur_v)
-            received = time.perf_counter()
-            for kv_rows, dk_i, dv_i in kv_grads:
-                _rows(dk_acc, lay, kv_rows).add_(dk_i)
-                _rows(dv_acc, lay, kv_rows).add_(dv_i)
-            del dk_acc, dv_acc, kv_grads
-            shift = 1 if i < last else size - last
-            accumulators.pass_on(shift, block_shapes((rank - shift - i) % size))  # the block it holds
-            passed = time.perf_counter()
-            compute_s += (computed - started) + (passed - received)
-            wait_s += received - computed
-            del cur_k, cur_v
-            if kv.in_flight:
-                kv.advance()
-                wait_s += time.perf_counter() - passed
-    except BaseException:
-        kv.drain()
-        accumulators.drain()
-        raise
-    homed = time.perf_counter()
-    dk, dv = accumulators.home()
-    wait_s += time.perf_counter() - homed
-    bytes_sent += accumulators.bytes_sent
+
+    def compute(i: int, cur_k: Tensor, cur_v: Tensor) -> list:
+        kv_grads = []
+        for task, (seed, offset) in _recorded_tasks(steps[i], rank, config, qd.seq, cur_k.size(seq_dim), mask_rows):
+            grads = kernel.backward(
+                *_task_operands(task, lay, q, cur_k, cur_v),
+                _rows(dout, lay, task.q_rows), _rows(out, lay, task.q_rows), _lse_rows(lse, task.q_rows),
+                mask=task.mask, seed=seed, offset=offset, **kw,
+            )
+            _rows(dq, lay, task.q_rows).add_(grads[0])
+            kv_grads.append((task.kv_rows, grads[1], grads[2]))
+            del grads
+        return kv_grads
+
+    def add_rows(acc: Tensor, kv_rows: tuple[int, int], grad: Tensor) -> None:
+        _rows(acc, lay, kv_rows).add_(grad)
+
+    dk, dv, bytes_sent, compute_s, wait_s = _backward_ring(k, v, lengths, lay, last, compute, add_rows,
+                                                           group=group, rank=rank, size=size)
     log.debug("ring backward rank %d/%d: %d bytes sent", rank, size, bytes_sent)
     return RingBackward(dq=dq.to(q.dtype), dk=dk.to(k.dtype), dv=dv.to(v.dtype), bytes_sent=bytes_sent,
                         compute_seconds=compute_s, wait_seconds=wait_s, lengths=lengths)

@@ -25,29 +25,26 @@ TND.
 from __future__ import annotations
 
 import logging
-import time
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
 import torch
 from torch import Tensor
 
-from . import agreement
 from .documents import check_documents, cumulative_lengths, document_pieces
 from .kernels.base import StepForward, StepKernel, StepMask
 from .merge import OP_NAME as MERGE_OP
 from .merge import _stats as merge_stats
 from .npu_ops import lse_from_stats
 from .ring import (
-    _TAG_KV,
     RingBackward,
     RingConfig,
     RingForward,
     RingStep,
-    _CHECK_ERRORS,
-    _GradAccumulators,
+    _agreed_checks,
+    _backward_ring,
+    _forward_ring,
     _group_info,
-    _Rotation,
 )
 
 __all__ = [
@@ -146,7 +143,7 @@ def step_pairs(step: VarlenStep) -> int:
     return sum(s.q_len * s.kv_len for s in step.segments)
 
 
-# ---------------------------------------------------------------- checks and agreement
+# ---------------------------------------------------------------- checks
 
 
 def _check_inputs(q: Tensor, k: Tensor, v: Tensor, config: RingConfig, cu: Sequence[int]) -> int:
@@ -171,25 +168,6 @@ def _check_inputs(q: Tensor, k: Tensor, v: Tensor, config: RingConfig, cu: Seque
     if not 0.0 < config.keep_prob <= 1.0:
         raise ValueError(f"keep_prob must be in (0, 1], got {config.keep_prob}")
     return nkv
-
-
-def _agreed(direction: str, check, config: RingConfig, q, k, v, *, size: int, group, kernel, steps: int = -1):
-    """This rank's checks, then (W > 1) the ranks' agreement on the call (documents included):
-    the same error on every rank before any K/V moves (as ``ring._agreed_checks``)."""
-    if size == 1:
-        return check()
-    error = result = None
-    try:
-        result = check()
-    except _CHECK_ERRORS as exc:
-        error = exc
-    kv_heads = k.size(1) if k.dim() == 3 else -1
-    sig = agreement.signature(direction=direction, config=config, q=q, k=k, v=v, kv_heads=kv_heads,
-                              kernel=getattr(kernel, "name", ""), steps=steps, error=error)
-    agreement.agree(sig, group, size, error)
-    if error is not None:
-        raise error
-    return result
 
 
 # ---------------------------------------------------------------- one step's kernel call
@@ -305,46 +283,31 @@ def varlen_ring_forward(q: Tensor, k: Tensor, v: Tensor, config: RingConfig, *, 
     float32 LSE ``[T/W, Nq]``, the per-step records and the bytes sent."""
     size, rank, group = _group_info(config, group)
     cu = decode_documents(config.documents)
-    _agreed("forward", lambda: _check_inputs(q, k, v, config, cu), config, q, k, v, size=size, group=group,
-            kernel=kernel)
+    _, lengths = _agreed_checks("forward", lambda: _check_inputs(q, k, v, config, cu), config, q, k, v, size=size,
+                                group=group, kernel=kernel)
     rows = q.size(0)
     acc_out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
     acc_lse = torch.full((rows, config.head_num), float("-inf"), dtype=torch.float32, device=q.device)
     kw = dict(head_num=config.head_num, scale=config.scale, keep_prob=config.keep_prob)
-    steps: list[RingStep] = []
-    bytes_sent = 0
-    compute_s = wait_s = 0.0
-    kv = _Rotation([k.contiguous(), v.contiguous()], group, rank, size, _TAG_KV)
-    last = size - 1
-    try:
-        for i in range(size):
-            cur_k, cur_v = kv.current
-            if i < last:
-                bytes_sent += kv.post()
-            started = time.perf_counter()
-            step = _plan(config, cu, rank, i)
-            rng = []
-            if step.segments:
-                ops = _StepOperands(step, rows, q.device)
-                res = _segments_forward(kernel, _take(q, ops.q_index), _take(cur_k, ops.kv_index),
-                                        _take(cur_v, ops.kv_index), ops, step.mask, kw)
-                if res.seed is not None:
-                    rng.append((res.seed, res.offset))
-                if fused_merge:
-                    _merge_rows_fused(acc_out, acc_lse, ops.q_index, res.out, res.lse, ops.actual_seq_lens[0])
-                else:
-                    _merge_rows(acc_out, acc_lse, ops.q_index, res.out, res.lse)
-                del res
-            steps.append(RingStep(index=i, source_rank=(rank - i) % size, part=step.part, rng=tuple(rng)))
-            computed = time.perf_counter()
-            compute_s += computed - started
-            del cur_k, cur_v
-            if kv.in_flight:
-                kv.advance()
-                wait_s += time.perf_counter() - computed
-    except BaseException:
-        kv.drain()
-        raise
+
+    def compute(i: int, cur_k: Tensor, cur_v: Tensor) -> tuple[str, list]:
+        step = _plan(config, cu, rank, i)
+        rng = []
+        if step.segments:
+            ops = _StepOperands(step, rows, q.device)
+            res = _segments_forward(kernel, _take(q, ops.q_index), _take(cur_k, ops.kv_index),
+                                    _take(cur_v, ops.kv_index), ops, step.mask, kw)
+            if res.seed is not None:
+                rng.append((res.seed, res.offset))
+            if fused_merge:
+                _merge_rows_fused(acc_out, acc_lse, ops.q_index, res.out, res.lse, ops.actual_seq_lens[0])
+            else:
+                _merge_rows(acc_out, acc_lse, ops.q_index, res.out, res.lse)
+            del res
+        return step.part, rng
+
+    steps, bytes_sent, compute_s, wait_s = _forward_ring(k, v, lengths, TND, size - 1, compute, group=group,
+                                                         rank=rank, size=size)
     log.debug("varlen ring forward rank %d/%d: parts %s, %d bytes sent", rank, size, [s.part for s in steps],
               bytes_sent)
     return RingForward(out=acc_out.to(q.dtype), lse=acc_lse, steps=steps, bytes_sent=bytes_sent,
@@ -383,53 +346,27 @@ def varlen_ring_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Ten
             raise ValueError(f"lse has shape {tuple(lse.shape)}, expected {(q.size(0), config.head_num)}")
         return _check_records(steps, config, cu, rank, size)
 
-    plans = _agreed("backward", check, config, q, k, v, size=size, group=group, kernel=kernel, steps=len(steps))
+    plans, lengths = _agreed_checks("backward", check, config, q, k, v, size=size, group=group, kernel=kernel,
+                                    steps=len(steps))
     rows = q.size(0)
     lse = lse.float()
     kw = dict(head_num=config.head_num, scale=config.scale, keep_prob=config.keep_prob)
     dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
-    accumulators = _GradAccumulators(group, rank, size)
-    bytes_sent = 0
-    compute_s = wait_s = 0.0
-    last = size - 1
-    kv = _Rotation([k.contiguous(), v.contiguous()], group, rank, size, _TAG_KV)
-    try:
-        for i, (st, plan) in enumerate(zip(steps, plans)):
-            cur_k, cur_v = kv.current
-            if i < last:
-                bytes_sent += kv.post()
-            started = time.perf_counter()
-            grads = None
-            if plan.segments:
-                ops = _StepOperands(plan, rows, q.device)
-                seed, offset = st.rng[0] if st.rng else (None, None)
-                qi = ops.q_index
-                grads = _segments_backward(
-                    kernel, _take(q, qi), _take(cur_k, ops.kv_index), _take(cur_v, ops.kv_index), _take(dout, qi),
-                    _take(out, qi), _take(lse, qi), ops, plan.mask, seed, offset, kw)
-                _add_rows(dq, qi, grads[0])
-            computed = time.perf_counter()
-            dk_acc, dv_acc = accumulators.for_block(cur_k, cur_v)
-            received = time.perf_counter()
-            if grads is not None:
-                _add_rows(dk_acc, ops.kv_index, grads[1])
-                _add_rows(dv_acc, ops.kv_index, grads[2])
-            del dk_acc, dv_acc, grads
-            accumulators.pass_on(1)
-            passed = time.perf_counter()
-            compute_s += (computed - started) + (passed - received)
-            wait_s += received - computed
-            del cur_k, cur_v
-            if kv.in_flight:
-                kv.advance()
-                wait_s += time.perf_counter() - passed
-    except BaseException:
-        kv.drain()
-        accumulators.drain()
-        raise
-    homed = time.perf_counter()
-    dk, dv = accumulators.home()
-    wait_s += time.perf_counter() - homed
-    bytes_sent += accumulators.bytes_sent
+
+    def compute(i: int, cur_k: Tensor, cur_v: Tensor) -> list:
+        plan = plans[i]
+        if not plan.segments:
+            return []
+        ops = _StepOperands(plan, rows, q.device)
+        seed, offset = steps[i].rng[0] if steps[i].rng else (None, None)
+        qi = ops.q_index
+        grads = _segments_backward(
+            kernel, _take(q, qi), _take(cur_k, ops.kv_index), _take(cur_v, ops.kv_index), _take(dout, qi),
+            _take(out, qi), _take(lse, qi), ops, plan.mask, seed, offset, kw)
+        _add_rows(dq, qi, grads[0])
+        return [(ops.kv_index, grads[1], grads[2])]
+
+    dk, dv, bytes_sent, compute_s, wait_s = _backward_ring(k, v, lengths, TND, size - 1, compute, _add_rows,
+                                                           group=group, rank=rank, size=size)
     return RingBackward(dq=dq.to(q.dtype), dk=dk.to(k.dtype), dv=dv.to(v.dtype), bytes_sent=bytes_sent,
                         compute_seconds=compute_s, wait_seconds=wait_s)

@@ -13,7 +13,7 @@ from ..npu_ops import CAUSAL_MODES, INT_MAX, SparseMode, is_compressed_mask
 from ..ring_plan import MaskSpec
 from .arguments import describe
 
-__all__ = ["mask_spec", "local_mask_rows", "check_sharding", "sharded_like", "local_tensor"]
+__all__ = ["mask_spec", "local_mask_rows", "sharded_like", "local_tensor"]
 
 _UNSUPPORTED_WHEN_SET = ("pse", "padding_mask", "prefix", "actual_seq_qlen", "actual_seq_kvlen", "sink")
 _GIVEN_MASK_MODES = (SparseMode.MASK, SparseMode.ALL_MASK)
@@ -85,33 +85,6 @@ def local_mask_rows(mask: Any, query: DTensor, layout: str, positions: Tensor) -
     if mask.shape[-2] != seq:
         raise ValueError(f"atten_mask must be square over the global sequence S={seq}, got {describe(mask)}")
     return mask.index_select(mask.dim() - 2, positions.to(mask.device))
-
-
-def check_sharding(tensors: dict[str, Any], layout: str):
-    """(mesh, placements) shared by the named DTensors, sharded on the layout's sequence dim."""
-    seq_dim = L.seq_dim(layout)
-    mesh = placements = None
-    for name, tensor in tensors.items():
-        if not isinstance(tensor, DTensor):
-            raise TypeError(
-                f"cp_cache ring attention needs {name} as a DTensor sharded on the sequence "
-                f"dimension {seq_dim} of layout {layout!r}, got {type(tensor).__name__}"
-            )
-        if tensor.device_mesh.ndim != 1:
-            raise NotImplementedError(
-                f"cp_cache ring attention needs a 1-D device mesh, {name} is on a "
-                f"{tensor.device_mesh.ndim}-D mesh {tensor.device_mesh}"
-            )
-        if tuple(tensor.placements) != (Shard(seq_dim),):
-            raise NotImplementedError(
-                f"cp_cache ring attention needs {name} sharded as (Shard({seq_dim}),) for layout "
-                f"{layout!r}, got placements={tuple(tensor.placements)}"
-            )
-        if mesh is None:
-            mesh, placements = tensor.device_mesh, tensor.placements
-        elif tensor.device_mesh != mesh:
-            raise ValueError(f"{name} is on mesh {tensor.device_mesh}, query on {mesh}")
-    return mesh, placements
 
 
 def sharded_like(value: Any, name: str, mesh, placements) -> DTensor:
