@@ -235,12 +235,7 @@ def _merge_rows(acc_out: Tensor, acc_lse: Tensor, index: Optional[Tensor], out: 
     new_lse = torch.logaddexp(old_lse, lse)
     ref = torch.where(torch.isneginf(new_lse), torch.zeros_like(new_lse), new_lse)
     merged = old_out * torch.exp(old_lse - ref).unsqueeze(-1) + out.float() * torch.exp(lse - ref).unsqueeze(-1)
-    if index is None:
-        acc_out.copy_(merged)
-        acc_lse.copy_(new_lse)
-    else:
-        acc_out.index_copy_(0, index, merged)
-        acc_lse.index_copy_(0, index, new_lse)
+    _put_rows(acc_out, acc_lse, index, merged, new_lse)
 
 
 def _merge_rows_fused(acc_out: Tensor, acc_lse: Tensor, index: Optional[Tensor], out: Tensor, lse: Tensor,
@@ -252,13 +247,17 @@ def _merge_rows_fused(acc_out: Tensor, acc_lse: Tensor, index: Optional[Tensor],
     cur_max, cur_sum = merge_stats(lse)
     merged, new_max, new_sum = op(_take(acc_out, index), prev_max, prev_sum, out.float(), cur_max, cur_sum,
                                   actual_seq_qlen=actual_seq_qlen, input_layout=TND)
-    new_lse = lse_from_stats(new_max, new_sum)
+    _put_rows(acc_out, acc_lse, index, merged, lse_from_stats(new_max, new_sum))
+
+
+def _put_rows(acc_out: Tensor, acc_lse: Tensor, index: Optional[Tensor], out: Tensor, lse: Tensor) -> None:
+    """Write merged rows back into the accumulators at ``index`` (None: all rows)."""
     if index is None:
-        acc_out.copy_(merged)
-        acc_lse.copy_(new_lse)
+        acc_out.copy_(out)
+        acc_lse.copy_(lse)
     else:
-        acc_out.index_copy_(0, index, merged)
-        acc_lse.index_copy_(0, index, new_lse)
+        acc_out.index_copy_(0, index, out)
+        acc_lse.index_copy_(0, index, lse)
 
 
 def _add_rows(acc: Tensor, index: Optional[Tensor], value: Tensor) -> None:

@@ -27,7 +27,7 @@ from cp_cache.testing.reference import (
     shard,
 )
 from cp_cache import layout as L
-from cp_cache.testing.multiprocess import run_ranks
+from cp_cache.testing.multiprocess import capture, run_ranks
 
 LAYOUTS = ("BNSD", "BSND", "BSH", "SBH")
 MODES = ("causal_lb", "causal", "full")
@@ -180,14 +180,6 @@ def _run_case(case: Case, rank: int, world: int, mesh) -> dict:
     return res
 
 
-def _capture(fn) -> tuple[str, str]:
-    try:
-        fn()
-    except Exception as exc:  # noqa: BLE001 - reported to the parent
-        return type(exc).__name__, str(exc)
-    return "no error", ""
-
-
 def _rejections(rank: int, world: int, mesh) -> dict:
     """Every rejected call, as (exception type, message)."""
     from torch.distributed.device_mesh import init_device_mesh
@@ -207,43 +199,43 @@ def _rejections(rank: int, world: int, mesh) -> dict:
     def fwd(**kw):
         return lambda: op(q, k, v, N, "BNSD", **kw)
 
-    got["pse"] = _capture(fwd(pse=torch.zeros(B, N, S, S)))
-    got["padding_mask"] = _capture(fwd(padding_mask=torch.zeros(B, N, S, S)))
-    got["prefix"] = _capture(fwd(prefix=[1]))
-    got["actual_seq_qlen"] = _capture(fwd(actual_seq_qlen=idx))
-    got["actual_seq_kvlen"] = _capture(fwd(actual_seq_kvlen=idx))
-    got["sink"] = _capture(fwd(sink=torch.zeros(N)))
-    got["softmax_layout"] = _capture(fwd(softmax_layout="TND"))
+    got["pse"] = capture(fwd(pse=torch.zeros(B, N, S, S)))
+    got["padding_mask"] = capture(fwd(padding_mask=torch.zeros(B, N, S, S)))
+    got["prefix"] = capture(fwd(prefix=[1]))
+    got["actual_seq_qlen"] = capture(fwd(actual_seq_qlen=idx))
+    got["actual_seq_kvlen"] = capture(fwd(actual_seq_kvlen=idx))
+    got["sink"] = capture(fwd(sink=torch.zeros(N)))
+    got["softmax_layout"] = capture(fwd(softmax_layout="TND"))
     for mode in range(5, 9):
-        got[f"sparse_mode={mode}"] = _capture(fwd(atten_mask=causal, sparse_mode=mode))
-    got["mask_mode4_small"] = _capture(fwd(atten_mask=small, sparse_mode=4))
-    got["mask_mode0_rows"] = _capture(fwd(atten_mask=small[: S // 2], sparse_mode=0))
-    got["mask_mode1_3d"] = _capture(fwd(atten_mask=small.unsqueeze(0), sparse_mode=1))
-    got["mask_float"] = _capture(fwd(atten_mask=small.float(), sparse_mode=1))
-    got["mask_mode2_small"] = _capture(fwd(atten_mask=small, sparse_mode=2))
-    got["mask_mode3_batched"] = _capture(fwd(atten_mask=causal.expand(2, 1, MASK, MASK), sparse_mode=3))
+        got[f"sparse_mode={mode}"] = capture(fwd(atten_mask=causal, sparse_mode=mode))
+    got["mask_mode4_small"] = capture(fwd(atten_mask=small, sparse_mode=4))
+    got["mask_mode0_rows"] = capture(fwd(atten_mask=small[: S // 2], sparse_mode=0))
+    got["mask_mode1_3d"] = capture(fwd(atten_mask=small.unsqueeze(0), sparse_mode=1))
+    got["mask_float"] = capture(fwd(atten_mask=small.float(), sparse_mode=1))
+    got["mask_mode2_small"] = capture(fwd(atten_mask=small, sparse_mode=2))
+    got["mask_mode3_batched"] = capture(fwd(atten_mask=causal.expand(2, 1, MASK, MASK), sparse_mode=3))
     qt, kt, vt = (distribute_tensor(t.transpose(1, 2).reshape(B * S, N, D), mesh, [Shard(0)]) for t in full[:3])
-    got["TND"] = _capture(lambda: op(qt, kt, vt, N, "TND"))
+    got["TND"] = capture(lambda: op(qt, kt, vt, N, "TND"))
     qr, kr, vr = (distribute_tensor(t, mesh, [Replicate()]) for t in full[:3])
-    got["replicate"] = _capture(lambda: op(qr, kr, vr, N, "BNSD"))
+    got["replicate"] = capture(lambda: op(qr, kr, vr, N, "BNSD"))
     # sharded on the wrong dim for the layout (BNSD: sequence dim 2)
     qh, kh, vh = (distribute_tensor(t.repeat(1, world, 1, 1), mesh, [Shard(1)]) for t in full[:3])
-    got["wrong_shard_dim"] = _capture(lambda: op(qh, kh, vh, N, "BNSD"))
-    got["local_key"] = _capture(lambda: op(q, full[1], v, N, "BNSD"))
+    got["wrong_shard_dim"] = capture(lambda: op(qh, kh, vh, N, "BNSD"))
+    got["local_key"] = capture(lambda: op(q, full[1], v, N, "BNSD"))
 
     # a 2-D mesh (W x 1) whose second dim shards the head size (neither Replicate nor heads),
     # and a 1-rank mesh per rank for a backward on another mesh size
     mesh2d = init_device_mesh("cpu", (world, 1), mesh_dim_names=("cp", "one"))
     q2, k2, v2 = (distribute_tensor(t, mesh2d, [Shard(2), Shard(3)]) for t in full[:3])
-    got["mesh_2d"] = _capture(lambda: op(q2, k2, v2, N, "BNSD"))
+    got["mesh_2d"] = capture(lambda: op(q2, k2, v2, N, "BNSD"))
 
     # odd local length under load balancing: S = 3W is not divisible by 2W
     odd = [torch.randn(B, N, 3 * world, D, generator=g) for _ in range(3)]
     qo, ko, vo = (distribute_tensor(t, mesh, [Shard(2)]) for t in odd)
     _set_lb(True)
-    got["lb_odd"] = _capture(lambda: op(qo, ko, vo, N, "BNSD", atten_mask=causal, sparse_mode=2, next_tockens=0))
+    got["lb_odd"] = capture(lambda: op(qo, ko, vo, N, "BNSD", atten_mask=causal, sparse_mode=2, next_tockens=0))
     _set_lb(False)
-    got["nolb_odd"] = _capture(lambda: op(qo, ko, vo, N, "BNSD", atten_mask=causal, sparse_mode=2, next_tockens=0))
+    got["nolb_odd"] = capture(lambda: op(qo, ko, vo, N, "BNSD", atten_mask=causal, sparse_mode=2, next_tockens=0))
     _set_lb(True)
 
     # backward with a wrong seed, an expired handle, or on another mesh
@@ -256,17 +248,17 @@ def _rejections(rank: int, world: int, mesh) -> dict:
         args.update(kw)
         return lambda: grad(qq, kk, vv, dd, N, "BNSD", **args)
 
-    got["seed_forged"] = _capture(bwd(torch.tensor([int(out[4])], dtype=torch.int64)))
-    got["seed_clone"] = _capture(bwd(out[4].clone()))
-    got["seed_none"] = _capture(bwd(None))
-    got["seed_dtensor"] = _capture(bwd(DTensor.from_local(out[4], mesh, [Replicate()])))
-    got["bwd_scale_mismatch"] = _capture(bwd(out[4], scale_value=0.25))
-    got["bwd_pse"] = _capture(bwd(out[4], pse=torch.zeros(1)))
-    got["bwd_causal_mismatch"] = _capture(bwd(out[4], atten_mask=None, sparse_mode=0))
+    got["seed_forged"] = capture(bwd(torch.tensor([int(out[4])], dtype=torch.int64)))
+    got["seed_clone"] = capture(bwd(out[4].clone()))
+    got["seed_none"] = capture(bwd(None))
+    got["seed_dtensor"] = capture(bwd(DTensor.from_local(out[4], mesh, [Replicate()])))
+    got["bwd_scale_mismatch"] = capture(bwd(out[4], scale_value=0.25))
+    got["bwd_pse"] = capture(bwd(out[4], pse=torch.zeros(1)))
+    got["bwd_causal_mismatch"] = capture(bwd(out[4], atten_mask=None, sparse_mode=0))
     one = mesh2d["one"]
     other = [DTensor.from_local(t.to_local(), one, [Shard(2)]) for t in (q, k, v, dy, out[0])]
-    got["bwd_other_mesh"] = _capture(bwd(out[4], tensors=other)) if world > 1 else ("skipped", "")
-    got["bwd_ok"] = _capture(bwd(out[4]))
+    got["bwd_other_mesh"] = capture(bwd(out[4], tensors=other)) if world > 1 else ("skipped", "")
+    got["bwd_ok"] = capture(bwd(out[4]))
     handle = out[4]
     del out
     got["live_after_drop"] = ("live", str(cp_cache.stats()["live_entries"]))
@@ -278,7 +270,7 @@ def _rejections(rank: int, world: int, mesh) -> dict:
     out = op(qg, k, v, N, "BNSD", scale=0.5)
     handle, kept = out[4], (out[1], out[2], out[0])
     out[0].backward(dy)
-    got["seed_expired"] = _capture(lambda: grad(
+    got["seed_expired"] = capture(lambda: grad(
         q, k, v, dy, N, "BNSD", softmax_max=kept[0], softmax_sum=kept[1], attention_in=kept[2],
         scale_value=0.5, seed=handle, offset=out[5]))
     del out, handle, kept
@@ -286,9 +278,9 @@ def _rejections(rank: int, world: int, mesh) -> dict:
     # stack policy: a forged pairing key is a mis-pairing, then the right one pops
     cp_cache.enable("stack")
     out = op(q, k, v, N, "BNSD", atten_mask=causal, sparse_mode=2, next_tockens=0, scale=0.5)
-    got["stack_forged"] = _capture(bwd(torch.tensor([12345], dtype=torch.int64)))
-    got["stack_ok"] = _capture(bwd(out[4]))
-    got["stack_second"] = _capture(bwd(out[4]))
+    got["stack_forged"] = capture(bwd(torch.tensor([12345], dtype=torch.int64)))
+    got["stack_ok"] = capture(bwd(out[4]))
+    got["stack_second"] = capture(bwd(out[4]))
     del out
     cp_cache.enable("handle")
     got["live_end"] = ("live", str(cp_cache.stats()["live_entries"]))

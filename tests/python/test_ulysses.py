@@ -21,7 +21,7 @@ import torch
 
 import cp_cache
 from cp_cache import layout as L
-from cp_cache.testing.multiprocess import run_ranks
+from cp_cache.testing.multiprocess import capture, run_ranks
 from cp_cache.testing.reference import band_masked, dense_attention, rel_err
 
 MASK = 2048
@@ -372,14 +372,6 @@ def _checkpointing(rank: int, world: int) -> dict:
     return out
 
 
-def _capture(fn) -> tuple[str, str]:
-    try:
-        fn()
-    except Exception as exc:  # noqa: BLE001 - reported to the parent
-        return type(exc).__name__, str(exc)
-    return "no error", ""
-
-
 def _rejections(rank: int, world: int) -> dict:
     got = {}
     cp_cache.enable(algorithm="ulysses")
@@ -389,18 +381,18 @@ def _rejections(rank: int, world: int) -> dict:
         mesh = _mesh(case, world)
         sizes, coords = _sizes(case, world), _coords(case, world, rank)
         local = [_piece(t, case, sizes, coords).float() for t in _full(case, 0)]
-        got[(case.nq, case.nkv)] = _capture(lambda: _forward(case, local[:3], mesh))
+        got[(case.nq, case.nkv)] = capture(lambda: _forward(case, local[:3], mesh))
     # two CP dims need hybrid; hybrid needs two
     two = Case("ulysses", "BNSD", "full", 4, 4, mesh=(2, 2), dims=("seq", "seq"))
     if world == 4:
         mesh = _mesh(two, world)
         sizes, coords = _sizes(two, world), _coords(two, world, rank)
         local = [_piece(t, two, sizes, coords).float() for t in _full(two, 0)]
-        got["two_cp_dims"] = _capture(lambda: _forward(two, local[:3], mesh))
+        got["two_cp_dims"] = capture(lambda: _forward(two, local[:3], mesh))
         cp_cache.enable(algorithm="hybrid")
         _set_lb(True)
         lb = Case("hybrid", "BNSD", "causal_lb", 4, 4, mesh=(2, 2), dims=("seq", "seq"))
-        got["hybrid_lb"] = _capture(lambda: _forward(lb, local[:3], mesh))
+        got["hybrid_lb"] = capture(lambda: _forward(lb, local[:3], mesh))
     cp_cache.enable(algorithm="ulysses")
     per_head = Case("ulysses", "BNSD", "full", 4, 4)
     mesh = _mesh(per_head, world)
@@ -410,14 +402,14 @@ def _rejections(rank: int, world: int) -> dict:
 
     q, k, v = (DTensor.from_local(t, mesh, _placements(per_head)) for t in local[:3])
     heads_mask = torch.zeros(2, 4, 16, 16, dtype=torch.bool)
-    got["per_head_mask"] = _capture(lambda: torch.ops.npu.npu_fusion_attention_v3(
+    got["per_head_mask"] = capture(lambda: torch.ops.npu.npu_fusion_attention_v3(
         q, k, v, 4, "BNSD", atten_mask=heads_mask, sparse_mode=1))
     cp_cache.enable(algorithm="hybrid")
     one = Case("hybrid", "BNSD", "full", 4, 4)
     mesh = _mesh(one, world)
     sizes, coords = _sizes(one, world), _coords(one, world, rank)
     local = [_piece(t, one, sizes, coords).float() for t in _full(one, 0)]
-    got["hybrid_one_dim"] = _capture(lambda: _forward(one, local[:3], mesh))
+    got["hybrid_one_dim"] = capture(lambda: _forward(one, local[:3], mesh))
     cp_cache.enable()
     return got
 
@@ -513,7 +505,7 @@ def _sharding_helpers(rank: int, world: int) -> dict:
         d = cp_cache.shard_sequence(x, two, 1)
         got["nested_local"] = torch.equal(d.to_local(), x[:, rank * 4:(rank + 1) * 4])
         got["nested_back"] = torch.equal(cp_cache.unshard_sequence(d, 1), x)
-        got["nested_lb"] = _capture(lambda: cp_cache.shard_sequence(x, two, 1, load_balance=True))
+        got["nested_lb"] = capture(lambda: cp_cache.shard_sequence(x, two, 1, load_balance=True))
     return got
 
 

@@ -21,7 +21,7 @@ import torch
 from cp_cache import layout as L
 from cp_cache.kernels import ReferenceKernel
 from cp_cache.ring import RingConfig, ring_attention_backward, ring_attention_forward
-from cp_cache.testing.multiprocess import run_ranks
+from cp_cache.testing.multiprocess import capture, run_ranks
 from cp_cache.testing.reference import dense_attention
 
 B, N, D = 1, 4, 8
@@ -35,14 +35,6 @@ DTENSOR_LENGTH = {2: 7, 4: 13}  # global S, sharded by distribute_tensor (uneven
 def _global(seq: int, nkv: int, seed: int = 3) -> list[torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
     return [torch.randn(B, h, seq, D, generator=g, dtype=torch.float64) for h in (N, nkv, nkv, N)]
-
-
-def _outcome(fn) -> tuple:
-    try:
-        fn()
-        return ("ok", "")
-    except Exception as exc:  # noqa: BLE001 - returned to the test
-        return (type(exc).__name__, str(exc))
 
 
 def _rel(got: torch.Tensor, want: torch.Tensor) -> float:
@@ -80,7 +72,7 @@ def _refused_in_ring(rank: int, world: int, **change) -> tuple:
                         head_num=N, scale=0.3, keep_prob=1.0)
     for name, value in change.items():
         setattr(config, name, value)
-    return _outcome(lambda: ring_attention_forward(q, k, v, config, group=dist.group.WORLD,
+    return capture(lambda: ring_attention_forward(q, k, v, config, group=dist.group.WORLD,
                                                    kernel=ReferenceKernel()))
 
 
@@ -123,7 +115,7 @@ def _handler_refusals(rank: int, world: int, mesh) -> dict:
 
     # one rank's arguments are refused by the handler (pse): every rank raises, naming it
     pse = torch.zeros(B, N, 4, 4) if rank == last else None
-    results["pse"] = _outcome(lambda: torch.ops.npu.npu_fusion_attention_v3(qd, kd, vd, N, "BNSD", pse=pse,
+    results["pse"] = capture(lambda: torch.ops.npu.npu_fusion_attention_v3(qd, kd, vd, N, "BNSD", pse=pse,
                                                                             scale=0.3))
 
     # a handle from another process: the rank holding it refuses, every rank raises
@@ -133,7 +125,7 @@ def _handler_refusals(rank: int, world: int, mesh) -> dict:
     foreign = seed.clone()
     dist.broadcast(foreign, src=0)
     given = foreign if rank == last else seed
-    results["foreign_handle"] = _outcome(lambda: torch.ops.npu.npu_fusion_attention_grad_v3(
+    results["foreign_handle"] = capture(lambda: torch.ops.npu.npu_fusion_attention_grad_v3(
         qd, kd, vd, dd, N, "BNSD", softmax_max=out[1], softmax_sum=out[2], attention_in=out[0],
         scale_value=0.3, seed=given, offset=out[5]))
     del out, seed, given

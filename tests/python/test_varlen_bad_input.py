@@ -9,17 +9,9 @@ import pytest
 import torch
 
 from cp_cache.documents import cumulative_lengths, document_positions
-from cp_cache.testing.multiprocess import run_ranks
+from cp_cache.testing.multiprocess import capture, run_ranks
 
 N, D = 2, 4
-
-
-def _capture(fn) -> tuple[str, str]:
-    try:
-        fn()
-    except Exception as exc:  # noqa: BLE001 - reported to the parent
-        return type(exc).__name__, str(exc)
-    return "no error", ""
 
 
 def _rank_errors(rank: int, world: int) -> dict:
@@ -49,21 +41,21 @@ def _rank_errors(rank: int, world: int) -> dict:
     errors = {}
     _cp_options.enable_load_balance = True
     # document 1 has length 6: not a multiple of 2W (4 at W = 2, 8 at W = 4)
-    errors["indivisible"] = _capture(call([2 * world, 2 * world + 6, T]))
-    errors["short_sum"] = _capture(call([8, T - 2 * world]))
-    errors["non_increasing"] = _capture(call([8, 8, T]))
-    errors["decreasing"] = _capture(call([16, 8, T]))
-    errors["q_kv_differ"] = _capture(call([8, T], [16, T]))
-    errors["missing_kvlen"] = _capture(lambda: torch.ops.npu.npu_fusion_attention_v3(
+    errors["indivisible"] = capture(call([2 * world, 2 * world + 6, T]))
+    errors["short_sum"] = capture(call([8, T - 2 * world]))
+    errors["non_increasing"] = capture(call([8, 8, T]))
+    errors["decreasing"] = capture(call([16, 8, T]))
+    errors["q_kv_differ"] = capture(call([8, T], [16, T]))
+    errors["missing_kvlen"] = capture(lambda: torch.ops.npu.npu_fusion_attention_v3(
         q, k, v, N, "TND", actual_seq_qlen=torch.tensor([T])))
-    errors["float_lengths"] = _capture(call(torch.tensor([8.0, T])))
-    errors["band"] = _capture(call([T], sparse_mode=4))
-    errors["explicit_mask"] = _capture(call([T], atten_mask=torch.zeros(T, T, dtype=torch.bool), sparse_mode=1))
+    errors["float_lengths"] = capture(call(torch.tensor([8.0, T])))
+    errors["band"] = capture(call([T], sparse_mode=4))
+    errors["explicit_mask"] = capture(call([T], atten_mask=torch.zeros(T, T, dtype=torch.bool), sparse_mode=1))
     # ranks that disagree on the documents (each list valid on its own): every rank refuses
     per_rank = [4 * world, T] if rank == 0 else [8 * world, T]
-    errors["ranks_disagree"] = _capture(call(per_rank))
+    errors["ranks_disagree"] = capture(call(per_rank))
     _cp_options.enable_load_balance = False
-    errors["contiguous_odd_ok"] = _capture(call([3, 10, T]))  # any lengths without load balancing
+    errors["contiguous_odd_ok"] = capture(call([3, 10, T]))  # any lengths without load balancing
     cp_cache.disable()
     return errors
 

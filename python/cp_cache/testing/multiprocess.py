@@ -21,7 +21,7 @@ import traceback
 from datetime import timedelta
 from typing import Any, Callable
 
-__all__ = ["run_ranks", "free_port"]
+__all__ = ["run_ranks", "free_port", "capture"]
 
 log = logging.getLogger("cp_cache")
 
@@ -158,3 +158,13 @@ def run_ranks(
                 lines.append(f"--- rank {r} --- no result (killed or hung)")
         raise RuntimeError("\n".join(lines))
     return [values[r] for r in range(world_size)]
+
+
+def capture(fn) -> tuple[str, str]:
+    """(exception type name, message) of ``fn()``, or ("no error", ""): what a rank reports
+    of a call meant to fail on every rank."""
+    try:
+        fn()
+    except Exception as exc:  # noqa: BLE001 - reported to the parent
+        return type(exc).__name__, str(exc)
+    return "no error", ""
