@@ -59,6 +59,7 @@ __all__ = [
     "ulysses_attention_backward",
     "bytes_per_rank",
     "choose_algorithm",
+    "ulysses_degree",
 ]
 
 log = logging.getLogger("cp_cache")
@@ -85,6 +86,17 @@ class HeadPlan:
     @property
     def local_nkv(self) -> int:
         return self.nkv * self.kv_repeats // self.world
+
+
+def ulysses_degree(algorithm: str, cp_sizes: list[int]) -> int:
+    """The Ulysses degree (``RingConfig.ulysses_size``) of ``algorithm`` on a mesh whose CP
+    dimensions have these sizes, outer first: all of one dimension for Ulysses, the inner
+    one for hybrid, 1 for the ring; 0 where the algorithm cannot run on such a mesh."""
+    if algorithm == "ulysses":
+        return cp_sizes[0] if len(cp_sizes) == 1 else 0
+    if algorithm == "hybrid":
+        return cp_sizes[1] if len(cp_sizes) == 2 else 0
+    return 1
 
 
 def head_plan(nq: int, nkv: int, world: int) -> HeadPlan:

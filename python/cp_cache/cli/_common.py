@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 from datetime import timedelta
@@ -108,3 +109,19 @@ class Progress:
         if done >= self.total:
             self.stream.write("\n")
         self.stream.flush()
+
+
+@contextlib.contextmanager
+def cp_session(policy: str = "handle"):
+    """cp_cache enabled for one bench section; on exit disabled again, and torch's CP
+    load-balancing option (which sections change between calls) as it was on entry."""
+    import cp_cache
+    from torch.distributed.tensor.experimental._context_parallel._attention import _cp_options
+
+    load_balance_before = _cp_options.enable_load_balance
+    cp_cache.enable(policy=policy)
+    try:
+        yield
+    finally:
+        _cp_options.enable_load_balance = load_balance_before
+        cp_cache.disable()

@@ -51,7 +51,7 @@ import statistics
 import time
 from pathlib import Path
 
-from ._common import fmt_bytes, launch, table
+from ._common import cp_session, fmt_bytes, launch, table
 
 NAME = "bench"
 HELP = "memory, overhead, traffic and accuracy benchmarks; JSON and a PNG plot under --out"
@@ -243,9 +243,7 @@ def _windows(plan: dict, rank: int, world_size: int, mesh) -> list[dict]:
     g = torch.Generator().manual_seed(rank)
     local = [torch.randn(b, n, s_local, d, generator=g) for _ in range(4)]
     rows = []
-    cp_cache.enable(policy="handle")
-    load_balance_before = _cp_options.enable_load_balance
-    try:
+    with cp_session(policy="handle"):
         for load_balance in (False, True):
             _cp_options.enable_load_balance = load_balance
             for window in windows + [None]:  # None: the full-causal ring (sparse_mode 2)
@@ -280,9 +278,6 @@ def _windows(plan: dict, rank: int, world_size: int, mesh) -> list[dict]:
                     fwd_ms_median=statistics.median(times["fwd"]) * 1e3,
                     bwd_ms_median=statistics.median(times["bwd"]) * 1e3,
                 ))
-    finally:
-        _cp_options.enable_load_balance = load_balance_before
-        cp_cache.disable()
     return rows
 
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 import math
 import statistics
 
-from ._common import fmt_bytes, table
+from ._common import cp_session, fmt_bytes, table
 
 __all__ = ["algorithms_rank", "print_summary", "plot"]
 
@@ -68,15 +68,13 @@ def _one(algorithm: str, mesh, shape: dict, kv_heads: int, plan: dict, rank: int
 def algorithms_rank(plan: dict, rank: int, world_size: int) -> list[dict]:
     from torch.distributed.tensor.experimental._context_parallel._attention import _cp_options
 
-    import cp_cache
     from ..ulysses import choose_algorithm, head_plan
 
     shape = plan["algorithms"]
     meshes = _meshes(world_size)
-    load_balance_before = _cp_options.enable_load_balance
-    _cp_options.enable_load_balance = False  # hybrid lays the sequence out contiguously: all do here
     rows = []
-    try:
+    with cp_session(policy="handle"):
+        _cp_options.enable_load_balance = False  # hybrid lays the sequence out contiguously: all do here
         for kv_heads in shape["kv_heads"]:
             n = shape["heads"]
             auto = choose_algorithm(nq=n, nkv=kv_heads, world=world_size, given_mask=False, batch=shape["batch"],
@@ -93,9 +91,6 @@ def algorithms_rank(plan: dict, rank: int, world_size: int) -> list[dict]:
                     rows.append(dict(row, skipped=str(exc)))
                     continue
                 rows.append(dict(row, **_one(algorithm, meshes[algorithm], shape, kv_heads, plan, rank)))
-    finally:
-        _cp_options.enable_load_balance = load_balance_before
-        cp_cache.disable()
     return rows
 
 

@@ -26,7 +26,7 @@ import math
 import statistics
 from typing import Sequence
 
-from ._common import table
+from ._common import cp_session, table
 
 __all__ = ["draw_documents", "balance_rows", "varlen_rank", "print_varlen"]
 
@@ -164,9 +164,7 @@ def varlen_rank(shape: dict, repeats: int, warmup: int, rank: int, world_size: i
     kw = dict(scale=1.0 / math.sqrt(d), atten_mask=causal_mask("cpu"), sparse_mode=3,
               actual_seq_qlen=torch.tensor(cu), actual_seq_kvlen=torch.tensor(cu))
     rows = []
-    cp_cache.enable(policy="handle")
-    before = _cp_options.enable_load_balance
-    try:
+    with cp_session(policy="handle"):
         for load_balance in (True, False):
             _cp_options.enable_load_balance = load_balance
             local = [cp_cache.shard_documents(t, cu, mesh) for t in full]
@@ -188,9 +186,6 @@ def varlen_rank(shape: dict, repeats: int, warmup: int, rank: int, world_size: i
                 bwd_ms_median=statistics.median(times["backward"]) * 1e3,
                 out_max_abs=float((got - ref["out"]).abs().max()), dq_max_abs=float((dq - ref["dq"]).abs().max()),
             ))
-    finally:
-        _cp_options.enable_load_balance = before
-        cp_cache.disable()
     return rows
 
 

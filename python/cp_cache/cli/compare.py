@@ -43,7 +43,6 @@ import statistics
 import time
 import zlib
 from pathlib import Path
-from typing import Any, Callable
 
 from ._common import fmt_bytes, launch, table, under_torchrun
 from ._measure import SavedStorages, distinct_storage_bytes, peak_bytes, storage_key, tensors_in, trace_memory
@@ -604,8 +603,6 @@ def _refusal(e: BaseException) -> dict:
 
 
 def _run_case(system, spec: dict, rank: int, world: int) -> dict:
-    import torch
-
     from .. import layout as L
     from ..testing.reference import rank_positions
 
@@ -692,7 +689,6 @@ def _resource_inputs(plan: dict, rank: int, world: int):
 
 
 def _memory_pass(system, q, k, v, dout, spec, mask, checkpointed: bool) -> dict:
-    import torch
     from torch.utils.checkpoint import checkpoint
 
     for t in (q, k, v):

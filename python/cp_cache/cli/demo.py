@@ -100,8 +100,6 @@ def _global_mean(value: float) -> float:
 
 def _grad_parity(model, mesh, batch, device, world_size: int, rank: int) -> float:
     """max |grad CP - grad one process| of the loss with dropout off, same weights."""
-    import torch
-
     import cp_cache
     from ..testing.models import loss_fn
 

@@ -27,6 +27,7 @@ from ..merge import fused_merge_available
 from ..npu_ops import lse_from_stats, stats_views_from_lse
 from ..ring import RingConfig
 from ..ring_plan import MaskSpec, positions
+from ..ulysses import ulysses_degree
 from . import ring_ops
 from .arguments import bind_arguments
 from .calls import CallLog
@@ -116,16 +117,8 @@ def _ring_config(a: dict[str, Any], layout: str, spec: MaskSpec, sharding: CPSha
         layout=layout, head_num=sharding.local_heads(int(a["head_num"])), scale=float(a["scale"]),
         keep_prob=float(a["keep_prob"]), window=spec.window, pre_tockens=spec.pre_tockens,
         next_tockens=spec.next_tockens, given_mask=spec.given, policy=cp.policy, algorithm=algorithm,
-        ulysses_size=_ulysses_size(algorithm, sharding),
+        ulysses_size=ulysses_degree(algorithm, sharding.cp_sizes),
     )
-
-
-def _ulysses_size(algorithm: str, sharding: CPSharding) -> int:
-    if algorithm == "ulysses":
-        return sharding.size
-    if algorithm == "hybrid":  # the inner CP dimension
-        return sharding.mesh.size(sharding.cp_dims[1])
-    return 1
 
 
 def _cp_groups(sharding: CPSharding) -> str:
@@ -237,7 +230,7 @@ class AttentionHandlers:
                         layout=layout, head_num=called["head_num"], scale=called["scale"],
                         keep_prob=called["keep_prob"], given_mask=True, algorithm=called["algorithm"]))
                 call = ring_ops.encode_backward_call(called, self.config.policy,
-                                                     [mesh.size(d) for d in sharding.cp_dims], sharding.rank,
+                                                     sharding.cp_sizes, sharding.rank,
                                                      load_balance)
         if varlen:
             return varlen_backward(self, a, started, _wrap)

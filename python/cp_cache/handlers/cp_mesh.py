@@ -45,9 +45,14 @@ class CPSharding:
     head_shards: int  # product of the sizes of the Shard(head) dimensions (1: none)
 
     @property
+    def cp_sizes(self) -> list[int]:
+        """The sizes of the CP dimensions, outer first."""
+        return [self.mesh.size(d) for d in self.cp_dims]
+
+    @property
     def size(self) -> int:
         """Ranks over which the sequence is split."""
-        return math.prod(self.mesh.size(d) for d in self.cp_dims)
+        return math.prod(self.cp_sizes)
 
     @property
     def rank(self) -> int:

@@ -28,6 +28,7 @@ backward that does not match its forward) they refuse together with the other ra
 from __future__ import annotations
 
 import json
+import math
 import time
 from dataclasses import fields
 from typing import Any, Optional
@@ -41,7 +42,7 @@ from ..config import STACK_POLICY
 from ..kernels import get_kernel
 from ..ring import RingConfig, ring_attention_backward, ring_attention_forward
 from ..ring_plan import MaskSpec
-from ..ulysses import ulysses_attention_backward, ulysses_attention_forward
+from ..ulysses import ulysses_attention_backward, ulysses_attention_forward, ulysses_degree
 from ..varlen import TND, varlen_ring_backward, varlen_ring_forward
 from . import step_records as records
 from .arguments import describe
@@ -202,15 +203,6 @@ def _claim_cache(seed: Tensor, policy: str):
     return store.resolve(seed)  # raises, naming what was passed and the likely cause
 
 
-def _ulysses_size(algorithm: str, cp_sizes: list[int]) -> int:
-    """The Ulysses degree ``algorithm`` has on a mesh with these CP dimensions (0: it cannot run there)."""
-    if algorithm == "ulysses":
-        return cp_sizes[0] if len(cp_sizes) == 1 else 0
-    if algorithm == "hybrid":
-        return cp_sizes[1] if len(cp_sizes) == 2 else 0
-    return 1
-
-
 def _check_matches_forward(c: dict[str, Any], config: RingConfig, cache_id: int) -> None:
     """The grad op's arguments and mesh against what its forward recorded."""
     called = {key: MaskSpec(**value) if key == "mask" else value for key, value in c["called"].items()}
@@ -219,10 +211,8 @@ def _check_matches_forward(c: dict[str, Any], config: RingConfig, cache_id: int)
         raise RuntimeError(
             f"cp_cache: backward called with {called} but its forward (cache {cache_id}) ran with {recorded}"
         )
-    size = 1
-    for n in c["cp_sizes"]:
-        size *= n
-    if (size, c["cp_rank"], _ulysses_size(config.algorithm, c["cp_sizes"])) != (
+    size = math.prod(c["cp_sizes"])
+    if (size, c["cp_rank"], ulysses_degree(config.algorithm, c["cp_sizes"])) != (
             config.world_size, config.rank, config.ulysses_size):
         raise RuntimeError(
             f"cp_cache: backward runs on rank {c['cp_rank']} of {size} but its forward ran on rank {config.rank} "

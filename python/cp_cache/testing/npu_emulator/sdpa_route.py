@@ -103,7 +103,7 @@ def install_route() -> None:
 
 
 def uninstall_route() -> None:
-    global _ROUTED, _ORIGINAL_SDPA
+    global _ROUTED
     if not _ROUTED:
         return
     if F.scaled_dot_product_attention is scaled_dot_product_attention:
