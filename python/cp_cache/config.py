@@ -10,6 +10,8 @@ import os
 from dataclasses import dataclass
 
 from .kernels import KERNEL_NAMES
+from .plan import ALGORITHMS
+from .step_cache import HANDLE_POLICY, POLICIES, STACK_POLICY
 
 __all__ = [
     "HANDLE_POLICY",
@@ -25,13 +27,9 @@ __all__ = [
     "load_balance_enabled",
 ]
 
-HANDLE_POLICY = "handle"
-STACK_POLICY = "stack"
-POLICIES = (HANDLE_POLICY, STACK_POLICY)
 POLICY_ENV = "CP_CACHE_POLICY"
 FUSED_MERGE_ENV = "CP_CACHE_FUSED_MERGE"
 KERNELS = KERNEL_NAMES
-ALGORITHMS = ("ring", "ulysses", "hybrid", "auto")
 ALGORITHM_ENV = "CP_CACHE_ALGORITHM"
 
 
@@ -44,7 +42,7 @@ class CPConfig:
     kernel: the step kernel, "npu" or "reference"; None picks "npu" when the op exists.
     algorithm: how the sequence is distributed: "ring", "ulysses" (all-to-all to head
         shards), "hybrid" (Ulysses over the inner of two CP mesh dims, the ring over the
-        outer) or "auto" (per call, ``ulysses.choose_algorithm``).
+        outer) or "auto" (per call, ``plan.choose_algorithm``).
     fused_merge: merge ring steps with ``npu_ring_attention_update`` when the op exists
         (else, or when False, the float32 merge in plain torch).
     """

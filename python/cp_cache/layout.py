@@ -2,17 +2,20 @@
 
 Layouts (``input_layout`` of ``npu_fusion_attention_v3``):
 
-========  ==================  ========  ====================
-layout    shape               seq dim   4-D view
-========  ==================  ========  ====================
-BNSD      [B, N, S, D]        2         [B, N, S, D]
-BSND      [B, S, N, D]        1         [B, S, N, D]
-BSH       [B, S, N*D]         1         [B, S, N, D]
-SBH       [S, B, N*D]         0         [S, B, N, D]
-========  ==================  ========  ====================
+========  ==================  ========  ========  ====================  ==============================
+layout    shape               seq dim   head dim  4-D view              softmax stats (seq, head dims)
+========  ==================  ========  ========  ====================  ==============================
+BNSD      [B, N, S, D]        2         1         [B, N, S, D]          [B, N, S, 8] (2, 1)
+BSND      [B, S, N, D]        1         2         [B, S, N, D]          [B, N, S, 8] (2, 1)
+BSH       [B, S, N*D]         1         2         [B, S, N, D]          [B, N, S, 8] (2, 1)
+SBH       [S, B, N*D]         0         2         [S, B, N, D]          [B, N, S, 8] (2, 1)
+TND       [T, N, D]           0         1         (packed documents)    [T, N, 8] (0, 1)
+========  ==================  ========  ========  ====================  ==============================
 
 The 4-D view keeps the sequence dimension where the layout has it, so a
-sequence range can be narrowed on either form. TND (varlen) is not supported.
+sequence range can be narrowed on either form. TND (packed documents, varlen) has
+no 4-D view: its tensors are used as they are ([T, N, D], the LSE [T, N]).
+This module is the one place the layout names are written.
 """
 
 from __future__ import annotations
@@ -23,6 +26,10 @@ from torch import Tensor
 
 __all__ = [
     "LAYOUTS",
+    "ALL_LAYOUTS",
+    "TND",
+    "head_dim_index",
+    "stats_dims",
     "Dims",
     "check_layout",
     "seq_dim",
@@ -32,11 +39,18 @@ __all__ = [
     "to_bnsd",
     "from_bnsd",
     "narrow_seq",
+    "lse_shape",
 ]
 
-LAYOUTS = ("BNSD", "BSND", "BSH", "SBH")
+LAYOUTS = ("BNSD", "BSND", "BSH", "SBH")  # the dense layouts (a 4-D view each)
+TND = "TND"  # packed documents
+ALL_LAYOUTS = LAYOUTS + (TND,)
 
-_SEQ_DIM = {"BNSD": 2, "BSND": 1, "BSH": 1, "SBH": 0}
+_SEQ_DIM = {"BNSD": 2, "BSND": 1, "BSH": 1, "SBH": 0, TND: 0}
+# the tensor dim holding the heads (BSH/SBH: the hidden dim N*D, split by whole heads)
+_HEAD_DIM = {"BNSD": 1, "BSND": 2, "BSH": 2, "SBH": 2, TND: 1}
+# softmax_max / softmax_sum: (sequence dim, head dim)
+_STATS_DIMS = {"BNSD": (2, 1), "BSND": (2, 1), "BSH": (2, 1), "SBH": (2, 1), TND: (0, 1)}
 _NDIM = {"BNSD": 4, "BSND": 4, "BSH": 3, "SBH": 3}
 # permutation taking the layout's 4-D view to [B, N, S, D]
 _TO_BNSD = {"BNSD": (0, 1, 2, 3), "BSND": (0, 2, 1, 3), "BSH": (0, 2, 1, 3), "SBH": (1, 2, 0, 3)}
@@ -45,10 +59,10 @@ _LSE_PERM = {"BNSD": (0, 1, 2), "BSND": (0, 2, 1), "BSH": (0, 2, 1), "SBH": (2, 
 
 
 def check_layout(layout: str) -> str:
-    """Return ``layout`` if supported; NotImplementedError for TND, ValueError otherwise."""
-    if layout in _SEQ_DIM:
+    """Return ``layout`` if it is a dense layout; NotImplementedError for TND, ValueError otherwise."""
+    if layout in LAYOUTS:
         return layout
-    if layout == "TND":
+    if layout == TND:
         raise NotImplementedError(
             "input_layout='TND' (varlen) is not supported by cp_cache ring attention; "
             f"supported layouts: {', '.join(LAYOUTS)}"
@@ -56,9 +70,33 @@ def check_layout(layout: str) -> str:
     raise ValueError(f"unknown input_layout={layout!r}; supported layouts: {', '.join(LAYOUTS)}")
 
 
+def _known(layout: str) -> str:
+    if layout not in _SEQ_DIM:
+        raise ValueError(f"unknown input_layout={layout!r}; supported layouts: {', '.join(ALL_LAYOUTS)}")
+    return layout
+
+
 def seq_dim(layout: str) -> int:
-    """The sequence dimension of a tensor in ``layout`` (same in its 4-D view)."""
-    return _SEQ_DIM[check_layout(layout)]
+    """The sequence dimension of a tensor in ``layout`` (same in its 4-D view); TND: 0."""
+    return _SEQ_DIM[_known(layout)]
+
+
+def head_dim_index(layout: str) -> int:
+    """The dimension of a tensor in ``layout`` that holds its heads."""
+    return _HEAD_DIM[_known(layout)]
+
+
+def stats_dims(layout: str) -> tuple[int, int]:
+    """(sequence dim, head dim) of the op's softmax statistics for ``layout``."""
+    return _STATS_DIMS[_known(layout)]
+
+
+def lse_shape(x: Tensor, layout: str, head_num: int) -> tuple[int, ...]:
+    """The float32 LSE shape of a query ``x``: [B, N, S], or [T, N] for TND."""
+    if layout == TND:
+        return (x.size(0), head_num)
+    d = dims(x, layout, head_num)
+    return (d.batch, d.heads, d.seq)
 
 
 @dataclass(frozen=True)
@@ -123,7 +161,9 @@ def heads_of(x: Tensor, layout: str, head_dim: int) -> int:
 
 def as_4d(x: Tensor, layout: str, head_num: int) -> Tensor:
     """A 4-D view of ``x`` (BSH -> [B, S, N, D], SBH -> [S, B, N, D]; 4-D layouts and
-    tensors that already are the 4-D view are returned unchanged)."""
+    tensors that already are the 4-D view are returned unchanged; TND tensors too)."""
+    if layout == TND:
+        return x
     check_layout(layout)
     if layout in ("BNSD", "BSND") or x.dim() == 4:
         return x
@@ -132,7 +172,10 @@ def as_4d(x: Tensor, layout: str, head_num: int) -> Tensor:
 
 
 def lse_view(lse: Tensor, layout: str) -> Tensor:
-    """View an LSE of shape [B, N, S] so it broadcasts against ``as_4d`` of an output in ``layout``."""
+    """View an LSE of shape [B, N, S] ([T, N] for TND) so it broadcasts against ``as_4d`` of an
+    output in ``layout``."""
+    if layout == TND:
+        return lse.unsqueeze(-1)
     return lse.permute(_LSE_PERM[check_layout(layout)]).unsqueeze(-1)
 
 

@@ -17,7 +17,7 @@ from torch import Tensor
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
 from .config import load_balance_enabled
-from .ring_plan import positions
+from .engine.steps import positions
 
 __all__ = ["shard_sequence", "unshard_sequence"]
 

@@ -8,7 +8,7 @@ import sys
 import pytest
 import torch
 
-from cp_cache import agreement
+from cp_cache.engine import agreement
 from cp_cache.cli import _measure, compare
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))

@@ -1,4 +1,4 @@
-"""Ranks that disagree fail together, before any K/V moves (cp_cache.agreement via the ring).
+"""Ranks that disagree fail together, before any K/V moves (cp_cache.engine.agreement via the ring).
 
 One spawned run per W (2, 4) executes every case; each case catches its exception on
 every rank and returns (type, message). A mismatch is put on the last rank only.
@@ -13,7 +13,8 @@ import torch
 
 from cp_cache import layout as L
 from cp_cache.kernels import ReferenceKernel
-from cp_cache.ring import RingConfig, ring_attention_backward, ring_attention_forward
+from cp_cache.algorithms import RING
+from cp_cache.testing.reference import ring_plan
 from cp_cache.testing.multiprocess import run_ranks
 from cp_cache.testing.reference import dense_attention, rank_positions
 
@@ -37,7 +38,6 @@ MISMATCHES = {
     "load_balance": (dict(load_balance=False), {}, "load balancing", "True", "False"),
     "window": (dict(pre_tockens=5), {}, "pre_tockens", "3", "5"),
     "window_next": (dict(next_tockens=1), {}, "next_tockens", "0", "1"),
-    "policy": (dict(policy="stack"), {}, "step-cache policy", "''", "'stack'"),
 }
 WINDOW = dict(causal=False, window=True, pre_tockens=3, next_tockens=0)
 
@@ -80,7 +80,7 @@ def _agreement_rank(rank: int, world: int) -> dict:
     import torch.distributed as dist
 
     import cp_cache
-    from cp_cache import agreement
+    from cp_cache.engine import agreement
 
     group, last, ker = dist.group.WORLD, world - 1, ReferenceKernel()
     results = {}
@@ -90,20 +90,19 @@ def _agreement_rank(rank: int, world: int) -> dict:
         base = dict(BASE, **(WINDOW if name.startswith("window") else {}))
         cfg = dict(base, **(cfg_change if rank == last else {}))
         (q, k, v, _), _, _ = _inputs(rank, world, **(in_change if rank == last else {}))
-        config = RingConfig(world_size=world, rank=rank, **cfg)
-        results[name] = _outcome(lambda: ring_attention_forward(q, k, v, config, group=group, kernel=ker))
+        config = ring_plan(world_size=world, rank=rank, **cfg)
+        results[name] = _outcome(lambda: RING.forward(config, q, k, v, groups=[group], kernel=ker))
 
     # a backward that disagrees (scale) after an agreeing forward
     (q, k, v, dout), full, pos = _inputs(rank, world)
-    config = RingConfig(world_size=world, rank=rank, **BASE)
-    fwd = ring_attention_forward(q, k, v, config, group=group, kernel=ker)
-    bad = RingConfig(world_size=world, rank=rank, **dict(BASE, scale=0.25 if rank == last else 0.3))
-    results["backward_scale"] = _outcome(lambda: ring_attention_backward(
-        dout, q, k, v, fwd.out, fwd.lse, fwd.steps, bad, group=group, kernel=ker))
+    config = ring_plan(world_size=world, rank=rank, **BASE)
+    fwd = RING.forward(config, q, k, v, groups=[group], kernel=ker)
+    bad = ring_plan(world_size=world, rank=rank, **dict(BASE, scale=0.25 if rank == last else 0.3))
+    results["backward_scale"] = _outcome(lambda: RING.backward(bad, dout, q, k, v, fwd.out, fwd.lse, fwd.steps, groups=[group], kernel=ker))
 
     # the same bad argument on every rank: the same check fails on every rank
-    invalid = RingConfig(world_size=world, rank=rank, **dict(BASE, keep_prob=2.0))
-    results["all_invalid"] = _outcome(lambda: ring_attention_forward(q, k, v, invalid, group=group, kernel=ker))
+    invalid = ring_plan(world_size=world, rank=rank, **dict(BASE, keep_prob=2.0))
+    results["all_invalid"] = _outcome(lambda: RING.forward(invalid, q, k, v, groups=[group], kernel=ker))
 
     # agreeing calls: right answer against dense float64; one all_gather per call, signature built once
     gathers = []
@@ -116,19 +115,19 @@ def _agreement_rank(rank: int, world: int) -> dict:
     dist.all_gather = counting_all_gather
     try:
         before = agreement.counters()
-        fwd = ring_attention_forward(q, k, v, config, group=group, kernel=ker)
-        bwd = ring_attention_backward(dout, q, k, v, fwd.out, fwd.lse, fwd.steps, config, group=group, kernel=ker)
+        fwd = RING.forward(config, q, k, v, groups=[group], kernel=ker)
+        bwd = RING.backward(config, dout, q, k, v, fwd.out, fwd.lse, fwd.steps, groups=[group], kernel=ker)
         first = agreement.counters()
         for _ in range(3):
-            ring_attention_forward(q, k, v, config, group=group, kernel=ker)
+            RING.forward(config, q, k, v, groups=[group], kernel=ker)
         steady = agreement.counters()
     finally:
         dist.all_gather = real_all_gather
     results["agree"] = dict(counters=(before, first, steady), all_gathers=len(gathers))
     ref = dense_attention(*full, causal=True)  # scale 1/sqrt(D)
-    config_ref = RingConfig(world_size=world, rank=rank, **dict(BASE, scale=1 / D ** 0.5))
-    fwd = ring_attention_forward(q, k, v, config_ref, group=group, kernel=ker)
-    bwd = ring_attention_backward(dout, q, k, v, fwd.out, fwd.lse, fwd.steps, config_ref, group=group, kernel=ker)
+    config_ref = ring_plan(world_size=world, rank=rank, **dict(BASE, scale=1 / D ** 0.5))
+    fwd = RING.forward(config_ref, q, k, v, groups=[group], kernel=ker)
+    bwd = RING.backward(config_ref, dout, q, k, v, fwd.out, fwd.lse, fwd.steps, groups=[group], kernel=ker)
     results["agree"]["errors"] = {
         name: float((got.double() - ref[name].index_select(2, pos)).abs().max())
         for name, got in (("out", fwd.out), ("dq", bwd.dq), ("dk", bwd.dk), ("dv", bwd.dv))
@@ -136,12 +135,11 @@ def _agreement_rank(rank: int, world: int) -> dict:
 
     # last: a rank raises an ordinary exception inside the ring; the others raise too, in time
     kernel = _RaisingKernel() if rank == last else ker
-    fwd = ring_attention_forward(q, k, v, config, group=group, kernel=ker)
+    fwd = RING.forward(config, q, k, v, groups=[group], kernel=ker)
     started = time.monotonic()
-    outcome = _outcome(lambda: ring_attention_backward(
-        dout, q, k, v, fwd.out, fwd.lse, fwd.steps, config, group=group, kernel=kernel))
+    outcome = _outcome(lambda: RING.backward(config, dout, q, k, v, fwd.out, fwd.lse, fwd.steps, groups=[group], kernel=kernel))
     if outcome[0] == "ok":  # this rank's ring finished: its next communication must fail in time
-        outcome = _outcome(lambda: ring_attention_forward(q, k, v, config, group=group, kernel=ker))
+        outcome = _outcome(lambda: RING.forward(config, q, k, v, groups=[group], kernel=ker))
     seconds = time.monotonic() - started
     if rank == last:  # stay alive (connections open), so the others fail by the group's timeout
         time.sleep(PG_TIMEOUT + 2.0)

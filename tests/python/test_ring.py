@@ -1,4 +1,4 @@
-"""Ring attention (cp_cache.ring) against a dense float64 single-process reference.
+"""Ring attention (cp_cache.algorithms.ring) against a dense float64 single-process reference.
 
 The ranks run in spawned processes over gloo on loopback (W = 2, 4) or in this
 process (W = 1, no group). Each spawned run executes the whole case matrix
@@ -26,13 +26,11 @@ from cp_cache.testing.reference import (
 )
 from cp_cache import layout as L
 from cp_cache.kernels import NpuKernel, ReferenceKernel, get_kernel
-from cp_cache.ring import (
-    RingConfig,
-    RingStep,
-    ring_attention_backward,
-    ring_attention_forward,
-    step_part,
-)
+from cp_cache.algorithms import RING
+from cp_cache.engine.loop import RingStep
+from cp_cache.engine.steps import step_part
+from cp_cache.plan import CallPlan
+from cp_cache.testing.reference import ring_plan
 from cp_cache.testing.multiprocess import run_ranks
 
 try:
@@ -94,8 +92,8 @@ CASES = _cases()
 # ---------------------------------------------------------------- rank side
 
 
-def _config(case: Case, world: int, rank: int) -> RingConfig:
-    return RingConfig(
+def _config(case: Case, world: int, rank: int) -> CallPlan:
+    return ring_plan(
         world_size=world,
         rank=rank,
         causal=case.causal,
@@ -145,10 +143,10 @@ def _run_cases(rank: int, world: int, cases: list[Case], group) -> dict:
         cfg = _config(case, world, rank)
         kernel = _Watch(get_kernel(case.kernel))
         torch.manual_seed(1234 + rank)
-        fwd = ring_attention_forward(ql, kl, vl, cfg, group=group, kernel=kernel)
+        fwd = RING.forward(cfg, ql, kl, vl, groups=[group], kernel=kernel)
         max_alive_fwd, seen_fwd = kernel.max_alive, len(kernel.refs)
         kernel = _Watch(get_kernel(case.kernel))
-        bwd = ring_attention_backward(dl, ql, kl, vl, fwd.out, fwd.lse, fwd.steps, cfg, group=group, kernel=kernel)
+        bwd = RING.backward(cfg, dl, ql, kl, vl, fwd.out, fwd.lse, fwd.steps, groups=[group], kernel=kernel)
         results[case.name] = dict(
             out=fwd.out, lse=fwd.lse, dq=bwd.dq, dk=bwd.dk, dv=bwd.dv,
             fwd_bytes=fwd.bytes_sent, bwd_bytes=bwd.bytes_sent,
@@ -272,7 +270,7 @@ def test_step_part_rule():
 @pytest.mark.parametrize("fused", [False, True], ids=["float32", "fused"])
 def test_no_nan_with_empty_rows(fused):
     """A merge of -inf LSE rows (nothing seen yet / a skipped step) gives no NaN."""
-    from cp_cache.merge import merge_into
+    from cp_cache.engine.merge import merge_into
 
     was_installed = emulator_installed()
     if fused:
@@ -316,41 +314,41 @@ def _cfg(**kw):
     base = dict(world_size=1, rank=0, causal=True, load_balance=True, layout="BNSD",
                 head_num=2, scale=0.3, keep_prob=1.0)
     base.update(kw)
-    return RingConfig(**base)
+    return ring_plan(**base)
 
 
 def test_odd_local_length_with_load_balance():
     q, k, v = _small(s=5)
     with pytest.raises(ValueError, match="even local sequence length.*5"):
-        ring_attention_forward(q, k, v, _cfg(), group=None, kernel=ReferenceKernel())
+        RING.forward(_cfg(), q, k, v, groups=[None], kernel=ReferenceKernel())
     # fine without load balancing
-    ring_attention_forward(q, k, v, _cfg(load_balance=False), group=None, kernel=ReferenceKernel())
+    RING.forward(_cfg(load_balance=False), q, k, v, groups=[None], kernel=ReferenceKernel())
 
 
 def test_steps_world_mismatch():
     q, k, v = _small()
     cfg = _cfg()
-    fwd = ring_attention_forward(q, k, v, cfg, group=None, kernel=ReferenceKernel())
+    fwd = RING.forward(cfg, q, k, v, groups=[None], kernel=ReferenceKernel())
     extra = fwd.steps + [RingStep(1, 0, "full")]
     with pytest.raises(RuntimeError, match="2 ring steps where its forward makes 1"):
-        ring_attention_backward(q, q, k, v, fwd.out, fwd.lse, extra, cfg, group=None, kernel=ReferenceKernel())
+        RING.backward(cfg, q, q, k, v, fwd.out, fwd.lse, extra, groups=[None], kernel=ReferenceKernel())
     with pytest.raises(ValueError, match="world_size=2"):
-        ring_attention_forward(q, k, v, _cfg(world_size=2, rank=1), group=None, kernel=ReferenceKernel())
+        RING.forward(_cfg(world_size=2, rank=1), q, k, v, groups=[None], kernel=ReferenceKernel())
 
 
 def test_bad_inputs():
     q, k, v = _small()
     ker = ReferenceKernel()
     with pytest.raises(ValueError, match="key and value shapes differ"):
-        ring_attention_forward(q, k, v[:, :, :4], _cfg(), group=None, kernel=ker)
+        RING.forward(_cfg(), q, k, v[:, :, :4], groups=[None], kernel=ker)
     with pytest.raises(NotImplementedError, match="input_layout='TND'"):
-        ring_attention_forward(q, k, v, _cfg(layout="TND"), group=None, kernel=ker)
+        RING.forward(_cfg(layout="TND"), q, k, v, groups=[None], kernel=ker)
     with pytest.raises(ValueError, match="'XYZ'"):
-        ring_attention_forward(q, k, v, _cfg(layout="XYZ"), group=None, kernel=ker)
+        RING.forward(_cfg(layout="XYZ"), q, k, v, groups=[None], kernel=ker)
     with pytest.raises(ValueError, match="head_num=2"):
-        ring_attention_forward(q, k[:, :1].repeat(1, 3, 1, 1), v[:, :1].repeat(1, 3, 1, 1), _cfg(), group=None, kernel=ker)
+        RING.forward(_cfg(), q, k[:, :1].repeat(1, 3, 1, 1), v[:, :1].repeat(1, 3, 1, 1), groups=[None], kernel=ker)
     with pytest.raises(NotImplementedError, match="keep_prob"):
-        ring_attention_forward(q, k, v, _cfg(keep_prob=0.9), group=None, kernel=ker)
+        RING.forward(_cfg(keep_prob=0.9), q, k, v, groups=[None], kernel=ker)
 
 
 def test_get_kernel():

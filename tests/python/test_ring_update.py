@@ -1,4 +1,4 @@
-"""``npu_ring_attention_update`` (the fused merge) and the ring's merge (``cp_cache.merge``).
+"""``npu_ring_attention_update`` (the fused merge) and the ring's merge (``cp_cache.engine.merge``).
 
 * the emulated op against a float64 merge, SBH and TND, fp32/bf16/fp16, fully masked rows;
 * its schema equals torch-npu 2.13.0's yaml, its fake outputs the wheel's meta function;
@@ -16,7 +16,7 @@ import torch
 
 from cp_cache import layout as L
 from cp_cache.config import FUSED_MERGE_ENV, resolve_config
-from cp_cache.merge import fused_merge_available, merge_into
+from cp_cache.engine.merge import fused_merge_available, merge_into
 from cp_cache.npu_ops import RING_UPDATE, SCHEMAS, STATS_WIDTH
 from cp_cache.testing import install_npu_emulator
 from cp_cache.testing.torch_npu_wheel import fetch, wheel_meta_functions

@@ -168,7 +168,7 @@ def _full(case: Case, data_index: int) -> list[torch.Tensor]:
 
 
 def _seq_positions(case: Case, sizes, coords) -> torch.Tensor:
-    from cp_cache.ring_plan import positions
+    from cp_cache.engine.steps import positions
 
     c, count = _nested(case, sizes, coords, "seq")
     return positions(c, count, case.S // count, case.load_balance)
@@ -492,7 +492,7 @@ def _memory_floor(rank: int, world: int) -> dict:
 def _sharding_helpers(rank: int, world: int) -> dict:
     """cp_cache.shard_sequence / unshard_sequence: head-tail on one CP dim, nested contiguous
     chunks on two (hybrid)."""
-    from cp_cache.ring_plan import positions
+    from cp_cache.engine.steps import positions
 
     x = torch.arange(2 * 16 * 3, dtype=torch.float32).view(2, 16, 3)  # [B, S, H]
     got = {}
@@ -575,7 +575,7 @@ FULL = [(w, c) for w, c in ALL if c.mode == "full" and c.dims.count("seq") == 1 
 
 @pytest.mark.parametrize("world, case", FULL, ids=[f"W{w}-{c.name}" for w, c in FULL])
 def test_bytes_sent_match_the_formula_auto_reads(world, case):
-    from cp_cache.ulysses import bytes_per_rank
+    from cp_cache.plan import bytes_per_rank
 
     sizes = _sizes(case, world)
     cp = math.prod(s for d, s in zip(case.dims, sizes) if d == "seq")
@@ -686,7 +686,7 @@ def test_memory_floor_output_plus_lse(world):
 
 
 def test_auto_rule():
-    from cp_cache.ulysses import bytes_per_rank, choose_algorithm
+    from cp_cache.plan import bytes_per_rank, choose_algorithm
 
     for world in (2, 4, 8):  # MHA: Ulysses (the ring's backward sends W float32 dK/dV blocks)
         assert choose_algorithm(nq=8, nkv=8, world=world, given_mask=False) == "ulysses"

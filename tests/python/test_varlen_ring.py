@@ -15,7 +15,7 @@ from cp_cache.documents import document_positions
 from cp_cache.testing.multiprocess import run_ranks
 from cp_cache.testing.reference import rel_err
 from cp_cache.testing.varlen_reference import dense_tnd_attention, document_masked
-from cp_cache.varlen import plan_varlen_step, step_pairs
+from cp_cache.algorithms.packed import plan_varlen_step, step_pairs
 
 D = 8
 WORLDS = (1, 2, 4)

@@ -16,7 +16,8 @@ import pytest
 import torch
 
 from cp_cache.npu_ops import INT_MAX, causal_mask
-from cp_cache.ring_plan import MaskSpec, hops_needed, plan_step
+from cp_cache.engine.steps import hops_needed, plan_step
+from cp_cache.plan import MaskSpec
 from cp_cache.testing import install_npu_emulator
 from cp_cache.testing.multiprocess import run_ranks
 from cp_cache.testing.reference import band_masked, dense_attention, rank_positions

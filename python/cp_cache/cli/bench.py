@@ -25,7 +25,7 @@ Sections (``--only`` picks some):
   accumulation) and blocked on receives, forward and backward: ``exposed_fraction`` =
   waiting / (computing + waiting), for the default shapes and for one where communication
   dominates;
-* ``agreement``: the ranks' agreement before each ring call (``cp_cache.agreement``): microseconds
+* ``agreement``: the ranks' agreement before each ring call (``cp_cache.engine.agreement``): microseconds
   per call on the ring's group, the first call of a configuration (signature built, then
   all-gathered) and the steady state (cached signature, all-gathered), W > 1;
 * ``varlen``: packed documents (TND): work per rank (max/mean) and FLOPs against the
@@ -234,7 +234,8 @@ def _windows(plan: dict, rank: int, world_size: int, mesh) -> list[dict]:
 
     import cp_cache
     from ..npu_ops import causal_mask
-    from ..ring_plan import MaskSpec, plan_step
+    from ..engine.steps import plan_step
+    from ..plan import MaskSpec
 
     a = plan["attn"]
     b, n, s, d = a["batch"], a["heads"], a["seq"], a["head_dim"]
@@ -369,21 +370,20 @@ def _agreement(plan: dict, rank: int, world_size: int, mesh) -> list[dict]:
     import torch
     import torch.distributed as dist
 
-    from .. import agreement
-    from ..ring import RingConfig
+    from ..engine import agreement
+    from ..plan import CallPlan, MaskSpec
 
     group = mesh.get_group()
     a = plan["attn"]
     s_local = a["seq"] // world_size
     q = torch.empty(a["batch"], a["heads"], s_local, a["head_dim"])
-    config = RingConfig(world_size=world_size, rank=rank, causal=True, load_balance=True, layout="BNSD",
-                        head_num=a["heads"], scale=a["head_dim"] ** -0.5, keep_prob=1.0,
-                        policy="handle", algorithm="ring")
+    call_plan = CallPlan(world_size=world_size, rank=rank, mask=MaskSpec(causal=True), load_balance=True,
+                     layout="BNSD", head_num=a["heads"], scale=a["head_dim"] ** -0.5, keep_prob=1.0)
 
     def once() -> float:
         dist.barrier(group=group)  # start together: time the exchange, not a late peer
         started = time.perf_counter()
-        sig = agreement.signature(direction="forward", config=config, q=q, k=q, v=q, kv_heads=a["heads"],
+        sig = agreement.signature(direction="forward", plan=call_plan, q=q, k=q, v=q, kv_heads=a["heads"],
                                   kernel="npu")
         agreement.agree(sig, group, world_size)
         return time.perf_counter() - started
@@ -393,7 +393,7 @@ def _agreement(plan: dict, rank: int, world_size: int, mesh) -> list[dict]:
     steady = [once() for _ in range(plan["agreement"]["calls"])]
     build_started = time.perf_counter()
     for _ in range(100):
-        agreement.signature(direction="forward", config=config, q=q, k=q, v=q, kv_heads=a["heads"], kernel="npu")
+        agreement.signature(direction="forward", plan=call_plan, q=q, k=q, v=q, kv_heads=a["heads"], kernel="npu")
     cached_build = (time.perf_counter() - build_started) / 100
     return [dict(world_size=world_size, rank=rank, signature_len=agreement.SIGNATURE_LEN,
                  first_call_us=first * 1e6, steady_us=statistics.median(steady) * 1e6,

@@ -68,7 +68,7 @@ def _one(algorithm: str, mesh, shape: dict, kv_heads: int, plan: dict, rank: int
 def algorithms_rank(plan: dict, rank: int, world_size: int) -> list[dict]:
     from torch.distributed.tensor.experimental._context_parallel._attention import _cp_options
 
-    from ..ulysses import choose_algorithm, head_plan
+    from ..plan import choose_algorithm, head_plan
 
     shape = plan["algorithms"]
     meshes = _meshes(world_size)

@@ -60,7 +60,7 @@ def _cumulative(lengths: Sequence[int]) -> list[int]:
 
 
 def _ring_pairs(cu: Sequence[int], world: int, load_balance: bool) -> list[int]:
-    from ..varlen import plan_varlen_step, step_pairs
+    from ..algorithms.packed import plan_varlen_step, step_pairs
 
     return [sum(step_pairs(plan_varlen_step(cu, rank, i, world, True, load_balance)) for i in range(world))
             for rank in range(world)]

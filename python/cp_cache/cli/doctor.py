@@ -112,7 +112,7 @@ def run(args: argparse.Namespace) -> int:
 def _merge_check(todo: list[str]) -> None:
     """Which merge the ring uses for its steps: the fused op or the float32 merge."""
     from cp_cache.config import FUSED_MERGE_ENV, resolve_config
-    from cp_cache.merge import OP_NAME, fused_merge_available
+    from cp_cache.engine.merge import OP_NAME, fused_merge_available
     from cp_cache.testing import emulator_installed, install_npu_emulator, uninstall_npu_emulator
 
     try:

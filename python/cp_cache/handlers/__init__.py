@@ -2,7 +2,8 @@
 
 * ``arguments``: binding a handler's (args, kwargs) to the op's argument names;
 * ``checks``: which mask arguments and shardings the handlers accept;
-* ``step_records``: the step cache's contents, written by forward, read by backward;
+* ``call``: one prepared call (its CallPlan, sharding, mask rows) and the DTensor wrapping;
+* ``ops``: the custom ops that run the strategies and the step cache;
 * ``calls``: per-call measurements;
 * ``attention``: the two handlers, bound to one ``CPConfig``.
 """

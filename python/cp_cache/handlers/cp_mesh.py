@@ -18,21 +18,9 @@ from typing import Any
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from .. import layout as L
-from ..ulysses import choose_algorithm
+from ..plan import ALGORITHM_CP_DIMS, choose_algorithm
 
-__all__ = ["CPSharding", "cp_sharding", "resolve_algorithm", "head_dim_of", "whole_mask", "ALGORITHM_CP_DIMS"]
-
-# BSH/SBH: the hidden dim N*D, split by whole heads; TND: [T, N, D]
-_HEAD_DIM = {"BNSD": 1, "BSND": 2, "BSH": 2, "SBH": 2, "TND": 1}
-# softmax_max / softmax_sum: [B, N, S, 8] (TND: [T, N, 8]): their (sequence, head) dims
-_STATS_DIMS = {"TND": (0, 1)}
-_STATS_DIMS_DEFAULT = (2, 1)
-ALGORITHM_CP_DIMS = {"ring": 1, "ulysses": 1, "hybrid": 2}
-
-
-def head_dim_of(layout: str) -> int:
-    L.seq_dim(layout)  # raises for a layout the handlers do not take
-    return _HEAD_DIM[layout]
+__all__ = ["CPSharding", "cp_sharding", "resolve_algorithm", "whole_mask"]
 
 
 @dataclass(frozen=True)
@@ -76,8 +64,8 @@ class CPSharding:
         return head_num // self.head_shards
 
     def stats_placements(self, layout: str) -> tuple:
-        seq, head = L.seq_dim(layout), _HEAD_DIM[layout]
-        stats_seq, stats_head = _STATS_DIMS.get(layout, _STATS_DIMS_DEFAULT)
+        seq, head = L.seq_dim(layout), L.head_dim_index(layout)
+        stats_seq, stats_head = L.stats_dims(layout)
         out = []
         for p in self.placements:
             if p == Shard(seq):
@@ -91,7 +79,7 @@ class CPSharding:
 
 def cp_sharding(tensors: dict[str, Any], layout: str) -> CPSharding:
     """The CP sharding shared by the named DTensors (same mesh, same placements)."""
-    seq, head = L.seq_dim(layout), head_dim_of(layout)
+    seq, head = L.seq_dim(layout), L.head_dim_index(layout)
     mesh = placements = None
     for name, tensor in tensors.items():
         if not isinstance(tensor, DTensor):
@@ -121,15 +109,17 @@ def cp_sharding(tensors: dict[str, Any], layout: str) -> CPSharding:
 
 
 def resolve_algorithm(configured: str, sharding: CPSharding, *, nq: int, nkv: int, given_mask: bool,
-                      **shape: int) -> str:
+                      strict: bool = True, **shape: int) -> str:
     """The algorithm a call runs: the configured one, or for "auto" hybrid on two CP dimensions
-    and ``ulysses.choose_algorithm`` on one (``shape``: batch, local_seq, head_dim, itemsize)."""
+    and ``plan.choose_algorithm`` on one (``shape``: batch, local_seq, head_dim, itemsize).
+    ``strict``: refuse an algorithm that cannot run on these CP dimensions (a backward does not:
+    it runs what its forward ran, and reports a mesh that differs as a mismatch)."""
     count = len(sharding.cp_dims)
     if configured == "auto":
         configured = "hybrid" if count == 2 else choose_algorithm(nq=nq, nkv=nkv, world=sharding.size,
                                                                   given_mask=given_mask, **shape)
     needed = ALGORITHM_CP_DIMS[configured]
-    if count != needed:
+    if count != needed and strict:
         hint = "; use algorithm='hybrid' for two" if needed == 1 and count == 2 else ""
         raise NotImplementedError(
             f"cp_cache algorithm={configured!r} runs over {needed} mesh dimension(s) sharded on the "

@@ -19,7 +19,9 @@ from dataclasses import dataclass
 import torch
 
 from .. import layout as L
-from ..ring_plan import positions
+from ..engine.steps import positions
+from ..npu_ops import INT_MAX
+from ..plan import CallPlan, MaskSpec
 
 
 @dataclass(frozen=True)
@@ -50,6 +52,14 @@ class AttentionCase:
 
 
 # ---------------------------------------------------------------- inputs and sharding
+
+
+def ring_plan(*, causal: bool = False, window: bool = False, pre_tockens: int = INT_MAX,
+              next_tockens: int = INT_MAX, given_mask: bool = False, **fields) -> CallPlan:
+    """A CallPlan for driving a strategy directly, from the mask's flat fields."""
+    mask = MaskSpec(causal=causal, window=window, pre_tockens=pre_tockens, next_tockens=next_tockens,
+                    given=given_mask)
+    return CallPlan(mask=mask, **fields)
 
 
 def full_inputs(case: AttentionCase, world: int) -> list[torch.Tensor]:

@@ -1,12 +1,14 @@
-"""The ring's merge of one step's result into its float32 accumulators.
+"""The merge of one ring step's result into its float32 accumulators: the one merge of every
+strategy that rotates K/V blocks.
 
 ``merge_into`` folds a step's output and LSE into the accumulators in place, by the
-log-sum-exp rule, on one of two paths:
+log-sum-exp rule, at all rows or (``index``) at the rows a step computed (packed
+documents gather them), on one of two paths:
 
 * float32 (``fused=False``): plain torch, in the accumulators' own layout;
 * fused (``fused=True``): ``torch.ops.npu.npu_ring_attention_update`` (torch_npu's
   fused merge, or the CPU emulator's). The op takes SBH (or TND) outputs and
-  ``[B, N, S, 8]`` float32 statistics, so both outputs go to float32 SBH, the LSEs
+  ``[B, N, S, 8]`` (TND: ``[T, N, 8]``) float32 statistics, so dense outputs go to float32 SBH, the LSEs
   are encoded as max = LSE, sum = 1 (rows that saw no key as max = float32 lowest,
   sum = 0, which the op merges to out 0 / sum 0 without NaN), and the result comes
   back into the accumulators (LSE = max + log(sum)).
@@ -18,11 +20,13 @@ the op exists and ``CPConfig.fused_merge`` is on (env ``CP_CACHE_FUSED_MERGE``, 
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 from torch import Tensor
 
-from . import layout as L
-from .npu_ops import FLOAT32_LOWEST, lse_from_stats, op_exists, stats_from_lse
+from .. import layout as L
+from ..npu_ops import FLOAT32_LOWEST, lse_from_stats, op_exists, stats_from_lse
 
 __all__ = ["OP_NAME", "merge_into", "fused_merge_available"]
 
@@ -35,30 +39,47 @@ def fused_merge_available() -> bool:
 
 
 def merge_into(acc_out: Tensor, acc_lse: Tensor, out_i: Tensor, lse_i: Tensor, layout: str, head_num: int,
-               *, fused: bool) -> None:
+               *, fused: bool, index: Optional[Tensor] = None, actual_seq_qlen: Optional[Tensor] = None) -> None:
     """In place: ``(acc_out, acc_lse) <- logsumexp-merge((acc_out, acc_lse), (out_i, lse_i))``.
 
-    ``acc_out``: float32 in ``layout`` (BNSD/BSND/BSH/SBH), possibly a view (a row range);
-    ``acc_lse``: float32 ``[B, N, S]``, possibly a view; ``out_i``: the step's output in
-    ``layout``, any float dtype; ``lse_i``: float32 ``[B, N, S]``, ``-inf`` for rows that
-    saw no key. Rows that saw no key on either side keep ``-inf`` and a zero output.
+    ``acc_out``: float32 in ``layout``, possibly a view (a row range); ``acc_lse``: float32
+    ``[B, N, S]`` (TND: ``[T, N]``), possibly a view; ``out_i``: the step's output in
+    ``layout``, any float dtype; ``lse_i``: float32, ``-inf`` for rows that saw no key.
+    ``index``: the accumulators' rows (dim 0, TND) the step computed, None for all rows;
+    ``actual_seq_qlen``: the step's TND segment ends (the fused op takes them). Rows that saw
+    no key on either side keep ``-inf`` and a zero output.
     """
+    old_out, old_lse = _take(acc_out, index), _take(acc_lse, index)
     if fused:
-        _merge_fused(acc_out, acc_lse, out_i, lse_i, layout, head_num)
+        merged = _merge_fused(old_out, old_lse, out_i, lse_i, layout, head_num, actual_seq_qlen)
     else:
-        _merge_float32(acc_out, acc_lse, out_i, lse_i, layout, head_num)
+        merged = _merge_float32(old_out, old_lse, out_i, lse_i, layout, head_num)
+    if index is not None:  # write the gathered rows back
+        acc_out.index_copy_(0, index, merged[0])
+        acc_lse.index_copy_(0, index, merged[1])
+    elif merged is not None:
+        acc_out.copy_(merged[0])
+        acc_lse.copy_(merged[1])
+
+
+def _take(x: Tensor, index: Optional[Tensor]) -> Tensor:
+    return x if index is None else x.index_select(0, index)
 
 
 def _merge_float32(acc_out: Tensor, acc_lse: Tensor, out_i: Tensor, lse_i: Tensor, layout: str,
-                   head_num: int) -> None:
+                   head_num: int) -> Optional[tuple[Tensor, Tensor]]:
+    """Merges into ``acc_out``/``acc_lse`` in place; for TND returns the merged rows instead."""
     new_lse = torch.logaddexp(acc_lse, lse_i)
     # rows with no key seen on either side keep -inf and a zero output (never NaN)
     ref = torch.where(torch.isneginf(new_lse), torch.zeros_like(new_lse), new_lse)
     w_old = L.lse_view(torch.exp(acc_lse - ref), layout)
     w_new = L.lse_view(torch.exp(lse_i - ref), layout)
+    if layout == L.TND:
+        return acc_out * w_old + out_i.float() * w_new, new_lse
     o = L.as_4d(acc_out, layout, head_num)
     o.mul_(w_old).add_(L.as_4d(out_i, layout, head_num).float() * w_new)
     acc_lse.copy_(new_lse)
+    return None
 
 
 def _stats(lse: Tensor) -> tuple[Tensor, Tensor]:
@@ -76,10 +97,15 @@ def _to_sbh(x: Tensor, layout: str, head_num: int) -> Tensor:
 
 
 def _merge_fused(acc_out: Tensor, acc_lse: Tensor, out_i: Tensor, lse_i: Tensor, layout: str,
-                 head_num: int) -> None:
+                 head_num: int, actual_seq_qlen: Optional[Tensor]) -> Optional[tuple[Tensor, Tensor]]:
+    """As ``_merge_float32``, by the fused op (SBH for the dense layouts, TND as it is)."""
     op = getattr(torch.ops.npu, OP_NAME)
     prev_max, prev_sum = _stats(acc_lse)
     cur_max, cur_sum = _stats(lse_i)
+    if layout == L.TND:
+        merged, new_max, new_sum = op(acc_out, prev_max, prev_sum, out_i.float(), cur_max, cur_sum,
+                                      actual_seq_qlen=actual_seq_qlen, input_layout=L.TND)
+        return merged, lse_from_stats(new_max, new_sum)
     out_sbh, new_max, new_sum = op(
         _to_sbh(acc_out, layout, head_num), prev_max, prev_sum,
         _to_sbh(out_i, layout, head_num), cur_max, cur_sum,
@@ -88,3 +114,4 @@ def _merge_fused(acc_out: Tensor, acc_lse: Tensor, out_i: Tensor, lse_i: Tensor,
     L.to_bnsd(acc_out, layout, head_num).copy_(L.to_bnsd(out_sbh, "SBH", head_num))
     # sum 0 (no key on either side): lowest + log(0) = -inf
     acc_lse.copy_(lse_from_stats(new_max, new_sum))
+    return None

@@ -2,10 +2,10 @@
 
 Every rank builds a fixed-size int64 signature of everything the K/V exchange and the
 result depend on (local q/k/v/mask shapes, dtypes, layout, heads, mask kind and tockens,
-load balancing, scale and keep_prob as float64 bit patterns, kernel, policy, algorithm,
-direction, recorded ring steps, the packed documents of a TND call (count and a digest of
+load balancing, scale and keep_prob as float64 bit patterns, kernel, algorithm, direction, recorded ring steps, the packed documents of a TND call (count and a digest of
 the cumulative ends), and whether this rank's own argument checks passed).
-The signatures are all-gathered on the ring's group before any K/V moves. If they differ,
+The signatures are all-gathered on the strategy's group before any K/V moves
+(``agreed_checks``: a strategy's argument checks, then the agreement). If they differ,
 every rank raises the same ``RuntimeError`` naming each differing field and each rank's
 value; a rank whose own argument check failed chains its local error as the cause, and
 the refusing ranks' messages are gathered (a second, rare collective) so that every rank
@@ -40,17 +40,18 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from .. import layout as L
+from ..kernels import KERNEL_NAMES
+from ..plan import ALGORITHMS, CallPlan
+
 __all__ = ["SIGNATURE_LEN", "FIELDS", "signature", "refusal_signature", "refusal_shared", "agree", "counters",
-           "reset_counters", "describe", "lengths"]
+           "reset_counters", "describe", "lengths", "agreed_checks", "first_agreement"]
 
 _SHAPE_DIMS = 4  # q/k/v shapes padded with -1 to this many dims (the layouts have 3 or 4)
 
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.float8_e4m3fn,
            torch.float8_e5m2, torch.int8, torch.uint8, torch.bool, torch.int32, torch.int64)
-_LAYOUTS = ("BNSD", "BSND", "BSH", "SBH", "TND")
-_POLICIES = ("", "handle", "stack")
-_ALGORITHMS = ("", "ring", "ulysses", "hybrid")
-_KERNELS = ("", "npu", "reference")
+_KERNELS = ("",) + KERNEL_NAMES  # "": a strategy driven without a named kernel
 _DIRECTIONS = ("forward", "backward")
 _CHECKS = ("passed", "ValueError", "NotImplementedError", "TypeError", "RuntimeError", "failed")
 _MASK_BITS = (("causal", 1), ("window", 2), ("given", 4))
@@ -108,12 +109,13 @@ def _documents(v: list[int]) -> str:
     return "none" if v[0] < 0 else f"{v[0]} documents (digest {v[1]:#x})"
 
 
-def _documents_code(documents: str) -> tuple[int, int]:
-    """(count, 62-bit digest) of a RingConfig's packed documents ("" -> none)."""
+def _documents_code(documents: tuple[int, ...]) -> tuple[int, int]:
+    """(count, 62-bit digest) of a plan's packed documents (() -> none)."""
     if not documents:
         return -1, 0
-    digest = int.from_bytes(hashlib.blake2b(documents.encode(), digest_size=8).digest(), "little") >> 2
-    return documents.count(",") + 1, digest
+    text = ",".join(str(end) for end in documents)
+    digest = int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "little") >> 2
+    return len(documents), digest
 
 
 # (field name as in the message, width in int64 slots, formatter)
@@ -121,9 +123,8 @@ FIELDS: tuple[tuple[str, int, Callable[[list[int]], str]], ...] = (
     ("described", 1, _bool),  # 0: a refusal signature, whose other fields are unknown
     ("direction", 1, _name(_DIRECTIONS)),
     ("kernel", 1, _name(_KERNELS)),
-    ("step-cache policy", 1, _name(_POLICIES)),
-    ("algorithm", 1, _name(_ALGORITHMS)),
-    ("layout", 1, _name(_LAYOUTS)),
+    ("algorithm", 1, _name(ALGORITHMS)),
+    ("layout", 1, _name(L.ALL_LAYOUTS)),
     ("local query shape", _SHAPE_DIMS, _shape),
     ("local key shape", _SHAPE_DIMS, _shape),
     ("local value shape", _SHAPE_DIMS, _shape),
@@ -200,31 +201,29 @@ def reset_counters() -> None:
         _built.clear()
 
 
-def signature(*, direction: str, config: Any, q: Tensor, k: Tensor, v: Tensor, kv_heads: int,
+def signature(*, direction: str, plan: CallPlan, q: Tensor, k: Tensor, v: Tensor, kv_heads: int,
               kernel: str = "", mask_rows: Optional[Tensor] = None, steps: int = -1,
-              error: Optional[BaseException] = None, uneven: bool = False) -> Tensor:
-    """The int64 [SIGNATURE_LEN] signature of one ring call on this rank (``config``: a RingConfig).
-    ``uneven``: the call accepts local sequence lengths that differ between ranks (the
-    sequence dimension is then left out of the compared shapes)."""
-    mask = sum(bit for name, bit in _MASK_BITS
-               if getattr(config, "given_mask" if name == "given" else name))
-    seq_dim = _seq_dim(config.layout) if uneven else None
-    key = (direction, kernel, getattr(config, "policy", ""), getattr(config, "algorithm", ""), config.layout,
-           tuple(q.shape), tuple(k.shape), tuple(v.shape), q.dtype, k.dtype, v.dtype, int(config.head_num),
-           int(kv_heads), mask, int(config.pre_tockens), int(config.next_tockens), bool(config.load_balance),
-           _float_bits(config.scale), _float_bits(config.keep_prob),
-           None if mask_rows is None else tuple(mask_rows.shape), int(steps), _check_code(error), seq_dim,
-           getattr(config, "documents", ""))
+              error: Optional[BaseException] = None) -> Tensor:
+    """The int64 [SIGNATURE_LEN] signature of one call on this rank. Where the plan allows
+    uneven shards (``plan.uneven_allowed``) the sequence dimension is left out of the compared
+    shapes."""
+    mask = sum(bit for name, bit in _MASK_BITS if getattr(plan.mask, name))
+    seq_dim = L.seq_dim(plan.layout) if plan.uneven_allowed else None
+    key = (direction, kernel, plan.algorithm, plan.layout, tuple(q.shape), tuple(k.shape), tuple(v.shape),
+           q.dtype, k.dtype, v.dtype, int(plan.head_num), int(kv_heads), mask, int(plan.mask.pre_tockens),
+           int(plan.mask.next_tockens), bool(plan.load_balance), _float_bits(plan.scale),
+           _float_bits(plan.keep_prob), None if mask_rows is None else tuple(mask_rows.shape), int(steps),
+           _check_code(error), seq_dim, plan.documents)
     with _lock:
         sig = _built.get(key)
         if sig is not None:
             return sig
-    values = [1, _code(_DIRECTIONS, key[0]), _code(_KERNELS, key[1]), _code(_POLICIES, key[2]),
-              _code(_ALGORITHMS, key[3]), _code(_LAYOUTS, key[4]),
-              *_pad(key[5], seq_dim), *_pad(key[6], seq_dim), *_pad(key[7], seq_dim),
-              _code(_DTYPES, key[8]), _code(_DTYPES, key[9]), _code(_DTYPES, key[10]),
-              *key[11:19], *_pad(key[19]), key[20], *_documents_code(key[23]), key[21],
-              _length(q, config.layout), _length(k, config.layout)]
+    values = [1, _code(_DIRECTIONS, key[0]), _code(_KERNELS, key[1]), _code(ALGORITHMS, key[2]),
+              _code(L.ALL_LAYOUTS, key[3]),
+              *_pad(key[4], seq_dim), *_pad(key[5], seq_dim), *_pad(key[6], seq_dim),
+              _code(_DTYPES, key[7]), _code(_DTYPES, key[8]), _code(_DTYPES, key[9]),
+              *key[10:18], *_pad(key[18]), key[19], *_documents_code(key[22]), key[20],
+              _length(q, plan.layout), _length(k, plan.layout)]
     sig = torch.tensor(values, dtype=torch.int64)
     assert sig.numel() == SIGNATURE_LEN
     with _lock:
@@ -265,14 +264,8 @@ def refusal_shared(direction: str, first_agreement: Callable[[], Optional[tuple]
         raise  # every rank refused the same way: each raises its own error
 
 
-def _seq_dim(layout: str) -> int:
-    from .layout import seq_dim
-
-    return 0 if layout == "TND" else seq_dim(layout)
-
-
 def _length(t: Tensor, layout: str) -> int:
-    dim = _seq_dim(layout)
+    dim = L.seq_dim(layout)
     return int(t.shape[dim]) if t.dim() > dim else -1
 
 
@@ -345,3 +338,45 @@ def _compared(sig: list[int]) -> list[int]:
             start, _ = _OFFSET[name]
             out.extend(sig[start:start + width])
     return out
+
+
+def first_agreement(groups: Sequence) -> tuple:
+    """(group, size) where a call's first agreement happens: the group of its innermost CP
+    dimension (the ring's, or Ulysses' in hybrid), the last of ``groups`` (outer first)."""
+    return groups[-1], dist.get_world_size(groups[-1])
+
+
+def _kv_heads(q: Tensor, k: Tensor, plan: CallPlan) -> int:
+    """The K/V head count, or -1 when the shapes do not say (the checks will tell why)."""
+    if plan.packed:
+        return k.size(1) if k.dim() == 3 else -1
+    try:
+        return L.heads_of(k, plan.layout, L.dims(q, plan.layout, plan.head_num).head_dim)
+    except Exception:  # noqa: BLE001 - reported by the checks
+        return -1
+
+
+def agreed_checks(direction: str, check: Callable[[], Any], plan: CallPlan, q: Tensor, k: Tensor, v: Tensor, *,
+                  size: int, group, kernel, mask_rows: Optional[Tensor] = None, steps: int = -1):
+    """Run this rank's argument checks, then (W > 1) agree with the other ranks on the call's
+    signature before anything is exchanged: the ranks disagree -> the same RuntimeError on
+    every rank; they agree -> a check that failed failed on every rank, and raises there.
+    Returns (the check's result, every rank's (query length, K/V length))."""
+    if size == 1:
+        result = check()
+        seq_dim = L.seq_dim(plan.layout)
+        return result, [(q.size(seq_dim), k.size(seq_dim))]
+    error = result = None
+    try:
+        result = check()
+    except _CHECK_ERRORS as exc:
+        error = exc
+    sig = signature(direction=direction, plan=plan, q=q, k=k, v=v, kv_heads=_kv_heads(q, k, plan),
+                    kernel=getattr(kernel, "name", ""), mask_rows=mask_rows, steps=steps, error=error)
+    gathered = lengths(agree(sig, group, size, error))
+    if error is not None:
+        raise error
+    if any(length < 1 for pair in gathered for length in pair):
+        raise ValueError(f"every rank needs at least one query and one key; local (query, K/V) lengths "
+                         f"by rank: {gathered}")  # the same on every rank: they all see the lengths
+    return result, gathered

@@ -27,45 +27,13 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from .kernels.base import StepMask
-from .npu_ops import INT_MAX
+from ..kernels.base import StepMask
+from ..npu_ops import INT_MAX
+from ..plan import MaskSpec
 
-__all__ = ["StepMask", "BlockTask", "MaskSpec", "step_part", "plan_step", "hops_needed", "chunks", "positions",
-           "PARTS"]
+__all__ = ["BlockTask", "step_part", "plan_step", "hops_needed", "chunks", "positions", "PARTS"]
 
 PARTS = ("causal", "full", "q_tail", "kv_head", "band", "masked", "skip")
-
-
-@dataclass(frozen=True)
-class MaskSpec:
-    """The attention mask of a CP call, on global positions.
-
-    causal: lower-triangular (torch's ring rules); window: the band
-    pre_tockens / next_tockens applies; given: an explicit mask is passed with the call
-    (its rows for the local queries, its columns for the whole sequence).
-    """
-
-    causal: bool = False
-    window: bool = False
-    pre_tockens: int = INT_MAX
-    next_tockens: int = INT_MAX
-    given: bool = False
-
-    def __post_init__(self):
-        if self.causal and (self.window or self.given):
-            raise ValueError(f"a causal MaskSpec takes no window and no given mask: {self}")
-
-    def simplified(self, seq: int) -> "MaskSpec":
-        """The same mask over a sequence of ``seq`` tokens, as the cheapest kind: a band that
-        covers every earlier key and no later one is causal, one that covers all is full."""
-        if not self.window or self.given:
-            return self
-        sees_all_past = self.pre_tockens >= seq - 1
-        if sees_all_past and self.next_tockens >= seq - 1:
-            return MaskSpec()
-        if sees_all_past and self.next_tockens == 0:
-            return MaskSpec(causal=True)
-        return self
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,322 @@
+"""Ring attention over packed documents (input_layout TND).
+
+The local q/k/v are ``[T/W, N, D]`` in the layout of ``documents`` (per-document head-tail
+under load balancing, contiguous slices without). Attention never crosses a document, so
+each ring step computes, per document, the part the ring's rules give for that document
+alone:
+
+* load balancing (each rank holds chunks r and 2W-1-r of every document): step 0 causal
+  over the document's local block; a block from a lower rank: all the document's local
+  queries against the head half of its keys ("kv_head"); from a higher rank: the tail
+  half of its queries against all its keys ("q_tail");
+* contiguous: step 0 causal over the document's rows in the slice; a lower rank's slice:
+  full for every document the two slices share; a higher rank's: nothing;
+* non-causal: full for every document both blocks hold.
+
+A step's documents become the segments of ONE kernel call in TND (its
+``actual_seq_qlen/kvlen``), so the kernel does the masking; the rows a step uses are
+gathered (``index_select``) only when they are not the whole block. Documents with no
+work on a step are left out, and a step with none makes no kernel call. The softmax
+statistics are ``[T, N]`` LSEs (the ops' ``[T, N, 8]``). Step results merge into float32
+accumulators in plain torch or, with ``fused_merge``, by ``npu_ring_attention_update`` in
+TND (the engine's merge, at the gathered rows).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Optional, Sequence
+
+import torch
+from torch import Tensor
+
+from .. import layout as L
+from ..documents import check_documents, cumulative_lengths, document_pieces
+from ..engine.agreement import agreed_checks
+from ..engine.checks import check_backward_operands, check_keep_prob
+from ..engine.loop import BackwardResult, ForwardResult, RingStep, backward_ring, empty_outputs, forward_ring
+from ..engine.merge import merge_into
+from ..engine.transport import group_info, own_group
+from ..kernels.base import StepForward, StepKernel, StepMask
+from ..plan import CallPlan
+
+__all__ = ["Segment", "VarlenStep", "plan_varlen_step", "step_pairs", "PackedDocuments", "PACKED"]
+
+log = logging.getLogger("cp_cache")
+
+_CAUSAL = StepMask("causal")
+_FULL = StepMask("none")
+
+
+def _documents(plan: CallPlan) -> tuple[int, ...]:
+    if not plan.documents:
+        raise ValueError("a packed-documents call needs plan.documents (the global cumulative document ends)")
+    return cumulative_lengths(list(plan.documents), "plan.documents")
+
+
+@dataclass(frozen=True)
+class Segment:
+    """One document's part of a step: local query rows x rows of the K/V block, (start, length)."""
+
+    document: int
+    q_start: int
+    q_len: int
+    kv_start: int
+    kv_len: int
+
+
+@dataclass(frozen=True)
+class VarlenStep:
+    part: str  # one of ring_plan.PARTS
+    mask: StepMask  # the same for every segment of the step: "causal" (step 0) or "none"
+    segments: tuple[Segment, ...]
+
+
+def _doc_blocks(cu: Sequence[int], rank: int, world_size: int, load_balance: bool) -> dict[int, tuple[int, int]]:
+    """{document: (local start, local length)} of the documents ``rank`` holds."""
+    blocks: dict[int, tuple[int, int]] = {}
+    for doc, local, _, length in document_pieces(cu, rank, world_size, load_balance):
+        start, held = blocks.get(doc, (local, 0))
+        blocks[doc] = (start, held + length)  # a document's pieces on one rank are adjacent
+    return blocks
+
+
+def plan_varlen_step(cu: Sequence[int], rank: int, index: int, world_size: int, causal: bool,
+                     load_balance: bool) -> VarlenStep:
+    """What step ``index`` on ``rank`` computes for each document (see the module docstring)."""
+    source = (rank - index) % world_size
+    mine = _doc_blocks(cu, rank, world_size, load_balance)
+    theirs = mine if source == rank else _doc_blocks(cu, source, world_size, load_balance)
+    if not causal:
+        part, mask = "full", _FULL
+    elif index == 0:
+        part, mask = "causal", _CAUSAL
+    elif load_balance:
+        part, mask = ("kv_head" if source < rank else "q_tail"), _FULL
+    else:
+        part, mask = ("full" if source < rank else "skip"), _FULL
+    segments = []
+    if part != "skip":
+        for doc, (q_start, q_len) in mine.items():
+            if doc not in theirs:
+                continue
+            kv_start, kv_len = theirs[doc]
+            if part == "kv_head":
+                kv_len //= 2
+            elif part == "q_tail":
+                q_start, q_len = q_start + q_len // 2, q_len // 2
+            if q_len and kv_len:
+                segments.append(Segment(doc, q_start, q_len, kv_start, kv_len))
+    if not segments:
+        part = "skip"
+    return VarlenStep(part, mask, tuple(segments))
+
+
+def step_pairs(step: VarlenStep) -> int:
+    """(query, key) pairs the step's kernel call computes: its attention FLOPs are
+    4 * pairs * N * D forward (QK^T and PV)."""
+    if step.mask.kind == "causal":
+        return sum(s.q_len * (s.q_len + 1) // 2 for s in step.segments)
+    return sum(s.q_len * s.kv_len for s in step.segments)
+
+
+# ---------------------------------------------------------------- checks
+
+
+def _check_inputs(q: Tensor, k: Tensor, v: Tensor, plan: CallPlan, cu: Sequence[int]) -> int:
+    """The K/V head count, after checking the local TND shapes against the documents."""
+    if plan.layout != L.TND:
+        raise ValueError(f"varlen ring attention takes input_layout='TND', got {plan.layout!r}")
+    for name, t in (("query", q), ("key", k), ("value", v)):
+        if t.dim() != 3:
+            raise ValueError(f"input_layout='TND' needs {name} as [T, N, D], got shape {tuple(t.shape)}")
+    if k.shape != v.shape:
+        raise ValueError(f"key and value shapes differ: key {tuple(k.shape)}, value {tuple(v.shape)}")
+    if q.size(1) != plan.head_num:
+        raise ValueError(f"head_num={plan.head_num} but the local query {tuple(q.shape)} has {q.size(1)} heads")
+    if k.size(0) != q.size(0) or k.size(2) != q.size(2):
+        raise ValueError(f"local query {tuple(q.shape)} and key {tuple(k.shape)} must agree on T and D "
+                         "(the documents are the same for queries and keys)")
+    nkv = k.size(1)
+    if nkv <= 0 or plan.head_num % nkv:
+        raise ValueError(f"head_num={plan.head_num} is not a multiple of the K/V head count {nkv}")
+    check_documents(cu, q.size(0) * plan.world_size, plan.world_size, plan.load_balance,
+                    name="actual_seq_qlen")
+    check_keep_prob(plan)
+    return nkv
+
+
+# ---------------------------------------------------------------- one step's kernel call
+
+
+def _rows_index(spans: list[tuple[int, int]], total: int, device) -> Optional[Tensor]:
+    """Index of the rows of ``spans`` (start, length) in order, or None when they are all rows."""
+    if len(spans) and spans[0][0] == 0 and sum(n for _, n in spans) == total and all(
+            a[0] + a[1] == b[0] for a, b in zip(spans, spans[1:])):
+        return None
+    return torch.cat([torch.arange(s, s + n) for s, n in spans]).to(device)
+
+
+def _take(x: Tensor, index: Optional[Tensor]) -> Tensor:
+    return x if index is None else x.index_select(0, index)
+
+
+def _cumulative(lengths: list[int]) -> Tensor:
+    return torch.tensor(lengths, dtype=torch.int64).cumsum(0)
+
+
+class _StepOperands:
+    """A step's gathered rows and its segments' cumulative ends."""
+
+    def __init__(self, step: VarlenStep, rows: int, device):
+        segs = step.segments
+        self.q_index = _rows_index([(s.q_start, s.q_len) for s in segs], rows, device)
+        self.kv_index = _rows_index([(s.kv_start, s.kv_len) for s in segs], rows, device)
+        self.q_lens = [s.q_len for s in segs]
+        self.kv_lens = [s.kv_len for s in segs]
+        self.actual_seq_lens = (_cumulative(self.q_lens), _cumulative(self.kv_lens))
+
+
+def _segments_forward(kernel: StepKernel, q, k, v, ops: _StepOperands, mask: StepMask, kw) -> StepForward:
+    if getattr(kernel, "takes_tnd", False):
+        return kernel.forward(q, k, v, mask=mask, layout=L.TND, actual_seq_lens=ops.actual_seq_lens, **kw)
+    # a kernel without TND: one call per segment, each segment a batch of one in BSND
+    outs, lses = [], []
+    for qs, ks, vs in zip(q.split(ops.q_lens), k.split(ops.kv_lens), v.split(ops.kv_lens)):
+        res = kernel.forward(qs.unsqueeze(0), ks.unsqueeze(0), vs.unsqueeze(0), mask=mask, layout="BSND", **kw)
+        outs.append(res.out.squeeze(0))
+        lses.append(res.lse.squeeze(0).transpose(0, 1))
+    return StepForward(out=torch.cat(outs), lse=torch.cat(lses), seed=None, offset=None)
+
+
+def _segments_backward(kernel: StepKernel, q, k, v, dout, out, lse, ops: _StepOperands, mask: StepMask, seed,
+                       offset, kw) -> tuple[Tensor, Tensor, Tensor]:
+    if getattr(kernel, "takes_tnd", False):
+        return kernel.backward(q, k, v, dout, out, lse, mask=mask, layout=L.TND, seed=seed, offset=offset,
+                               actual_seq_lens=ops.actual_seq_lens, **kw)
+    grads = ([], [], [])
+    for qs, ks, vs, ds, os_, ls in zip(q.split(ops.q_lens), k.split(ops.kv_lens), v.split(ops.kv_lens),
+                                       dout.split(ops.q_lens), out.split(ops.q_lens), lse.split(ops.q_lens)):
+        res = kernel.backward(qs.unsqueeze(0), ks.unsqueeze(0), vs.unsqueeze(0), ds.unsqueeze(0), os_.unsqueeze(0),
+                              ls.transpose(0, 1).unsqueeze(0), mask=mask, layout="BSND", seed=None, offset=None, **kw)
+        for acc, g in zip(grads, res):
+            acc.append(g.squeeze(0))
+    return tuple(torch.cat(g) for g in grads)
+
+
+def _add_rows(acc: Tensor, index: Optional[Tensor], value: Tensor) -> None:
+    if index is None:
+        acc.add_(value)
+    else:
+        acc.index_add_(0, index, value.to(acc.dtype))
+
+
+# ---------------------------------------------------------------- forward and backward
+
+
+def _plan_step(plan: CallPlan, cu, index: int) -> VarlenStep:
+    return plan_varlen_step(cu, plan.rank, index, plan.world_size, plan.causal, plan.load_balance)
+
+
+def _check_records(steps: list[RingStep], plan: CallPlan, cu) -> list[VarlenStep]:
+    rank, size = plan.rank, plan.world_size
+    if len(steps) != size:
+        raise RuntimeError(f"backward got {len(steps)} ring steps where its forward makes {size} (world size {size})")
+    planned = []
+    for i, st in enumerate(steps):
+        step = _plan_step(plan, cu, i)
+        calls = 1 if step.segments else 0
+        if st.index != i or st.source_rank != (rank - i) % size or st.part != step.part or \
+                (st.rng and len(st.rng) != calls):
+            raise RuntimeError(
+                f"ring step record {i} (index={st.index}, source_rank={st.source_rank}, part={st.part!r}, "
+                f"{len(st.rng)} kernel calls) does not match rank {rank}'s plan ({step.part!r}, {calls} calls): "
+                "the backward's documents or configuration differ from the forward's")
+        planned.append(step)
+    return planned
+
+
+def _kernel_args(plan: CallPlan) -> dict:
+    return dict(head_num=plan.head_num, scale=plan.scale, keep_prob=plan.keep_prob)
+
+
+class PackedDocuments:
+    """The ring over packed documents (layout TND) on the innermost of the given groups."""
+
+    def fake(self, plan: CallPlan, q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+        """Empty (out, lse [T/W, Nq]) of the shapes ``forward`` returns: from shapes only."""
+        return empty_outputs(plan, q)
+
+    def forward(self, plan: CallPlan, q: Tensor, k: Tensor, v: Tensor, *, groups: Sequence = (),
+                kernel: StepKernel, mask: Optional[Tensor] = None) -> ForwardResult:
+        """Ring attention of the local packed queries ``[T/W, Nq, D]`` against every rank's K/V,
+        within documents (``plan.documents``); ``mask`` is unused (None). Returns the merged
+        output (query dtype), the float32 LSE ``[T/W, Nq]``, the per-step records and the bytes
+        sent."""
+        size, rank, group = group_info(plan.world_size, plan.rank, own_group(groups))
+        cu = _documents(plan)
+        _, lengths = agreed_checks("forward", lambda: _check_inputs(q, k, v, plan, cu), plan, q, k, v, size=size,
+                                   group=group, kernel=kernel)
+        rows = q.size(0)
+        acc_out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+        acc_lse = torch.full((rows, plan.head_num), float("-inf"), dtype=torch.float32, device=q.device)
+
+        def compute(i: int, cur_k: Tensor, cur_v: Tensor) -> tuple[str, list]:
+            step = _plan_step(plan, cu, i)
+            rng = []
+            if step.segments:
+                ops = _StepOperands(step, rows, q.device)
+                res = _segments_forward(kernel, _take(q, ops.q_index), _take(cur_k, ops.kv_index),
+                                        _take(cur_v, ops.kv_index), ops, step.mask, _kernel_args(plan))
+                if res.seed is not None:
+                    rng.append((res.seed, res.offset))
+                merge_into(acc_out, acc_lse, res.out, res.lse, L.TND, plan.head_num, fused=plan.fused_merge,
+                           index=ops.q_index, actual_seq_qlen=ops.actual_seq_lens[0])
+                del res
+            return step.part, rng
+
+        steps, bytes_sent, compute_s, wait_s = forward_ring(k, v, lengths, L.TND, size - 1, compute, group=group,
+                                                            rank=rank, size=size)
+        log.debug("packed documents forward rank %d/%d: parts %s, %d bytes sent", rank, size,
+                  [s.part for s in steps], bytes_sent)
+        return ForwardResult(out=acc_out.to(q.dtype), lse=acc_lse, steps=steps, bytes_sent=bytes_sent,
+                             compute_seconds=compute_s, wait_seconds=wait_s)
+
+    def backward(self, plan: CallPlan, dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
+                 steps: list[RingStep], *, groups: Sequence = (), kernel: StepKernel,
+                 mask: Optional[Tensor] = None) -> BackwardResult:
+        """Gradients of the local packed q and of this rank's own K/V block (``lse``: [T/W, Nq])."""
+        size, rank, group = group_info(plan.world_size, plan.rank, own_group(groups))
+        cu = _documents(plan)
+
+        def check() -> list[VarlenStep]:
+            _check_inputs(q, k, v, plan, cu)
+            check_backward_operands(plan, dout, q, out, lse)
+            return _check_records(steps, plan, cu)
+
+        planned, lengths = agreed_checks("backward", check, plan, q, k, v, size=size, group=group, kernel=kernel,
+                                         steps=len(steps))
+        rows, lse = q.size(0), lse.float()
+        dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+
+        def compute(i: int, cur_k: Tensor, cur_v: Tensor) -> list:
+            step = planned[i]
+            if not step.segments:
+                return []
+            ops = _StepOperands(step, rows, q.device)
+            seed, offset = steps[i].rng[0] if steps[i].rng else (None, None)
+            qi = ops.q_index
+            grads = _segments_backward(
+                kernel, _take(q, qi), _take(cur_k, ops.kv_index), _take(cur_v, ops.kv_index), _take(dout, qi),
+                _take(out, qi), _take(lse, qi), ops, step.mask, seed, offset, _kernel_args(plan))
+            _add_rows(dq, qi, grads[0])
+            return [(ops.kv_index, grads[1], grads[2])]
+
+        dk, dv, bytes_sent, compute_s, wait_s = backward_ring(k, v, lengths, L.TND, size - 1, compute, _add_rows,
+                                                              group=group, rank=rank, size=size)
+        return BackwardResult(dq=dq.to(q.dtype), dk=dk.to(k.dtype), dv=dv.to(v.dtype), bytes_sent=bytes_sent,
+                              compute_seconds=compute_s, wait_seconds=wait_s)
+
+
+PACKED = PackedDocuments()

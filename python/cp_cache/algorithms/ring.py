@@ -1,0 +1,198 @@
+"""Ring attention over a 1-D process group, forward and backward, on any step kernel.
+
+Each rank keeps its query block; the K/V blocks travel around the ring (rank r
+sends to r+1 and receives from r-1). Step i on rank r uses the block of group
+rank ``(r - i) % W``. The next block's transfer is posted before the current
+block is computed and waited after, so at most two K/V blocks are alive.
+Step results are merged in float32 with the log-sum-exp rule.
+
+Causal rules (torch's ``_templated_ring_attention``):
+
+* without load balancing rank r holds contiguous chunk r: step 0 is the causal
+  diagonal block, blocks from lower ranks are full, from higher ranks skipped;
+* with head-tail load balancing rank r holds chunks r and 2W-1-r of 2W: step 0
+  is causal over the whole local block, a block from a lower rank is seen by
+  all local queries through its first half ("kv_head"), a block from a higher
+  rank is seen fully by the second half of the local queries ("q_tail").
+
+Band (sliding window) and explicit masks are planned per block in ``ring_plan``;
+with a band and contiguous sharding the rotation stops after the last hop any rank
+needs.
+
+Backward sends the K/V around again; the float32 dK/dV accumulators travel
+with their block and go back to its owner after the last step. The loops, the transport
+and the merge are the engine's (``engine/``); this module says what each step computes.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Optional, Sequence
+
+import torch
+from torch import Tensor
+
+from .. import layout as L
+from ..engine.agreement import agreed_checks
+from ..engine.checks import check_backward_operands, check_qkv
+from ..engine.loop import (
+    BackwardResult,
+    ForwardResult,
+    RingStep,
+    backward_ring,
+    check_steps,
+    empty_outputs,
+    forward_ring,
+)
+from ..engine.merge import merge_into
+from ..engine.steps import BlockTask, hops_needed, plan_step
+from ..engine.transport import group_info, own_group
+from ..kernels.base import StepKernel
+from ..plan import CallPlan
+
+__all__ = ["Ring", "RING"]
+
+log = logging.getLogger("cp_cache")
+
+
+def _check_mask_rows(plan: CallPlan, q_len: int, kv_len: int, mask_rows: Optional[Tensor]) -> None:
+    if not plan.mask.given:
+        return
+    expected = (q_len, kv_len * plan.world_size)
+    if mask_rows is None or tuple(mask_rows.shape[-2:]) != expected:
+        got = None if mask_rows is None else tuple(mask_rows.shape)
+        raise ValueError(
+            f"a masked ring call needs the mask rows of the local queries over the whole "
+            f"sequence, [..., {expected[0]}, {expected[1]}]; got {got}"
+        )
+
+
+def _check_inputs(plan: CallPlan, q: Tensor, k: Tensor, v: Tensor, mask_rows: Optional[Tensor]) -> L.Dims:
+    qd, _ = check_qkv(plan, q, k, v)
+    _check_mask_rows(plan, qd.seq, k.size(L.seq_dim(plan.layout)), mask_rows)
+    return qd
+
+
+def _rows(x: Tensor, layout: str, rows: tuple[int, int]) -> Tensor:
+    """The sequence rows ``rows`` of ``x`` in ``layout`` (or its 4-D view): a view."""
+    return L.narrow_seq(x, layout, *rows)
+
+
+def _lse_rows(lse: Tensor, rows: tuple[int, int]) -> Tensor:
+    return lse.narrow(2, *rows)  # lse is [B, N, S]
+
+
+def _plan_step(plan: CallPlan, index: int, q_len: int, kv_len: int, mask_rows: Optional[Tensor]):
+    return plan_step(plan.rank, index, plan.world_size, plan.load_balance, plan.mask, q_len, kv_len, mask_rows)
+
+
+def _last_step(plan: CallPlan, kv_len: int) -> int:
+    return hops_needed(plan.world_size, plan.load_balance, plan.mask, kv_len)
+
+
+def _task_operands(task: BlockTask, layout: str, q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    return _rows(q, layout, task.q_rows), _rows(k, layout, task.kv_rows), _rows(v, layout, task.kv_rows)
+
+
+def _kernel_args(plan: CallPlan) -> dict:
+    return dict(layout=plan.layout, head_num=plan.head_num, scale=plan.scale, keep_prob=plan.keep_prob)
+
+
+def _recorded_tasks(step: RingStep, plan: CallPlan, q_len: int, kv_len: int, mask_rows):
+    """The step's kernel calls, planned again, each with the (seed, offset) its forward drew."""
+    part, tasks = _plan_step(plan, step.index, q_len, kv_len, mask_rows)
+    if part != step.part or (step.rng and len(step.rng) != len(tasks)):
+        raise RuntimeError(
+            f"ring step {step.index} on rank {plan.rank} recorded part {step.part!r} with {len(step.rng)} "
+            f"kernel calls; its plan now gives {part!r} with {len(tasks)}: the backward's inputs "
+            "(mask, lengths, configuration) differ from the forward's"
+        )
+    return zip(tasks, step.rng or [(None, None)] * len(tasks))
+
+
+class Ring:
+    """Ring attention over the innermost of the given process groups, on any step kernel."""
+
+    def forward(self, plan: CallPlan, q: Tensor, k: Tensor, v: Tensor, *, groups: Sequence = (),
+                kernel: StepKernel, mask: Optional[Tensor] = None) -> ForwardResult:
+        """Ring attention of the local queries against every rank's K/V block.
+
+        ``mask``: with a given mask (``plan.mask.given``), its rows of the local queries over
+        the whole sequence (True = masked out). Returns the merged output (query dtype, input
+        layout), the float32 LSE [B, Nq, Sq], the per-step records (for backward) and the bytes
+        sent.
+        """
+        size, rank, group = group_info(plan.world_size, plan.rank, own_group(groups))
+        qd, lengths = agreed_checks("forward", lambda: _check_inputs(plan, q, k, v, mask), plan, q, k, v,
+                                    size=size, group=group, kernel=kernel, mask_rows=mask)
+        lay, seq_dim = plan.layout, L.seq_dim(plan.layout)
+        acc_out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+        acc_lse = torch.full((qd.batch, plan.head_num, qd.seq), float("-inf"), dtype=torch.float32, device=q.device)
+
+        def compute(i: int, cur_k: Tensor, cur_v: Tensor) -> tuple[str, list]:
+            part, tasks = _plan_step(plan, i, qd.seq, cur_k.size(seq_dim), mask)
+            rng = []
+            for task in tasks:
+                res = kernel.forward(*_task_operands(task, lay, q, cur_k, cur_v), mask=task.mask,
+                                     **_kernel_args(plan))
+                if res.seed is not None:
+                    rng.append((res.seed, res.offset))
+                merge_into(_rows(acc_out, lay, task.q_rows), _lse_rows(acc_lse, task.q_rows), res.out, res.lse,
+                           lay, plan.head_num, fused=plan.fused_merge)
+                del res
+            return part, rng
+
+        steps, bytes_sent, compute_s, wait_s = forward_ring(k, v, lengths, lay, _last_step(plan, k.size(seq_dim)),
+                                                            compute, group=group, rank=rank, size=size)
+        log.debug("ring forward rank %d/%d: parts %s, %d bytes sent", rank, size, [s.part for s in steps],
+                  bytes_sent)
+        return ForwardResult(out=acc_out.to(q.dtype), lse=acc_lse, steps=steps, bytes_sent=bytes_sent,
+                             compute_seconds=compute_s, wait_seconds=wait_s, lengths=lengths)
+
+    def backward(self, plan: CallPlan, dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
+                 steps: list[RingStep], *, groups: Sequence = (), kernel: StepKernel,
+                 mask: Optional[Tensor] = None) -> BackwardResult:
+        """Gradients of the local q and of this rank's own K/V block; ``out``/``lse`` are the
+        forward's merged results, ``steps`` its records (parts and seeds reused as recorded)."""
+        size, rank, group = group_info(plan.world_size, plan.rank, own_group(groups))
+        seq_dim = L.seq_dim(plan.layout)
+
+        def check() -> L.Dims:
+            qd = _check_inputs(plan, q, k, v, mask)
+            check_steps(steps, rank, size, _last_step(plan, k.size(seq_dim)) + 1)
+            check_backward_operands(plan, dout, q, out, lse)
+            return qd
+
+        qd, lengths = agreed_checks("backward", check, plan, q, k, v, size=size, group=group, kernel=kernel,
+                                    mask_rows=mask, steps=len(steps))
+        lay, lse = plan.layout, lse.float()
+        dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+
+        def compute(i: int, cur_k: Tensor, cur_v: Tensor) -> list:
+            kv_grads = []
+            for task, (seed, offset) in _recorded_tasks(steps[i], plan, qd.seq, cur_k.size(seq_dim), mask):
+                grads = kernel.backward(
+                    *_task_operands(task, lay, q, cur_k, cur_v),
+                    _rows(dout, lay, task.q_rows), _rows(out, lay, task.q_rows), _lse_rows(lse, task.q_rows),
+                    mask=task.mask, seed=seed, offset=offset, **_kernel_args(plan),
+                )
+                _rows(dq, lay, task.q_rows).add_(grads[0])
+                kv_grads.append((task.kv_rows, grads[1], grads[2]))
+                del grads
+            return kv_grads
+
+        def add_rows(acc: Tensor, kv_rows: tuple[int, int], grad: Tensor) -> None:
+            _rows(acc, lay, kv_rows).add_(grad)
+
+        dk, dv, bytes_sent, compute_s, wait_s = backward_ring(k, v, lengths, lay, _last_step(plan, k.size(seq_dim)),
+                                                              compute, add_rows, group=group, rank=rank, size=size)
+        log.debug("ring backward rank %d/%d: %d bytes sent", rank, size, bytes_sent)
+        return BackwardResult(dq=dq.to(q.dtype), dk=dk.to(k.dtype), dv=dv.to(v.dtype), bytes_sent=bytes_sent,
+                              compute_seconds=compute_s, wait_seconds=wait_s, lengths=lengths)
+
+    def fake(self, plan: CallPlan, q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+        """Empty (out, lse) of the shapes ``forward`` returns: for tracing with fake tensors."""
+        return empty_outputs(plan, q)
+
+
+RING = Ring()

@@ -1,0 +1,340 @@
+"""Ulysses (all-to-all) and hybrid (Ulysses x ring) context-parallel attention, forward and backward.
+
+Ulysses over a group of U ranks, each holding a sequence shard of every head:
+
+1. one all-to-all turns the sequence shards of q, k, v into head shards: rank u gets
+   query heads [u*Nq/U, (u+1)*Nq/U) over the whole sequence (K/V: their own head
+   count; with GQA and Nkv < U dividing U, each K/V head is first repeated U/Nkv times,
+   so rank u gets the one K/V head its query heads use);
+2. the sequence arrives in the order the ranks hold it; head-tail load balancing is
+   undone (global order) before the local call and redone after it;
+3. one full-sequence attention call of the step kernel (causal, band, full, or a given mask
+   shared by the heads), with its own dropout seed/offset, recorded like a ring step;
+4. one all-to-all brings the output and the LSE back to sequence shards.
+
+Backward exchanges q, k, v, the output, its gradient and the LSE again (nothing but
+the op's outputs is kept from forward), replays the recorded seed/offset, and an
+all-to-all brings dq, dk, dv home (repeated K/V heads summed).
+
+Hybrid (USP): the CP ranks form a W0 x W1 grid; rank (i, j) holds sequence chunk
+i*W1 + j of W0*W1. Ulysses runs over j (the inner group): rank (i, j) then holds head
+group j of the contiguous block i of W0. The ring it is given (``Ulysses(inner=...)``)
+runs over i (the outer groups) on those blocks (contiguous layout), then Ulysses brings
+the output back.
+
+Dropout: every rank of a Ulysses group computes different heads, so no two may share
+a mask. Rank u advances the random generator of the query's device by u draws before
+its attention call(s) and by U-1-u after them: each rank draws its own seed/offset,
+and every rank leaves the generator in the same state.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, replace
+from typing import Optional, Sequence
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from .. import layout as L
+from ..engine.agreement import agreed_checks
+from ..engine.checks import check_backward_operands, check_qkv
+from ..engine.loop import BackwardResult, ForwardResult, RingStep, empty_outputs
+from ..engine.steps import positions
+from ..engine.transport import exchange_heads, own_group, own_storage
+from ..kernels.base import StepKernel, StepMask
+from ..plan import CallPlan, HeadPlan, head_plan
+
+__all__ = ["Ulysses", "ULYSSES"]
+
+log = logging.getLogger("cp_cache")
+
+_BNSD = "BNSD"  # the head shards' layout
+
+
+# ---------------------------------------------------------------- sequence order
+
+
+def _sequence_order(plan: CallPlan, local_seq: int) -> Optional[Tensor]:
+    """Global position of each row of the gathered sequence (rank order), or None when that
+    is already the global order (contiguous shards)."""
+    if not plan.load_balance:
+        return None
+    world = plan.ulysses_size
+    return torch.cat([positions(r, world, local_seq, True) for r in range(world)])
+
+
+def _to_global(x: Tensor, order: Optional[Tensor]) -> Tensor:
+    if order is None:
+        return x
+    return x.index_select(2, torch.argsort(order).to(x.device))
+
+
+def _to_rank_order(x: Tensor, order: Optional[Tensor]) -> Tensor:
+    if order is None:
+        return x
+    return x.index_select(2, order.to(x.device))
+
+
+# ---------------------------------------------------------------- the local part
+
+
+def _check_mask(plan: CallPlan, mask: Optional[Tensor], seq: int) -> None:
+    """A given mask must cover the whole sequence (``seq``: the global length) and be shared by
+    the heads (each rank computes other heads)."""
+    if not plan.mask.given:
+        return
+    if mask is not None and mask.dim() == 4 and mask.size(1) != 1:
+        raise NotImplementedError(
+            f"cp_cache Ulysses attention takes a mask shared by the heads ([S, S], [1, 1, S, S] or "
+            f"[B, 1, S, S]), not a per-head mask of shape {tuple(mask.shape)} yet; use algorithm='ring'"
+        )
+    if mask is None or mask.dim() not in (2, 4) or tuple(mask.shape[-2:]) != (seq, seq):
+        got = None if mask is None else tuple(mask.shape)
+        raise ValueError(f"a Ulysses call with a given mask needs it over the whole sequence "
+                         f"[..., {seq}, {seq}]; got {got}")
+
+
+def _ring_mask_rows(plan: CallPlan, groups: "_Groups", mask: Optional[Tensor], seq: int) -> Optional[Tensor]:
+    """Hybrid: the given mask's rows of this rank's contiguous block (the ring plans the rest)."""
+    if not plan.mask.given:
+        return None
+    rows = seq // groups.ring_size
+    return mask.narrow(mask.dim() - 2, groups.ring_rank * rows, rows)
+
+
+def _local_mask(plan: CallPlan, mask: Optional[Tensor], seq: int) -> tuple[str, StepMask]:
+    """The mask of the local full-sequence call (``seq``: the global length)."""
+    if plan.mask.given:
+        _check_mask(plan, mask, seq)
+        block = mask.bool()
+        if plan.mask.window:  # sparse_mode 0: the band applies on top of the mask
+            i = torch.arange(seq, device=mask.device).view(-1, 1)
+            j = torch.arange(seq, device=mask.device).view(1, -1)
+            block = block | (j - i > plan.mask.next_tockens) | (i - j > plan.mask.pre_tockens)
+        return "masked", StepMask("given", block=block)
+    if plan.mask.causal:
+        return "causal", StepMask("causal")
+    if plan.mask.window:
+        return "band", StepMask("band", pre_tockens=plan.mask.pre_tockens, next_tockens=plan.mask.next_tockens)
+    return "full", StepMask("none")
+
+
+def _advance_rng(device: torch.device, draws: int) -> None:
+    for _ in range(draws):
+        torch.rand(1, device=device)
+
+
+@dataclass(frozen=True)
+class _Groups:
+    ulysses_rank: int
+    ring_size: int
+    ring_rank: int
+
+
+def _groups(plan: CallPlan, groups: Sequence) -> _Groups:
+    """This rank's place in its Ulysses group (the innermost of ``groups``) and in the ring
+    over the outer ones (hybrid), checked against the process groups."""
+    u = plan.ulysses_size
+    if u < 1 or plan.world_size % u:
+        raise ValueError(f"ulysses_size={u} does not divide world_size={plan.world_size}")
+    ulysses_rank, ring_size, ring_rank = plan.rank % u, plan.world_size // u, plan.rank // u
+    own, ring_group = own_group(groups), own_group(groups[:-1])
+    for name, g, size, rank in (("group", own, u, ulysses_rank), ("ring_group", ring_group, ring_size, ring_rank)):
+        if size == 1:
+            continue
+        if g is None:
+            raise ValueError(f"{name} is None but that dimension has {size} ranks")
+        if (dist.get_world_size(g), dist.get_rank(g)) != (size, rank):
+            raise ValueError(
+                f"{name} has rank {dist.get_rank(g)} of {dist.get_world_size(g)}; the plan "
+                f"(world_size={plan.world_size}, rank={plan.rank}, ulysses_size={u}) gives {rank} of {size}"
+            )
+    return _Groups(ulysses_rank, ring_size, ring_rank)
+
+
+def _check(q: Tensor, k: Tensor, v: Tensor, plan: CallPlan, mask: Optional[Tensor]) -> HeadPlan:
+    seq_dim = L.seq_dim(plan.layout)
+    local_seq = q.size(seq_dim)
+    _check_mask(plan, mask, local_seq * plan.world_size)
+    # the ring's checks but for its mask rows (here: the whole mask, checked above)
+    qd, nkv = check_qkv(replace(plan, mask=replace(plan.mask, given=False)), q, k, v)
+    if plan.mask.given and k.size(seq_dim) != local_seq:
+        raise ValueError(f"masked Ulysses attention needs equal local query and key lengths, got "
+                         f"{local_seq} and {k.size(seq_dim)}")
+    if plan.ulysses_size > 1 and plan.world_size > plan.ulysses_size and plan.load_balance:
+        raise NotImplementedError(
+            "cp_cache hybrid (Ulysses x ring) attention lays the sequence out contiguously; load "
+            "balancing (torch's _cp_options.enable_load_balance) with causal, band or masked attention "
+            "is not supported with it yet: turn load balancing off"
+        )
+    return head_plan(qd.heads, nkv, plan.ulysses_size)
+
+
+def _bnsd(x: Tensor, layout: str, heads: int) -> Tensor:
+    return L.to_bnsd(x, layout, heads)
+
+
+def _kv_bnsd(x: Tensor, plan: CallPlan, heads: HeadPlan) -> Tensor:
+    x = _bnsd(x, plan.layout, heads.nkv)
+    return x.repeat_interleave(heads.kv_repeats, dim=1) if heads.kv_repeats > 1 else x
+
+
+@dataclass
+class _Local:
+    """What the local computation between the two all-to-alls gave."""
+
+    out: Tensor
+    lse: Tensor
+    steps: list[RingStep]
+    bytes_sent: int = 0
+    wait_seconds: float = 0.0
+
+
+class Ulysses:
+    """Ulysses over the innermost of the given process groups; with ``inner`` (a strategy: the
+    ring) hybrid, the inner strategy running over the outer groups between the all-to-alls."""
+
+    def __init__(self, inner=None):
+        self.inner = inner
+
+    def fake(self, plan: CallPlan, q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+        """Empty (out, lse) of the shapes ``forward`` returns: for tracing with fake tensors."""
+        return empty_outputs(plan, q)
+
+    # ------------------------------------------------------------ forward
+
+    def forward(self, plan: CallPlan, q: Tensor, k: Tensor, v: Tensor, *, groups: Sequence, kernel: StepKernel,
+                mask: Optional[Tensor] = None) -> ForwardResult:
+        """Ulysses (``plan.ulysses_size == plan.world_size``) or hybrid attention of the local
+        sequence shards; returns, like the ring, the output (input layout and dtype), the float32
+        LSE [B, Nq, s], the records of the attention calls (one step for Ulysses, the ring's
+        steps for hybrid) and the bytes sent. ``mask``: with a given mask, the mask over the
+        whole sequence in global order, [S, S], [1, 1, S, S] or [B, 1, S, S] (True = masked
+        out)."""
+        where = _groups(plan, groups)
+        u = plan.ulysses_size
+        heads, _ = agreed_checks("forward", lambda: _check(q, k, v, plan, mask), plan, q, k, v, size=u,
+                                 group=own_group(groups), kernel=kernel, mask_rows=mask)
+        if heads.kv_repeats > 1:
+            log.info("cp_cache Ulysses: %d K/V heads over %d ranks: each K/V head repeated %d times",
+                     heads.nkv, u, heads.kv_repeats)
+        started = time.perf_counter()
+        local_seq = q.size(L.seq_dim(plan.layout))
+        (qh, kh, vh), sent = exchange_heads([_bnsd(q, plan.layout, heads.nq), _kv_bnsd(k, plan, heads),
+                                             _kv_bnsd(v, plan, heads)], own_group(groups), u, to_heads=True)
+        exchanged = time.perf_counter()
+        order = _sequence_order(plan, local_seq)
+        qh, kh, vh = (_to_global(t, order) for t in (qh, kh, vh))
+        with _OwnDropoutDraws(plan, q.device, where):
+            local = self._local_forward(plan, qh, kh, vh, heads, where, groups, kernel, mask)
+        computed = time.perf_counter()
+        out_h = _to_rank_order(local.out, order)
+        lse_h = _to_rank_order(local.lse.float().unsqueeze(-1), order)
+        (out_b, lse), back = exchange_heads([out_h, lse_h], own_group(groups), u, to_heads=False)
+        finished = time.perf_counter()
+        log.debug("ulysses forward rank %d/%d (ring %d): %d bytes sent", where.ulysses_rank, u, where.ring_size,
+                  sent + back + local.bytes_sent)
+        return ForwardResult(out=own_storage(L.from_bnsd(out_b.to(q.dtype), plan.layout)),
+                             lse=own_storage(lse.squeeze(-1)), steps=local.steps,
+                             bytes_sent=sent + back + local.bytes_sent,
+                             compute_seconds=(computed - exchanged) - local.wait_seconds,
+                             wait_seconds=(exchanged - started) + (finished - computed) + local.wait_seconds)
+
+    def _local_forward(self, plan, qh, kh, vh, heads: HeadPlan, where: _Groups, groups, kernel, mask) -> _Local:
+        """Attention of the gathered head shards: one kernel call, or the inner ring (hybrid)."""
+        if where.ring_size == 1:
+            part, step_mask = _local_mask(plan, mask, qh.size(2))
+            res = kernel.forward(qh, kh, vh, layout=_BNSD, head_num=heads.local_nq, scale=plan.scale,
+                                 keep_prob=plan.keep_prob, mask=step_mask)
+            rng = ((res.seed, res.offset),) if res.seed is not None else ()
+            return _Local(res.out, res.lse, [RingStep(index=0, source_rank=plan.rank, part=part, rng=rng)])
+        ring = self.inner.forward(plan.ring_part(where.ring_size, where.ring_rank, heads.local_nq), qh, kh, vh,
+                                  groups=groups[:-1], kernel=kernel,
+                                  mask=_ring_mask_rows(plan, where, mask, qh.size(2) * where.ring_size))
+        return _Local(ring.out, ring.lse, ring.steps, ring.bytes_sent, ring.wait_seconds)
+
+    # ------------------------------------------------------------ backward
+
+    def backward(self, plan: CallPlan, dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
+                 steps: list[RingStep], *, groups: Sequence, kernel: StepKernel,
+                 mask: Optional[Tensor] = None) -> BackwardResult:
+        """Gradients of the local q, k, v shards; ``steps`` and ``mask`` as in the forward."""
+        where = _groups(plan, groups)
+        u = plan.ulysses_size
+
+        def check() -> HeadPlan:
+            split = _check(q, k, v, plan, mask)
+            check_backward_operands(plan, dout, q, out, lse)
+            if where.ring_size == 1 and len(steps) != 1:
+                raise RuntimeError(f"a Ulysses backward needs the forward's 1 attention record, got {len(steps)}")
+            return split
+
+        heads, _ = agreed_checks("backward", check, plan, q, k, v, size=u, group=own_group(groups), kernel=kernel,
+                                 mask_rows=mask, steps=len(steps))
+        started = time.perf_counter()
+        lay, local_seq = plan.layout, q.size(L.seq_dim(plan.layout))
+        tensors = [_bnsd(q, lay, heads.nq), _kv_bnsd(k, plan, heads), _kv_bnsd(v, plan, heads),
+                   _bnsd(out, lay, heads.nq), _bnsd(dout, lay, heads.nq), lse.float().unsqueeze(-1)]
+        exchanged_in, sent = exchange_heads(tensors, own_group(groups), u, to_heads=True)
+        exchanged = time.perf_counter()
+        order = _sequence_order(plan, local_seq)
+        gathered = [_to_global(t, order) for t in exchanged_in]
+        gathered[5] = gathered[5].squeeze(-1)
+        grads, ring_bytes, ring_wait = self._local_backward(plan, gathered, steps, heads, where, groups, kernel, mask)
+        computed = time.perf_counter()
+        grads = [_to_rank_order(t, order) for t in grads]
+        if heads.kv_repeats > 1:  # the repeated heads' gradients are summed: send them in float32
+            grads[1], grads[2] = grads[1].float(), grads[2].float()
+        (dq_b, dk_b, dv_b), back = exchange_heads(grads, own_group(groups), u, to_heads=False)
+        if heads.kv_repeats > 1:
+            b, _, s, d = dk_b.shape
+            dk_b, dv_b = (t.view(b, heads.nkv, heads.kv_repeats, s, d).sum(2) for t in (dk_b, dv_b))
+        finished = time.perf_counter()
+        return BackwardResult(
+            dq=own_storage(L.from_bnsd(dq_b.to(q.dtype), lay)), dk=own_storage(L.from_bnsd(dk_b.to(k.dtype), lay)),
+            dv=own_storage(L.from_bnsd(dv_b.to(v.dtype), lay)), bytes_sent=sent + back + ring_bytes,
+            compute_seconds=(computed - exchanged) - ring_wait,
+            wait_seconds=(exchanged - started) + (finished - computed) + ring_wait,
+        )
+
+    def _local_backward(self, plan, gathered, steps, heads: HeadPlan, where: _Groups, groups, kernel, mask):
+        """(dq, dk, dv) of the gathered head shards, bytes the inner ring sent, its wait."""
+        qh, kh, vh, outh, douth, lseh = gathered
+        if where.ring_size == 1:
+            _, step_mask = _local_mask(plan, mask, qh.size(2))
+            (seed, offset), = steps[0].rng or ((None, None),)
+            grads = kernel.backward(qh, kh, vh, douth, outh, lseh, layout=_BNSD, head_num=heads.local_nq,
+                                    scale=plan.scale, keep_prob=plan.keep_prob, mask=step_mask,
+                                    seed=seed, offset=offset)
+            return list(grads), 0, 0.0
+        ring_plan = plan.ring_part(where.ring_size, where.ring_rank, heads.local_nq)
+        ring_steps = [replace(st, source_rank=(ring_plan.rank - st.index) % ring_plan.world_size) for st in steps]
+        ring = self.inner.backward(ring_plan, douth, qh, kh, vh, outh, lseh, ring_steps, groups=groups[:-1],
+                                   kernel=kernel, mask=_ring_mask_rows(plan, where, mask, qh.size(2) * where.ring_size))
+        return [ring.dq, ring.dk, ring.dv], ring.bytes_sent, ring.wait_seconds
+
+
+class _OwnDropoutDraws:
+    """Dropout: every rank of a Ulysses group computes different heads, so no two may share a
+    mask: rank u advances the generator of the query's device by u draws before its attention
+    call(s) and by U-1-u after them (every rank leaves it in the same state)."""
+
+    def __init__(self, plan: CallPlan, device: torch.device, where: _Groups):
+        self._draws = (where.ulysses_rank, plan.ulysses_size - 1 - where.ulysses_rank) if plan.keep_prob < 1.0 \
+            else (0, 0)
+        self._device = device
+
+    def __enter__(self):
+        _advance_rng(self._device, self._draws[0])
+
+    def __exit__(self, *exc):
+        if exc[0] is None:
+            _advance_rng(self._device, self._draws[1])
+        return False
+
+
+ULYSSES = Ulysses()

@@ -1,0 +1,180 @@
+"""How strategies move tensors between ranks: the CP process groups, ring shifts (point to
+point, two receive buffers reused from hop to hop) and the all-to-all of Ulysses.
+
+The CP group carries only the call's payload tensors.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+__all__ = ["own_group", "group_info", "Exchange", "Rotation", "TAG_KV", "TAG_DKV", "exchange_heads", "own_storage"]
+
+
+def own_group(groups):
+    """A strategy's own process group: the innermost of ``groups`` (outer first; empty: none).
+    Hybrid's Ulysses takes the inner CP dimension and gives its ring the rest."""
+    return groups[-1] if len(groups) else None
+
+
+def group_info(world_size: int, rank: int, group) -> tuple[int, int, object]:
+    """(world size, rank, group) of a plan's ring after checking them against ``group`` (None:
+    the default group when W > 1, none when W == 1)."""
+    if world_size < 1:
+        raise ValueError(f"world_size must be >= 1, got {world_size}")
+    if group is None and world_size > 1:
+        if not (dist.is_available() and dist.is_initialized()):
+            raise ValueError(
+                f"world_size={world_size} needs a process group, but group is None "
+                "and torch.distributed is not initialized"
+            )
+        group = dist.group.WORLD
+    if group is None:
+        size, rank_in_group = 1, 0
+    else:
+        size, rank_in_group = dist.get_world_size(group), dist.get_rank(group)
+    if size != world_size:
+        raise ValueError(f"plan.world_size={world_size} but the process group has {size} ranks")
+    if rank_in_group != rank:
+        raise ValueError(f"plan.rank={rank} but this process is rank {rank_in_group} of the group")
+    return size, rank, group
+
+
+class Exchange:
+    """One ring shift of a list of tensors: send to the rank ``shift`` ahead, receive from the
+    rank ``shift`` behind."""
+
+    def __init__(self, tensors: list[Tensor], group, rank: int, size: int, tag: int, shift: int = 1,
+                 recv: Optional[list[Tensor]] = None, recv_shapes: Optional[list[torch.Size]] = None):
+        nxt = dist.get_global_rank(group, (rank + shift) % size)
+        prv = dist.get_global_rank(group, (rank - shift) % size)
+        if recv is None:
+            shapes = recv_shapes or [t.shape for t in tensors]
+            recv = [torch.empty(shape, dtype=t.dtype, device=t.device) for t, shape in zip(tensors, shapes)]
+        self.recv = recv
+        ops = [dist.P2POp(dist.isend, t, nxt, group, tag + j) for j, t in enumerate(tensors)]
+        ops += [dist.P2POp(dist.irecv, r, prv, group, tag + j) for j, r in enumerate(self.recv)]
+        self.nbytes = sum(t.nbytes for t in tensors)
+        self._works = dist.batch_isend_irecv(ops)
+
+    def wait(self) -> list[Tensor]:
+        for w in self._works:
+            w.wait()
+        self._works = None  # drop every reference to the sent and received buffers
+        recv, self.recv = self.recv, None
+        return recv
+
+
+class Rotation:
+    """Tensors travelling around the ring (the K/V blocks, or the dK/dV accumulators), with
+    two receive buffers reused from hop to hop: a block, once sent, receives the block after
+    next. The first tensors (possibly the caller's) are never received into."""
+
+    def __init__(self, tensors: list[Tensor], group, rank: int, size: int, tag: int):
+        self.current = tensors
+        self._own = tensors
+        self._spare: Optional[list[Tensor]] = None
+        self._exchange: Optional[Exchange] = None
+        self._group, self._rank, self._size, self._tag = group, rank, size, tag
+
+    def post(self, shift: int = 1, recv_shapes: Optional[list[torch.Size]] = None) -> int:
+        """Send the current tensors ``shift`` ranks ahead, receive from ``shift`` behind (tensors
+        of ``recv_shapes``, default the current ones' shapes: uneven shards); bytes sent."""
+        spare = self._spare
+        if spare is not None and recv_shapes is not None and [t.shape for t in spare] != list(recv_shapes):
+            spare = None
+        self._exchange = Exchange(self.current, self._group, self._rank, self._size, self._tag, shift,
+                                   recv=spare, recv_shapes=recv_shapes)
+        self._spare = None
+        return self._exchange.nbytes
+
+    def advance(self) -> None:
+        """Wait for the hop; the received tensors become current, the sent ones the spare buffers."""
+        exchange, self._exchange = self._exchange, None  # waited once, even if the wait fails
+        received = exchange.wait()
+        if self.current is not self._own:
+            self._spare = self.current
+        self.current = received
+
+    @property
+    def in_flight(self) -> bool:
+        return self._exchange is not None
+
+    def drain(self) -> None:
+        """After an error on this rank: wait for the hop in flight (its peers posted the matching
+        operations; bounded by the process group's timeout) so no buffer is freed under the
+        backend and no message is left to match a later call's; errors are dropped."""
+        if self._exchange is not None:
+            try:
+                self._exchange.wait()
+            except Exception:  # noqa: BLE001 - the original error is the one raised
+                pass
+            self._exchange = None
+
+
+# Each exchange uses tags tag, tag + 1 (one per tensor). In backward a K/V shift and
+# a dK/dV shift are in flight between the same two ranks at once, with tensors of the
+# same shapes: distinct tags keep a receive from matching the other exchange's send.
+TAG_KV = 0  # k: 0, v: 1
+TAG_DKV = 2  # dk: 2, dv: 3
+
+
+# ---------------------------------------------------------------- Ulysses
+
+
+def _all_to_all(rows: Tensor, group, world: int) -> tuple[Tensor, int]:
+    """[W, n] -> [W, n]: row j goes to rank j, row i of the result came from rank i."""
+    received = torch.empty_like(rows)
+    dist.all_to_all_single(received, rows, group=group)
+    return received, rows.nbytes * (world - 1) // world
+
+
+def exchange_heads(tensors: list[Tensor], group, world: int, to_heads: bool) -> tuple[list[Tensor], int]:
+    """Sequence shards -> head shards (``to_heads``) or back, of [B, N, S, D] tensors.
+
+    to_heads: [B, N, s, D] on each rank -> [B, N/W, W*s, D], the sequence in rank order.
+    back: [B, N/W, W*s, D] -> [B, N, s, D], the heads in rank order.
+    Tensors of one dtype travel in one all-to-all.
+    """
+    if world == 1:
+        return [t.contiguous() for t in tensors], 0
+    pieces = []
+    for t in tensors:
+        b, n, s, d = t.shape
+        if to_heads:
+            piece = t.reshape(b, world, n // world, s, d).transpose(0, 1)  # [W, B, N/W, s, D]
+        else:
+            piece = t.reshape(b, n, world, s // world, d).permute(2, 0, 1, 3, 4)  # [W, B, N/W, s/W, D]
+        pieces.append(piece.reshape(world, -1))
+    results: list[Optional[Tensor]] = [None] * len(tensors)
+    sent = 0
+    for dtype in dict.fromkeys(t.dtype for t in tensors):
+        members = [i for i, t in enumerate(tensors) if t.dtype == dtype]
+        received, nbytes = _all_to_all(torch.cat([pieces[i] for i in members], dim=1), group, world)
+        sent += nbytes
+        start = 0
+        for i in members:
+            b, n, s, d = tensors[i].shape
+            width = pieces[i].shape[1]
+            rows = received[:, start:start + width]
+            start += width
+            if to_heads:  # row r: rank r's sequence shard of my heads
+                results[i] = rows.reshape(world, b, n // world, s, d).permute(1, 2, 0, 3, 4).reshape(
+                    b, n // world, world * s, d)
+            else:  # row r: head group r of my sequence shard
+                results[i] = rows.reshape(world, b, n, s // world, d).transpose(0, 1).reshape(
+                    b, world * n, s // world, d)
+    return results, sent
+
+
+def own_storage(x: Tensor) -> Tensor:
+    """``x`` in storage of its own: a result of ``exchange_heads`` can be a view of a receive buffer
+    shared with the other tensors of its all-to-all, which it would keep alive (autograd saves
+    the output and the LSE until backward)."""
+    if x.untyped_storage().nbytes() == x.nbytes and x.is_contiguous():
+        return x
+    return x.clone(memory_format=torch.contiguous_format)

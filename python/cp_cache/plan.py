@@ -1,0 +1,294 @@
+"""One CP attention call, decided once: the ``CallPlan``.
+
+The forward handler builds the plan from the op's bound arguments (``handlers/call.py``),
+the custom op carries it (``encode()``, a graph constant when compiled), the step cache
+records it, and the backward handler builds its own from the grad op's arguments to check
+against the recorded one (``backward_mismatch``). Everything a strategy needs to know
+about the call is here: the layout, the mask on global positions, the CP topology (W,
+this rank's chunk, the Ulysses degree), the algorithm, the packed documents, the step
+kernel and the merge. The step-cache policy is not: it is the step cache's business
+(``step_cache.py``).
+
+Also here, because the plan decides them: the head split of Ulysses (``head_plan``) and
+the ``algorithm="auto"`` rule (``choose_algorithm``, by bytes per rank).
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import math
+from dataclasses import dataclass, fields, replace
+from typing import Optional, Sequence
+
+from . import layout as L
+from .npu_ops import INT_MAX
+
+__all__ = [
+    "ALGORITHMS",
+    "ALGORITHM_CP_DIMS",
+    "MaskSpec",
+    "CallPlan",
+    "HeadPlan",
+    "head_plan",
+    "ulysses_degree",
+    "bytes_per_rank",
+    "choose_algorithm",
+]
+
+ALGORITHMS = ("ring", "ulysses", "hybrid", "auto")
+# how many mesh dimensions sharded on the sequence each algorithm runs over
+ALGORITHM_CP_DIMS = {"ring": 1, "ulysses": 1, "hybrid": 2}
+
+
+@dataclass(frozen=True)
+class MaskSpec:
+    """The attention mask of a CP call, on global positions.
+
+    causal: lower-triangular (torch's ring rules); window: the band
+    pre_tockens / next_tockens applies; given: an explicit mask is passed with the call
+    (its rows for the local queries, its columns for the whole sequence).
+    """
+
+    causal: bool = False
+    window: bool = False
+    pre_tockens: int = INT_MAX
+    next_tockens: int = INT_MAX
+    given: bool = False
+
+    def __post_init__(self):
+        if self.causal and (self.window or self.given):
+            raise ValueError(f"a causal MaskSpec takes no window and no given mask: {self}")
+
+    @property
+    def positional(self) -> bool:
+        """Whether the mask depends on global positions (anything but full attention)."""
+        return self.causal or self.window or self.given
+
+    def simplified(self, seq: int) -> "MaskSpec":
+        """The same mask over a sequence of ``seq`` tokens, as the cheapest kind: a band that
+        covers every earlier key and no later one is causal, one that covers all is full."""
+        if not self.window or self.given:
+            return self
+        sees_all_past = self.pre_tockens >= seq - 1
+        if sees_all_past and self.next_tockens >= seq - 1:
+            return MaskSpec()
+        if sees_all_past and self.next_tockens == 0:
+            return MaskSpec(causal=True)
+        return self
+
+
+def _flat(obj) -> dict:
+    # dataclasses.asdict deep-copies: 10x slower on a path taken every call
+    return {f.name: getattr(obj, f.name) for f in fields(obj)}
+
+
+@dataclass(frozen=True)
+class CallPlan:
+    """What one CP attention call runs, shared by its forward and backward.
+
+    world_size, rank: the ranks the sequence is split over and this rank's chunk (nested
+        over the CP mesh dimensions, outer first); cp_sizes: the sizes of those mesh
+        dimensions, outer first (() when a strategy is driven directly: one dimension of
+        world_size). The Ulysses degree (``ulysses_size``) follows from them and the algorithm.
+    layout: the op's input_layout (TND: packed documents, ``documents`` their global
+        cumulative ends); head_num: the local query heads.
+    load_balance: whether the local shards are head-tail (rank r holds chunks r and
+        2W-1-r of 2W; per document for TND) rather than contiguous.
+    kernel, fused_merge: the step kernel's name and whether ring steps merge with the
+        fused NPU op; "" / False when a strategy is driven directly.
+    """
+
+    world_size: int
+    rank: int
+    layout: str
+    head_num: int
+    scale: float
+    keep_prob: float
+    mask: MaskSpec = MaskSpec()
+    load_balance: bool = False
+    algorithm: str = "ring"
+    cp_sizes: tuple[int, ...] = ()
+    documents: tuple[int, ...] = ()
+    kernel: str = ""
+    fused_merge: bool = False
+
+    def __post_init__(self):
+        if self.cp_sizes and math.prod(self.cp_sizes) != self.world_size:
+            raise ValueError(f"cp_sizes={self.cp_sizes} do not multiply to world_size={self.world_size}")
+
+    @property
+    def ulysses_size(self) -> int:
+        """How many ranks form a Ulysses group: all for Ulysses, the inner CP dimension for
+        hybrid, 1 for the ring (0: the algorithm cannot run on these CP dimensions)."""
+        return ulysses_degree(self.algorithm, self.cp_sizes or (self.world_size,))
+
+    @property
+    def causal(self) -> bool:
+        return self.mask.causal
+
+    @property
+    def packed(self) -> bool:
+        """Packed documents (layout TND)."""
+        return self.layout == L.TND
+
+    @property
+    def uneven_allowed(self) -> bool:
+        """Whether the ranks may hold local sequences of different lengths: the ring alone (not
+        Ulysses' all-to-alls, nor a hybrid's ring on their results), for full attention or causal
+        attention on contiguous shards (each block is then wholly before, on, or after the
+        diagonal whatever the lengths); windows, masks and head-tail shards are positional.
+        Packed documents are cut into equal slices."""
+        if self.algorithm != "ring" or self.packed:
+            return False
+        return not (self.mask.window or self.mask.given or (self.mask.causal and self.load_balance))
+
+    def ring_part(self, ring_size: int, ring_rank: int, head_num: int) -> "CallPlan":
+        """The plan of the ring over the outer CP dimension of a hybrid call, on the head
+        shards Ulysses gathered (BNSD, contiguous)."""
+        return replace(self, world_size=ring_size, rank=ring_rank, head_num=head_num, layout="BNSD",
+                       load_balance=False, algorithm="ring", cp_sizes=(ring_size,))
+
+    # ------------------------------------------------------------ encoding
+
+    def encode(self) -> str:
+        """The plan as a string: the custom op's argument and the step cache's record."""
+        return _encode(self)
+
+    @staticmethod
+    def decode(text: str) -> "CallPlan":
+        return _decode(text)
+
+    def backward_mismatch(self, called: "CallPlan") -> Optional[str]:
+        """Why a backward whose arguments give ``called`` cannot use this recorded forward plan,
+        or None. The grad op repeats the forward's arguments; the mesh must be the same; with a
+        given mask, so must the algorithm and the load balancing that picked the mask's rows."""
+        keys = ("layout", "head_num", "scale", "keep_prob", "mask", "documents")
+        keys += ("algorithm",) if self.mask.given else ()
+        mine, theirs = ({k: getattr(p, k) for k in keys} for p in (self, called))
+        if mine != theirs:
+            return f"backward called with {theirs} but its forward ran with {mine}"
+        # the backward runs what the forward ran, on the same mesh: the forward's algorithm on the
+        # backward's CP dimensions must give the forward's Ulysses degree
+        degree = ulysses_degree(self.algorithm, called.cp_sizes or (called.world_size,))
+        if (called.world_size, called.rank, degree) != (self.world_size, self.rank, self.ulysses_size):
+            return (f"backward runs on rank {called.rank} of {called.world_size} but its forward ran on rank "
+                    f"{self.rank} of {self.world_size} ({self.algorithm}, Ulysses degree {self.ulysses_size}; "
+                    f"the backward's CP mesh dimensions: {list(called.cp_sizes)})")
+        if self.mask.given and self.load_balance != called.load_balance:
+            return (f"the forward ran with load balancing {'on' if self.load_balance else 'off'} and the "
+                    f"backward picked the mask's rows with it {'on' if called.load_balance else 'off'}; keep "
+                    "torch's _cp_options.enable_load_balance unchanged between a forward with a given mask "
+                    "and its backward")
+        return None
+
+
+@functools.lru_cache(maxsize=256)  # one plan per layer in a model: the same few strings every step
+def _encode(plan: CallPlan) -> str:
+    return json.dumps(dict(_flat(plan), mask=_flat(plan.mask)), sort_keys=True)
+
+
+@functools.lru_cache(maxsize=256)
+def _decode(text: str) -> CallPlan:
+    values = json.loads(text)
+    return CallPlan(**dict(values, mask=MaskSpec(**values["mask"]), documents=tuple(values["documents"]),
+                           cp_sizes=tuple(values["cp_sizes"])))
+
+
+# ---------------------------------------------------------------- topology
+
+
+@dataclass(frozen=True)
+class HeadPlan:
+    """How the heads split over a Ulysses group of ``world`` ranks."""
+
+    nq: int
+    nkv: int
+    world: int
+    kv_repeats: int  # each K/V head is repeated this many times before the exchange
+
+    @property
+    def local_nq(self) -> int:
+        return self.nq // self.world
+
+    @property
+    def local_nkv(self) -> int:
+        return self.nkv * self.kv_repeats // self.world
+
+
+def head_plan(nq: int, nkv: int, world: int) -> HeadPlan:
+    """The head split of Ulysses; ValueError naming N, Nkv and W when it cannot be done."""
+    if nq % nkv:
+        raise ValueError(f"the query head count N={nq} is not a multiple of the K/V head count Nkv={nkv}")
+    if nq % world == 0 and nkv % world == 0:
+        return HeadPlan(nq, nkv, world, 1)
+    if nq % world == 0 and world % nkv == 0:
+        return HeadPlan(nq, nkv, world, world // nkv)
+    raise ValueError(
+        f"Ulysses context parallelism splits the heads over W={world} ranks: it needs the query head "
+        f"count N divisible by W and the K/V head count Nkv divisible by W or dividing W; got N={nq}, "
+        f"Nkv={nkv}, W={world} (heads per rank, after any tensor-parallel split)"
+    )
+
+
+def ulysses_degree(algorithm: str, cp_sizes: Sequence[int]) -> int:
+    """The Ulysses degree of ``algorithm`` on a mesh whose CP dimensions have these sizes,
+    outer first: all of one dimension for Ulysses, the inner one for hybrid, 1 for the ring;
+    0 where the algorithm cannot run on such a mesh."""
+    if algorithm == "ulysses":
+        return cp_sizes[0] if len(cp_sizes) == 1 else 0
+    if algorithm == "hybrid":
+        return cp_sizes[1] if len(cp_sizes) == 2 else 0
+    return 1
+
+
+# ---------------------------------------------------------------- algorithm="auto"
+
+
+def bytes_per_rank(algorithm: str, *, nq: int, nkv: int, world: int, batch: int, local_seq: int,
+                   head_dim: int, itemsize: int) -> int:
+    """Bytes one rank sends for one attention call, forward plus backward, with full attention
+    (what ``call_stats()`` reports; a causal ring skips no transfer either).
+
+    ring: forward W-1 K/V blocks; backward W-1 K/V blocks and W float32 dK/dV blocks.
+    ulysses: the (W-1)/W share not kept of q, k, v (K/V repeated when Nkv < W) and of the
+    output and LSE (forward); of q, k, v, output, output gradient, LSE, and dq, dk, dv
+    (backward).
+    """
+    if world == 1:
+        return 0
+    token = batch * local_seq * head_dim
+    kv = 2 * nkv * token
+    if algorithm == "ring":
+        return (world - 1) * kv * itemsize + (world - 1) * kv * itemsize + world * kv * 4
+    if algorithm == "ulysses":
+        split = head_plan(nq, nkv, world)
+        kv_sent = 2 * nkv * split.kv_repeats * token
+        lse = batch * nq * local_seq * 4
+        forward = (nq * token + kv_sent + nq * token) * itemsize + lse
+        backward = (3 * nq * token + kv_sent) * itemsize + lse + (nq * token + kv_sent) * itemsize
+        return (forward + backward) * (world - 1) // world
+    raise ValueError(f"bytes_per_rank: algorithm={algorithm!r} is not 'ring' or 'ulysses'")
+
+
+def choose_algorithm(*, nq: int, nkv: int, world: int, given_mask: bool, batch: int = 1, local_seq: int = 1,
+                     head_dim: int = 128, itemsize: int = 2) -> str:
+    """What ``algorithm="auto"`` runs on one CP mesh dimension of ``world`` ranks.
+
+    Ulysses when its head split exists (N and Nkv as ``head_plan`` needs), the mask is not a
+    given one (the ring skips wholly masked blocks and takes every mask shape), and it sends
+    fewer bytes per rank than the ring for this call's shapes (``bytes_per_rank``: apart from
+    the small LSE, only the head counts and W matter); the ring otherwise, ties included (the
+    ring hides its transfers behind the step kernels, Ulysses' all-to-alls are not hidden).
+    For MHA that is Ulysses from W = 2 up (the ring's backward sends W float32 dK/dV blocks);
+    for GQA with few K/V heads, the ring.
+    """
+    if world == 1 or given_mask:
+        return "ring"
+    try:
+        head_plan(nq, nkv, world)
+    except ValueError:
+        return "ring"
+    shape = dict(nq=nq, nkv=nkv, world=world, batch=batch, local_seq=local_seq, head_dim=head_dim,
+                 itemsize=itemsize)
+    return "ulysses" if bytes_per_rank("ulysses", **shape) < bytes_per_rank("ring", **shape) else "ring"

@@ -1,0 +1,115 @@
+"""The step cache of one CP attention call, and the cache policies: the one home of policy.
+
+A cache holds the call's plan (``CallPlan.encode()``) as metadata and one record per ring
+step: the step's part as the tag, and the dropout ``seed`` and ``offset`` tensors of each
+kernel call of the step, in order (seed, offset, seed, offset, ...), or nothing (the
+reference kernel draws none).
+
+Policies: where the cache waits for its backward.
+
+* "handle" (default): the forward's ``seed`` output is a handle tensor whose storage owns
+  the cache; autograd saves it and hands it to the backward, so the cache lives exactly as
+  long as the graph;
+* "stack": torch_npu's discipline, natively: the forward pushes the cache (skipped in a
+  recompute) and its seed slot carries a pairing key, a fingerprint of everything the
+  backward reads, which the backward's pop compares with the top entry.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import struct
+
+import torch
+from torch import Tensor
+
+from . import _C
+from .engine.loop import RingStep
+from .plan import CallPlan
+
+__all__ = ["HANDLE_POLICY", "STACK_POLICY", "POLICIES", "seed_slot", "claim", "plan_of", "steps_of",
+           "pairing_key"]
+
+HANDLE_POLICY = "handle"
+STACK_POLICY = "stack"
+POLICIES = (HANDLE_POLICY, STACK_POLICY)
+
+_PLAN_KEY = "plan"
+
+
+def _step_tensors(step: RingStep) -> list:
+    tensors = []
+    for call, (seed, offset) in enumerate(step.rng):
+        if seed is None or offset is None:
+            raise RuntimeError(
+                f"ring step {step.index} ({step.part}), kernel call {call}: a dropout seed without an "
+                f"offset or the reverse (seed={seed}, offset={offset}); a call records both"
+            )
+        tensors += [seed, offset]
+    return tensors
+
+
+def _cache_from_forward(plan: CallPlan, steps: list[RingStep]):
+    """A new cache of the process-wide store holding what the backward of this call needs."""
+    cache = _C.default_store().create()
+    cache.set_meta(_PLAN_KEY, plan.encode())
+    for step in steps:
+        cache.add_step(step.part, _step_tensors(step))
+    return cache
+
+
+def plan_of(cache) -> CallPlan:
+    """The plan the forward ran with."""
+    return CallPlan.decode(cache.meta(_PLAN_KEY))
+
+
+def steps_of(cache, plan: CallPlan) -> list[RingStep]:
+    """The forward's ring steps, in order."""
+    steps = []
+    for index, (part, tensors) in enumerate(cache.steps):
+        if len(tensors) % 2:
+            raise RuntimeError(
+                f"cp_cache: step {index} of cache {cache.id} holds {len(tensors)} tensors; a step record "
+                "holds a seed and an offset per kernel call, or nothing"
+            )
+        rng = tuple(zip(tensors[0::2], tensors[1::2]))
+        source = (plan.rank - index) % plan.world_size
+        steps.append(RingStep(index=index, source_rank=source, part=part, rng=rng))
+    return steps
+
+
+def pairing_key(plan: CallPlan, steps: list[RingStep]) -> int:
+    """A fingerprint of everything the backward reads from the cache: two forwards with
+    the same key are interchangeable for their backwards (the stack policy's pop check)."""
+    digest = hashlib.blake2b(digest_size=8)
+    digest.update(plan.encode().encode())
+    for step in steps:
+        digest.update(step.part.encode())
+        for tensor in _step_tensors(step):
+            digest.update(struct.pack("<q", int(tensor.reshape(-1)[0])))
+    return int.from_bytes(digest.digest(), "little") & ((1 << 63) - 1)
+
+
+def seed_slot(policy: str, plan: CallPlan, steps: list[RingStep]) -> Tensor:
+    """The forward's seed output: the new cache's handle, or (stack policy) its pairing key
+    after the push."""
+    cache = _cache_from_forward(plan, steps)
+    if policy != STACK_POLICY:
+        return _C.default_store().attach(cache)
+    cache.pairing_key = pairing_key(plan, steps)
+    _C.default_store().push(cache)  # skipped (and the cache dropped) in a recompute
+    return torch.tensor([cache.pairing_key], dtype=torch.int64)
+
+
+def claim(seed: Tensor, policy: str):
+    """The forward's cache from the backward's seed slot: resolve a handle (releasing the cache
+    when this graph's backward runs once), or pop the stack."""
+    store = _C.default_store()
+    if store.is_handle(seed):
+        cache = store.resolve(seed)
+        if _C.in_graph_task() and not _C.current_graph_task_keeps_graph():
+            store.release(seed)  # this graph's backward runs once: free the cache now
+        return cache
+    if policy == STACK_POLICY:
+        return store.pop(int(seed.reshape(-1)[0]))
+    return store.resolve(seed)  # raises, naming what was passed and the likely cause
