@@ -44,7 +44,9 @@ def test_heads_of_gqa():
 
 def test_errors():
     with pytest.raises(NotImplementedError, match="input_layout='TND'"):
-        L.seq_dim("TND")
+        L.check_layout("TND")  # the dense layouts' operations refuse packed documents
+    with pytest.raises(ValueError, match="'NSD'"):
+        L.seq_dim("NSD")
     with pytest.raises(ValueError, match="'NSD'"):
         L.check_layout("NSD")
     with pytest.raises(ValueError, match="4-D"):
@@ -53,3 +55,15 @@ def test_errors():
         L.dims(torch.randn(2, 3, 8), "BSH", 3)
     with pytest.raises(ValueError, match="head_num=2"):
         L.dims(torch.randn(2, 3, 4, 5), "BNSD", 2)
+
+
+def test_one_table_with_tnd():
+    """TND is in the same table: its sequence, head and statistics dims."""
+    assert (L.seq_dim(L.TND), L.head_dim_index(L.TND), L.stats_dims(L.TND)) == (0, 1, (0, 1))
+    for lay in L.LAYOUTS:
+        assert L.stats_dims(lay) == (2, 1)
+        x = L.from_bnsd(torch.randn(B, 2, S, D), lay)
+        assert x.size(L.seq_dim(lay)) == S
+        assert L.lse_shape(x, lay, 2) == (B, 2, S)
+    assert L.lse_shape(torch.randn(S, 2, D), L.TND, 2) == (S, 2)
+

@@ -21,6 +21,7 @@ import torch
 
 import cp_cache
 from cp_cache import layout as L
+from cp_cache.step_cache import plan_of
 from cp_cache.testing.multiprocess import capture, run_ranks
 from cp_cache.testing.reference import band_masked, dense_attention, rel_err
 
@@ -249,7 +250,7 @@ def _run_case(case: Case, rank: int, world: int) -> dict:
     res = {"live_after_forward": cp_cache.stats()["live_entries"]}
     if case.policy == "handle":
         cache = cp_cache.store().resolve(out[4])
-        res["algorithm"] = cache.metadata["algorithm"]
+        res["algorithm"] = plan_of(cache).algorithm
         res["seeds"] = [[int(t.reshape(-1)[0]) for t in owned] for _, owned in cache.steps]
         del cache
     res["rng_after"] = float(torch.rand(1))
