@@ -824,7 +824,7 @@ def compare_rank(rank: int, world: int, plan: dict) -> dict:
     import torch
     from torch.distributed.device_mesh import init_device_mesh
 
-    from ..testing import install_npu_emulator
+    from ..emulator import install_npu_emulator
 
     install_npu_emulator(route_sdpa=False)
     mesh = init_device_mesh("cpu", (world,))
@@ -879,7 +879,7 @@ def validate_directional_check(plan: dict) -> dict:
     must be large)."""
     import torch
 
-    from ..testing import install_npu_emulator
+    from ..emulator import install_npu_emulator
     from ..testing.reference import directional_derivative_errors
 
     install_npu_emulator(route_sdpa=False)

@@ -75,19 +75,19 @@ def run(args: argparse.Namespace) -> int:
         _check("policy", False, str(e), todo, f"set {POLICY_ENV}=handle or {POLICY_ENV}=stack")
 
     from cp_cache.kernels.npu import available
-    from cp_cache.testing import emulator_installed
+    from cp_cache.emulator import emulator_installed
 
     if available() and not emulator_installed():
         _check("attention ops", True, "real torch.ops.npu.npu_fusion_attention_v3 (torch_npu)", todo)
     else:
-        from cp_cache.testing import install_npu_emulator, uninstall_npu_emulator
+        from cp_cache.emulator import install_npu_emulator, uninstall_npu_emulator
 
         try:
             installed = install_npu_emulator(route_sdpa=False)
             if installed:
                 uninstall_npu_emulator()
             _check("attention ops", None, "no real NPU ops: the CPU emulator installs and will be used "
-                   "(cp_cache.testing.install_npu_emulator())", todo)
+                   "(cp_cache.emulator.install_npu_emulator())", todo)
         except Exception as e:  # noqa: BLE001
             _check("attention ops", False, f"neither the real ops nor the emulator: {e}", todo,
                    "import torch_npu on Ascend, or check the torch version (2.13 expected)")
@@ -112,8 +112,8 @@ def run(args: argparse.Namespace) -> int:
 def _merge_check(todo: list[str]) -> None:
     """Which merge the ring uses for its steps: the fused op or the float32 merge."""
     from cp_cache.config import FUSED_MERGE_ENV, resolve_config
+    from cp_cache.emulator import emulator_installed, install_npu_emulator, uninstall_npu_emulator
     from cp_cache.merge import OP_NAME, fused_merge_available
-    from cp_cache.testing import emulator_installed, install_npu_emulator, uninstall_npu_emulator
 
     try:
         wanted = resolve_config().fused_merge

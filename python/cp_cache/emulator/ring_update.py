@@ -44,7 +44,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from ...npu_ops import RING_UPDATE, STATS_WIDTH
+from ..npu_ops import RING_UPDATE, STATS_WIDTH
 
 __all__ = ["OP_NAME", "ring_update_math", "ring_update_fake", "define"]
 
