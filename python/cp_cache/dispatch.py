@@ -154,7 +154,7 @@ def enable(policy: str | None = None, *, kernel: str | None = None, fused_merge:
     if not handlers.table():
         raise RuntimeError(
             "cp_cache.enable(): torch.ops.npu.npu_fusion_attention_v3 does not exist; import "
-            "torch_npu on an Ascend machine, or call cp_cache.testing.install_npu_emulator() on CPU"
+            "torch_npu on an Ascend machine, or call cp_cache.emulator.install_npu_emulator() on CPU"
         )
     previous = _registered
     if previous is not None and config.policy != previous.handlers.config.policy:

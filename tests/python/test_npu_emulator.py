@@ -1,4 +1,4 @@
-"""Tests of cp_cache.testing.npu_emulator against a dense float64 reference."""
+"""Tests of cp_cache.emulator against a dense float64 reference."""
 
 import os
 import subprocess
@@ -10,13 +10,13 @@ import torch
 import torch.nn.functional as F
 
 from cp_cache.npu_ops import causal_mask
-from cp_cache.testing import (
+from cp_cache import emulator as emu
+from cp_cache.emulator import (
     dropout_keep_mask,
     emulator_installed,
     install_npu_emulator,
     uninstall_npu_emulator,
 )
-from cp_cache.testing import npu_emulator as emu
 
 ORIGINAL_SDPA = torch._C._nn.scaled_dot_product_attention  # what F exposes when nothing patched it
 INT_MAX = 2147483647
@@ -678,7 +678,7 @@ def test_install_refused_when_real_op_exists():
         lib = torch.library.Library("npu", "FRAGMENT")
         lib.define("npu_fusion_attention_v3(Tensor query) -> Tensor")
         before = F.scaled_dot_product_attention
-        from cp_cache.testing import install_npu_emulator, emulator_installed
+        from cp_cache.emulator import install_npu_emulator, emulator_installed
         assert install_npu_emulator() is False
         assert not emulator_installed()
         assert F.scaled_dot_product_attention is before
@@ -694,6 +694,35 @@ def test_install_refused_when_real_op_exists():
     assert proc.returncode == 0, proc.stderr
     assert "REFUSED-OK" in proc.stdout
     assert "already exists" in proc.stderr
+
+
+def test_testing_reexports_the_emulator():
+    import cp_cache.testing as testing
+
+    for name in ("install_npu_emulator", "uninstall_npu_emulator", "dropout_keep_mask", "emulator_installed"):
+        assert getattr(testing, name) is getattr(emu, name), name
+
+
+def test_emulator_is_product_code_and_enable_names_it():
+    script = textwrap.dedent(
+        """
+        import sys
+        import cp_cache, cp_cache.emulator
+        assert not [m for m in sys.modules if m.startswith(("cp_cache.testing", "cp_cache.cli"))], sorted(sys.modules)
+        try:
+            cp_cache.enable()
+        except RuntimeError as e:
+            assert "cp_cache.emulator.install_npu_emulator()" in str(e), e
+        else:
+            raise AssertionError("enable() without the NPU ops did not raise")
+        print("PRODUCT-OK")
+        """
+    )
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([p for p in sys.path if p] + [os.path.join(REPO, "python")])
+    proc = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert "PRODUCT-OK" in proc.stdout
 
 
 # ---------------------------------------------------------------------------

@@ -32,7 +32,7 @@ def setup_ops() -> str:
     Returns "torch_npu" or "emulator"."""
     if npu_present():
         return "torch_npu"
-    from ..testing import install_npu_emulator
+    from ..emulator import install_npu_emulator
 
     return "emulator" if install_npu_emulator(route_sdpa=True) else "torch_npu"
 

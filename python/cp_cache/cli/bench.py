@@ -464,75 +464,13 @@ def _collect(per_world: list[list[dict]], key: str, all_ranks: bool = False) -> 
 
 
 def _print_summary(report: dict) -> None:
-    from ._shapes import torch_npu_entry_bytes
-
-    mem = report.get("memory")
-    if mem:
-        print("\nmemory: step-cache bytes alive between forward and backward, per layer (rank 0)")
-        rows = [[r["world_size"], r["checkpoint"], r["layers"], r["policy"], r["held_entries"],
-                 fmt_bytes(r["held_bytes_per_layer"]), fmt_bytes(r["torch_npu_bytes_per_layer"]),
-                 r["left_after_backward"]]
-                for r in mem if r["layers"] == max(x["layers"] for x in mem)]
-        print(table(["W", "checkpoint", "layers", "policy", "entries held", "bytes/layer",
-                     "torch_npu bytes/layer", "left after bwd"], rows))
-    calls = report.get("calls")
-    if calls:
-        print("\noverhead and traffic per attention call (rank 0, medians)")
-        rows = [[r["world_size"], f"{r['heads']}/{r['kv_heads']}",
-                 f"{r['fwd_over_us_median']:.0f}", f"{r['fwd_ring_us_median']:.0f}",
-                 f"{r['bwd_over_us_median']:.0f}", f"{r['bwd_ring_us_median']:.0f}",
-                 fmt_bytes(r["fwd_bytes_sent"]), fmt_bytes(r["bwd_bytes_sent"]), fmt_bytes(r["ring_minimum_bytes"])]
-                for r in calls if r["rank"] == 0]
-        print(table(["W", "heads q/kv", "fwd overhead us", "fwd ring us", "bwd overhead us", "bwd ring us",
-                     "fwd sent", "bwd sent", "ring minimum"], rows))
-    acc = report.get("accuracy")
-    if acc:
-        print("\nerror versus a float64 dense reference (max abs)")
-        rows = [[r["world_size"], r["dtype"]] + [f"{r[f'{n}_max_abs']:.1e}" for n in ("out", "dq", "dk", "dv")]
-                for r in acc]
-        print(table(["W", "dtype", "out", "dq", "dk", "dv"], rows))
-    all_windows = report.get("windows") or []
-    windows = [r for r in all_windows if r["rank"] == 0]
-    if windows:
-        print(f"\nband attention (causal window of w tokens) at W={windows[0]['world_size']}, "
-              f"S_local={windows[0]['s_local']}: bytes and times of rank 0, kernel calls and "
-              "blocks skipped summed over ranks")
-
-        def summed(r, key):
-            same = [x[key] for x in all_windows if (x["load_balance"], x["window"]) == (r["load_balance"], r["window"])]
-            return "-" if None in same else sum(same)
-
-        rows = [[("head-tail" if r["load_balance"] else "contiguous"), r["window"], r["hops"],
-                 fmt_bytes(r["fwd_bytes_sent"]), fmt_bytes(r["bwd_bytes_sent"]), summed(r, "kernel_calls"),
-                 summed(r, "blocks_skipped"), f"{r['fwd_ms_median']:.1f}", f"{r['bwd_ms_median']:.1f}"]
-                for r in windows]
-        print(table(["shards", "window", "hops", "fwd sent", "bwd sent", "kernel calls", "blocks skipped",
-                     "fwd ms", "bwd ms"], rows))
-    floor = [r for r in report.get("floor") or [] if r["rank"] == 0]
-    if floor:
-        print("\nmemory floor: kept from forward to backward per causal attention call (rank 0)")
-        rows = [[r["world_size"], r["policy"], fmt_bytes(r["kept_bytes"]), fmt_bytes(r["floor_bytes"]),
-                 fmt_bytes(r["above_floor_bytes"]), fmt_bytes(r["with_contiguous_stats_bytes"]),
-                 fmt_bytes(r["saved_per_call_bytes"]), "fused" if r["fused_merge"] else "float32"] for r in floor]
-        print(table(["W", "policy", "kept", "output + LSE", "above floor", "with [B,N,S,8] stats",
-                     "saved per call", "merge"], rows))
-    exposed = report.get("exposed_fraction")
-    if exposed:
-        print("\ncommunication not hidden by compute (exposed fraction, max over ranks)")
-        rows = [[w, shape, f"{d.get('forward', float('nan')):.2f}", f"{d.get('backward', float('nan')):.2f}"]
-                for w, shapes in exposed.items() for shape, d in shapes.items()]
-        print(table(["W", "shape", "forward", "backward"], rows))
-    agree = report.get("agreement")
-    if agree:
-        print("\nranks' agreement before each ring call (µs per call; max over ranks)")
-        worlds = sorted({r["world_size"] for r in agree})
-        rows = []
-        for w in worlds:
-            rs = [r for r in agree if r["world_size"] == w]
-            rows.append([w, rs[0]["signature_len"], f"{max(r['first_call_us'] for r in rs):.0f}",
-                         f"{max(r['steady_us'] for r in rs):.0f}", f"{max(r['steady_p90_us'] for r in rs):.0f}",
-                         f"{max(r['cached_signature_us'] for r in rs):.1f}"])
-        print(table(["W", "int64s", "first call", "steady (median)", "steady (p90)", "signature (cached)"], rows))
+    _print_memory(report.get("memory"))
+    _print_calls(report.get("calls"))
+    _print_accuracy(report.get("accuracy"))
+    _print_windows(report.get("windows") or [])
+    _print_floor([r for r in report.get("floor") or [] if r["rank"] == 0])
+    _print_exposed(report.get("exposed_fraction"))
+    _print_agreement(report.get("agreement"))
     if report.get("varlen") or report.get("varlen_balance"):
         from .bench_varlen import print_varlen
 
@@ -543,6 +481,94 @@ def _print_summary(report: dict) -> None:
     ref = report["torch_npu_reference_shapes"]
     print(f"\ntorch_npu's original entry at {ref['shapes']}: {fmt_bytes(ref['per_layer'])} per layer, "
           f"{fmt_bytes(ref['model'])} for {ref['layers']} layers (computed)")
+
+
+def _print_memory(mem: list[dict] | None) -> None:
+    if not mem:
+        return
+    print("\nmemory: step-cache bytes alive between forward and backward, per layer (rank 0)")
+    rows = [[r["world_size"], r["checkpoint"], r["layers"], r["policy"], r["held_entries"],
+             fmt_bytes(r["held_bytes_per_layer"]), fmt_bytes(r["torch_npu_bytes_per_layer"]),
+             r["left_after_backward"]]
+            for r in mem if r["layers"] == max(x["layers"] for x in mem)]
+    print(table(["W", "checkpoint", "layers", "policy", "entries held", "bytes/layer",
+                 "torch_npu bytes/layer", "left after bwd"], rows))
+
+
+def _print_calls(calls: list[dict] | None) -> None:
+    if not calls:
+        return
+    print("\noverhead and traffic per attention call (rank 0, medians)")
+    rows = [[r["world_size"], f"{r['heads']}/{r['kv_heads']}",
+             f"{r['fwd_over_us_median']:.0f}", f"{r['fwd_ring_us_median']:.0f}",
+             f"{r['bwd_over_us_median']:.0f}", f"{r['bwd_ring_us_median']:.0f}",
+             fmt_bytes(r["fwd_bytes_sent"]), fmt_bytes(r["bwd_bytes_sent"]), fmt_bytes(r["ring_minimum_bytes"])]
+            for r in calls if r["rank"] == 0]
+    print(table(["W", "heads q/kv", "fwd overhead us", "fwd ring us", "bwd overhead us", "bwd ring us",
+                 "fwd sent", "bwd sent", "ring minimum"], rows))
+
+
+def _print_accuracy(acc: list[dict] | None) -> None:
+    if not acc:
+        return
+    print("\nerror versus a float64 dense reference (max abs)")
+    rows = [[r["world_size"], r["dtype"]] + [f"{r[f'{n}_max_abs']:.1e}" for n in ("out", "dq", "dk", "dv")]
+            for r in acc]
+    print(table(["W", "dtype", "out", "dq", "dk", "dv"], rows))
+
+
+def _print_windows(all_windows: list[dict]) -> None:
+    windows = [r for r in all_windows if r["rank"] == 0]
+    if not windows:
+        return
+    print(f"\nband attention (causal window of w tokens) at W={windows[0]['world_size']}, "
+          f"S_local={windows[0]['s_local']}: bytes and times of rank 0, kernel calls and "
+          "blocks skipped summed over ranks")
+
+    def summed(r, key):
+        same = [x[key] for x in all_windows if (x["load_balance"], x["window"]) == (r["load_balance"], r["window"])]
+        return "-" if None in same else sum(same)
+
+    rows = [[("head-tail" if r["load_balance"] else "contiguous"), r["window"], r["hops"],
+             fmt_bytes(r["fwd_bytes_sent"]), fmt_bytes(r["bwd_bytes_sent"]), summed(r, "kernel_calls"),
+             summed(r, "blocks_skipped"), f"{r['fwd_ms_median']:.1f}", f"{r['bwd_ms_median']:.1f}"]
+            for r in windows]
+    print(table(["shards", "window", "hops", "fwd sent", "bwd sent", "kernel calls", "blocks skipped",
+                 "fwd ms", "bwd ms"], rows))
+
+
+def _print_floor(floor: list[dict]) -> None:
+    if not floor:
+        return
+    print("\nmemory floor: kept from forward to backward per causal attention call (rank 0)")
+    rows = [[r["world_size"], r["policy"], fmt_bytes(r["kept_bytes"]), fmt_bytes(r["floor_bytes"]),
+             fmt_bytes(r["above_floor_bytes"]), fmt_bytes(r["with_contiguous_stats_bytes"]),
+             fmt_bytes(r["saved_per_call_bytes"]), "fused" if r["fused_merge"] else "float32"] for r in floor]
+    print(table(["W", "policy", "kept", "output + LSE", "above floor", "with [B,N,S,8] stats",
+                 "saved per call", "merge"], rows))
+
+
+def _print_exposed(exposed: dict | None) -> None:
+    if not exposed:
+        return
+    print("\ncommunication not hidden by compute (exposed fraction, max over ranks)")
+    rows = [[w, shape, f"{d.get('forward', float('nan')):.2f}", f"{d.get('backward', float('nan')):.2f}"]
+            for w, shapes in exposed.items() for shape, d in shapes.items()]
+    print(table(["W", "shape", "forward", "backward"], rows))
+
+
+def _print_agreement(agree: list[dict] | None) -> None:
+    if not agree:
+        return
+    print("\nranks' agreement before each ring call (µs per call; max over ranks)")
+    worlds = sorted({r["world_size"] for r in agree})
+    rows = []
+    for w in worlds:
+        rs = [r for r in agree if r["world_size"] == w]
+        rows.append([w, rs[0]["signature_len"], f"{max(r['first_call_us'] for r in rs):.0f}",
+                     f"{max(r['steady_us'] for r in rs):.0f}", f"{max(r['steady_p90_us'] for r in rs):.0f}",
+                     f"{max(r['cached_signature_us'] for r in rs):.1f}"])
+    print(table(["W", "int64s", "first call", "steady (median)", "steady (p90)", "signature (cached)"], rows))
 
 
 def _reference_shapes() -> dict:
@@ -556,20 +582,38 @@ def _reference_shapes() -> dict:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ._shapes import FORMULA
-
     sections = list(args.only or SECTIONS)
     plan = _plan(args.quick, args.worlds)
     started = time.perf_counter()
+    per_world = _run_ranks(plan, [s for s in sections if s != "store"])
+    if per_world is None:
+        return 0  # torchrun rank > 0
+    report = _report(args, plan, sections, per_world)
+    if "store" in sections:
+        print("bench: store micro-benchmark ...", flush=True)
+        report["store"] = _store_bench(plan)
+    report["meta"]["seconds"] = round(time.perf_counter() - started, 1)
+    _publish(report, args.out)
+    return 0
+
+
+def _run_ranks(plan: dict, rank_sections: list[str]) -> list[list[dict]] | None:
+    """Every rank's results for each W (none without rank sections); None on a torchrun rank > 0."""
     per_world = []
-    rank_sections = [s for s in sections if s != "store"]
     if rank_sections:
         for world_size in plan["worlds"]:
             print(f"bench: W={world_size} ({', '.join(rank_sections)}) ...", flush=True)
             results = launch(bench_rank, world_size, plan, rank_sections, timeout=900.0)
             if results is None:
-                return 0  # torchrun rank > 0
+                return None
             per_world.append(results)
+    return per_world
+
+
+def _report(args: argparse.Namespace, plan: dict, sections: list[str], per_world: list[list[dict]]) -> dict:
+    """The report of the rank sections (meta, torch_npu's formula, one key per section)."""
+    from ._shapes import FORMULA
+
     report = dict(
         meta=dict(
             python=platform.python_version(), machine=platform.machine(),
@@ -602,32 +646,31 @@ def run(args: argparse.Namespace) -> int:
         report["varlen_balance"] = balance_rows(plan["varlen_balance"]["tokens"], plan["varlen_balance"]["worlds"])
     if "algorithms" in sections:
         report["algorithms"] = _collect(per_world, "algorithms", all_ranks=True)
-    if "store" in sections:
-        print("bench: store micro-benchmark ...", flush=True)
-        report["store"] = _store_bench(plan)
-    report["meta"]["seconds"] = round(time.perf_counter() - started, 1)
+    return report
 
-    args.out.mkdir(parents=True, exist_ok=True)
-    json_path = args.out / "bench.json"
+
+def _publish(report: dict, out: Path) -> None:
+    """Write bench.json and the plots under ``out`` and print the summary."""
+    out.mkdir(parents=True, exist_ok=True)
+    json_path = out / "bench.json"
     json_path.write_text(json.dumps(report, indent=2))
     _print_summary(report)
-    png_path = args.out / "bench.png"
+    png_path = out / "bench.png"
     plotted = _plot(report, png_path)
     if report.get("algorithms"):
         from .bench_algorithms import plot as plot_algorithms, print_summary as print_algorithms
 
         print_algorithms(report["algorithms"])
-        algorithms_png = args.out / "bench_algorithms.png"
+        algorithms_png = out / "bench_algorithms.png"
         if plot_algorithms(report["algorithms"], algorithms_png):
             print(f"written: {algorithms_png}")
     if report.get("windows"):
-        windows_png = args.out / "bench_windows.png"
+        windows_png = out / "bench_windows.png"
         if _plot_windows(report, windows_png):
             print(f"written: {windows_png}")
     print(f"\nwritten: {json_path}")
     print(f"written: {png_path}" if plotted else "no plot (matplotlib missing: run make build)")
     print(f"bench took {report['meta']['seconds']:.1f} s")
-    return 0
 
 
 def _plot(report: dict, path: Path) -> bool:
@@ -640,73 +683,85 @@ def _plot(report: dict, path: Path) -> bool:
         return False
     fig, axes = plt.subplots(2, 2, figsize=(12, 9))
     (ax_mem, ax_over), (ax_traffic, ax_acc) = axes
-
-    mem = report.get("memory") or []
-    if mem:
-        w = max(r["world_size"] for r in mem)
-        for policy, mode, style in (("handle", "none", "o-"), ("handle", "non_reentrant", "s-"),
-                                    ("stack", "non_reentrant", "^--"), ("stack", "none", "v--")):
-            pts = sorted((r["layers"], r["held_bytes"]) for r in mem
-                         if r["world_size"] == w and r["policy"] == policy and r["checkpoint"] == mode)
-            if pts:
-                ax_mem.plot(*zip(*pts), style, label=f"cp_cache {policy}, checkpoint={mode}")
-        pts = sorted({(r["layers"], r["torch_npu_bytes"]) for r in mem if r["world_size"] == w})
-        ax_mem.plot(*zip(*pts), "k:", marker="x", label="torch_npu original (computed)")
-        ax_mem.set_yscale("symlog", linthresh=16)
-        ax_mem.set_xlabel("layers")
-        ax_mem.set_ylabel("bytes alive between forward and backward (rank 0)")
-        ax_mem.set_title(f"step-cache memory held, W={w}")
-        ax_mem.legend(fontsize=8, loc="center right")
-        ax_mem.set_xticks(sorted({r["layers"] for r in mem}))
-
-    calls = [r for r in report.get("calls") or [] if r["rank"] == 0]
-    if calls:
-        for gqa, marker in ((False, "o"), (True, "x")):
-            rows = sorted((r for r in calls if r["gqa"] == gqa), key=lambda r: r["world_size"])
-            if not rows:
-                continue
-            ws = [r["world_size"] for r in rows]
-            tag = "GQA" if gqa else "MHA"
-            ax_over.plot(ws, [r["fwd_over_us_median"] for r in rows], marker + "-", label=f"fwd handler overhead ({tag})")
-            ax_over.plot(ws, [r["bwd_over_us_median"] for r in rows], marker + "--", label=f"bwd handler overhead ({tag})")
-            ax_over.plot(ws, [r["fwd_ring_us_median"] for r in rows], marker + ":", label=f"fwd ring: kernels + comm ({tag})")
-            ratio_f = [r["fwd_bytes_sent"] / r["ring_minimum_bytes"] if r["ring_minimum_bytes"] else float("nan") for r in rows]
-            ratio_b = [r["bwd_bytes_sent"] / r["ring_minimum_bytes"] if r["ring_minimum_bytes"] else float("nan") for r in rows]
-            ax_traffic.plot(ws, ratio_f, marker + "-", label=f"forward ({tag})")
-            ax_traffic.plot(ws, ratio_b, marker + "--", label=f"backward ({tag})")
-        ax_over.set_yscale("log")
-        for ax in (ax_over, ax_traffic):
-            ax.set_xticks(sorted({r["world_size"] for r in calls}))
-        ax_over.set_xlabel("W")
-        ax_over.set_ylabel("microseconds per attention call (median)")
-        ax_over.set_title("handler overhead vs ring time (CPU, emulator kernel)")
-        ax_over.legend(fontsize=7)
-        ax_traffic.set_xlabel("W")
-        ax_traffic.set_ylabel("bytes sent / ((W-1) * K+V block bytes)")
-        ax_traffic.set_title("bytes sent per rank per call vs the ring minimum")
-        ax_traffic.legend(fontsize=8)
-
-    acc = report.get("accuracy") or []
-    if acc:
-        for dtype, marker in (("float32", "o"), ("bfloat16", "s")):
-            rows = sorted((r for r in acc if r["dtype"] == dtype), key=lambda r: r["world_size"])
-            if rows:
-                ws = [r["world_size"] for r in rows]
-                ax_acc.plot(ws, [r["out_max_abs"] for r in rows], marker + "-", label=f"out ({dtype})")
-                ax_acc.plot(ws, [max(r["dq_max_abs"], r["dk_max_abs"], r["dv_max_abs"]) for r in rows],
-                            marker + "--", label=f"max of dq, dk, dv ({dtype})")
-        ax_acc.set_yscale("log")
-        ax_acc.set_xticks(sorted({r["world_size"] for r in acc}))
-        ax_acc.set_xlabel("W")
-        ax_acc.set_ylabel("max abs error vs float64 dense")
-        ax_acc.set_title("numerical error vs W")
-        ax_acc.legend(fontsize=8)
+    _plot_memory(ax_mem, report.get("memory") or [])
+    _plot_calls(ax_over, ax_traffic, [r for r in report.get("calls") or [] if r["rank"] == 0])
+    _plot_accuracy(ax_acc, report.get("accuracy") or [])
     fig.suptitle("cp_cache benchmarks (" + ("quick, " if report["meta"]["quick"] else "")
                  + f"torch {report['meta']['torch']}, {report['meta']['ops']} ops)")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return True
+
+
+def _plot_memory(ax, mem: list[dict]) -> None:
+    """Step-cache bytes held against layers at the largest W, per policy and checkpointing."""
+    if not mem:
+        return
+    w = max(r["world_size"] for r in mem)
+    for policy, mode, style in (("handle", "none", "o-"), ("handle", "non_reentrant", "s-"),
+                                ("stack", "non_reentrant", "^--"), ("stack", "none", "v--")):
+        pts = sorted((r["layers"], r["held_bytes"]) for r in mem
+                     if r["world_size"] == w and r["policy"] == policy and r["checkpoint"] == mode)
+        if pts:
+            ax.plot(*zip(*pts), style, label=f"cp_cache {policy}, checkpoint={mode}")
+    pts = sorted({(r["layers"], r["torch_npu_bytes"]) for r in mem if r["world_size"] == w})
+    ax.plot(*zip(*pts), "k:", marker="x", label="torch_npu original (computed)")
+    ax.set_yscale("symlog", linthresh=16)
+    ax.set_xlabel("layers")
+    ax.set_ylabel("bytes alive between forward and backward (rank 0)")
+    ax.set_title(f"step-cache memory held, W={w}")
+    ax.legend(fontsize=8, loc="center right")
+    ax.set_xticks(sorted({r["layers"] for r in mem}))
+
+
+def _plot_calls(ax_over, ax_traffic, calls: list[dict]) -> None:
+    """Handler overhead against ring time, and bytes sent against the ring minimum, over W."""
+    if not calls:
+        return
+    for gqa, marker in ((False, "o"), (True, "x")):
+        rows = sorted((r for r in calls if r["gqa"] == gqa), key=lambda r: r["world_size"])
+        if not rows:
+            continue
+        ws = [r["world_size"] for r in rows]
+        tag = "GQA" if gqa else "MHA"
+        ax_over.plot(ws, [r["fwd_over_us_median"] for r in rows], marker + "-", label=f"fwd handler overhead ({tag})")
+        ax_over.plot(ws, [r["bwd_over_us_median"] for r in rows], marker + "--", label=f"bwd handler overhead ({tag})")
+        ax_over.plot(ws, [r["fwd_ring_us_median"] for r in rows], marker + ":", label=f"fwd ring: kernels + comm ({tag})")
+        ratio_f = [r["fwd_bytes_sent"] / r["ring_minimum_bytes"] if r["ring_minimum_bytes"] else float("nan") for r in rows]
+        ratio_b = [r["bwd_bytes_sent"] / r["ring_minimum_bytes"] if r["ring_minimum_bytes"] else float("nan") for r in rows]
+        ax_traffic.plot(ws, ratio_f, marker + "-", label=f"forward ({tag})")
+        ax_traffic.plot(ws, ratio_b, marker + "--", label=f"backward ({tag})")
+    ax_over.set_yscale("log")
+    for ax in (ax_over, ax_traffic):
+        ax.set_xticks(sorted({r["world_size"] for r in calls}))
+    ax_over.set_xlabel("W")
+    ax_over.set_ylabel("microseconds per attention call (median)")
+    ax_over.set_title("handler overhead vs ring time (CPU, emulator kernel)")
+    ax_over.legend(fontsize=7)
+    ax_traffic.set_xlabel("W")
+    ax_traffic.set_ylabel("bytes sent / ((W-1) * K+V block bytes)")
+    ax_traffic.set_title("bytes sent per rank per call vs the ring minimum")
+    ax_traffic.legend(fontsize=8)
+
+
+def _plot_accuracy(ax, acc: list[dict]) -> None:
+    """Max abs error of the output and the gradients over W, per dtype."""
+    if not acc:
+        return
+    for dtype, marker in (("float32", "o"), ("bfloat16", "s")):
+        rows = sorted((r for r in acc if r["dtype"] == dtype), key=lambda r: r["world_size"])
+        if rows:
+            ws = [r["world_size"] for r in rows]
+            ax.plot(ws, [r["out_max_abs"] for r in rows], marker + "-", label=f"out ({dtype})")
+            ax.plot(ws, [max(r["dq_max_abs"], r["dk_max_abs"], r["dv_max_abs"]) for r in rows],
+                    marker + "--", label=f"max of dq, dk, dv ({dtype})")
+    ax.set_yscale("log")
+    ax.set_xticks(sorted({r["world_size"] for r in acc}))
+    ax.set_xlabel("W")
+    ax.set_ylabel("max abs error vs float64 dense")
+    ax.set_title("numerical error vs W")
+    ax.legend(fontsize=8)
 
 
 def _plot_windows(report: dict, path: Path) -> bool:

@@ -126,10 +126,39 @@ def _train(policy: str, opts: dict, rank: int, world_size: int, device, mesh, pr
     import torch
 
     import cp_cache
-    from ..testing.models import ModelConfig, TinyDecoder, loss_fn, make_batch
 
     cp_cache.enable(policy=policy)
     torch.manual_seed(opts["seed"])
+    model, optimizer, batch = _model_optimizer_batch(opts, device)
+    grad_diff = _grad_parity(model, mesh, batch, device, world_size, rank)
+    rows = []
+    started = time.perf_counter()
+    for step in range(opts["steps"]):
+        t0 = time.perf_counter()
+        train_loss, alive = _train_step(model, optimizer, batch, mesh, world_size)
+        train_seconds = time.perf_counter() - t0
+        eval_cp, eval_one, after_eval = _eval_parity(model, batch, mesh, rank)
+        stats = cp_cache.stats()
+        rows.append(dict(
+            step=step + 1, train_loss=train_loss, eval_cp=eval_cp, eval_one=eval_one, **alive,
+            live_eval=after_eval[0], bytes_eval=after_eval[1],
+            peak_entries=stats["peak_entries"], peak_bytes=stats["peak_bytes"],
+            seconds=time.perf_counter() - t0, train_seconds=train_seconds,
+        ))
+        if progress is not None:
+            progress.update(step + 1, f"loss {train_loss:.4f}")
+    seconds = time.perf_counter() - started
+    final = cp_cache.stats()
+    cp_cache.disable()  # drops what the stack still holds
+    return dict(policy=policy, rows=rows, grad_diff=grad_diff, seconds=seconds, final_stats=final)
+
+
+def _model_optimizer_batch(opts: dict, device):
+    """The tiny decoder (compiled when asked), its AdamW and the one fixed batch, on ``device``."""
+    import torch
+
+    from ..testing.models import ModelConfig, TinyDecoder, make_batch
+
     config = ModelConfig(
         vocab=64, dim=opts["dim"], heads=opts["heads"], kv_heads=opts["kv_heads"], layers=opts["layers"],
         max_seq=opts["seq_len"], dropout=opts["dropout"],
@@ -144,50 +173,49 @@ def _train(policy: str, opts: dict, rank: int, world_size: int, device, mesh, pr
     optimizer = torch.optim.AdamW(model.parameters(), lr=opts["lr"])
     # one fixed batch: the model memorises it, so the loss visibly falls in a few dozen steps
     batch = tuple(t.to(device) for t in make_batch(opts["batch"], opts["seq_len"], config.vocab, seed=opts["seed"]))
+    return model, optimizer, batch
 
-    grad_diff = _grad_parity(model, mesh, batch, device, world_size, rank)
-    rows = []
-    started = time.perf_counter()
-    for step in range(opts["steps"]):
-        t0 = time.perf_counter()
-        tokens, labels, positions = (t.clone() for t in batch)
-        before = _live()
-        cp_cache.reset_peak()
-        model.train()
+
+def _train_step(model, optimizer, batch, mesh, world_size: int) -> tuple[float, dict]:
+    """One training step under CP: the loss (mean over ranks), and the step-cache entries and
+    bytes new in the forward and alive after the forward and after the backward."""
+    import cp_cache
+    from ..testing.models import loss_fn
+
+    tokens, labels, positions = (t.clone() for t in batch)
+    before = _live()
+    cp_cache.reset_peak()
+    model.train()
+    with cp_cache.context_parallel(mesh, buffers=[tokens, labels, positions], buffer_seq_dims=[1, 1, 1]):
+        loss = loss_fn(model(tokens, positions), labels)
+        fwd = _live()
+        loss.backward()
+    bwd = _live()
+    train_loss = _global_mean(float(loss.detach()))
+    del loss
+    _average_grads(model, world_size)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return train_loss, dict(new_fwd=fwd[0] - before[0], new_bytes_fwd=fwd[1] - before[1],
+                            live_fwd=fwd[0], bytes_fwd=fwd[1], live_bwd=bwd[0], bytes_bwd=bwd[1])
+
+
+def _eval_parity(model, batch, mesh, rank: int) -> tuple[float, float, tuple]:
+    """Parity: the eval loss of the updated weights, dropout off, under CP and on one process
+    (rank 0; NaN elsewhere), and the (entries, bytes) alive after the CP eval."""
+    import torch
+
+    import cp_cache
+    from ..testing.models import loss_fn
+
+    model.eval()
+    tokens, labels, positions = (t.clone() for t in batch)
+    with torch.no_grad():
         with cp_cache.context_parallel(mesh, buffers=[tokens, labels, positions], buffer_seq_dims=[1, 1, 1]):
-            loss = loss_fn(model(tokens, positions), labels)
-            fwd = _live()
-            loss.backward()
-        bwd = _live()
-        train_loss = _global_mean(float(loss.detach()))
-        del loss
-        _average_grads(model, world_size)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        train_seconds = time.perf_counter() - t0
-        # parity: the updated weights, dropout off, under CP and on one process
-        model.eval()
-        tokens, labels, positions = (t.clone() for t in batch)
-        with torch.no_grad():
-            with cp_cache.context_parallel(mesh, buffers=[tokens, labels, positions], buffer_seq_dims=[1, 1, 1]):
-                eval_cp = _global_mean(float(loss_fn(model(tokens, positions), labels)))
-            after_eval = _live()
-            eval_one = float(loss_fn(model(batch[0], batch[2]), batch[1])) if rank == 0 else float("nan")
-        stats = cp_cache.stats()
-        rows.append(dict(
-            step=step + 1, train_loss=train_loss, eval_cp=eval_cp, eval_one=eval_one,
-            new_fwd=fwd[0] - before[0], new_bytes_fwd=fwd[1] - before[1],
-            live_fwd=fwd[0], bytes_fwd=fwd[1], live_bwd=bwd[0], bytes_bwd=bwd[1],
-            live_eval=after_eval[0], bytes_eval=after_eval[1],
-            peak_entries=stats["peak_entries"], peak_bytes=stats["peak_bytes"],
-            seconds=time.perf_counter() - t0, train_seconds=train_seconds,
-        ))
-        if progress is not None:
-            progress.update(step + 1, f"loss {train_loss:.4f}")
-    seconds = time.perf_counter() - started
-    final = cp_cache.stats()
-    cp_cache.disable()  # drops what the stack still holds
-    return dict(policy=policy, rows=rows, grad_diff=grad_diff, seconds=seconds, final_stats=final)
+            eval_cp = _global_mean(float(loss_fn(model(tokens, positions), labels)))
+        after_eval = _live()
+        eval_one = float(loss_fn(model(batch[0], batch[2]), batch[1])) if rank == 0 else float("nan")
+    return eval_cp, eval_one, after_eval
 
 
 def _compile_blocks(model, backend: str) -> None:

@@ -27,13 +27,37 @@ def run(args: argparse.Namespace) -> int:
     print("cp_cache doctor")
     _check("python", sys.version_info >= (3, 10), f"{platform.python_version()} ({sys.executable})", todo,
            "use Python 3.10 or newer")
+    torch = _torch_check(todo)
+    if torch is None:
+        return _finish(todo)
+    _torch_npu_check(torch, todo)
+    if not _extension_check(todo):
+        return _finish(todo)
+
+    import cp_cache
+
+    _policy_check(todo)
+    _attention_ops_check(todo)
+    _optional_packages_check(todo)
+    _merge_check(todo)
+    s = cp_cache.stats()
+    _check("store", True, f"live_entries={s['live_entries']}, stack_depth={s['stack_depth']}", todo)
+    return _finish(todo)
+
+
+def _torch_check(todo: list[str]):
+    """torch, or None when it does not import."""
     try:
         import torch
     except Exception as e:  # noqa: BLE001
         _check("torch", False, f"not importable: {e}", todo, "run make build (it installs torch==2.13.0 in .venv)")
-        return _finish(todo)
+        return None
     _check("torch", True, torch.__version__, todo)
+    return torch
 
+
+def _torch_npu_check(torch, todo: list[str]) -> None:
+    """torch_npu's version and the NPUs it sees; a broken torch_npu is reported, not raised."""
     npu_version, npu_error = None, None
     try:
         import torch_npu  # noqa: F401
@@ -55,16 +79,22 @@ def run(args: argparse.Namespace) -> int:
     else:
         _check("torch_npu", None, "not installed (CPU: the emulator stands in for the NPU ops)", todo)
 
+
+def _extension_check(todo: list[str]) -> bool:
+    """Whether the native extension cp_cache._C loads."""
     try:
         from cp_cache import _C
 
         _check("native extension", True, f"loaded from {_C.__file__}", todo)
+        return True
     except Exception as e:  # noqa: BLE001
         _check("native extension", False, f"cp_cache._C does not load: {type(e).__name__}: {e}", todo,
                "run make build (builds cp_cache._C in place)")
-        return _finish(todo)
+        return False
 
-    import cp_cache
+
+def _policy_check(todo: list[str]) -> None:
+    """The step-cache policy in use and where it comes from."""
     from cp_cache.config import POLICY_ENV, resolve_config
 
     try:
@@ -74,23 +104,28 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as e:
         _check("policy", False, str(e), todo, f"set {POLICY_ENV}=handle or {POLICY_ENV}=stack")
 
+
+def _attention_ops_check(todo: list[str]) -> None:
+    """The real NPU attention ops, or the emulator that stands in for them."""
+    from cp_cache.emulator import emulator_installed, install_npu_emulator, uninstall_npu_emulator
     from cp_cache.kernels.npu import available
-    from cp_cache.testing import emulator_installed
 
     if available() and not emulator_installed():
         _check("attention ops", True, "real torch.ops.npu.npu_fusion_attention_v3 (torch_npu)", todo)
     else:
-        from cp_cache.testing import install_npu_emulator, uninstall_npu_emulator
-
         try:
             installed = install_npu_emulator(route_sdpa=False)
             if installed:
                 uninstall_npu_emulator()
             _check("attention ops", None, "no real NPU ops: the CPU emulator installs and will be used "
-                   "(cp_cache.testing.install_npu_emulator())", todo)
+                   "(cp_cache.emulator.install_npu_emulator())", todo)
         except Exception as e:  # noqa: BLE001
             _check("attention ops", False, f"neither the real ops nor the emulator: {e}", todo,
                    "import torch_npu on Ascend, or check the torch version (2.13 expected)")
+
+
+def _optional_packages_check(todo: list[str]) -> None:
+    """numpy (torch's CP sharding rules) and matplotlib (the plots)."""
     try:
         import numpy
 
@@ -103,17 +138,13 @@ def run(args: argparse.Namespace) -> int:
         _check("matplotlib", True, f"{matplotlib.__version__} (bench plots)", todo)
     except ImportError:
         _check("matplotlib", False, "missing (bench writes JSON only)", todo, "run make build")
-    _merge_check(todo)
-    s = cp_cache.stats()
-    _check("store", True, f"live_entries={s['live_entries']}, stack_depth={s['stack_depth']}", todo)
-    return _finish(todo)
 
 
 def _merge_check(todo: list[str]) -> None:
     """Which merge the ring uses for its steps: the fused op or the float32 merge."""
     from cp_cache.config import FUSED_MERGE_ENV, resolve_config
+    from cp_cache.emulator import emulator_installed, install_npu_emulator, uninstall_npu_emulator
     from cp_cache.engine.merge import OP_NAME, fused_merge_available
-    from cp_cache.testing import emulator_installed, install_npu_emulator, uninstall_npu_emulator
 
     try:
         wanted = resolve_config().fused_merge

@@ -179,7 +179,7 @@ def keep_mask(steps_per_rank: list[list[tuple]], case: AttentionCase, world: int
     "q_tail": the query tail half, "kv_head": the key head half, otherwise all), with the mask
     ``cp_cache.testing.dropout_keep_mask(seed, offset, ...)``. Pairs no step covers stay True.
     """
-    from .npu_emulator import dropout_keep_mask
+    from ..emulator import dropout_keep_mask
 
     S = case.s_local * world
     keep = torch.ones(case.B, case.nq, S, S, dtype=torch.bool)

@@ -5,7 +5,7 @@ against them and must coexist with them. The torch-npu wheels on PyPI cannot be
 imported here: ``import torch_npu`` loads a native library that needs Ascend
 CANN. Their CP files are plain Python, though, and only need
 ``torch.ops.npu.npu_fusion_attention*`` -- which the emulator
-(``cp_cache.testing.install_npu_emulator``) provides on CPU.
+(``cp_cache.emulator.install_npu_emulator``) provides on CPU.
 
 This module
 
@@ -269,7 +269,7 @@ def _ops_required() -> dict:
     if missing:
         raise RuntimeError(
             f"load_torch_npu_cp(): torch.ops.npu lacks {missing}; install the CPU emulator first "
-            "(cp_cache.testing.install_npu_emulator()) -- torch_npu's CP files call these ops"
+            "(cp_cache.emulator.install_npu_emulator()) -- torch_npu's CP files call these ops"
         )
     return found
 

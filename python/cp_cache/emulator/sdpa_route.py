@@ -16,7 +16,7 @@ from typing import Any, Optional
 import torch
 import torch.nn.functional as F
 
-from ...npu_ops import SparseMode, causal_mask
+from ..npu_ops import SparseMode, causal_mask
 
 __all__ = ["scaled_dot_product_attention", "install_route", "uninstall_route", "routed"]
 

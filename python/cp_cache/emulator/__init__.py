@@ -1,5 +1,11 @@
 """CPU emulation of torch_npu's fused attention ops (DESIGN.md sections 4 and 6).
 
+A product feature: on a machine without torch_npu, ``install_npu_emulator()`` makes
+``cp_cache.enable()`` and every CP call run on CPU (plain torch kernels), which is how
+the tests, ``python -m cp_cache demo | bench | compare`` and users without an NPU run
+cp_cache.  ``cp_cache.enable()`` names this function when the NPU ops are missing.
+It imports nothing from ``cp_cache.testing`` or ``cp_cache.cli``.
+
 ``install_npu_emulator()`` defines, under ``torch.ops.npu``, the operators
 
 * ``npu_fusion_attention_v3`` / ``npu_fusion_attention_grad_v3``, and
@@ -79,7 +85,7 @@ from __future__ import annotations
 import logging
 import threading
 
-from ...npu_ops import op_exists
+from ..npu_ops import op_exists
 from .attention_math import dropout_keep_mask
 from .registration import define_ops
 from .sdpa_route import install_route, routed, scaled_dot_product_attention, uninstall_route

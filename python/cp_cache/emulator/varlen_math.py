@@ -22,7 +22,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from ...npu_ops import STATS_WIDTH
+from ..npu_ops import STATS_WIDTH
 from . import attention_math as M
 
 __all__ = ["LAYOUT", "TndDims", "check_tnd_call", "tnd_forward", "tnd_backward", "segment_lengths"]

@@ -1,7 +1,7 @@
 """The emulated ops' math: argument checks, the mask each sparse mode gives, dropout, and
 attention forward/backward in plain torch (float32, float64 for float64 inputs).
 
-See ``cp_cache.testing.npu_emulator`` for the semantics emulated.
+See ``cp_cache.emulator`` for the semantics emulated.
 """
 
 from __future__ import annotations
@@ -10,8 +10,8 @@ from typing import Any, Optional, Sequence
 
 import torch
 
-from ... import layout as L
-from ...npu_ops import FLOAT32_LOWEST, INT_MAX, STATS_WIDTH, is_compressed_mask
+from .. import layout as L
+from ..npu_ops import FLOAT32_LOWEST, INT_MAX, STATS_WIDTH, is_compressed_mask
 
 # ---------------------------------------------------------------------------
 # dropout

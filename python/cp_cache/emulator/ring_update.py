@@ -44,7 +44,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from ...npu_ops import RING_UPDATE, STATS_WIDTH
+from ..npu_ops import RING_UPDATE, STATS_WIDTH
 
 __all__ = ["OP_NAME", "ring_update_math", "ring_update_fake", "define"]
 
@@ -70,9 +70,30 @@ def _check(prev_attn_out: Tensor, prev_softmax_max: Tensor, prev_softmax_sum: Te
     outs = {"prev_attn_out": prev_attn_out, "cur_attn_out": cur_attn_out}
     stats = {"prev_softmax_max": prev_softmax_max, "prev_softmax_sum": prev_softmax_sum,
              "cur_softmax_max": cur_softmax_max, "cur_softmax_sum": cur_softmax_sum}
+    _check_attention_outputs(outs, input_layout)
+    _check_statistics(stats, prev_attn_out.dtype)
+    devices = {t.device for t in (*outs.values(), *stats.values())}
+    if len(devices) != 1:
+        raise ValueError(f"{OP_NAME}: tensors on different devices {sorted(str(d) for d in devices)}")
+
+    rows = _shape(prev_attn_out)
+    stat_shape = prev_softmax_max.shape
+    if input_layout == "SBH":
+        _check_sbh_shapes(rows, stat_shape)
+    else:
+        _check_tnd_shapes(rows, stat_shape, actual_seq_qlen)
+    if actual_seq_qlen is not None:
+        if actual_seq_qlen.dtype != torch.int64 or actual_seq_qlen.dim() != 1:
+            raise ValueError(f"{OP_NAME}: actual_seq_qlen must be a 1-D int64 tensor, got "
+                             f"{actual_seq_qlen.dtype} of shape {_shape(actual_seq_qlen)}")
+
+
+def _check_attention_outputs(outs: dict, input_layout: str) -> None:
+    """prev/cur attention outputs: 3-D, the same shape and dtype, a supported dtype."""
     for name, t in outs.items():
         if t.dim() != 3:
             raise ValueError(f"{OP_NAME}: {name} must be 3-D ({input_layout}), got shape {_shape(t)}")
+    prev_attn_out, cur_attn_out = outs["prev_attn_out"], outs["cur_attn_out"]
     if prev_attn_out.shape != cur_attn_out.shape:
         raise ValueError(f"{OP_NAME}: prev_attn_out shape {_shape(prev_attn_out)} != "
                          f"cur_attn_out shape {_shape(cur_attn_out)}")
@@ -82,45 +103,47 @@ def _check(prev_attn_out: Tensor, prev_softmax_max: Tensor, prev_softmax_sum: Te
     if prev_attn_out.dtype not in _OUT_DTYPES:
         raise ValueError(f"{OP_NAME}: attn_out dtype {prev_attn_out.dtype} is not supported "
                          "(float16, bfloat16, float32; float64 in the emulator)")
-    stat_shape = prev_softmax_max.shape
+
+
+def _check_statistics(stats: dict, out_dtype: torch.dtype) -> None:
+    """The four softmax statistics: one shape, all float32 (or all float64 with float64 outputs)."""
+    stat_shape = stats["prev_softmax_max"].shape
     for name, t in stats.items():
         if t.shape != stat_shape:
             raise ValueError(f"{OP_NAME}: {name} shape {_shape(t)} != prev_softmax_max shape {list(stat_shape)}")
-    allowed = (torch.float32, torch.float64) if prev_attn_out.dtype == torch.float64 else (torch.float32,)
+    allowed = (torch.float32, torch.float64) if out_dtype == torch.float64 else (torch.float32,)
+    stat_dtype = stats["prev_softmax_max"].dtype
     for name, t in stats.items():
-        if t.dtype != prev_softmax_max.dtype or t.dtype not in allowed:
+        if t.dtype != stat_dtype or t.dtype not in allowed:
             raise ValueError(f"{OP_NAME}: {name} dtype {t.dtype}: the softmax statistics must all be float32 "
                              "(or all float64 with float64 attention outputs)")
-    devices = {t.device for t in (*outs.values(), *stats.values())}
-    if len(devices) != 1:
-        raise ValueError(f"{OP_NAME}: tensors on different devices {sorted(str(d) for d in devices)}")
 
-    rows = _shape(prev_attn_out)
-    if input_layout == "SBH":
-        if len(stat_shape) != 4 or stat_shape[-1] != STATS_WIDTH:
-            raise ValueError(f"{OP_NAME}: with input_layout='SBH' the softmax statistics must be "
-                             f"[B, N, S, {STATS_WIDTH}], got shape {list(stat_shape)}")
-        s, b, h = rows
-        sb, n, ss, _ = stat_shape
-        if (sb, ss) != (b, s):
-            raise ValueError(f"{OP_NAME}: attn_out shape {rows} ([S, B, H]) does not match softmax shape "
-                             f"{list(stat_shape)} ([B, N, S, {STATS_WIDTH}]) in B or S")
-        if n <= 0 or h % n:
-            raise ValueError(f"{OP_NAME}: attn_out hidden size {h} (shape {rows}) is not divisible by the "
-                             f"head count {n} of softmax shape {list(stat_shape)}")
-    else:
-        if actual_seq_qlen is None:
-            raise ValueError(f"{OP_NAME}: input_layout='TND' requires actual_seq_qlen")
-        if len(stat_shape) != 3 or stat_shape[-1] != STATS_WIDTH:
-            raise ValueError(f"{OP_NAME}: with input_layout='TND' the softmax statistics must be "
-                             f"[T, N, {STATS_WIDTH}], got shape {list(stat_shape)}")
-        if list(stat_shape[:2]) != rows[:2]:
-            raise ValueError(f"{OP_NAME}: attn_out shape {rows} ([T, N, D]) does not match softmax shape "
-                             f"{list(stat_shape)} ([T, N, {STATS_WIDTH}]) in T or N")
-    if actual_seq_qlen is not None:
-        if actual_seq_qlen.dtype != torch.int64 or actual_seq_qlen.dim() != 1:
-            raise ValueError(f"{OP_NAME}: actual_seq_qlen must be a 1-D int64 tensor, got "
-                             f"{actual_seq_qlen.dtype} of shape {_shape(actual_seq_qlen)}")
+
+def _check_sbh_shapes(rows: list, stat_shape) -> None:
+    """attn_out [S, B, H] against statistics [B, N, S, 8]."""
+    if len(stat_shape) != 4 or stat_shape[-1] != STATS_WIDTH:
+        raise ValueError(f"{OP_NAME}: with input_layout='SBH' the softmax statistics must be "
+                         f"[B, N, S, {STATS_WIDTH}], got shape {list(stat_shape)}")
+    s, b, h = rows
+    sb, n, ss, _ = stat_shape
+    if (sb, ss) != (b, s):
+        raise ValueError(f"{OP_NAME}: attn_out shape {rows} ([S, B, H]) does not match softmax shape "
+                         f"{list(stat_shape)} ([B, N, S, {STATS_WIDTH}]) in B or S")
+    if n <= 0 or h % n:
+        raise ValueError(f"{OP_NAME}: attn_out hidden size {h} (shape {rows}) is not divisible by the "
+                         f"head count {n} of softmax shape {list(stat_shape)}")
+
+
+def _check_tnd_shapes(rows: list, stat_shape, actual_seq_qlen: Optional[Tensor]) -> None:
+    """attn_out [T, N, D] against statistics [T, N, 8]; TND needs actual_seq_qlen."""
+    if actual_seq_qlen is None:
+        raise ValueError(f"{OP_NAME}: input_layout='TND' requires actual_seq_qlen")
+    if len(stat_shape) != 3 or stat_shape[-1] != STATS_WIDTH:
+        raise ValueError(f"{OP_NAME}: with input_layout='TND' the softmax statistics must be "
+                         f"[T, N, {STATS_WIDTH}], got shape {list(stat_shape)}")
+    if list(stat_shape[:2]) != rows[:2]:
+        raise ValueError(f"{OP_NAME}: attn_out shape {rows} ([T, N, D]) does not match softmax shape "
+                         f"{list(stat_shape)} ([T, N, {STATS_WIDTH}]) in T or N")
 
 
 def _check_lengths(actual_seq_qlen: Tensor, t: int) -> None:
