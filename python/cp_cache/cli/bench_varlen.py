@@ -150,6 +150,7 @@ def varlen_rank(shape: dict, repeats: int, warmup: int, rank: int, world_size: i
     from torch.distributed.tensor.experimental._context_parallel._attention import _cp_options
 
     import cp_cache
+    from .. import layout as L
     from ..npu_ops import causal_mask
     from ..testing.varlen_reference import dense_tnd_attention
 
@@ -171,7 +172,7 @@ def varlen_rank(shape: dict, repeats: int, warmup: int, rank: int, world_size: i
             times = {"forward": [], "backward": []}
             for i in range(warmup + repeats):
                 q, k, v = (DTensor.from_local(t.clone(), mesh, [Shard(0)]).requires_grad_() for t in local[:3])
-                out = torch.ops.npu.npu_fusion_attention_v3(q, k, v, n, "TND", **kw)[0]
+                out = torch.ops.npu.npu_fusion_attention_v3(q, k, v, n, L.TND, **kw)[0]
                 out.backward(DTensor.from_local(local[3], mesh, [Shard(0)]))
                 calls = cp_cache.call_stats()
                 if i >= warmup:

@@ -82,7 +82,7 @@ def _check_unsupported(pse, padding_mask, prefix, actual_seq_qlen, actual_seq_kv
 
 
 def _check_layout(input_layout: str) -> None:
-    if input_layout == "TND":
+    if input_layout == L.TND:
         raise NotImplementedError(
             "npu emulator: input_layout='TND' (varlen) is not supported; use BNSD, BSND, BSH or SBH"
         )

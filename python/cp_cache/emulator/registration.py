@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from ..handlers.arguments import bind_arguments
+from ..arguments import bind_arguments
 from ..npu_ops import FORWARD_V1, FORWARD_V3, GRAD_V1, GRAD_V3
 from . import attention_math as M
 from . import ring_update

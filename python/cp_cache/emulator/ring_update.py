@@ -44,12 +44,13 @@ from typing import Optional
 import torch
 from torch import Tensor
 
+from .. import layout as L
 from ..npu_ops import RING_UPDATE, STATS_WIDTH
 
 __all__ = ["OP_NAME", "ring_update_math", "ring_update_fake", "define"]
 
 OP_NAME = RING_UPDATE.split("(", 1)[0]
-LAYOUTS = ("SBH", "TND")
+LAYOUTS = ("SBH", L.TND)
 _OUT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 
@@ -161,7 +162,7 @@ def ring_update_math(prev_attn_out: Tensor, prev_softmax_max: Tensor, prev_softm
     """The op on CPU tensors (the CPU kernel): merged (attn_out, softmax_max, softmax_sum)."""
     _check(prev_attn_out, prev_softmax_max, prev_softmax_sum, cur_attn_out, cur_softmax_max, cur_softmax_sum,
            actual_seq_qlen, input_layout, input_softmax_layout)
-    if input_layout == "TND":
+    if input_layout == L.TND:
         _check_lengths(actual_seq_qlen, prev_attn_out.size(0))
     cd = torch.float64 if prev_attn_out.dtype == torch.float64 else torch.float32
     m1, s1 = prev_softmax_max.to(cd), prev_softmax_sum.to(cd)

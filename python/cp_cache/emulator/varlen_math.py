@@ -22,12 +22,13 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from .. import layout as L
 from ..npu_ops import STATS_WIDTH
 from . import attention_math as M
 
 __all__ = ["LAYOUT", "TndDims", "check_tnd_call", "tnd_forward", "tnd_backward", "segment_lengths"]
 
-LAYOUT = "TND"
+LAYOUT = L.TND
 _TND_MODES = (0, 1, 2, 3, 4)
 
 

@@ -1,6 +1,5 @@
 """DTensor custom-op handlers for the NPU fused attention ops.
 
-* ``arguments``: binding a handler's (args, kwargs) to the op's argument names;
 * ``checks``: which mask arguments and shardings the handlers accept;
 * ``call``: one prepared call (its CallPlan, sharding, mask rows) and the DTensor wrapping;
 * ``ops``: the custom ops that run the strategies and the step cache;

@@ -18,7 +18,7 @@ from torch import Tensor
 from ..config import CPConfig
 from ..npu_ops import lse_from_stats, stats_views_from_lse
 from . import ops
-from .arguments import bind_arguments
+from ..arguments import bind_arguments
 from .call import prepare, refusal_shared
 from .calls import CallLog
 from .checks import local_tensor, sharded_like

@@ -26,7 +26,7 @@ from ..engine.steps import positions
 from ..kernels import get_kernel
 from ..plan import CallPlan, MaskSpec
 from . import ops
-from .arguments import bind_arguments
+from ..arguments import bind_arguments
 from .checks import local_mask_rows, mask_spec
 from .cp_mesh import CPSharding, cp_sharding, resolve_algorithm, whole_mask
 from .packed import is_packed, packed_documents, packed_mask, packed_sharding

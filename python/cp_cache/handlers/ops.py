@@ -39,7 +39,7 @@ from ..algorithms import strategy_for
 from ..engine import agreement
 from ..kernels import get_kernel
 from ..plan import CallPlan
-from .arguments import describe
+from ..arguments import describe
 from .calls import CALL_LOG
 
 __all__ = ["ring_forward", "ring_backward", "group_names", "check_seed"]

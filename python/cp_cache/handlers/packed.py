@@ -19,7 +19,7 @@ from .. import layout as L
 from ..documents import cumulative_lengths
 from ..npu_ops import CAUSAL_MODES, SparseMode, is_compressed_mask
 from ..plan import MaskSpec
-from .arguments import describe
+from ..arguments import describe
 from .cp_mesh import CPSharding
 
 __all__ = ["is_packed", "packed_mask", "packed_documents", "packed_sharding"]

@@ -13,7 +13,6 @@ from .base import StepForward, StepMask
 
 __all__ = ["NpuKernel", "available"]
 
-TND = "TND"
 
 
 def available() -> bool:
@@ -27,7 +26,7 @@ def _mask_args(mask: StepMask, device: torch.device, layout: str = "") -> dict:
     if mask.kind == "causal":
         # TND: per segment; the ring's causal segments are square, where both causal modes agree,
         # and right-down is the mode varlen callers use
-        mode = SparseMode.RIGHT_DOWN_CAUSAL if layout == TND else SparseMode.LEFT_UP_CAUSAL
+        mode = SparseMode.RIGHT_DOWN_CAUSAL if layout == L.TND else SparseMode.LEFT_UP_CAUSAL
         return dict(atten_mask=causal_mask(device), sparse_mode=int(mode), next_tockens=0)
     if mask.kind == "band":
         return dict(atten_mask=causal_mask(device), sparse_mode=int(SparseMode.BAND),
@@ -39,7 +38,7 @@ def _mask_args(mask: StepMask, device: torch.device, layout: str = "") -> dict:
 
 def _layout_args(layout: str, actual_seq_lens) -> dict:
     """TND takes the segments' cumulative ends (q, kv) as CPU int64 tensors; the other layouts none."""
-    if layout == TND:
+    if layout == L.TND:
         if actual_seq_lens is None:
             raise ValueError("input_layout='TND' needs actual_seq_lens (cumulative q and kv segment ends)")
         return dict(actual_seq_qlen=actual_seq_lens[0], actual_seq_kvlen=actual_seq_lens[1])
