@@ -21,7 +21,6 @@ import json
 import statistics
 import time
 from pathlib import Path
-from typing import Any
 
 from ._common import Progress, fmt_bytes, launch, table, under_torchrun
 

@@ -29,7 +29,7 @@ from . import ops
 from ..arguments import bind_arguments
 from .checks import local_mask_rows, mask_spec
 from .cp_mesh import CPSharding, cp_sharding, resolve_algorithm, whole_mask
-from .packed import is_packed, packed_documents, packed_mask, packed_sharding
+from .packed import packed_documents, packed_mask, packed_sharding
 
 __all__ = ["Call", "prepare", "refusal_shared"]
 
@@ -90,7 +90,7 @@ def prepare(a: dict[str, Any], cp: CPConfig, *, backward: bool = False) -> Call:
     grad op's (its scale is ``scale_value``; the algorithm need not fit the mesh, a mismatch
     with the forward's is reported by the op)."""
     scale = float(a["scale_value" if backward else "scale"])
-    if is_packed(a):
+    if a["input_layout"] == L.TND:
         return _prepare_packed(a, cp, scale)
     layout = L.check_layout(a["input_layout"])
     spec = mask_spec(a)
@@ -165,7 +165,7 @@ def _first_agreement(op_call, args, kwargs):
     try:
         a = bind_arguments(op_call._schema, args, kwargs)
         tensors = {n: a[n] for n in _QKV}
-        sharding = (packed_sharding(tensors) if is_packed(a)
+        sharding = (packed_sharding(tensors) if a["input_layout"] == L.TND
                     else cp_sharding(tensors, L.check_layout(a["input_layout"])))
     except Exception:  # noqa: BLE001 - the refusal itself is what gets raised
         return None

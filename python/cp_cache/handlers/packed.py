@@ -15,21 +15,16 @@ from typing import Any
 
 from torch.distributed.tensor import DTensor, Shard
 
-from .. import layout as L
 from ..documents import cumulative_lengths
 from ..npu_ops import CAUSAL_MODES, SparseMode, is_compressed_mask
 from ..plan import MaskSpec
 from ..arguments import describe
 from .cp_mesh import CPSharding
 
-__all__ = ["is_packed", "packed_mask", "packed_documents", "packed_sharding"]
+__all__ = ["packed_mask", "packed_documents", "packed_sharding"]
 
 _UNSUPPORTED_WHEN_SET = ("pse", "padding_mask", "prefix", "sink")
 _TND_PLACEMENTS = (Shard(0),)
-
-
-def is_packed(a: dict[str, Any]) -> bool:
-    return a["input_layout"] == L.TND
 
 
 def packed_mask(a: dict[str, Any]) -> MaskSpec:
