@@ -1,9 +1,9 @@
 """cp_cache: context-parallel ring attention for Ascend NPUs with a native step-cache store.
 
 The step cache of each attention call travels through autograd as a handle
-tensor whose storage owns it (see DESIGN.md). ``cp_cache.testing`` (the CPU
-emulator of the NPU ops, a toy model, a multi-rank launcher, dense references)
-is loaded only when asked for.
+tensor whose storage owns it (docs/lifetime.md). ``cp_cache.emulator`` (the NPU ops on
+CPU) and ``cp_cache.testing`` (a toy model, a multi-rank launcher, dense references) are
+loaded only when asked for.
 """
 
 from __future__ import annotations
@@ -63,7 +63,8 @@ def current_graph_task_id() -> int:
 
 
 def __getattr__(name: str):
-    # ``cp_cache.testing`` keeps working after a bare ``import cp_cache``, loaded on first use.
-    if name == "testing":
-        return importlib.import_module(".testing", __name__)
+    # ``cp_cache.emulator`` and ``cp_cache.testing`` work after a bare ``import cp_cache``,
+    # loaded on first use (``import cp_cache`` loads neither).
+    if name in ("emulator", "testing"):
+        return importlib.import_module(f".{name}", __name__)
     raise AttributeError(f"module 'cp_cache' has no attribute {name!r}")

@@ -1,5 +1,5 @@
 """Packed documents (TND) under context parallelism: the cumulative lengths, the
-per-document sharding layout, and the user helpers (DESIGN.md section 10).
+per-document sharding layout, and the user helpers (docs/documents.md).
 
 A packed sequence of T tokens holds documents given by their cumulative end offsets
 ``cu_seqlens`` (``actual_seq_qlen`` of the op: strictly increasing, the last = T). Over W

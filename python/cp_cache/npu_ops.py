@@ -1,4 +1,4 @@
-"""The conventions of torch_npu's fused attention ops, in one place (DESIGN.md section 4).
+"""The conventions of torch_npu's fused attention ops, in one place.
 
 Everything the handlers, the NPU step kernel and the CPU emulator must agree on
 about ``npu_fusion_attention(_v3)`` and its grad: the op schemas, the sparse
@@ -164,7 +164,7 @@ def stats_views_from_lse(lse: Tensor) -> tuple[Tensor, Tensor]:
     """(softmax_max, softmax_sum) as stride-0 views: max = the LSE expanded over the 8 lanes,
     sum = a single 1 expanded. They hold 4 bytes per query token and head (the LSE) plus 4,
     where the contiguous pair holds 64: what autograd saves between forward and backward
-    (DESIGN section 13). The grad kernels get the contiguous form (``stats_from_lse``)."""
+    (docs/lifetime.md, the memory floor). The grad kernels get the contiguous form (``stats_from_lse``)."""
     shape = (*lse.shape, STATS_WIDTH)
     one = torch.ones((), dtype=torch.float32, device=lse.device)
     return lse.float().unsqueeze(-1).expand(shape), one.expand(shape)

@@ -1,4 +1,4 @@
-"""The user helpers for packed documents under CP (DESIGN.md section 10):
+"""The user helpers for packed documents under CP (docs/documents.md):
 ``shard_documents`` / ``unshard_documents`` lay out and gather back the per-document
 head-tail (or contiguous) layout of ``documents.document_positions``; ``pad_documents``
 pads every document up to a multiple of 2W. Exported as ``cp_cache.shard_documents`` etc.

@@ -1,4 +1,4 @@
-"""Laying a full sequence out the way the CP handlers expect it, and back (DESIGN sections 5, 12).
+"""Laying a full sequence out the way the CP handlers expect it, and back.
 
 * One CP mesh dimension (ring, Ulysses): with load balancing (torch's
   ``_cp_options.enable_load_balance``, the default of ``load_balance``) rank r holds the

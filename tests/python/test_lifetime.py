@@ -1,4 +1,4 @@
-"""Step-cache lifetime under every autograd mode, for both policies (DESIGN.md section 7).
+"""Step-cache lifetime under every autograd mode, for both policies.
 
 Each spawned run (gloo on loopback, W = 1 and W = 2) executes the whole case
 matrix once per policy on a 2-layer TinyDecoder whose attention goes

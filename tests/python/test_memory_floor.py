@@ -1,4 +1,4 @@
-"""The memory floor (DESIGN section 13): between forward and backward a CP attention call keeps
+"""The memory floor: between forward and backward a CP attention call keeps
 its output, the LSE and a few bytes: the distinct storages autograd saves for it (inputs and
 mask excluded) plus the store's live bytes are at most output + LSE + 1 KiB, under both
 policies, with and without full checkpointing (then nothing), and the gradients are still

@@ -459,7 +459,7 @@ def _model_step(rank: int, world: int) -> dict:
 
 
 def _memory_floor(rank: int, world: int) -> dict:
-    """What one call keeps from forward to backward (DESIGN section 13): the distinct storages
+    """What one call keeps from forward to backward (the memory floor): the distinct storages
     autograd saves (inputs and mask excluded) plus the store's live bytes, per algorithm."""
     from cp_cache.cli._measure import SavedStorages
 

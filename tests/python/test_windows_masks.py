@@ -1,4 +1,4 @@
-"""Band (sliding-window) attention and explicit masks through the CP handlers (DESIGN section 11),
+"""Band (sliding-window) attention and explicit masks through the CP handlers,
 against dense float64 at W = 1, 2, 4: windows smaller than, equal to and larger than the local
 length, with and without load balancing, GQA; random masks (with and without fully masked
 rows), bool and uint8, [S, S] / [B, 1, S, S] / [B, N, S, S], replicated or sharded on the query
@@ -250,7 +250,7 @@ def test_dropout_directional_derivative(world, kind):
 @pytest.mark.parametrize("sq, skv", [(8, 8), (6, 10), (10, 6)])
 @pytest.mark.parametrize("pre, nxt", [(2, 0), (0, 3), (4, 4), (-2, 5), (5, -1)])
 def test_emulator_band_mode_is_pinned(sq, skv, pre, nxt):
-    """sparse_mode 4: with d = Skv - Sq (0 for the square global call of DESIGN section 11),
+    """sparse_mode 4: with d = Skv - Sq (0 for the square global call),
     query i sees key j iff i - pre + d <= j <= i + next + d."""
     install_npu_emulator(route_sdpa=False)
     g = torch.Generator().manual_seed(sq * 100 + skv)

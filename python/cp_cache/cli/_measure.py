@@ -101,7 +101,7 @@ def peak_bytes(fn: Callable[[], Any]) -> int:
 class SavedStorages:
     """Inside the block, records the distinct storages autograd saves for backward (by data
     pointer), leaving out those of ``exclude`` (inputs, masks): ``storages`` {pointer: bytes}
-    and ``nbytes``. DESIGN section 13's measure of what a call keeps from forward to backward."""
+    and ``nbytes``. The memory floor's measure of what a call keeps from forward to backward."""
 
     def __init__(self, exclude=()):
         self._skip = {k[0] for k in map(storage_key, exclude) if k}

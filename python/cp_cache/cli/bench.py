@@ -19,7 +19,7 @@ Sections (``--only`` picks some):
 * ``floor``: what one causal CP attention call keeps from forward to backward (the distinct
   storages autograd saves for it, inputs and mask excluded, plus the store's live bytes)
   against the floor output + LSE and against output + contiguous [B, N, S, 8] statistics
-  (B=1, N=8, S=4096, D=64, fp32; DESIGN section 13), both policies, and whether the ring
+  (B=1, N=8, S=4096, D=64, fp32; the memory floor), both policies, and whether the ring
   merged its steps with the fused op;
 * ``overlap``: per attention call, the ring's time computing (kernels, merges,
   accumulation) and blocked on receives, forward and backward: ``exposed_fraction`` =

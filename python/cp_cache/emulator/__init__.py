@@ -1,4 +1,4 @@
-"""CPU emulation of torch_npu's fused attention ops (DESIGN.md sections 4 and 6).
+"""CPU emulation of torch_npu's fused attention ops.
 
 A product feature: on a machine without torch_npu, ``install_npu_emulator()`` makes
 ``cp_cache.enable()`` and every CP call run on CPU (plain torch kernels), which is how
@@ -14,9 +14,7 @@ It imports nothing from ``cp_cache.testing`` or ``cp_cache.cli``.
   v3 except that ``prefix``, ``actual_seq_qlen`` and ``actual_seq_kvlen`` are
   ``int[]?``; it returns ``(Tensor, Tensor, Tensor, Tensor, int, int, int)``
   (seed, offset, numels as ints) and its grad takes ``int seed, int offset,
-  int numels``.  (DESIGN.md's description of v1 inputs, "plus Tensor?
-  dropout_mask, int seed, int offset", does not match the real schema; the
-  real one is used here.)
+  int numels`` (the real schema, as torch-npu 2.13.0 writes it).
 
 Each op has a CPU kernel in plain torch, a fake (meta) kernel and, for the
 forward ops, the autograd formula of op-plugin's derivatives.yaml: the backward
@@ -39,7 +37,7 @@ Emulated semantics
   4: band with the right-down origin (Ascend docs: "the part between preTokens
   and nextTokens, parameter starting point is the lower right corner"), i.e.
   with ``d = Skv - Sq``: keep ``j - i <= next_tockens + d`` and
-  ``i - j <= pre_tockens - d`` (for the square call of DESIGN section 11, d = 0:
+  ``i - j <= pre_tockens - d`` (for a square call, d = 0:
   query i sees key j iff i - pre <= j <= i + next; pinned by
   tests/python/test_windows_masks.py).  Modes 2/3/4 require the compressed 2048x2048
   mask; its values are not used, the pattern comes from the mode.  Without an

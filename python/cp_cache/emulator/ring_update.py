@@ -1,5 +1,5 @@
 """CPU emulation of ``npu_ring_attention_update``: the fused merge of two partial
-attention results by the online-softmax rule (DESIGN.md section 4).
+attention results by the online-softmax rule.
 
 Inputs: two partial results of the same queries, each an attention output and its
 softmax statistics (``softmax_max``, ``softmax_sum``, the 8 values of the last dim

@@ -1,6 +1,6 @@
 """The context-parallel dimensions of a device mesh, and the algorithm that runs over them.
 
-DESIGN section 12: the CP dimensions are the mesh dimensions whose placement is
+The CP dimensions are the mesh dimensions whose placement is
 ``Shard(seq)`` (one for the ring and Ulysses, two for hybrid: the outer one carries the
 ring, the inner one Ulysses). Every other dimension passes through: ``Replicate``
 (data parallel) or ``Shard(head)`` (tensor parallel: the local query has
