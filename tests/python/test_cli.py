@@ -82,3 +82,21 @@ def test_no_command_prints_help():
     proc = _run(timeout=60)
     assert proc.returncode == 2
     assert "demo" in proc.stdout and "bench" in proc.stdout and "doctor" in proc.stdout
+
+
+def test_console_script_runs_the_same_commands():
+    """``cp-cache`` (the package's console script) is ``python -m cp_cache``."""
+    from importlib.metadata import entry_points
+
+    scripts = {e.name: e.value for e in entry_points(group="console_scripts")}
+    assert scripts.get("cp-cache") == "cp_cache.cli:main", scripts.get("cp-cache")
+    script = os.path.join(os.path.dirname(sys.executable), "cp-cache")
+    assert os.path.exists(script), f"{script}: reinstall the package (make test does) to create it"
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE")}
+    helps = [subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
+             for cmd in ([script, "--help"], [sys.executable, "-m", "cp_cache", "--help"])]
+    assert [h.returncode for h in helps] == [0, 0], [h.stderr for h in helps]
+    for command in ("demo", "bench", "compare", "doctor"):
+        assert command in helps[0].stdout
+    assert helps[0].stdout.startswith("usage: cp-cache ")
+    assert helps[0].stdout.replace("usage: cp-cache", "usage: python -m cp_cache") == helps[1].stdout

@@ -1,4 +1,4 @@
-"""Command line of cp_cache: ``python -m cp_cache demo | bench | compare | doctor``.
+"""Command line of cp_cache: ``cp-cache`` (or ``python -m cp_cache``) ``demo | bench | compare | doctor``.
 
 * ``demo``: trains a tiny decoder under context parallelism (2 CPU ranks by
   default) with full activation checkpointing and dropout, under the handle and
@@ -12,13 +12,15 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 
 def main(argv: list[str] | None = None) -> int:
     from . import bench, compare, demo, doctor
 
-    parser = argparse.ArgumentParser(prog="python -m cp_cache", description=__doc__.split("\n\n")[0])
+    prog = "cp-cache" if os.path.basename(sys.argv[0]) == "cp-cache" else "python -m cp_cache"
+    parser = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0])
     commands = parser.add_subparsers(dest="command", metavar="{demo,bench,compare,doctor}")
     for module in (demo, bench, compare, doctor):
         sub = commands.add_parser(module.NAME, help=module.HELP, description=module.__doc__)

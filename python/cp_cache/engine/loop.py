@@ -28,7 +28,7 @@ __all__ = ["RingStep", "ForwardResult", "BackwardResult", "forward_ring", "backw
 class RingStep:
     index: int  # 0..W-1
     source_rank: int  # group rank whose K/V block this step used: (rank - index) % W
-    part: str  # one of ring_plan.PARTS
+    part: str  # one of engine.steps.PARTS
     rng: tuple = ()  # per kernel call of the step: (seed, offset) tensors, or () without
 
     @property
@@ -74,6 +74,43 @@ def with_length(t: Tensor, layout: str, length: int) -> torch.Size:
     return torch.Size(shape)
 
 
+class _KVTravel:
+    """This rank's K/V block travelling round the ring (every rank's lengths in ``lengths``):
+    at step i the current block is rank ``(rank - i) % W``'s; the next one is in flight while
+    step i computes."""
+
+    def __init__(self, k: Tensor, v: Tensor, lengths: list, layout: str, *, group, rank: int, size: int):
+        self._kv = Rotation([k.contiguous(), v.contiguous()], group, rank, size, TAG_KV)
+        self._like, self._lengths, self._layout = (k, v), lengths, layout
+        self._rank, self._size = rank, size
+
+    def block_shapes(self, source: int) -> list[torch.Size]:
+        """The shapes of rank ``source``'s K/V block."""
+        return [with_length(t, self._layout, self._lengths[source][1]) for t in self._like]
+
+    @property
+    def current(self) -> list[Tensor]:
+        return self._kv.current
+
+    def post_next(self, i: int, last: int) -> int:
+        """Before step ``i``'s compute: send the held block on, receive step i+1's (none after
+        the ``last`` step); bytes sent."""
+        if i >= last:
+            return 0
+        return self._kv.post(recv_shapes=self.block_shapes((self._rank - i - 1) % self._size))
+
+    def advance(self) -> float:
+        """After step i's compute: wait for the hop in flight; seconds blocked."""
+        if not self._kv.in_flight:
+            return 0.0
+        started = time.perf_counter()
+        self._kv.advance()
+        return time.perf_counter() - started
+
+    def drain(self) -> None:
+        self._kv.drain()
+
+
 def forward_ring(k: Tensor, v: Tensor, lengths: list, layout: str, last: int, compute, *, group, rank: int,
                  size: int) -> tuple[list[RingStep], int, float, float]:
     """Steps 0..``last`` of a forward ring: this rank's K/V block (``k``, ``v``; every rank's
@@ -83,22 +120,17 @@ def forward_ring(k: Tensor, v: Tensor, lengths: list, layout: str, last: int, co
     steps: list[RingStep] = []
     bytes_sent = 0
     compute_s = wait_s = 0.0
-    kv = Rotation([k.contiguous(), v.contiguous()], group, rank, size, TAG_KV)
+    kv = _KVTravel(k, v, lengths, layout, group=group, rank=rank, size=size)
     try:
         for i in range(last + 1):
             cur_k, cur_v = kv.current
-            if i < last:
-                incoming = lengths[(rank - i - 1) % size][1]
-                bytes_sent += kv.post(recv_shapes=[with_length(t, layout, incoming) for t in (k, v)])
+            bytes_sent += kv.post_next(i, last)
             started = time.perf_counter()
             part, rng = compute(i, cur_k, cur_v)
             steps.append(RingStep(index=i, source_rank=(rank - i) % size, part=part, rng=tuple(rng)))
-            computed = time.perf_counter()
-            compute_s += computed - started
+            compute_s += time.perf_counter() - started
             del cur_k, cur_v
-            if kv.in_flight:
-                kv.advance()
-                wait_s += time.perf_counter() - computed
+            wait_s += kv.advance()
     except BaseException:
         kv.drain()
         raise
@@ -155,18 +187,14 @@ def backward_ring(k: Tensor, v: Tensor, lengths: list, layout: str, last: int, c
     own block's dK and dV accumulators, bytes sent, compute seconds, seconds blocked on a
     receive)."""
 
-    def block_shapes(source: int) -> list[torch.Size]:
-        return [with_length(t, layout, lengths[source][1]) for t in (k, v)]
-
     accumulators = _GradAccumulators(group, rank, size)
     bytes_sent = 0
     compute_s = wait_s = 0.0
-    kv = Rotation([k.contiguous(), v.contiguous()], group, rank, size, TAG_KV)
+    kv = _KVTravel(k, v, lengths, layout, group=group, rank=rank, size=size)
     try:
         for i in range(last + 1):
             cur_k, cur_v = kv.current
-            if i < last:
-                bytes_sent += kv.post(recv_shapes=block_shapes((rank - i - 1) % size))
+            bytes_sent += kv.post_next(i, last)
             started = time.perf_counter()
             kv_grads = compute(i, cur_k, cur_v)
             computed = time.perf_counter()
@@ -177,14 +205,12 @@ def backward_ring(k: Tensor, v: Tensor, lengths: list, layout: str, last: int, c
                 add_rows(dv_acc, where, dv_i)
             del dk_acc, dv_acc, kv_grads
             shift = 1 if i < last else size - last
-            accumulators.pass_on(shift, block_shapes((rank - shift - i) % size))  # the block it holds
+            accumulators.pass_on(shift, kv.block_shapes((rank - shift - i) % size))  # the block it holds
             passed = time.perf_counter()
             compute_s += (computed - started) + (passed - received)
             wait_s += received - computed
             del cur_k, cur_v
-            if kv.in_flight:
-                kv.advance()
-                wait_s += time.perf_counter() - passed
+            wait_s += kv.advance()
     except BaseException:
         kv.drain()
         accumulators.drain()
