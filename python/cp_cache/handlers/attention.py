@@ -16,7 +16,7 @@ import torch
 from torch import Tensor
 
 from ..config import CPConfig
-from ..npu_ops import lse_from_stats, stats_views_from_lse
+from ..npu_ops import lse_from_stats
 from . import ops
 from ..arguments import bind_arguments
 from .call import prepare, refusal_shared
@@ -52,6 +52,10 @@ class AttentionHandlers:
                 pass
         return table
 
+    # Where torch.compile cannot trace a call (Dynamo breaks the graph at the op: packed
+    # documents' host lengths), the op runs eagerly and so does its handler: Dynamo must not
+    # trace the handler's own frames into graphs of their own.
+    @torch._dynamo.disable
     def forward(self, op_call, args, kwargs):
         """Handler of ``npu_fusion_attention_v3`` for DTensor inputs."""
         started = time.perf_counter()
@@ -59,11 +63,8 @@ class AttentionHandlers:
             call = prepare(bind_arguments(op_call._schema, args, kwargs), self.config)
         q, k, v = call.local("query", "key", "value")
         out, lse, seed = ops.ring_forward(q, k, v, call.mask, call.groups, call.plan.encode(), self.config.policy)
-        softmax_max, softmax_sum = stats_views_from_lse(lse)  # the memory floor: LSE + 4 bytes
         outputs = (
-            call.wrap(out, "query"),
-            call.wrap_stats(softmax_max),
-            call.wrap_stats(softmax_sum),
+            *call.wrap_forward(out, lse),
             torch.empty(0, dtype=q.dtype, device=q.device),
             seed,
             _slot_tensor(call.plan.world_size, q),
@@ -71,6 +72,7 @@ class AttentionHandlers:
         self.call_log.set_handler_seconds("forward", started)
         return outputs
 
+    @torch._dynamo.disable
     def backward(self, op_call, args, kwargs):
         """Handler of ``npu_fusion_attention_grad_v3`` for DTensor inputs."""
         started = time.perf_counter()
@@ -85,9 +87,7 @@ class AttentionHandlers:
         dq, dk, dv = ops.ring_backward(dy, q, k, v, out, lse, a["seed"], call.mask, call.groups, call.plan.encode(),
                                        self.config.policy)
         outputs = (
-            call.wrap(dq, "query"),
-            call.wrap(dk, "key"),
-            call.wrap(dv, "value"),
+            *call.wrap_grads(dq, dk, dv),
             torch.empty(0, dtype=q.dtype, device=q.device),  # dpse: no pse
             torch.zeros((), dtype=torch.float32, device=q.device),  # dsink: no sink (0-d, as the op's meta)
         )

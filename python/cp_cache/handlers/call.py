@@ -24,6 +24,7 @@ from ..engine import agreement
 from ..engine.merge import fused_merge_available
 from ..engine.steps import positions
 from ..kernels import get_kernel
+from ..npu_ops import stats_views_from_lse
 from ..plan import CallPlan, MaskSpec
 from . import ops
 from ..arguments import bind_arguments
@@ -54,16 +55,21 @@ class Call:
     def local(self, *names: str) -> tuple[Tensor, ...]:
         return tuple(self.args[n].to_local() for n in names)
 
-    def wrap(self, local: Tensor, like: str) -> DTensor:
-        """``local`` as a DTensor sharded like the input ``like``, with its global length."""
-        seq_dim = L.seq_dim(self.plan.layout)
-        return _wrap(local, self.sharding.mesh, self.sharding.placements, seq_dim, self.args[like].size(seq_dim))
+    def wrap_forward(self, out: Tensor, lse: Tensor) -> tuple[DTensor, DTensor, DTensor]:
+        """(out, softmax_max, softmax_sum) as DTensors: out sharded like the query, the statistics
+        (stride-0 views of the LSE: the memory floor) on their own sequence dim."""
+        seq_dim, stats_seq_dim = L.seq_dim(self.plan.layout), L.stats_dims(self.plan.layout)[0]
+        total = self.args["query"].size(seq_dim)
+        stats_placements = self.sharding.stats_placements(self.plan.layout)
+        return (_wrap(out, self.sharding.mesh, self.sharding.placements, seq_dim, total),
+                *(_wrap(stats, self.sharding.mesh, stats_placements, stats_seq_dim, total)
+                  for stats in stats_views_from_lse(lse)))
 
-    def wrap_stats(self, stats: Tensor) -> DTensor:
-        """A softmax statistic ([B, N, S, 8]; TND [T, N, 8]) sharded on its own sequence dim."""
+    def wrap_grads(self, *grads: Tensor) -> tuple[DTensor, ...]:
+        """(dq, dk, dv) as DTensors sharded like (query, key, value), with their global lengths."""
         seq_dim = L.seq_dim(self.plan.layout)
-        return _wrap(stats, self.sharding.mesh, self.sharding.stats_placements(self.plan.layout),
-                     L.stats_dims(self.plan.layout)[0], self.args["query"].size(seq_dim))
+        return tuple(_wrap(g, self.sharding.mesh, self.sharding.placements, seq_dim, self.args[n].size(seq_dim))
+                     for g, n in zip(grads, _QKV))
 
 
 def _wrap(local: Tensor, mesh, placements, seq_dim: int, total: int) -> DTensor:
