@@ -13,8 +13,11 @@ ROOT = Path(__file__).resolve().parents[2]
 README = ROOT / "README.md"
 DOCS = ROOT / "docs"
 README_LIMIT = 15_000
-# another engineer owns docs/architecture.md; it is linked, not checked for DESIGN.md here
 ARCHITECTURE = DOCS / "architecture.md"
+PACKAGE = ROOT / "python" / "cp_cache"
+# a file named in backticks: `handlers/call.py`, `csrc/store.{h,cpp}`, `tests/python/test_ring.py`
+FILE_NAME = re.compile(r"`([\w./-]+(?:\{[\w,]+\})?\.?(?:py|md|json|png|h|cpp|txt|toml|yaml)?)`")
+FILE_SUFFIXES = (".py", ".md", ".json", ".png", ".h", ".cpp", ".txt", ".toml")
 
 # [text](target) and ![alt](target), target up to the first space or ")"
 LINK = re.compile(r"!?\[[^\]]*\]\(\s*<?([^)\s>]+)>?(?:\s+\"[^\"]*\")?\s*\)")
@@ -96,8 +99,7 @@ def test_readme_links_every_page():
     assert not unlinked, f"README.md does not link these docs pages: {unlinked}"
 
 
-@pytest.mark.parametrize("path", [p for p in _documents() if p != ARCHITECTURE],
-                         ids=lambda p: str(p.relative_to(ROOT)))
+@pytest.mark.parametrize("path", _documents(), ids=lambda p: str(p.relative_to(ROOT)))
 def test_no_design_md(path: Path):
     assert "DESIGN.md" not in path.read_text(encoding="utf-8"), (
         f"{path.relative_to(ROOT)} mentions DESIGN.md, which is not in the repository")
@@ -111,3 +113,28 @@ def test_link_pattern_finds_links():
     assert [t for t in LINK.findall(text) if _relative(t)] == ["docs/a.md", "docs/b.png"]
     assert _slug("Side by side with torch_npu and torch's ring") == "side-by-side-with-torch_npu-and-torchs-ring"
     assert _slug("`torch.compile`: graph breaks") == "torchcompile-graph-breaks"
+
+
+def _named_files(text: str) -> list[str]:
+    names = []
+    for name in FILE_NAME.findall(text):
+        if "/" not in name or not name.endswith(FILE_SUFFIXES + ("}",)):
+            continue
+        stem, brace, rest = name.partition("{")
+        names += [stem + part + rest.split("}", 1)[1] for part in rest.split("}", 1)[0].split(",")] if brace else [name]
+    return names
+
+
+@pytest.mark.parametrize("path", _documents(), ids=lambda p: str(p.relative_to(ROOT)))
+def test_named_files_exist(path: Path):
+    """A file a page names in backticks (a path with a folder) is in the repository: from the
+    root, from the package, or beside the page."""
+    missing = [name for name in _named_files(path.read_text(encoding="utf-8"))
+               if not any((base / name).exists() for base in (ROOT, PACKAGE, path.parent))]
+    assert not missing, f"{path.relative_to(ROOT)} names files that are not in the repository: {missing}"
+
+
+def test_file_pattern_finds_names():
+    sample = "`handlers/call.py`, `csrc/store.{h,cpp}`, `cp_cache.enable()`, `make test`, `a/b.md`"
+    assert _named_files(sample) == ["handlers/call.py", "csrc/store.h", "csrc/store.cpp", "a/b.md"]
+

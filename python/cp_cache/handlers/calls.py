@@ -43,7 +43,7 @@ class CallLog:
 
     def record(self, direction: str, result, started: float, ring_seconds: float, *, fused_merge: bool = False) -> None:
         """Record a call of ``direction`` that began at ``started`` (time.perf_counter());
-        ``result``: the ring's RingForward / RingBackward."""
+        ``result``: the strategy's ForwardResult / BackwardResult."""
         handler_seconds = time.perf_counter() - started
         with self._lock:
             record = self._records[direction]
