@@ -138,6 +138,55 @@ def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).abs().max() / b.abs().max().clamp_min(1e-12))
 
 
+# ---------------------------------------------------------------- error bounds measured on this machine
+#
+# A test never compares an error with a number tuned on one CPU. It measures, in the same run and
+# on the same inputs, how far a plain reference computation in the same dtype (dense attention in
+# torch, the single-process model) lands from the float64 truth, and accepts from the code under
+# test ``FACTOR`` times that error; a floor of a few eps of the dtype (times the scale the error is
+# measured against) keeps a reference that happens to round exactly from making the bound 0.
+# Rounding differs from machine to machine (vector width, FMA, the BLAS), and it does so for the
+# reference and for the code under test alike.
+
+FACTOR = 10.0
+EPS_FLOOR = 16.0
+
+
+def eps(dtype: torch.dtype = torch.float32) -> float:
+    """The machine epsilon of a floating dtype."""
+    return float(torch.finfo(dtype).eps)
+
+
+def error_bound(reference_error: float, *, scale: float = 1.0, dtype: torch.dtype = torch.float32,
+                factor: float = FACTOR, floor: float = EPS_FLOOR) -> float:
+    """The largest error accepted from the code under test: ``factor`` x ``reference_error``
+    (the error of a reference computation of the same quantity in the same dtype, measured in
+    this run against the same float64 truth), at least ``floor`` x eps(dtype) x ``scale`` (the
+    magnitude the errors are measured against: 1 for ``rel_err``, max|truth| for absolute ones)."""
+    return max(factor * float(reference_error), floor * eps(dtype) * float(scale))
+
+
+def dense_errors(q, k, v, dout, ref: dict, causal: bool, keep=None, keep_prob: float = 1.0,
+                 dtype=torch.float32, masked=None, keys=("out", "lse", "dq", "dk", "dv")) -> dict:
+    """``rel_err`` of ``dense_attention`` computed in ``dtype`` against ``ref`` (its float64
+    result on the same inputs), per key: how much plain torch errs in that dtype."""
+    low = dense_attention(q, k, v, dout, causal, keep, keep_prob, dtype=dtype, masked=masked)
+    return {key: rel_err(low[key].double(), ref[key]) for key in keys}
+
+
+def dense_bounds(q, k, v, dout, ref: dict, causal: bool, keep=None, keep_prob: float = 1.0,
+                 dtype=torch.float32, masked=None, keys=("out", "lse", "dq", "dk", "dv"),
+                 factor: float = FACTOR, floor: float = EPS_FLOOR) -> dict:
+    """``error_bound`` of each key's ``dense_errors``: the bound on a ``rel_err`` against ``ref``."""
+    errors = dense_errors(q, k, v, dout, ref, causal, keep, keep_prob, dtype, masked, keys)
+    return {key: error_bound(err, dtype=dtype, factor=factor, floor=floor) for key, err in errors.items()}
+
+
+def case_bounds(q, k, v, dout, case: AttentionCase, ref: dict, keep=None, **kw) -> dict:
+    """``dense_bounds`` with the case's causal mask, keep_prob and dtype."""
+    return dense_bounds(q, k, v, dout, ref, case.causal, keep, case.keep_prob, dtype=case.torch_dtype, **kw)
+
+
 # ---------------------------------------------------------------- per-rank results on the full sequence
 
 
