@@ -143,13 +143,19 @@ def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
 # A test never compares an error with a number tuned on one CPU. It measures, in the same run and
 # on the same inputs, how far a plain reference computation in the same dtype (dense attention in
 # torch, the single-process model) lands from the float64 truth, and accepts from the code under
-# test ``FACTOR`` times that error; a floor of a few eps of the dtype (times the scale the error is
-# measured against) keeps a reference that happens to round exactly from making the bound 0.
+# test ``FACTOR`` times that error plus a floor of a few eps of the dtype (times the scale the error
+# is measured against), so that a reference that happens to round exactly cannot make the bound 0.
 # Rounding differs from machine to machine (vector width, FMA, the BLAS), and it does so for the
 # reference and for the code under test alike.
+#
+# FACTOR: the ring's kernels recompute the probabilities from the LSE and subtract
+# rowsum(dout * out) in the backward (the flash-attention formulation), so in float32 they err up
+# to ~10x as much as dense torch on the same inputs (measured: 9.5x on one gradient); 20 leaves
+# room. A wrong result (a ring step dropped, a mask off by one) errs by 1e-2 or more.
+# EPS_FLOOR: 32 eps of float32 is 3.8e-6 relative.
 
-FACTOR = 10.0
-EPS_FLOOR = 16.0
+FACTOR = 20.0
+EPS_FLOOR = 32.0
 
 
 def eps(dtype: torch.dtype = torch.float32) -> float:
@@ -161,9 +167,9 @@ def error_bound(reference_error: float, *, scale: float = 1.0, dtype: torch.dtyp
                 factor: float = FACTOR, floor: float = EPS_FLOOR) -> float:
     """The largest error accepted from the code under test: ``factor`` x ``reference_error``
     (the error of a reference computation of the same quantity in the same dtype, measured in
-    this run against the same float64 truth), at least ``floor`` x eps(dtype) x ``scale`` (the
+    this run against the same float64 truth), plus ``floor`` x eps(dtype) x ``scale`` (the
     magnitude the errors are measured against: 1 for ``rel_err``, max|truth| for absolute ones)."""
-    return max(factor * float(reference_error), floor * eps(dtype) * float(scale))
+    return factor * float(reference_error) + floor * eps(dtype) * float(scale)
 
 
 def dense_errors(q, k, v, dout, ref: dict, causal: bool, keep=None, keep_prob: float = 1.0,
