@@ -87,7 +87,8 @@ def _grad_err(model, truth) -> float:
 
 
 def _param_err(model, truth) -> float:
-    return max(float((p.detach().double() - t.detach()).abs().max()) for p, t in zip(model.parameters(), truth.parameters()))
+    return max(float((p.detach().double() - t.detach()).abs().max())
+               for p, t in zip(model.parameters(), truth.parameters()))
 
 
 def _train(spec: Spec, mesh, world: int) -> dict:
