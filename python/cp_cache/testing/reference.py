@@ -282,3 +282,52 @@ def directional_derivative_errors(loss_fn, params: list[torch.Tensor], *, direct
         fd = (values[0] - values[1]) / (2 * eps)
         errors.append(abs(slope - fd) / max(abs(slope), abs(fd), 1e-12))
     return errors
+
+
+def directional_derivative_check(loss_fn, params: list[torch.Tensor], *, directions: int = 4, eps: float = 1e-2,
+                                 seed: int = 0, reduce=None, factor: float = 4.0,
+                                 floor: float = EPS_FLOOR) -> list[tuple[float, float]]:
+    """``directional_derivative_errors`` (same arguments, same directions, same error) with each
+    direction's bound measured in the same run: ``[(error, bound), ...]``.
+
+    The central difference at step eps misses the slope by its truncation (eps^2/6 times the third
+    derivative along d) plus the loss's rounding divided by eps. A second difference at eps/2
+    measures both: fd(eps) - fd(eps/2) is 3/4 of that truncation, plus the rounding of the two.
+    The bound is ``factor`` x |fd(eps) - fd(eps/2)| + ``floor`` x eps(dtype) x max|f(p +- eps d)| / eps
+    (the rounding of the loss values themselves), relative like the error to max(|g.d|, |fd|); a
+    wrong gradient misses the slope by its own error, whatever the steps.
+    """
+    total = reduce or (lambda x: x)
+    loss = loss_fn()
+    grads = torch.autograd.grad(loss, params, allow_unused=True)
+    grads = [torch.zeros_like(p) if g is None else g for p, g in zip(params, grads)]
+    unit = eps_of(params)
+    g = torch.Generator().manual_seed(seed)
+    checks = []
+    for _ in range(directions):
+        d = [torch.randn(p.shape, generator=g, dtype=torch.float64) for p in params]
+        norm = math.sqrt(sum(float((x * x).sum()) for x in d))
+        d = [(x / norm).to(p.dtype) for x, p in zip(d, params)]
+        slope = total(sum(float((gi.double() * di.double()).sum()) for gi, di in zip(grads, d)))
+        values = {}
+        saved = [p.detach().clone() for p in params]
+        for step in (eps, eps / 2):
+            for sign in (1.0, -1.0):
+                with torch.no_grad():
+                    for p, di in zip(params, d):
+                        p.add_(di, alpha=sign * step)
+                    values[(step, sign)] = total(float(loss_fn()))
+                    for p, x in zip(params, saved):
+                        p.copy_(x)
+        fd = (values[(eps, 1.0)] - values[(eps, -1.0)]) / (2 * eps)
+        fd_half = (values[(eps / 2, 1.0)] - values[(eps / 2, -1.0)]) / eps
+        size = max(abs(slope), abs(fd), 1e-12)
+        rounding = floor * unit * max(abs(values[(eps, 1.0)]), abs(values[(eps, -1.0)])) / eps
+        checks.append((abs(slope - fd) / size, (factor * abs(fd - fd_half) + rounding) / size))
+    return checks
+
+
+def eps_of(params: list[torch.Tensor]) -> float:
+    """The largest machine epsilon among the parameters' dtypes."""
+    return max(eps(p.dtype) for p in params)
+
