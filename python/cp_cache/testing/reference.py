@@ -193,6 +193,33 @@ def case_bounds(q, k, v, dout, case: AttentionCase, ref: dict, keep=None, **kw) 
     return dense_bounds(q, k, v, dout, ref, case.causal, keep, case.keep_prob, dtype=case.torch_dtype, **kw)
 
 
+def float32_model_error(model, tokens, labels, positions) -> dict:
+    """The float32 rounding of a model on this machine: the loss (float32 cross-entropy, as
+    ``models.loss_fn``) and the parameter gradients of one batch with the model as given
+    (float32, evaluation mode: no dropout) against a float64 copy (float64 loss).
+
+    Returns "loss" (|float32 - float64|), "loss_scale" (|float64 loss|), "grad" (max over the
+    parameters of max|float32 grad - float64 grad|), "grad_scale" (max |float64 grad|) and
+    "grad_rel" (max over the parameters of ``rel_err``).
+    """
+    import copy
+
+    import torch.nn.functional as F
+
+    runs = []
+    for dtype in (torch.float32, torch.float64):
+        m = copy.deepcopy(model).to(dtype).eval()
+        logits = m(tokens, positions).flatten(0, 1)
+        loss = F.cross_entropy(logits.float() if dtype == torch.float32 else logits, labels.flatten())
+        loss.backward()
+        runs.append((float(loss.detach()), [p.grad.detach().double() for p in m.parameters()]))
+    (loss32, grads32), (loss64, grads64) = runs
+    return dict(loss=abs(loss32 - loss64), loss_scale=abs(loss64),
+                grad=max(float((a - b).abs().max()) for a, b in zip(grads32, grads64)),
+                grad_scale=max(float(b.abs().max()) for b in grads64),
+                grad_rel=max(rel_err(a, b) for a, b in zip(grads32, grads64)))
+
+
 # ---------------------------------------------------------------- per-rank results on the full sequence
 
 
