@@ -362,8 +362,8 @@ def test_dropout_matches_dense_under_same_masks(world, case):
     for key in ("out", "lse", "dq", "dk", "dv"):
         err = rel_err(got[key], ref[key])
         assert err <= bound[key], f"{case.name} W={world} {key}: relative error {err:.3g} > {bound[key]:.3g}"
-    # and not equal to the dense computation without dropout
-    assert rel_err(got["out"], case_dense(q, k, v, dout, case)["out"]) > 1e-2
+    # and not equal to the dense computation without dropout: further from it than the bound allows
+    assert rel_err(got["out"], case_dense(q, k, v, dout, case)["out"]) > bound["out"]
 
 
 @pytest.mark.parametrize("world", WORLDS)
