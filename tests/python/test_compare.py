@@ -10,6 +10,7 @@ import torch
 
 from cp_cache.engine import agreement
 from cp_cache.cli import _measure, compare
+from cp_cache.testing.reference import dense_attention, dense_errors, error_bound
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 WHEELS = os.path.join(REPO, ".cache", "torch_npu")
@@ -113,15 +114,37 @@ def test_the_checks_themselves_are_validated(quick_report):
     assert v["memory_helper"]["ok"], v["memory_helper"]
 
 
+def _case_bounds(report) -> dict:
+    """Per case: 20x dense torch's float32 error (the worst of out, dq, dk, dv) on the case's own
+    inputs at W = 2 (+ 32 eps), against the same float64 reference compare measures with."""
+    bounds = {}
+    for case in compare.CASES:
+        spec = compare._case_spec(case, report["meta"]["plan"]["cases"])
+        q, k, v, dout = compare.full_inputs(spec, 2)
+        causal = spec["mask"] == "causal"
+        ref = dense_attention(q, k, v, dout, causal=causal)
+        errors = dense_errors(q, k, v, dout, ref, causal, keys=("out", "dq", "dk", "dv"))
+        bounds[case["name"]] = error_bound(max(errors.values()))
+    return bounds
+
+
+def _dropout_threshold(report) -> float:
+    """Halfway (geometric mean) between the directional-derivative errors this run measured for a
+    right gradient and for a deliberately wrong one (another dropout mask), on one process."""
+    check = report["validation"]["directional_check"]
+    return (check["dense_op_max"] * check["wrong_backward_max"]) ** 0.5
+
+
 def test_cp_cache_is_right_and_its_dropout_gradients_pass(quick_report):
     report, _, _ = quick_report
     res = report["results"]["2"]
+    bounds, threshold = _case_bounds(report), _dropout_threshold(report)
     for name in (compare.CP_CACHE, compare.CP_CACHE_STACK):
         for case, c in res[name]["cases"].items():  # the all-False sparse_mode 1 mask too: full attention
             assert c["status"] == "accepted", (name, case, c)
-            assert c["max_error"] < 1e-5, (name, case, c)
+            assert c["max_error"] <= bounds[case], (name, case, c, bounds[case])
         drop = res[name]["dropout"]
-        assert drop["status"] == "accepted" and drop["ok"] and drop["max_error"] < 1e-2, drop
+        assert drop["status"] == "accepted" and drop["ok"] and drop["max_error"] < threshold, (drop, threshold)
 
 
 def test_torch_npu_dropout_refused_or_wrong(quick_report):
@@ -129,13 +152,15 @@ def test_torch_npu_dropout_refused_or_wrong(quick_report):
     res = report["results"]["2"]
     refused = res[compare.NPU_213]["dropout"]
     assert refused["status"] == "refused" and "redistributed" in refused["message"], refused
+    threshold = _dropout_threshold(report)
     for name in (compare.NPU_213_LIFTED, compare.NPU_212):  # negative controls of the dropout check
         drop = res[name]["dropout"]
-        assert drop["status"] == "accepted" and not drop["ok"] and drop["max_error"] > 0.05, (name, drop)
+        assert drop["status"] == "accepted" and not drop["ok"] and drop["max_error"] > threshold, (name, drop)
     # sparse_mode 1 with an all-False mask is full attention; torch_npu computes causal
+    bound = _case_bounds(report)["sparse1_all_false_mask"]
     for name in (compare.NPU_213, compare.NPU_212):
         c = res[name]["cases"]["sparse1_all_false_mask"]
-        assert c["status"] == "accepted" and c["silently_wrong"], c
+        assert c["status"] == "accepted" and c["silently_wrong"] and c["max_error"] > bound, (c, bound)
 
 
 def test_memory_kept_between_forward_and_backward(quick_report):

@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 
 import cp_cache
-from cp_cache.testing.reference import dense_attention, rank_positions, rel_err
+from cp_cache.testing.reference import dense_attention, dense_bounds, error_bound, rank_positions, rel_err
 from cp_cache import layout as L
 from cp_cache.testing import emulator_installed, install_npu_emulator, uninstall_npu_emulator
 from cp_cache.testing.multiprocess import run_ranks
@@ -27,6 +27,7 @@ WORLDS = (1, 2, 4)
 SEQ = 16  # divisible by 2W for W = 1, 2, 4
 BATCH = 2
 STEPS = 3
+K_TRAIN = 10.0  # CP float32 may err K_TRAIN x as much as the float32 single process (both vs float64)
 
 
 def _calls() -> tuple[int, int]:
@@ -80,22 +81,38 @@ def _optimizer(spec: Spec, model):
     return torch.optim.Adam(model.parameters(), lr=1e-2)
 
 
+def _grad_err(model, truth) -> float:
+    """max over parameters of max|grad - truth grad| / max|truth grad|."""
+    return max(rel_err(p.grad.double(), t.grad) for p, t in zip(model.parameters(), truth.parameters()))
+
+
+def _param_err(model, truth) -> float:
+    return max(float((p.detach().double() - t.detach()).abs().max())
+               for p, t in zip(model.parameters(), truth.parameters()))
+
+
 def _train(spec: Spec, mesh, world: int) -> dict:
+    """CP training (float32) next to the single-process model in float32 ("ref") and in float64
+    ("truth"): both float32 runs are measured against the float64 one, which sets the bound."""
     import torch.distributed as dist
 
     from cp_cache.testing.models import loss_fn, make_batch
 
     model = _model(spec)
     reference = copy.deepcopy(model)
-    opt, ref_opt = _optimizer(spec, model), _optimizer(spec, reference)
-    out = {"loss": [], "ref_loss": [], "grad_err": [], "live": [], "calls": [], "grads": []}
+    truth = copy.deepcopy(model).double()
+    opt, ref_opt, truth_opt = _optimizer(spec, model), _optimizer(spec, reference), _optimizer(spec, truth)
+    out = {"loss": [], "ref_loss": [], "truth_loss": [], "grad_err": [], "ref_grad_err": [], "live": [],
+           "calls": [], "grads": []}
     if spec.policy != "handle":
         cp_cache.enable(spec.policy)
     for step in range(STEPS):
         tokens, labels, positions = make_batch(BATCH, SEQ, 64, seed=step)
-        # single process, full sequence
+        # single process, full sequence, float32 and float64 (the loss in float64 too)
         ref_loss = loss_fn(reference(tokens, positions), labels)
         ref_loss.backward()
+        truth_loss = F.cross_entropy(truth(tokens, positions).flatten(0, 1), labels.flatten())
+        truth_loss.backward()
         # context parallel
         calls = _calls()
         with cp_cache.context_parallel(mesh, buffers=[tokens, labels, positions], buffer_seq_dims=[1, 1, 1]):
@@ -111,19 +128,17 @@ def _train(spec: Spec, mesh, world: int) -> dict:
             p.grad /= world
         out["loss"].append(float(loss) / world)
         out["ref_loss"].append(float(ref_loss.detach()))
-        out["grad_err"].append(max(
-            float((p.grad - r.grad).abs().max() / r.grad.abs().max().clamp_min(1e-12))
-            for p, r in zip(model.parameters(), reference.parameters())
-        ))
+        out["truth_loss"].append(float(truth_loss.detach()))
+        out["grad_err"].append(_grad_err(model, truth))
+        out["ref_grad_err"].append(_grad_err(reference, truth))
         out["grads"].append([p.grad.clone() for p in model.parameters()])
-        opt.step()
-        ref_opt.step()
-        opt.zero_grad()
-        ref_opt.zero_grad()
+        for o in (opt, ref_opt, truth_opt):
+            o.step()
+            o.zero_grad()
         out["live"].append(cp_cache.stats()["live_entries"])
-    out["param_err"] = max(
-        float((p - r).detach().abs().max()) for p, r in zip(model.parameters(), reference.parameters())
-    )
+    out["param_err"] = _param_err(model, truth)
+    out["ref_param_err"] = _param_err(reference, truth)
+    out["param_scale"] = max(float(t.detach().abs().max()) for t in truth.parameters())
     if spec.policy != "handle":
         cp_cache.enable("handle")
     out["stack_depth"] = cp_cache.stats()["stack_depth"]
@@ -288,14 +303,18 @@ def _results(world: int) -> list[dict]:
 @pytest.mark.parametrize("world", WORLDS)
 @pytest.mark.parametrize("spec", SPECS, ids=lambda s: s.name)
 def test_training_matches_single_process(world, spec):
+    """CP in float32 errs, against the float64 model, at most K_TRAIN times as much as the float32
+    single process does (both measured in the rank's run). The steps compound the rounding (Adam
+    divides by the gradients' own size), so a step's bound follows the worst reference error so far."""
     for r, res in enumerate(_results(world)):
         t = res["train"][spec.name]
         for step in range(STEPS):
-            assert abs(t["loss"][step] - t["ref_loss"][step]) < 1e-5 * max(1.0, abs(t["ref_loss"][step])), (
-                r, step, t["loss"][step], t["ref_loss"][step])
-            # float32 throughout; the fused merge (npu_ring_attention_update, default when the op
-            # exists) rounds through max/sum and measured up to 1.1e-5 here after Adam steps
-            assert t["grad_err"][step] < 2e-5, (r, step, t["grad_err"][step])
+            loss_ref = max(abs(a - b) for a, b in zip(t["ref_loss"][:step + 1], t["truth_loss"][:step + 1]))
+            loss_bound = error_bound(loss_ref, scale=abs(t["truth_loss"][step]), factor=K_TRAIN)
+            assert abs(t["loss"][step] - t["truth_loss"][step]) <= loss_bound, (
+                r, step, t["loss"][step], t["truth_loss"][step], loss_bound)
+            grad_bound = error_bound(max(t["ref_grad_err"][:step + 1]), factor=K_TRAIN)
+            assert t["grad_err"][step] <= grad_bound, (r, step, t["grad_err"][step], grad_bound, t["ref_grad_err"])
             # every layer's attention ran through the handlers, forward and backward
             fwd, bwd = t["calls"][step]
             layers = 2
@@ -303,7 +322,8 @@ def test_training_matches_single_process(world, spec):
             assert fwd == layers * (2 if recompute else 1), (step, fwd)
             assert bwd == layers, (step, bwd)
             assert t["live"][step] == 0
-        assert t["param_err"] < 2e-5
+        assert t["param_err"] <= error_bound(t["ref_param_err"], scale=t["param_scale"], factor=K_TRAIN), (
+            r, t["param_err"], t["ref_param_err"])
         assert t["stack_depth"] == 0
         # the loss moved: the optimizer really stepped
         assert t["ref_loss"][-1] != t["ref_loss"][0]
@@ -336,12 +356,13 @@ def test_handle_and_stack_policies_same_numbers(world, kv_heads):
 def _check_against_dense(world: int, per_rank: list[dict]):
     q, k, v, dout = _sdpa_inputs(world)
     ref = dense_attention(q, k, v, dout, causal=True)
+    bounds = dense_bounds(q, k, v, dout, ref, causal=True, keys=("out", "dq", "dk", "dv"))
     for key in ("out", "dq", "dk", "dv"):
         got = torch.zeros_like(ref[key])
         for r, part in enumerate(per_rank):
             got[:, :, rank_positions(world, r, q.size(2) // world, load_balance=True)] = part[key].double()
         err = rel_err(got, ref[key])
-        assert err < 1e-5, (key, err)
+        assert err <= bounds[key], (key, err, bounds[key])
 
 
 @pytest.mark.parametrize("world", WORLDS)

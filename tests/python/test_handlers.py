@@ -18,6 +18,7 @@ import torch
 import cp_cache
 from cp_cache.testing.reference import (
     AttentionCase,
+    case_bounds,
     case_dense,
     case_positions,
     full_inputs,
@@ -330,20 +331,16 @@ def test_matches_dense(world, case):
     results = _results(world)
     q, k, v, dout = full_inputs(case, world)
     ref = case_dense(q, k, v, dout, case)
-    low = case_dense(q, k, v, dout, case, dtype=torch.bfloat16) if case.dtype == "bfloat16" else None
+    # a multiple of dense torch's error in the case dtype (float32: 20x + 32 eps; bf16, computed in
+    # float32 and rounded once: 4x + eps/2)
+    bound = case_bounds(q, k, v, dout, case, ref, **({} if case.dtype == "float32" else dict(factor=4.0, floor=0.5)))
     got = gather([res[case.name] for res in results], case, world)
     for key in ("out", "lse", "dq", "dk", "dv"):
         err = rel_err(got[key], ref[key])
         slot = MEASURED.setdefault((world, case.dtype, key), [0.0, ""])
         if err > slot[0]:
             slot[:] = [err, case.name]
-        if case.dtype == "float32":
-            assert err < 1e-5, f"{case.name} W={world} {key}: relative error {err:.3g}"
-        elif key == "lse":
-            assert err < 1e-2, f"{case.name} W={world} lse: {err:.3g}"
-        else:
-            base = rel_err(low[key].double(), ref[key])
-            assert err <= 2 * base + 2e-3, f"{case.name} W={world} {key}: {err:.3g} vs dense bf16 {base:.3g}"
+        assert err <= bound[key], f"{case.name} W={world} {key}: relative error {err:.3g} > {bound[key]:.3g}"
 
 
 @pytest.mark.parametrize("world", WORLDS)
@@ -360,12 +357,13 @@ def test_dropout_matches_dense_under_same_masks(world, case):
     seeds = {tuple(owned) for res in results for part, owned in res[case.name]["steps"] if part != "skip"}
     assert len(seeds) == sum(1 for res in results for part, _ in res[case.name]["steps"] if part != "skip")
     ref = case_dense(q, k, v, dout, case, keep)
+    bound = case_bounds(q, k, v, dout, case, ref, keep)
     got = gather([res[case.name] for res in results], case, world)
     for key in ("out", "lse", "dq", "dk", "dv"):
         err = rel_err(got[key], ref[key])
-        assert err < 1e-5, f"{case.name} W={world} {key}: relative error {err:.3g}"
-    # and not equal to the dense computation without dropout
-    assert rel_err(got["out"], case_dense(q, k, v, dout, case)["out"]) > 1e-2
+        assert err <= bound[key], f"{case.name} W={world} {key}: relative error {err:.3g} > {bound[key]:.3g}"
+    # and not equal to the dense computation without dropout: further from it than the bound allows
+    assert rel_err(got["out"], case_dense(q, k, v, dout, case)["out"]) > bound["out"]
 
 
 @pytest.mark.parametrize("world", WORLDS)

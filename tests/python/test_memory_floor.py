@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from cp_cache.testing.multiprocess import run_ranks
-from cp_cache.testing.reference import dense_attention, rank_positions
+from cp_cache.testing.reference import dense_attention, error_bound, rank_positions
 
 B, N, D, S_LOCAL, WORLD = 1, 4, 16, 64, 2
 
@@ -85,9 +85,13 @@ def test_gradients_right_with_the_views(runs):
     g = torch.Generator().manual_seed(5)
     full = [torch.randn(B, N, S_LOCAL * WORLD, D, generator=g, dtype=torch.float64) for _ in range(4)]
     full = [t.float().double() for t in full]
-    ref = dense_attention(*full, causal=True)
+    ref, low = (dense_attention(*full, causal=True, dtype=dt) for dt in (torch.float64, torch.float32))
     for run in runs:
         for key, r in run["results"].items():
             for name, got in zip(("dq", "dk", "dv"), r["grads"]):
                 want = ref[name].index_select(2, run["pos"])
-                assert float((got - want).abs().max() / ref[name].abs().max()) < 2e-5, (key, name)
+                # 20x dense torch's float32 error on the same rows, + 32 eps of the largest value
+                dense = low[name].index_select(2, run["pos"]).double()
+                bound = error_bound(float((dense - want).abs().max() / ref[name].abs().max()))
+                err = float((got - want).abs().max() / ref[name].abs().max())
+                assert err <= bound, (key, name, err, bound)

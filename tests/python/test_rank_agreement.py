@@ -194,9 +194,16 @@ def test_backward_mismatch_and_shared_refusal(world):
 
 @pytest.mark.parametrize("world", [2, 4])
 def test_agreeing_calls_right_and_one_collective_each(world):
+    from cp_cache.testing.reference import error_bound
+
+    # the bound: 20x dense torch's float32 error on the same inputs (+ 32 eps of the largest value)
+    full = _inputs(0, world)[1]
+    ref, low = (dense_attention(*full, causal=True, dtype=dt) for dt in (torch.float64, torch.float32))
+    bound = {n: error_bound(float((low[n].double() - ref[n]).abs().max()), scale=float(ref[n].abs().max()))
+             for n in ("out", "dq", "dk", "dv")}
     for res in _results(world):
         agree = res["agree"]
-        assert max(agree["errors"].values()) < 1e-5, agree["errors"]
+        assert all(agree["errors"][n] <= bound[n] for n in bound), (agree["errors"], bound)
         before, first, steady = agree["counters"]
         # one exchange per ring call (forward and backward), one all_gather each, nothing else
         assert first["exchanges"] - before["exchanges"] == 2

@@ -16,6 +16,7 @@ import torch
 
 from cp_cache.testing.reference import (
     AttentionCase,
+    case_bounds,
     case_dense,
     case_positions,
     full_inputs,
@@ -209,17 +210,15 @@ def test_ring_matches_dense(world, case):
     dt = case.torch_dtype
     for r, res in enumerate(results):
         assert res[case.name]["dtypes"] == (dt, torch.float32, dt, dt, dt)
+    # bounds: a multiple of dense torch's error in the case dtype on the same inputs (float32: 20x,
+    # + 32 eps; bf16, computed in float32 and rounded once where dense bf16 rounds every op: 4x + eps/2)
     if dt == torch.float32:
-        for key in ("out", "lse", "dq", "dk", "dv"):
-            err = rel_err(got[key], ref[key])
-            assert err < 2e-5, f"{case.name} W={world} {key}: relative error {err:.3g}"
+        bound = case_bounds(q, k, v, dout, case, ref, keep)
     else:
-        low = case_dense(q, k, v, dout, case, keep, dtype=dt)
-        for key in ("out", "dq", "dk", "dv"):
-            err = rel_err(got[key], ref[key])
-            base = rel_err(low[key].double(), ref[key])
-            assert err <= 3 * base + 4e-3, f"{case.name} W={world} {key}: {err:.3g} vs dense bf16 {base:.3g}"
-        assert rel_err(got["lse"], ref["lse"]) < 1e-2
+        bound = case_bounds(q, k, v, dout, case, ref, keep, factor=4.0, floor=0.5)
+    for key in ("out", "lse", "dq", "dk", "dv"):
+        err = rel_err(got[key], ref[key])
+        assert err <= bound[key], f"{case.name} W={world} {key}: relative error {err:.3g} > {bound[key]:.3g}"
 
 
 @pytest.mark.parametrize("world", WORLDS)

@@ -22,7 +22,6 @@ WORLD = 2
 SEQ = 16
 LAYERS = 2
 DROPOUT = 0.2
-DD_TOLERANCE = 2e-2  # float32 central differences (eps 5e-2): <= 5e-3 seen; torch_npu's own dropout gradients are off by 10-60 %
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -118,7 +117,7 @@ def _check_path(path: str, mesh, world: int) -> dict:
 
     import cp_cache
     from cp_cache.testing.models import loss_fn
-    from cp_cache.testing.reference import directional_derivative_errors
+    from cp_cache.testing.reference import directional_derivative_check
 
     model, batch = _model_and_batch()
     model.train()
@@ -139,8 +138,9 @@ def _check_path(path: str, mesh, world: int) -> dict:
         return float(t)
 
     params = [p for p in model.parameters() if p.requires_grad]
-    errors = directional_derivative_errors(loss, params, directions=3, eps=5e-2, reduce=total)
-    return dict(errors=errors, **seen, live_after=cp_cache.stats()["live_entries"])
+    # (error, bound) per direction, the bound measured from the central differences at eps and eps/2
+    checks = directional_derivative_check(loss, params, directions=3, eps=5e-2, reduce=total)
+    return dict(checks=checks, **seen, live_after=cp_cache.stats()["live_entries"])
 
 
 def _coexist_rank(rank: int, world: int, version: str) -> dict:
@@ -201,7 +201,9 @@ def test_cp_cache_handlers_run_and_dropout_trains(coexistence, path):
         assert res["created"] == [LAYERS] * len(res["created"]), (version, path, rank, res["created"])
         assert res["ours_after"], (version, path, rank)
         assert res["live_after"] == 0, (version, path, rank)
-        assert max(res["errors"]) < DD_TOLERANCE, (version, path, rank, res["errors"])
+        # torch_npu's own dropout gradients miss the slope by 10-60 %: some direction must resolve 10 %
+        assert all(err <= bound for err, bound in res["checks"]), (version, path, rank, res["checks"])
+        assert min(bound for _, bound in res["checks"]) < 0.1, (version, path, rank, res["checks"])
 
 
 def _late_import_rank(rank: int, world: int, version: str) -> dict:

@@ -18,7 +18,7 @@ import torch
 
 from cp_cache.testing import install_npu_emulator
 from cp_cache.testing.multiprocess import run_ranks
-from cp_cache.testing.reference import dense_attention, rank_positions
+from cp_cache.testing.reference import dense_attention, error_bound, rank_positions
 from cp_cache.testing.torch_npu_wheel import (
     VERSIONS,
     fetch,
@@ -228,6 +228,8 @@ def test_torch_npu_cp_matches_dense(version, load_balance):
     q, k, v, dout = _full_inputs(WORLD)
     dense = dense_attention(q, k, v, dout, causal=True)
     ref = {"out": dense["out"], "q": dense["dq"], "k": dense["dk"], "v": dense["dv"]}
+    low = dense_attention(q, k, v, dout, causal=True, dtype=torch.float32)  # dense torch in float32: the bounds
+    low = {"out": low["out"], "q": low["dq"], "k": low["dk"], "v": low["dv"]}
     got = {}
     for key in ("out", "q", "k", "v"):
         full = torch.empty_like(ref[key])
@@ -236,6 +238,7 @@ def test_torch_npu_cp_matches_dense(version, load_balance):
             full.index_copy_(2, run["pos"], run[key])
         got[key] = full
         err = float((full - ref[key]).norm() / ref[key].norm())
-        assert err < 1e-5, f"torch-npu {version} lb={load_balance} {key}: relative error {err:.3g}"
+        bound = error_bound(float((low[key].double() - ref[key]).norm() / ref[key].norm()))  # 20x + 32 eps
+        assert err <= bound, f"torch-npu {version} lb={load_balance} {key}: relative error {err:.3g} > {bound:.3g}"
     if version == "2.12.0":  # its stack is empty again after each backward
         assert all(res[f"stack_{load_balance}"] == 0 for res in runs)

@@ -171,13 +171,27 @@ def _results(world: int) -> list[dict]:
     return _RESULTS[world]
 
 
+def _bounds(seq: int, nkv: int, causal: bool, start: int = 0, length: int | None = None) -> dict:
+    """The bound of each ``_rel`` over positions [start, start + length) of ``_global(seq, nkv)``:
+    20x dense torch's float32 error there (+ 32 eps), measured on the same inputs."""
+    from cp_cache.testing.reference import error_bound
+
+    full = _global(seq, nkv)
+    ref, low = (dense_attention(*full, causal=causal, dtype=dt) for dt in (torch.float64, torch.float32))
+    length = seq - start if length is None else length
+    return {n: error_bound(_rel(low[n].narrow(2, start, length), ref[n].narrow(2, start, length)))
+            for n in ("out", "dq", "dk", "dv")}
+
+
 @pytest.mark.parametrize("world", [2, 4])
 def test_ring_with_uneven_shards_matches_dense(world):
     for rank, res in enumerate(_results(world)):
         assert len(res["ring"]) == 2 * 2 * 2
         for (lengths, causal, layout), case in res["ring"].items():
             assert case["lengths"] == [(n, n) for n in lengths], case["lengths"]
-            assert max(case["errors"].values()) < 1e-5, (rank, lengths, causal, layout, case["errors"])
+            bound = _bounds(sum(lengths), N if layout == "BNSD" else 2, causal, sum(lengths[:rank]), lengths[rank])
+            assert all(case["errors"][n] <= bound[n] for n in bound), (rank, lengths, causal, layout,
+                                                                       case["errors"], bound)
 
 
 @pytest.mark.parametrize("world", [2, 4])
@@ -199,7 +213,8 @@ def test_dtensor_uneven_shards_through_the_op(world):
             assert case["local_len"] == len(expected_local[rank])
             assert case["shapes"] == {"out": (B, N, seq, D), "dq": (B, N, seq, D), "dk": (B, 2, seq, D),
                                       "dv": (B, 2, seq, D), "softmax_max": (B, N, seq, 8)}, case["shapes"]
-            assert max(case["errors"].values()) < 1e-5, (rank, causal, case["errors"])
+            bound = _bounds(seq, 2, causal)
+            assert all(case["errors"][n] <= bound[n] for n in bound), (rank, causal, case["errors"], bound)
 
 
 @pytest.mark.parametrize("world", [2, 4])
@@ -239,5 +254,5 @@ def test_a_handle_from_another_process_fails_every_rank(world):
         assert kind == "RuntimeError", (rank, kind, message)
         assert f"rank {last} refused the call (RuntimeError: " in message and "handle" in message, message
         assert res["handler"]["live_after"] == 0
-        assert res["handler"]["after_error"] < 1e-5
+        assert res["handler"]["after_error"] <= _bounds(4 * world, N, False, 4 * rank, 4)["out"]
         assert res["live"] == 0

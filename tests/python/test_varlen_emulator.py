@@ -10,10 +10,13 @@ import torch
 
 from cp_cache.npu_ops import causal_mask, lse_from_stats
 from cp_cache.testing import dropout_keep_mask, install_npu_emulator
-from cp_cache.testing.reference import rel_err
+from cp_cache.testing.reference import eps, error_bound, rel_err
 from cp_cache.testing.varlen_reference import dense_tnd_attention
 
 D = 8
+# float64 against the float64 reference: a few roundings of eps 2.2e-16 (measured: 4.4 eps), relative
+# to the largest value
+F64 = 256 * eps(torch.float64)
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -53,13 +56,14 @@ def test_v3_matches_dense_block_diagonal(sparse_mode, segments, nkv):
     assert res[1].shape == (cu_q[-1], 4, 8) and res[2].shape == (cu_q[-1], 4, 8)
     res[0].backward(dout)
     ref = dense_tnd_attention(q, k, v, dout, cu_q, cu_kv, MODES[sparse_mode])
-    assert rel_err(res[0].detach(), ref["out"]) < 1e-12
+    assert rel_err(res[0].detach(), ref["out"]) < F64
     lse = lse_from_stats(res[1], res[2]).double()
     live = torch.isfinite(ref["lse"])
     assert torch.equal(torch.isfinite(lse), live)
-    assert (lse[live] - ref["lse"][live]).abs().max() < 1e-6  # lse_from_stats reads float32
+    # lse_from_stats reads the float32 statistics: max and log(sum) each rounded to float32
+    assert (lse[live] - ref["lse"][live]).abs().max() <= 4 * eps() * (ref["lse"][live].abs().max() + 1)
     for name, leaf in zip(("dq", "dk", "dv"), leaves):
-        assert rel_err(leaf.grad, ref[name]) < 1e-12, name
+        assert rel_err(leaf.grad, ref[name]) < F64, name
 
 
 def test_v1_lists_and_float32():
@@ -70,9 +74,11 @@ def test_v1_lists_and_float32():
                                              actual_seq_kvlen=cu, **_mask_kwargs(3))
     res[0].backward(dout)
     ref = dense_tnd_attention(*(t.double() for t in (q, k, v, dout)), cu, cu, "right_down")
-    assert rel_err(res[0].detach().double(), ref["out"]) < 1e-5
+    # dense torch in float32 on the same inputs: 20x its error + 32 eps
+    low = dense_tnd_attention(q, k, v, dout, cu, cu, "right_down", dtype=torch.float32)
+    assert rel_err(res[0].detach().double(), ref["out"]) <= error_bound(rel_err(low["out"].double(), ref["out"]))
     for name, leaf in zip(("dq", "dk", "dv"), leaves):
-        assert rel_err(leaf.grad.double(), ref[name]) < 1e-5, name
+        assert rel_err(leaf.grad.double(), ref[name]) <= error_bound(rel_err(low[name].double(), ref[name])), name
 
 
 def test_dropout_keep_mask_per_segment():
@@ -88,9 +94,9 @@ def test_dropout_keep_mask_per_segment():
         keep[:, :, a:b, a:b] = dropout_keep_mask(int(res[4]), int(res[5]) + i, (1, 2, b - a, b - a), 0.7)
     assert not bool(keep.all())
     ref = dense_tnd_attention(q, k, v, dout, cu, cu, "left_up", keep=keep, keep_prob=0.7)
-    assert rel_err(res[0].detach(), ref["out"]) < 1e-12
+    assert rel_err(res[0].detach(), ref["out"]) < F64
     for name, leaf in zip(("dq", "dk", "dv"), leaves):
-        assert rel_err(leaf.grad, ref[name]) < 1e-12, name
+        assert rel_err(leaf.grad, ref[name]) < F64, name
 
 
 @pytest.mark.parametrize("kwargs, message", [
@@ -167,6 +173,6 @@ def test_band_per_segment():
     masked = document_masked(cu, cu) | band_masked(20, pre, nxt)  # within a segment, positions shift alike
     dense = [t.permute(1, 0, 2).unsqueeze(0) for t in (q, k, v, dout)]
     ref = dense_attention(*dense, causal=False, masked=masked)
-    assert rel_err(res[0].detach().permute(1, 0, 2).unsqueeze(0), ref["out"]) < 1e-12
+    assert rel_err(res[0].detach().permute(1, 0, 2).unsqueeze(0), ref["out"]) < F64
     for name, leaf in zip(("dq", "dk", "dv"), leaves):
-        assert rel_err(leaf.grad.permute(1, 0, 2).unsqueeze(0), ref[name]) < 1e-12, name
+        assert rel_err(leaf.grad.permute(1, 0, 2).unsqueeze(0), ref[name]) < F64, name

@@ -20,11 +20,10 @@ from cp_cache.engine.steps import hops_needed, plan_step
 from cp_cache.plan import MaskSpec
 from cp_cache.testing import install_npu_emulator
 from cp_cache.testing.multiprocess import run_ranks
-from cp_cache.testing.reference import band_masked, dense_attention, rank_positions
+from cp_cache.testing.reference import band_masked, dense_attention, error_bound, rank_positions
 
 WORLDS = (1, 2, 4)
 B, N, D, S_LOCAL = 2, 4, 8, 8
-TOLERANCE = 2e-5  # fp32 against float64, relative to the largest reference value
 
 
 @dataclass(frozen=True)
@@ -121,13 +120,17 @@ def _run_case(case: MaskCase, rank: int, world: int, mesh) -> dict:
     out = torch.ops.npu.npu_fusion_attention_v3(qd, kd, vd, N, "BNSD", **_op_kwargs(case, mask_arg))
     fwd_bytes = cp_cache.call_stats()["forward"]["bytes_sent"]
     out[0].backward(DTensor.from_local(local[3], mesh, [Shard(2)]))
-    ref = dense_attention(q, k, v, dout, causal=False, masked=_reference_mask(case, world, given))
+    ref, low = (dense_attention(q, k, v, dout, causal=False, masked=_reference_mask(case, world, given), dtype=dt)
+                for dt in (torch.float64, torch.float32))
     errors = {}
     for name, got in (("out", out[0]), ("dq", qd.grad), ("dk", kd.grad), ("dv", vd.grad)):
         want = ref[name].index_select(2, pos)
         got = got.to_local().double()
         errors[name] = float((got - want).abs().max() / ref[name].abs().max())
         errors[f"{name}_finite"] = bool(torch.isfinite(got).all())
+        # dense torch in float32 on the same inputs and rows: the reference error of the bound
+        errors[f"{name}_dense"] = float((low[name].index_select(2, pos).double() - want).abs().max()
+                                        / ref[name].abs().max())
     block = 2 * local[1].nbytes
     return dict(errors=errors, fwd_bytes=fwd_bytes, block_bytes=block, live=cp_cache.stats()["live_entries"])
 
@@ -145,14 +148,15 @@ def _ranks(rank: int, world: int) -> dict:
     return results
 
 
-def _dropout_check(kind: str, rank: int, world: int, mesh) -> list[float]:
+def _dropout_check(kind: str, rank: int, world: int, mesh) -> list[tuple[float, float]]:
     """Model-free: the slope of sum(out * proj) along random directions of the local q/k/v,
-    autograd against central differences, the RNG reset per forward (same masks)."""
+    autograd against central differences, the RNG reset per forward (same masks); (error, bound)
+    per direction, the bound from the differences' own truncation (steps eps and eps/2)."""
     import torch.distributed as dist
     from torch.distributed.tensor import DTensor, Shard
     from torch.distributed.tensor.experimental._context_parallel._attention import _cp_options
 
-    from cp_cache.testing.reference import directional_derivative_errors
+    from cp_cache.testing.reference import directional_derivative_check
 
     _cp_options.enable_load_balance = True
     case = MaskCase("drop", True, 4, pre=S_LOCAL + 2, nxt=0) if kind == "band" else \
@@ -174,7 +178,7 @@ def _dropout_check(kind: str, rank: int, world: int, mesh) -> list[float]:
         dist.all_reduce(t)
         return float(t)
 
-    return directional_derivative_errors(loss, params, directions=3, eps=5e-2, reduce=total)
+    return directional_derivative_check(loss, params, directions=3, eps=5e-2, reduce=total)
 
 
 _RESULTS: dict = {}
@@ -193,7 +197,8 @@ def test_matches_dense_float64(world, case):
         errors = res[case.name]["errors"]
         for name in ("out", "dq", "dk", "dv"):
             assert errors[f"{name}_finite"], (case.name, rank, name)
-            assert errors[name] < TOLERANCE, (case.name, rank, name, errors[name])
+            bound = error_bound(errors[f"{name}_dense"])  # 20x dense float32 + 32 eps
+            assert errors[name] <= bound, (case.name, rank, name, errors[name], bound)
         assert res[case.name]["live"] == 0
 
 
@@ -240,8 +245,9 @@ def test_blocks_outside_the_band_are_skipped():
 @pytest.mark.parametrize("kind", ("band", "mask"))
 def test_dropout_directional_derivative(world, kind):
     for rank, res in enumerate(_results(world)):
-        errors = res["dropout"][kind]
-        assert max(errors) < 2e-2, (kind, rank, errors)
+        checks = res["dropout"][kind]
+        assert all(err <= bound for err, bound in checks), (kind, rank, checks)
+        assert min(bound for _, bound in checks) < 0.1, checks  # some direction resolves a 10 % wrong slope
 
 
 # ---------------------------------------------------------------- the emulator's sparse_mode 4
@@ -265,7 +271,8 @@ def test_emulator_band_mode_is_pinned(sq, skv, pre, nxt):
     s = (q @ k.transpose(-1, -2) * 0.5).masked_fill(masked, float("-inf"))
     dead = masked.all(-1, keepdim=True)
     want = torch.softmax(s.masked_fill(dead, 0.0), -1).masked_fill(dead, 0.0) @ v
-    assert torch.allclose(out, want, atol=1e-12)
+    # float64 both: a few roundings of eps 2.2e-16 at the largest value (a wrong band misses by O(1))
+    assert torch.allclose(out, want, rtol=0, atol=256 * torch.finfo(torch.float64).eps * float(want.abs().max()))
 
 
 def test_band_over_the_whole_sequence_runs_as_causal_or_full():

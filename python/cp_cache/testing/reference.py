@@ -148,6 +148,88 @@ def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).abs().max() / b.abs().max().clamp_min(1e-12))
 
 
+# ---------------------------------------------------------------- error bounds measured on this machine
+#
+# A test never compares an error with a number tuned on one CPU. It measures, in the same run and
+# on the same inputs, how far a plain reference computation in the same dtype (dense attention in
+# torch, the single-process model) lands from the float64 truth, and accepts from the code under
+# test ``FACTOR`` times that error plus a floor of a few eps of the dtype (times the scale the error
+# is measured against), so that a reference that happens to round exactly cannot make the bound 0.
+# Rounding differs from machine to machine (vector width, FMA, the BLAS), and it does so for the
+# reference and for the code under test alike.
+#
+# FACTOR: the ring's kernels recompute the probabilities from the LSE and subtract
+# rowsum(dout * out) in the backward (the flash-attention formulation), so in float32 they err up
+# to ~10x as much as dense torch on the same inputs (measured: 9.5x on one gradient); 20 leaves
+# room. A wrong result (a ring step dropped, a mask off by one) errs by 1e-2 or more.
+# EPS_FLOOR: 32 eps of float32 is 3.8e-6 relative.
+
+FACTOR = 20.0
+EPS_FLOOR = 32.0
+
+
+def eps(dtype: torch.dtype = torch.float32) -> float:
+    """The machine epsilon of a floating dtype."""
+    return float(torch.finfo(dtype).eps)
+
+
+def error_bound(reference_error: float, *, scale: float = 1.0, dtype: torch.dtype = torch.float32,
+                factor: float = FACTOR, floor: float = EPS_FLOOR) -> float:
+    """The largest error accepted from the code under test: ``factor`` x ``reference_error``
+    (the error of a reference computation of the same quantity in the same dtype, measured in
+    this run against the same float64 truth), plus ``floor`` x eps(dtype) x ``scale`` (the
+    magnitude the errors are measured against: 1 for ``rel_err``, max|truth| for absolute ones)."""
+    return factor * float(reference_error) + floor * eps(dtype) * float(scale)
+
+
+def dense_errors(q, k, v, dout, ref: dict, causal: bool, keep=None, keep_prob: float = 1.0,
+                 dtype=torch.float32, masked=None, keys=("out", "lse", "dq", "dk", "dv")) -> dict:
+    """``rel_err`` of ``dense_attention`` computed in ``dtype`` against ``ref`` (its float64
+    result on the same inputs), per key: how much plain torch errs in that dtype."""
+    low = dense_attention(q, k, v, dout, causal, keep, keep_prob, dtype=dtype, masked=masked)
+    return {key: rel_err(low[key].double(), ref[key]) for key in keys}
+
+
+def dense_bounds(q, k, v, dout, ref: dict, causal: bool, keep=None, keep_prob: float = 1.0,
+                 dtype=torch.float32, masked=None, keys=("out", "lse", "dq", "dk", "dv"),
+                 factor: float = FACTOR, floor: float = EPS_FLOOR) -> dict:
+    """``error_bound`` of each key's ``dense_errors``: the bound on a ``rel_err`` against ``ref``."""
+    errors = dense_errors(q, k, v, dout, ref, causal, keep, keep_prob, dtype, masked, keys)
+    return {key: error_bound(err, dtype=dtype, factor=factor, floor=floor) for key, err in errors.items()}
+
+
+def case_bounds(q, k, v, dout, case: AttentionCase, ref: dict, keep=None, **kw) -> dict:
+    """``dense_bounds`` with the case's causal mask, keep_prob and dtype."""
+    return dense_bounds(q, k, v, dout, ref, case.causal, keep, case.keep_prob, dtype=case.torch_dtype, **kw)
+
+
+def float32_model_error(model, tokens, labels, positions) -> dict:
+    """The float32 rounding of a model on this machine: the loss (float32 cross-entropy, as
+    ``models.loss_fn``) and the parameter gradients of one batch with the model as given
+    (float32, evaluation mode: no dropout) against a float64 copy (float64 loss).
+
+    Returns "loss" (|float32 - float64|), "loss_scale" (|float64 loss|), "grad" (max over the
+    parameters of max|float32 grad - float64 grad|), "grad_scale" (max |float64 grad|) and
+    "grad_rel" (max over the parameters of ``rel_err``).
+    """
+    import copy
+
+    import torch.nn.functional as F
+
+    runs = []
+    for dtype in (torch.float32, torch.float64):
+        m = copy.deepcopy(model).to(dtype).eval()
+        logits = m(tokens, positions).flatten(0, 1)
+        loss = F.cross_entropy(logits.float() if dtype == torch.float32 else logits, labels.flatten())
+        loss.backward()
+        runs.append((float(loss.detach()), [p.grad.detach().double() for p in m.parameters()]))
+    (loss32, grads32), (loss64, grads64) = runs
+    return dict(loss=abs(loss32 - loss64), loss_scale=abs(loss64),
+                grad=max(float((a - b).abs().max()) for a, b in zip(grads32, grads64)),
+                grad_scale=max(float(b.abs().max()) for b in grads64),
+                grad_rel=max(rel_err(a, b) for a, b in zip(grads32, grads64)))
+
+
 # ---------------------------------------------------------------- per-rank results on the full sequence
 
 
@@ -237,3 +319,52 @@ def directional_derivative_errors(loss_fn, params: list[torch.Tensor], *, direct
         fd = (values[0] - values[1]) / (2 * eps)
         errors.append(abs(slope - fd) / max(abs(slope), abs(fd), 1e-12))
     return errors
+
+
+def directional_derivative_check(loss_fn, params: list[torch.Tensor], *, directions: int = 4, eps: float = 1e-2,
+                                 seed: int = 0, reduce=None, factor: float = 4.0,
+                                 floor: float = EPS_FLOOR) -> list[tuple[float, float]]:
+    """``directional_derivative_errors`` (same arguments, same directions, same error) with each
+    direction's bound measured in the same run: ``[(error, bound), ...]``.
+
+    The central difference at step eps misses the slope by its truncation (eps^2/6 times the third
+    derivative along d) plus the loss's rounding divided by eps. A second difference at eps/2
+    measures both: fd(eps) - fd(eps/2) is 3/4 of that truncation, plus the rounding of the two.
+    The bound is ``factor`` x |fd(eps) - fd(eps/2)| + ``floor`` x eps(dtype) x max|f(p +- eps d)| / eps
+    (the rounding of the loss values themselves), relative like the error to max(|g.d|, |fd|); a
+    wrong gradient misses the slope by its own error, whatever the steps.
+    """
+    total = reduce or (lambda x: x)
+    loss = loss_fn()
+    grads = torch.autograd.grad(loss, params, allow_unused=True)
+    grads = [torch.zeros_like(p) if g is None else g for p, g in zip(params, grads)]
+    unit = eps_of(params)
+    g = torch.Generator().manual_seed(seed)
+    checks = []
+    for _ in range(directions):
+        d = [torch.randn(p.shape, generator=g, dtype=torch.float64) for p in params]
+        norm = math.sqrt(sum(float((x * x).sum()) for x in d))
+        d = [(x / norm).to(p.dtype) for x, p in zip(d, params)]
+        slope = total(sum(float((gi.double() * di.double()).sum()) for gi, di in zip(grads, d)))
+        values = {}
+        saved = [p.detach().clone() for p in params]
+        for step in (eps, eps / 2):
+            for sign in (1.0, -1.0):
+                with torch.no_grad():
+                    for p, di in zip(params, d):
+                        p.add_(di, alpha=sign * step)
+                    values[(step, sign)] = total(float(loss_fn()))
+                    for p, x in zip(params, saved):
+                        p.copy_(x)
+        fd = (values[(eps, 1.0)] - values[(eps, -1.0)]) / (2 * eps)
+        fd_half = (values[(eps / 2, 1.0)] - values[(eps / 2, -1.0)]) / eps
+        size = max(abs(slope), abs(fd), 1e-12)
+        rounding = floor * unit * max(abs(values[(eps, 1.0)]), abs(values[(eps, -1.0)])) / eps
+        checks.append((abs(slope - fd) / size, (factor * abs(fd - fd_half) + rounding) / size))
+    return checks
+
+
+def eps_of(params: list[torch.Tensor]) -> float:
+    """The largest machine epsilon among the parameters' dtypes."""
+    return max(eps(p.dtype) for p in params)
+
