@@ -14,6 +14,13 @@ torch_npu's other effects still happen: SDPA and sharding rules, implicit
 replication), then puts cp_cache's handlers on top. ``disable()`` puts back the
 previous pair and every table entry cp_cache replaced, so torch_npu's behaviour
 returns exactly.
+
+The handlers stay in the table between CP regions too, and take effect only where CP is:
+the registration counts the CP entries not yet left (``in_cp``) and keeps the entries the
+handlers displaced outside and inside a region (``displaced``); a call that is not context
+parallel goes to that entry, or to DTensor's own sharding propagation when there was none
+(``handlers/attention.py``). The table after ``disable()`` is the table before ``enable()``,
+and after the last CP exit the table before the first entry: the same entries, the same objects.
 """
 
 from __future__ import annotations
@@ -51,7 +58,7 @@ class _Registration:
     """The handlers of one ``enable()`` and everything it changed in torch, to undo it."""
 
     def __init__(self, handlers: AttentionHandlers):
-        self.handlers = handlers
+        self.adopt(handlers)
         self.depth = 0  # CP dispatcher entries seen and not yet left
         # the foreign entries the handlers displaced: outside CP (at enable) and inside
         # the current CP entry (torch's or torch_npu's CP handlers), {op: entry or _MISSING}
@@ -62,6 +69,23 @@ class _Registration:
         self.previous_disable: Callable[[], None] = cp._disable_cp_dtensor_dispatcher
         self.enter_cp = self._enter_cp  # one bound-method object each, so identity checks work
         self.exit_cp = self._exit_cp
+
+    def adopt(self, handlers: AttentionHandlers) -> None:
+        """Register ``handlers`` here (a new configuration keeps the switches and the depth)."""
+        self.handlers = handlers
+        handlers.registration = self
+
+    # ------------------------------------------------------------ what serves a call that is not CP
+
+    def in_cp(self) -> bool:
+        """Whether a CP region is active (entered after enable() and not yet left)."""
+        return self.depth > 0
+
+    def displaced(self, op):
+        """The entry the handlers displaced for ``op`` where the process is now (inside or outside
+        a CP region): what would serve the op without cp_cache; None when there was none."""
+        entry = (self._displaced_inside if self.depth else self._displaced_outside).get(op, _MISSING)
+        return None if entry is _MISSING else entry
 
     # ------------------------------------------------------------ the handler table
 
@@ -166,7 +190,7 @@ def enable(policy: str | None = None, *, kernel: str | None = None, fused_merge:
             )
     if previous is not None and previous.hooked():
         registration = previous  # keep the wrapped switches, the replaced entries and the depth
-        registration.handlers = handlers
+        registration.adopt(handlers)
     else:
         if previous is not None:
             _unregister(previous)

@@ -6,14 +6,23 @@ Each handler reads top-down: bind the op's arguments and prepare the call (its o
 DTensors. The forward's step cache goes out in the ``seed`` slot (a handle whose storage owns
 it, or, under the stack policy, the cache's pairing key) and autograd hands it back to the
 grad op's ``seed``.
+
+The handlers stay in DTensor's handler table while cp_cache is enabled, and decide per call
+whether it is theirs (``_runs``): a call that is not context parallel goes on to what serves it
+without cp_cache (``_pass_on``): the table entry cp_cache displaced (torch_npu's handlers), or
+DTensor's own sharding propagation. Nothing is written to the table per call, so calls on other
+threads see the table as it is.
 """
 
 from __future__ import annotations
 
+import logging
 import time
+from typing import Any, Callable, Optional, Protocol
 
 import torch
 from torch import Tensor
+from torch.distributed.tensor import DTensor
 
 from ..config import CPConfig
 from ..npu_ops import lse_from_stats
@@ -22,8 +31,20 @@ from ..arguments import bind_arguments
 from .call import prepare, refusal_shared
 from .calls import CallLog
 from .checks import local_tensor, sharded_like
+from .cp_mesh import sequence_sharded
 
-__all__ = ["AttentionHandlers"]
+__all__ = ["AttentionHandlers", "Registration", "dtensor_default"]
+
+log = logging.getLogger("cp_cache")
+
+
+class Registration(Protocol):
+    """Where the handlers are registered (``cp_cache.dispatch``): whether a CP region is
+    active, and what the handlers displaced from the table there."""
+
+    def in_cp(self) -> bool: ...
+
+    def displaced(self, op: Any) -> Optional[Callable]: ...
 
 
 def _slot_tensor(value: int, like: Tensor) -> Tensor:
@@ -38,6 +59,7 @@ class AttentionHandlers:
     def __init__(self, config: CPConfig, call_log: CallLog):
         self.config = config
         self.call_log = call_log
+        self.registration: Optional[Registration] = None  # set by cp_cache.dispatch; None: every CP call
         self.forward_handler = self.forward
         self.backward_handler = self.backward
 
@@ -52,6 +74,37 @@ class AttentionHandlers:
                 pass
         return table
 
+    def _runs(self, op_call, args, kwargs, backward: bool) -> bool:
+        """Whether this call is cp_cache's. Its query must be sharded on the sequence (a CP mesh
+        dimension) over ranks of their own (not LocalTensor's ranks simulated in one process: the
+        ring exchanges between processes). A forward then runs inside a CP region, and outside
+        one only where nothing else would serve the op (no displaced handler, no sharding
+        strategy); a backward runs where its forward ran: cp_cache's forward gives a plain seed,
+        one served elsewhere a DTensor."""
+        try:
+            a = bind_arguments(op_call._schema, args, kwargs)
+        except TypeError:
+            return True  # the handler reports it, shared with the other ranks
+        query = a["query"]
+        if not sequence_sharded(query, a["input_layout"]) or _simulated_ranks(query):
+            return False
+        if backward:
+            return not isinstance(a["seed"], DTensor)
+        site = self.registration
+        if site is None or site.in_cp():
+            return True
+        if site.displaced(op_call) is not None or _has_sharding_strategy(op_call):
+            return False
+        _note_outside_cp(op_call)
+        return True
+
+    def _pass_on(self, op_call, args, kwargs):
+        """Serve a call that is not cp_cache's as it is served without cp_cache."""
+        entry = None if self.registration is None else self.registration.displaced(op_call)
+        if entry is not None:
+            return entry(op_call, args, kwargs)
+        return dtensor_default(op_call, args, kwargs)
+
     # Where torch.compile cannot trace a call (Dynamo breaks the graph at the op: packed
     # documents' host lengths), the op runs eagerly and so does its handler: Dynamo must not
     # trace the handler's own frames into graphs of their own.
@@ -59,6 +112,8 @@ class AttentionHandlers:
     def forward(self, op_call, args, kwargs):
         """Handler of ``npu_fusion_attention_v3`` for DTensor inputs."""
         started = time.perf_counter()
+        if not self._runs(op_call, args, kwargs, backward=False):
+            return self._pass_on(op_call, args, kwargs)
         with refusal_shared("forward", op_call, args, kwargs):
             call = prepare(bind_arguments(op_call._schema, args, kwargs), self.config)
         q, k, v = call.local("query", "key", "value")
@@ -76,6 +131,8 @@ class AttentionHandlers:
     def backward(self, op_call, args, kwargs):
         """Handler of ``npu_fusion_attention_grad_v3`` for DTensor inputs."""
         started = time.perf_counter()
+        if not self._runs(op_call, args, kwargs, backward=True):
+            return self._pass_on(op_call, args, kwargs)
         with refusal_shared("backward", op_call, args, kwargs):
             a = bind_arguments(op_call._schema, args, kwargs)
             ops.check_seed(a["seed"])
@@ -93,3 +150,49 @@ class AttentionHandlers:
         )
         self.call_log.set_handler_seconds("backward", started)
         return outputs
+
+
+# ---------------------------------------------------------------- calls that are not cp_cache's
+
+
+def dtensor_default(op_call, args, kwargs):
+    """DTensor's own dispatch of a call, as when no handler is registered for the op: sharding
+    propagation (NotImplementedError when the op has no sharding strategy), redistribution, the
+    local op, the wrapped results. torch's C++ dispatcher reads the handler table before this
+    path and has no way to skip it for one call, so its Python steps run here (the attention ops
+    are neither in-place nor views: no aliasing to correct)."""
+    from torch.distributed.tensor._op_schema import OutputSharding
+
+    dispatcher = DTensor._op_dispatcher
+    op_info = dispatcher.unwrap_to_op_info(op_call, args, kwargs)
+    sharding = dispatcher._propagate_op_sharding_dispatch_slow_path(op_call, args, kwargs, op_info, True)
+    if not isinstance(sharding, OutputSharding):
+        return sharding  # decomposed: the result itself
+    op_info.output_sharding = sharding
+    local_results = dispatcher._dispatch_get_local_results_slow_path(op_call, args, op_info)
+    return dispatcher.wrap(local_results, sharding.output_spec)
+
+
+def _has_sharding_strategy(op_call) -> bool:
+    """Whether DTensor's sharding propagation knows the op (torch_npu registers strategies)."""
+    propagator = DTensor._op_dispatcher.sharding_propagator
+    names = ("op_strategy_funcs", "op_single_dim_strategy_funcs", "op_to_rules")
+    return any(op_call in getattr(propagator, name, {}) for name in names)
+
+
+def _simulated_ranks(query: DTensor) -> bool:
+    """Whether the ranks are simulated in this process (LocalTensor mode: the local tensor holds
+    every rank's shard, ranks and sizes are symbolic)."""
+    from torch.distributed._local_tensor import LocalTensor  # loaded with DTensor
+
+    return isinstance(query._local_tensor, LocalTensor)
+
+
+_NOTED: set = set()
+
+
+def _note_outside_cp(op_call) -> None:
+    if op_call not in _NOTED:
+        _NOTED.add(op_call)
+        log.info("cp_cache: %s of sequence-sharded DTensors outside any CP region runs cp_cache's handler: "
+                 "nothing else serves the op here (no handler, no sharding strategy)", op_call)

@@ -20,7 +20,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from .. import layout as L
 from ..plan import ALGORITHM_CP_DIMS, choose_algorithm
 
-__all__ = ["CPSharding", "cp_sharding", "resolve_algorithm", "whole_mask"]
+__all__ = ["CPSharding", "cp_sharding", "resolve_algorithm", "sequence_sharded", "whole_mask"]
 
 
 @dataclass(frozen=True)
@@ -75,6 +75,15 @@ class CPSharding:
             else:
                 out.append(Replicate())
         return tuple(out)
+
+
+def sequence_sharded(query: Any, layout: Any) -> bool:
+    """Whether ``query`` is a DTensor sharded on the sequence dimension of ``layout`` over some mesh
+    dimension: a CP call. False for a plain tensor, an unknown layout, or placements without
+    ``Shard(seq)`` (data or tensor parallel, replicated): calls cp_cache leaves to others."""
+    if not isinstance(query, DTensor) or layout not in L.ALL_LAYOUTS:
+        return False
+    return Shard(L.seq_dim(layout)) in tuple(query.placements)
 
 
 def cp_sharding(tensors: dict[str, Any], layout: str) -> CPSharding:
