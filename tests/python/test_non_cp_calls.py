@@ -13,6 +13,7 @@ without cp_cache: torch_npu's layer-1 DTensor handler, or DTensor's own sharding
   (ranks simulated in one process: symbolic ranks and sizes);
 * with torch_npu loaded and cp_cache enabled, every torch_npu case agrees with the op on the
   whole tensors (bounded by that op's own float32 error, measured in the same run);
+* a CP call on fake tensors with a symbolic sequence length runs through the handler;
 * sequence-sharded calls inside a CP region run cp_cache (their backward too, after the
   region); outside one they run it only where nothing else serves the op (no torch_npu);
 * the handler table after ``disable()`` and after every CP exit holds exactly the entries
@@ -396,6 +397,35 @@ def _lt_mode(mesh, world: int) -> dict:
     return _compare(without, with_)
 
 
+def _symbolic_call(mesh) -> dict:
+    """A CP call (BNSD Shard(2), cp_cache enabled, inside a CP region) on fake tensors whose
+    sequence length is symbolic: it runs through the handler (shapes only, no collective)."""
+    import cp_cache
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.distributed.tensor import DTensor, Shard
+    from torch.fx.experimental.symbolic_shapes import DimDynamic, ShapeEnv, StatelessSymbolicContext
+
+    mode = FakeTensorMode(shape_env=ShapeEnv())
+    dynamic = StatelessSymbolicContext(dynamic_sizes=[DimDynamic.STATIC, DimDynamic.STATIC,
+                                                      DimDynamic.DYNAMIC, DimDynamic.STATIC])
+    local = [mode.from_tensor(torch.randn(B, N, S, D), symbolic_context=dynamic) for _ in range(3)]
+    symbolic = str(local[0].shape[2])
+    cp_cache.enable()
+    try:
+        with mode:
+            q, k, v = (DTensor.from_local(t, mesh, [Shard(2)]) for t in local)
+            _enter_cp(mesh)
+            try:
+                out = _op()(q, k, v, head_num=N, input_layout="BNSD", scale=SCALE)
+            finally:
+                _exit_cp()
+            return dict(symbolic=symbolic, shaped_like_query=bool(out[0].shape == q.shape),
+                        stats_shape=tuple(int(x) for x in out[1].shape),
+                        specialized=str(local[0].shape[2]) != symbolic)
+    finally:
+        cp_cache.disable()
+
+
 def _local_tensor_main(results, world: int) -> None:
     try:
         import torch.distributed as dist
@@ -408,7 +438,7 @@ def _local_tensor_main(results, world: int) -> None:
         dist.init_process_group("fake", rank=0, world_size=world, store=FakeStore())
         install_npu_emulator()
         mesh = init_device_mesh("cpu", (world,))
-        out = {"plain": _lt_mode(mesh, world)}
+        out = {"plain": _lt_mode(mesh, world), "symbolic": _symbolic_call(mesh)}
         with load_torch_npu_cp(VERSION):
             out["torch_npu"] = _lt_mode(mesh, world)
         dist.destroy_process_group()
@@ -443,8 +473,10 @@ def local_tensor() -> dict:
 # ---------------------------------------------------------------- tests
 
 
-def _not_same(compared: dict) -> dict:
-    return {k: (a[:300], b[:300]) for k, (a, b, same) in compared.items() if not same}
+def _not_same(compared: dict) -> str:
+    """The cases whose results differ, one a line: without enable() / with it."""
+    return "\n".join(f"{k}: without: {a[:160]!r} / with: {b[:160]!r}" for k, (a, b, same) in compared.items()
+                     if not same)
 
 
 @pytest.mark.parametrize("mode", MODES)
@@ -472,7 +504,8 @@ def test_non_cp_calls_same_with_and_without_enable(ranks, mode):
             compared = {k: v for k, v in compared.items() if k[2] != f"Shard({tests[k[1]].seq_dim})"}
             calls -= len(NPU_TESTS)
         assert len(compared) == len(WORLDS) * calls, (mode, len(compared))
-        assert _not_same(compared) == {}, (mode, r)
+        differ = _not_same(compared)
+        assert not differ, f"{mode}, rank {r}:\n{differ}"
 
 
 def test_torch_npu_attention_ops_cases_pass_with_cp_cache_enabled(ranks):
@@ -494,7 +527,8 @@ def test_non_cp_calls_inside_a_cp_region_same_with_and_without_enable(ranks, mod
         for w in WORLDS:
             compared = res[mode]["inside"][w]
             assert len(compared) == sum(len(_placements(t)) - 1 for t in INSIDE_TESTS)
-            assert _not_same(compared) == {}, (mode, w, r)
+            differ = _not_same(compared)
+            assert not differ, f"{mode}, W={w}, rank {r}:\n{differ}"
 
 
 @pytest.mark.parametrize("mode", MODES)
@@ -523,7 +557,15 @@ def test_local_tensor_mode_same_with_and_without_enable(local_tensor, mode):
     every placement, outside and inside a CP region."""
     compared = local_tensor[mode]
     assert len(compared) == 2 * len(LT_PLACEMENTS)
-    assert _not_same(compared) == {}, mode
+    differ = _not_same(compared)
+    assert not differ, f"{mode}:\n{differ}"
+
+
+def test_symbolic_sequence_length_through_the_handler(local_tensor):
+    res = local_tensor["symbolic"]
+    assert res["symbolic"].startswith("s"), res  # the local sequence length was a SymInt
+    assert res["shaped_like_query"], res
+    assert res["stats_shape"] == (B, N, S * WORLD, 8), res
 
 
 def test_report(ranks, local_tensor):
@@ -541,3 +583,4 @@ def test_report(ranks, local_tensor):
               f"with the op on whole tensors: {passed}/{len(by_test)}")
         lt = local_tensor[mode]
         print(f"{mode}: LocalTensor cases same: {sum(s for _, _, s in lt.values())}/{len(lt)}")
+    print(f"symbolic sequence length through the handler: {local_tensor['symbolic']}")

@@ -16,6 +16,7 @@ threads see the table as it is.
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 from typing import Any, Callable, Optional, Protocol
@@ -81,15 +82,11 @@ class AttentionHandlers:
         one only where nothing else would serve the op (no displaced handler, no sharding
         strategy); a backward runs where its forward ran: cp_cache's forward gives a plain seed,
         one served elsewhere a DTensor."""
-        try:
-            a = bind_arguments(op_call._schema, args, kwargs)
-        except TypeError:
-            return True  # the handler reports it, shared with the other ranks
-        query = a["query"]
-        if not sequence_sharded(query, a["input_layout"]) or _simulated_ranks(query):
+        query, layout = (_argument(op_call, args, kwargs, name) for name in ("query", "input_layout"))
+        if not sequence_sharded(query, layout) or _simulated_ranks(query):
             return False
         if backward:
-            return not isinstance(a["seed"], DTensor)
+            return not isinstance(_argument(op_call, args, kwargs, "seed"), DTensor)
         site = self.registration
         if site is None or site.in_cp():
             return True
@@ -171,6 +168,17 @@ def dtensor_default(op_call, args, kwargs):
     op_info.output_sharding = sharding
     local_results = dispatcher._dispatch_get_local_results_slow_path(op_call, args, op_info)
     return dispatcher.wrap(local_results, sharding.output_spec)
+
+
+@functools.lru_cache(maxsize=None)
+def _positions(op_call) -> dict:
+    return {argument.name: index for index, argument in enumerate(op_call._schema.arguments)}
+
+
+def _argument(op_call, args: tuple, kwargs: dict, name: str) -> Any:
+    """One argument by schema name, as cheaply as the decision needs (None when not given)."""
+    index = _positions(op_call)[name]
+    return args[index] if index < len(args) else kwargs.get(name)
 
 
 def _has_sharding_strategy(op_call) -> bool:
