@@ -126,13 +126,7 @@ class Env:
     inject: bool = False
     repeats: int = 3
     meshes: dict = field(default_factory=dict)
-
-    @property
-    def comm_device(self):
-        """Where collectives of small values live: the CPU under gloo, else the device."""
-        import torch.distributed as dist
-
-        return "cpu" if dist.get_backend() == "gloo" else self.device
+    cpu_group: object = None  # the group that sums float64 values on the CPU (gloo); None: the default
 
     def mesh(self, case: Case):
         from torch.distributed.device_mesh import init_device_mesh
@@ -160,11 +154,13 @@ def pick_device(launched: bool) -> str:
 def make_env(rank: int, world: int, kind: str, opts: dict) -> Env:
     """Set this rank's device up (ops, emulator) and describe it."""
     import torch
+    import torch.distributed as dist
 
     from ..emulator import install_npu_emulator
 
     local = int(os.environ.get("LOCAL_RANK", rank))
-    common = dict(inject=opts["inject"], repeats=opts["repeats"])
+    cpu_group = None if dist.get_backend() == "gloo" else dist.new_group(backend="gloo")
+    common = dict(inject=opts["inject"], repeats=opts["repeats"], cpu_group=cpu_group)
     if kind == "npu":
         torch.npu.set_device(local)
         return Env(rank, world, torch.device("npu", local), "torch_npu", **common)
@@ -219,7 +215,7 @@ def make_problem(case: Case, world: int) -> Problem:
     from ..testing.reference import band_masked
     from ..testing.varlen_reference import document_masked
 
-    nq = 2 * max(world, 2)
+    nq = 2 * max(world, 2)  # Ulysses splits the heads: Nq and the GQA Nkv = Nq/2 divide by any CP size
     nkv = nq // 2 if case.gqa else nq
     tnd = case.layout == "TND"
     batch, seq = (1, 16 * world) if tnd else (B, S_LOCAL * world)
@@ -350,10 +346,9 @@ def _all_reduce(env: Env, values: list[float], op: str = "sum") -> list[float]:
     import torch
     import torch.distributed as dist
 
-    t = torch.tensor(values, dtype=torch.float64 if env.comm_device == "cpu" else torch.float32,
-                     device=env.comm_device)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX if op == "max" else dist.ReduceOp.SUM)
-    return [float(x) for x in t.cpu()]
+    t = torch.tensor(values, dtype=torch.float64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX if op == "max" else dist.ReduceOp.SUM, group=env.cpu_group)
+    return [float(x) for x in t]
 
 
 def cp_run(prob: Problem, env: Env) -> dict:
@@ -407,7 +402,7 @@ def one_device(prob: Problem, env: Env) -> dict:
     if env.one_device == "dense":
         return dense_reference(prob, torch.float32, env.device)
     layout = prob.case.layout
-    q, k, v = (_to_layout(t, layout).to(env.device).requires_grad_() for t in (prob.q, prob.k, prob.v))
+    q, k, v = (_to_layout(t, layout).to(env.device).clone().requires_grad_() for t in (prob.q, prob.k, prob.v))
     out = torch.ops.npu.npu_fusion_attention_v3(q, k, v, prob.nq, layout, **op_kwargs(prob, env.device))
     grads = torch.autograd.grad(out[0], (q, k, v), _to_layout(prob.dout, layout).to(env.device))
     lse = lse_from_stats(out[1], out[2]).detach().cpu().double()
@@ -511,6 +506,24 @@ def check_dropout(prob: Problem, env: Env, row: Row) -> None:
     row.error, row.bound = max(checks, key=lambda c: c[0] / c[1])
     row.worst = "slope"
     row.status = "ok" if all(err <= bound for err, bound in checks) else "FAIL"
+    if env.rank == 0:
+        apart, bound = dropout_effect(prob, env, run["got"]["out"])
+        if apart <= bound:
+            row.status, row.note = "FAIL", f"the output is the dropout-free one ({apart:.1e} apart, bound {bound:.1e})"
+
+
+def dropout_effect(prob: Problem, env: Env, out) -> tuple[float, float]:
+    """How far the dropout output is from the dropout-free float64 one, and the bound of a
+    dropout-free CP result (20x the one-device float32 error + 32 eps): dropout must exceed it."""
+    import dataclasses
+
+    import torch
+
+    from ..testing.reference import error_bound, rel_err
+
+    plain = dataclasses.replace(prob, case=dataclasses.replace(prob.case, keep_prob=1.0))
+    truth = dense_reference(plain, torch.float64)["out"]
+    return rel_err(out, truth), error_bound(rel_err(one_device(plain, env)["out"], truth))
 
 
 def check_probe(prob: Problem, env: Env, row: Row) -> None:
@@ -619,10 +632,12 @@ def verdict(rows: list[Row], world: int, info: dict) -> tuple[bool, str]:
     failed = [r.case for r in rows if r.status == "FAIL"]
     checked = [r for r in rows if r.status == "ok"]
     skipped = [r.case for r in rows if r.status == "n/a"]
-    where = f"{world} ranks on {info['device'].split(':')[0]} ({info['ops']} ops, {info['kernel']} step kernel)"
+    where = f"{world} rank{'s' if world > 1 else ''} on {info['device'].split(':')[0]} ({info['ops']} ops, {info['kernel']} step kernel)"
     text = f"{len(checked)} of {len(rows)} cases passed on {where}"
     if skipped:
         text += f"; not run: {', '.join(skipped)}"
+    if world == 1:
+        text += " (one rank: nothing crossed ranks; launch two or more)"
     if failed:
         return False, f"FAIL: {len(failed)} failed ({', '.join(failed)}); {text}"
     return True, f"PASS: {text}"
