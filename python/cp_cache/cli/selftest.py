@@ -11,7 +11,7 @@ Every case runs through the public API (``cp_cache.enable(algorithm=...)``,
 gradients, gathered back on the full sequence, are compared with dense attention in float64;
 the bound is 20x the error of the same attention on one device in float32 (the op on plain
 tensors; on CUDA dense torch), measured in the same run, plus 32 eps. Dropout is checked by
-directional derivatives. Each row also reports the time per call (forward + backward) and the
+directional derivatives, and its output must differ from the dropout-free one. Each row also reports the time per call (forward + backward) and the
 forward's bytes sent against the least K/V traffic of the layout. Exit status 1 on any failure.
 """
 
@@ -162,11 +162,9 @@ def make_env(rank: int, world: int, kind: str, opts: dict) -> Env:
     cpu_group = None if dist.get_backend() == "gloo" else dist.new_group(backend="gloo")
     common = dict(inject=opts["inject"], repeats=opts["repeats"], cpu_group=cpu_group)
     if kind == "npu":
-        torch.npu.set_device(local)
         return Env(rank, world, torch.device("npu", local), "torch_npu", **common)
     install_npu_emulator(route_sdpa=False)
     if kind == "cuda":
-        torch.cuda.set_device(local)
         return Env(rank, world, torch.device("cuda", local), "emulator", kernel="reference", fused_merge=False,
                    one_device="dense", **common)
     return Env(rank, world, torch.device("cpu"), "emulator", **common)
@@ -198,14 +196,16 @@ class Problem:
 
     @property
     def window(self) -> int:
-        """pre_tockens of the band cases: a causal window smaller than a shard, and larger."""
+        """pre_tockens of the band cases: a causal window smaller than a shard (contiguous), or
+        larger (load balanced)."""
         return S_LOCAL // 2 if not self.case.lb else S_LOCAL + S_LOCAL // 2
 
 
 def _documents(world: int, lb: bool) -> tuple:
-    """Document ends over 16W tokens: lengths multiples of 2W (load balanced) or uneven."""
-    lengths = (2, 6, 4, 4) if lb else (3, 6, 2, 5)  # contiguous: documents across shard boundaries
-    return tuple(itertools.accumulate(n * world for n in lengths))
+    """Document ends over S_LOCAL * W tokens: lengths multiples of 2W (load balanced), or
+    documents across shard boundaries (contiguous)."""
+    lengths = (2, 6, 4, 4) if lb else (3, 6, 2, 5)  # in sixteenths of the sequence
+    return tuple(itertools.accumulate(n * world * S_LOCAL // 16 for n in lengths))
 
 
 def make_problem(case: Case, world: int) -> Problem:
@@ -218,7 +218,7 @@ def make_problem(case: Case, world: int) -> Problem:
     nq = 2 * max(world, 2)  # Ulysses splits the heads: Nq and the GQA Nkv = Nq/2 divide by any CP size
     nkv = nq // 2 if case.gqa else nq
     tnd = case.layout == "TND"
-    batch, seq = (1, 16 * world) if tnd else (B, S_LOCAL * world)
+    batch, seq = (1 if tnd else B), S_LOCAL * world
     g = torch.Generator().manual_seed(zlib.crc32(f"{case.name}/{world}".encode()))
     dv = 2 * D if case.probe == "mla" else D
     q, dout = (torch.randn(batch, nq, seq, d, generator=g, dtype=torch.float64) for d in (D, dv))
@@ -549,15 +549,16 @@ def run_case(case: Case, env: Env) -> Row:
     if case.dropout and env.kernel == "reference":
         row.status, row.note = "n/a", "the plain-torch step kernel (CUDA) has no dropout"
         return row
-    cp_cache.enable(algorithm=case.algorithm, kernel=env.kernel, fused_merge=env.fused_merge)
-    _cp_options.enable_load_balance = case.lb
-    prob = make_problem(case, env.world)
     try:
+        cp_cache.enable(algorithm=case.algorithm, kernel=env.kernel, fused_merge=env.fused_merge)
+        _cp_options.enable_load_balance = case.lb
+        prob = make_problem(case, env.world)
         (check_probe if case.probe else check_dropout if case.dropout else check_exact)(prob, env, row)
         if not case.probe and env.rank == 0:
             row.lower = float(kv_lower_bound(prob))
     except Exception as exc:  # noqa: BLE001 - reported in the table; the other cases still run
-        row.status, row.note = "FAIL", f"{type(exc).__name__}: {str(exc).splitlines()[0][:160] if str(exc) else ''}"
+        first = str(exc).splitlines()[0] if str(exc) else ""
+        row.status, row.note = "FAIL", f"{type(exc).__name__}: {first[:160]}"
     return row
 
 
@@ -585,11 +586,17 @@ def selftest_rank(rank: int, world: int, kind: str, opts: dict) -> dict:
 def _launched(fn, kind: str, opts: dict) -> list | None:
     """Run ``fn`` in this torchrun process: hccl on NPUs, nccl on CUDA, gloo on CPUs; every
     rank's result on rank 0, None elsewhere."""
+    import torch
     import torch.distributed as dist
 
     backend = {"npu": "hccl", "cuda": "nccl"}.get(kind, "gloo")
+    local = int(os.environ.get("LOCAL_RANK", 0))
     if kind == "npu":
         import torch_npu  # noqa: F401
+
+        torch.npu.set_device(local)
+    elif kind == "cuda":
+        torch.cuda.set_device(local)
     dist.init_process_group(backend, timeout=timedelta(seconds=600))
     try:
         rank, size = dist.get_rank(), dist.get_world_size()
