@@ -1,5 +1,8 @@
-"""The CP group carries only payload tensors: metadata (agreement signatures, refusal
-messages, anything integer) goes over cp_cache's CPU side group.
+"""Ready for accelerator clusters: the CP group carries only payload tensors, and a call's
+steady state reads no device value on the host.
+
+Metadata (agreement signatures, refusal messages, anything integer) goes over cp_cache's
+CPU side group.
 
 On a cluster the CP group is usually accelerator-only (HCCL, NCCL): it refuses CPU
 tensors and object collectives. Each rank here stands such a group in for its CP mesh
@@ -7,6 +10,13 @@ groups: every torch.distributed collective and point-to-point call made on one o
 is refused when it carries an integer or bool tensor or Python objects, and recorded.
 Ring, Ulysses, hybrid and packed documents then run forward and backward, and refusals
 and mismatches fail on every rank; nothing may be refused on the CP groups.
+
+Host reads: a call's handlers (its second call: the first creates the side group) run
+under a dispatch mode that sees inside cp_cache's custom ops (not inside the NPU ops: the
+device's kernels) and records every read of a tensor's value on the host
+(``aten._local_scalar_dense``: item, int, bool) and every copy to the host from another
+device, with the cp_cache file that made it. The documented exceptions (docs/ascend.md): a given mask's blocks are classified on the
+host (which kernel calls run), and the stack policy fingerprints the seeds.
 """
 
 from __future__ import annotations
@@ -67,6 +77,80 @@ class AcceleratorOnly:
         return real(*args, **kwargs)
 
 
+# a tensor's value read on the host: item()/int()/float() (_local_scalar_dense), bool() (is_nonzero)
+_HOST_READS = (torch.ops.aten._local_scalar_dense.default, torch.ops.aten.item.default,
+               torch.ops.aten.is_nonzero.default, torch.ops.aten.equal.default)
+
+
+class HostReads:
+    """A dispatch mode recording host reads of tensor values made by cp_cache's code, inside
+    its custom ops too (their Python implementation runs under the mode)."""
+
+    def __new__(cls):
+        import traceback
+
+        from torch.utils._python_dispatch import TorchDispatchMode
+
+        from cp_cache.handlers import ops
+
+        implementations = {"ring_forward": ops.ring_forward._init_fn, "ring_backward": ops.ring_backward._init_fn}
+
+        class _Mode(TorchDispatchMode):
+            def __init__(self):
+                super().__init__()
+                self.reads: list[str] = []
+                self.calls = 0
+
+            def _where(self) -> str:
+                """The innermost cp_cache file on the stack ("" when the caller itself reads)."""
+                frames = [f.filename for f in traceback.extract_stack() if "/cp_cache/" in f.filename
+                          and "/emulator/" not in f.filename and "/testing/" not in f.filename]
+                return frames[-1].split("/cp_cache/", 1)[1] if frames else ""
+
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                kwargs = kwargs or {}
+                if func.namespace == "cp_cache":
+                    self.calls += 1
+                    with self:
+                        return implementations[func.__name__.split(".")[0]](*args, **kwargs)
+                if func in _HOST_READS and self._where():
+                    self.reads.append(self._where())
+                elif func in (torch.ops.aten._to_copy.default, torch.ops.aten.copy_.default):
+                    source = args[1] if func is torch.ops.aten.copy_.default else args[0]
+                    target = args[0].device if func is torch.ops.aten.copy_.default else kwargs.get("device")
+                    if target is not None and torch.device(target).type == "cpu" and source.device.type != "cpu":
+                        self.reads.append("copy to host: " + (self._where() or "caller"))
+                return func(*args, **kwargs)
+
+        return _Mode()
+
+
+def _host_reads(run) -> list[str]:
+    """The host reads cp_cache's handlers make in ``run()``'s second call (the first may set
+    things up): the handlers in DTensor's table run under the recording mode (a mode entered
+    around ``run`` would see the op on DTensors and be popped before DTensor's dispatch)."""
+    from torch.distributed.tensor import DTensor
+
+    run()
+    mode, table = HostReads(), DTensor._op_dispatcher._custom_op_handlers
+    ops = (torch.ops.npu.npu_fusion_attention_v3.default, torch.ops.npu.npu_fusion_attention_grad_v3.default)
+    handlers = {op: table[op] for op in ops}
+
+    def recorded(handler):
+        def run_handler(op_call, args, kwargs):
+            with mode:
+                return handler(op_call, args, kwargs)
+        return run_handler
+
+    table.update({op: recorded(h) for op, h in handlers.items()})
+    try:
+        run()
+    finally:
+        table.update(handlers)
+    assert mode.calls >= 2, f"the recorder saw {mode.calls} cp_cache op calls"  # forward and backward
+    return mode.reads
+
+
 def _attention(q, k, v, layout="BNSD", **kw):
     from cp_cache.npu_ops import causal_mask
 
@@ -109,12 +193,37 @@ def _cases(rank: int, world: int, flat, grid) -> dict:
     tnd = _dense_leaves(flat, [Shard(0)], rank, (8, N, D))
     results["packed"] = capture(lambda: _run(*tnd, layout="TND", sparse_mode=3, actual_seq_qlen=cu,
                                              actual_seq_kvlen=cu))
+    results["reads"] = _read_cases(rank, world, flat, grid, leaves, tnd, cu)
     # a refusal on one rank only (its own arguments): every rank fails, the refusing one first
     bad = dict(pse=torch.zeros(1)) if rank == world - 1 else {}
     results["refusal"] = capture(lambda: _attention(*leaves(flat, [Shard(2)]), **bad))
     # ranks that disagree (the scale): the same RuntimeError on every rank
     results["mismatch"] = capture(lambda: _attention(*leaves(flat, [Shard(2)]), scale=0.3 + 0.1 * (rank == 0)))
     return results
+
+
+def _read_cases(rank, world, flat, grid, leaves, tnd, cu) -> dict:
+    import cp_cache
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.experimental._context_parallel._attention import _cp_options
+
+    reads = {}
+    for name, algorithm, mesh, placements in (("ring", "ring", flat, [Shard(2)]),
+                                              ("ulysses", "ulysses", flat, [Shard(2)])):
+        cp_cache.enable(algorithm=algorithm)
+        reads[name] = _host_reads(lambda: _run(*leaves(mesh, placements)))
+    cp_cache.enable()
+    reads["packed"] = _host_reads(lambda: _run(*tnd, layout="TND", sparse_mode=3, actual_seq_qlen=cu,
+                                               actual_seq_kvlen=cu))
+    seq = S_LOCAL * world
+    given = torch.rand(seq, seq, generator=torch.Generator().manual_seed(2)) < 0.3
+    given = torch.distributed.tensor.distribute_tensor(given, flat, [Replicate()])
+    reads["given_mask"] = _host_reads(lambda: _run(*leaves(flat, [Shard(2)]), atten_mask=given, sparse_mode=1))
+    cp_cache.enable("stack")
+    reads["stack"] = _host_reads(lambda: _run(*leaves(flat, [Shard(2)])))
+    cp_cache.enable()
+    _cp_options.enable_load_balance = True
+    return reads
 
 
 def _ranks(rank: int, world: int) -> dict:
@@ -164,3 +273,20 @@ def test_nothing_but_payload_on_the_cp_groups():
         assert res["refused_on_cp_groups"] == ["all_gather_object"], (rank, res["refused_on_cp_groups"])
         # the stand-in does refuse: the only refusal recorded is the check's own object collective
         assert res["guard_refuses"][0] == "RuntimeError", res["guard_refuses"]
+
+
+@pytest.mark.parametrize("case", ["ring", "ulysses", "packed"])
+def test_steady_state_reads_nothing_on_the_host(case):
+    for rank, res in enumerate(_results()):
+        assert res["reads"][case] == [], (rank, case, res["reads"][case])
+
+
+def test_documented_host_reads_only():
+    """A given mask's block classification (engine/steps.py) and the stack policy's seed
+    fingerprint (step_cache.py) are the documented host reads; they do happen (the recorder
+    sees reads), and nowhere else."""
+    for rank, res in enumerate(_results()):
+        given, stack = res["reads"]["given_mask"], res["reads"]["stack"]
+        assert given and set(given) == {"engine/steps.py"}, (rank, given)
+        assert stack and set(stack) == {"step_cache.py"}, (rank, stack)
+
