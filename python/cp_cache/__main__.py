@@ -1,4 +1,4 @@
-"""python -m cp_cache (also the console script cp-cache): demo | bench | compare | doctor"""
+"""python -m cp_cache (also the console script cp-cache): demo | bench | compare | doctor | selftest"""
 
 from .cli import main
 

@@ -8,8 +8,8 @@ import sys
 import pytest
 import torch
 
-from cp_cache.engine import agreement
 from cp_cache.cli import _measure, compare
+from cp_cache.cli.compare.inputs import case_spec, full_inputs
 from cp_cache.testing.reference import dense_attention, dense_errors, error_bound
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -119,8 +119,8 @@ def _case_bounds(report) -> dict:
     inputs at W = 2 (+ 32 eps), against the same float64 reference compare measures with."""
     bounds = {}
     for case in compare.CASES:
-        spec = compare._case_spec(case, report["meta"]["plan"]["cases"])
-        q, k, v, dout = compare.full_inputs(spec, 2)
+        spec = case_spec(case, report["meta"]["plan"]["cases"])
+        q, k, v, dout = full_inputs(spec, 2)
         causal = spec["mask"] == "causal"
         ref = dense_attention(q, k, v, dout, causal=causal)
         errors = dense_errors(q, k, v, dout, ref, causal, keys=("out", "dq", "dk", "dv"))
@@ -195,11 +195,10 @@ def test_traffic_counts_agree_with_cp_cache_and_the_ring(quick_report):
     r = report["meta"]["plan"]["resources"]
     kv = 2 * r["batch"] * r["heads"] * (r["seq"] // 2) * r["head_dim"] * 4  # K + V block, fp32
     traffic = res[compare.CP_CACHE]["traffic"]
-    # cp_cache's own count is the K/V and dK/dV bytes; the counter also sees the ranks'
-    # agreement before each ring direction (an all_gather of one signature, counted (W-1) times)
-    signature = agreement.SIGNATURE_LEN * 8
-    assert traffic["cp_cache_reported"] == {"forward": traffic["forward_bytes"] - signature,
-                                            "backward": traffic["backward_bytes"] - signature}
-    assert traffic["forward_bytes"] == kv + signature, traffic
+    # cp_cache's own count is the K/V and dK/dV bytes, all that the counter sees on the CP group:
+    # the ranks' agreement goes over cp_cache's CPU side group
+    assert traffic["cp_cache_reported"] == {"forward": traffic["forward_bytes"],
+                                            "backward": traffic["backward_bytes"]}
+    assert traffic["forward_bytes"] == kv, traffic
     for name in (compare.NPU_213, compare.TORCH_AG, compare.TORCH_A2A):
         assert res[name]["traffic"]["forward_bytes"] == kv, (name, res[name]["traffic"])

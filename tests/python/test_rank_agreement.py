@@ -104,15 +104,22 @@ def _agreement_rank(rank: int, world: int) -> dict:
     invalid = ring_plan(world_size=world, rank=rank, **dict(BASE, keep_prob=2.0))
     results["all_invalid"] = _outcome(lambda: RING.forward(invalid, q, k, v, groups=[group], kernel=ker))
 
-    # agreeing calls: right answer against dense float64; one all_gather per call, signature built once
-    gathers = []
-    real_all_gather = dist.all_gather
+    # agreeing calls: right answer against dense float64; one all_gather per call on the CPU side
+    # group, none on the CP group, signature built once
+    from cp_cache.engine.transport import SideGroup
+
+    gathers, on_cp_group = [], []
+    real_all_gather, real_side_gather = dist.all_gather, SideGroup.all_gather
 
     def counting_all_gather(*a, **kw):
-        gathers.append(1)
+        on_cp_group.append(1)
         return real_all_gather(*a, **kw)
 
-    dist.all_gather = counting_all_gather
+    def counting_side_gather(self, tensor):
+        gathers.append(1)
+        return real_side_gather(self, tensor)
+
+    dist.all_gather, SideGroup.all_gather = counting_all_gather, counting_side_gather
     try:
         before = agreement.counters()
         fwd = RING.forward(config, q, k, v, groups=[group], kernel=ker)
@@ -122,8 +129,9 @@ def _agreement_rank(rank: int, world: int) -> dict:
             RING.forward(config, q, k, v, groups=[group], kernel=ker)
         steady = agreement.counters()
     finally:
-        dist.all_gather = real_all_gather
-    results["agree"] = dict(counters=(before, first, steady), all_gathers=len(gathers))
+        dist.all_gather, SideGroup.all_gather = real_all_gather, real_side_gather
+    results["agree"] = dict(counters=(before, first, steady), all_gathers=len(gathers),
+                            cp_group_gathers=len(on_cp_group))
     ref = dense_attention(*full, causal=True)  # scale 1/sqrt(D)
     config_ref = ring_plan(world_size=world, rank=rank, **dict(BASE, scale=1 / D ** 0.5))
     fwd = RING.forward(config_ref, q, k, v, groups=[group], kernel=ker)
@@ -205,10 +213,12 @@ def test_agreeing_calls_right_and_one_collective_each(world):
         agree = res["agree"]
         assert all(agree["errors"][n] <= bound[n] for n in bound), (agree["errors"], bound)
         before, first, steady = agree["counters"]
-        # one exchange per ring call (forward and backward), one all_gather each, nothing else
+        # one exchange per ring call (forward and backward), one all_gather each on the side
+        # group, nothing on the CP group
         assert first["exchanges"] - before["exchanges"] == 2
         assert steady["exchanges"] - first["exchanges"] == 3
         assert agree["all_gathers"] == 5
+        assert agree["cp_group_gathers"] == 0
         # the signature is built once per distinct local configuration, then reused
         assert steady["signatures_built"] == first["signatures_built"]
         assert steady["disagreements"] == first["disagreements"] == before["disagreements"]

@@ -1,4 +1,4 @@
-"""Command line of cp_cache: ``cp-cache`` (or ``python -m cp_cache``) ``demo | bench | compare | doctor``.
+"""Command line of cp_cache: ``cp-cache`` (or ``python -m cp_cache``) ``demo | bench | compare | doctor | selftest``.
 
 * ``demo``: trains a tiny decoder under context parallelism (2 CPU ranks by
   default) with full activation checkpointing and dropout, under the handle and
@@ -6,7 +6,9 @@
 * ``bench``: memory, overhead, traffic and accuracy figures, JSON + PNG;
 * ``compare``: cp_cache next to torch_npu 2.13.0 / 2.12.0 and torch's own ring on the same
   emulated kernels: correctness, dropout gradients, memory, time, traffic, JSON + PNG;
-* ``doctor``: what is installed, built and in use, and what to do about it.
+* ``doctor``: what is installed, built and in use, and what to do about it;
+* ``selftest``: every algorithm and feature on this machine's devices (under torchrun) or on
+  spawned CPU ranks, against one-device attention; exits 1 on any failure.
 """
 
 from __future__ import annotations
@@ -17,12 +19,12 @@ import sys
 
 
 def main(argv: list[str] | None = None) -> int:
-    from . import bench, compare, demo, doctor
+    from . import bench, compare, demo, doctor, selftest
 
     prog = "cp-cache" if os.path.basename(sys.argv[0]) == "cp-cache" else "python -m cp_cache"
     parser = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0])
-    commands = parser.add_subparsers(dest="command", metavar="{demo,bench,compare,doctor}")
-    for module in (demo, bench, compare, doctor):
+    commands = parser.add_subparsers(dest="command", metavar="{demo,bench,compare,doctor,selftest}")
+    for module in (demo, bench, compare, doctor, selftest):
         sub = commands.add_parser(module.NAME, help=module.HELP, description=module.__doc__)
         module.add_arguments(sub)
         sub.set_defaults(run=module.run)

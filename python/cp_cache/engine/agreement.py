@@ -4,8 +4,9 @@ Every rank builds a fixed-size int64 signature of everything the K/V exchange an
 result depend on (local q/k/v/mask shapes, dtypes, layout, heads, mask kind and tockens,
 load balancing, scale and keep_prob as float64 bit patterns, kernel, algorithm, direction, recorded ring steps, the packed documents of a TND call (count and a digest of
 the cumulative ends), and whether this rank's own argument checks passed).
-The signatures are all-gathered on the strategy's group before any K/V moves
-(``agreed_checks``: a strategy's argument checks, then the agreement). If they differ,
+The signatures are all-gathered before any K/V moves (``agreed_checks``: a strategy's
+argument checks, then the agreement), over the CPU side group of the strategy's CP group
+(``transport.side_group``): the CP group itself carries only payload tensors. If they differ,
 every rank raises the same ``RuntimeError`` naming each differing field and each rank's
 value; a rank whose own argument check failed chains its local error as the cause, and
 the refusing ranks' messages are gathered (a second, rare collective) so that every rank
@@ -43,6 +44,7 @@ from torch import Tensor
 from .. import layout as L
 from ..kernels import KERNEL_NAMES
 from ..plan import ALGORITHMS, CallPlan
+from .transport import side_group
 
 __all__ = ["SIGNATURE_LEN", "FIELDS", "signature", "refusal_signature", "refusal_shared", "agree", "counters",
            "reset_counters", "describe", "lengths", "agreed_checks", "first_agreement"]
@@ -300,8 +302,10 @@ _UNEVEN_RULE = ("ranks may hold shards of different lengths only for full or cau
 def agree(sig: Tensor, group, world_size: int, error: Optional[BaseException] = None) -> list[list[int]]:
     """All-gather ``sig`` on ``group``; raise the same RuntimeError on every rank if the ranks
     differ (chaining this rank's own ``error``, if any). Returns the gathered signatures."""
-    gathered = [torch.empty_like(sig) for _ in range(world_size)]
-    dist.all_gather(gathered, sig, group=group)
+    side = side_group(group)  # metadata never rides the CP group (it may be accelerator-only)
+    if side.size != world_size:
+        raise ValueError(f"world_size={world_size} but the group has {side.size} ranks")
+    gathered = side.all_gather(sig)
     with _lock:
         _counters["exchanges"] += 1
     signatures = [g.tolist() for g in gathered]
@@ -321,9 +325,7 @@ def agree(sig: Tensor, group, world_size: int, error: Optional[BaseException] = 
     if refusing:  # every rank sees the same signatures, so every rank makes this exchange
         with _lock:
             _counters["refusals"] += 1
-        messages: list[Any] = [None] * world_size
-        local = "" if error is None else f"{type(error).__name__}: {error}"
-        dist.all_gather_object(messages, local, group=group)
+        messages = side.all_gather_text("" if error is None else f"{type(error).__name__}: {error}")
         parts.append("; ".join(f"rank {r} refused the call ({messages[r]})" for r in refusing))
     message = "cp_cache: " + ". ".join(parts)
     if error is not None:

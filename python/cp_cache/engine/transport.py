@@ -1,18 +1,26 @@
 """How strategies move tensors between ranks: the CP process groups, ring shifts (point to
-point, two receive buffers reused from hop to hop) and the all-to-all of Ulysses.
+point, two receive buffers reused from hop to hop), the all-to-all of Ulysses, and the CPU
+side group of a CP group.
 
-The CP group carries only the call's payload tensors.
+The CP group carries only the call's payload tensors, on their device: on a cluster it is
+usually accelerator-only (HCCL, NCCL), which refuses CPU tensors, and reading a device
+value back on the host would stall the device queue. The call's metadata (the ranks'
+agreement: integer signatures, refusal messages) goes over a CPU (gloo) side group over
+the same ranks instead (``side_group``).
 """
 
 from __future__ import annotations
 
+import threading
+from datetime import timedelta
 from typing import Optional
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
-__all__ = ["own_group", "group_info", "Exchange", "Rotation", "TAG_KV", "TAG_DKV", "exchange_heads", "own_storage"]
+__all__ = ["own_group", "group_info", "Exchange", "Rotation", "TAG_KV", "TAG_DKV", "exchange_heads", "own_storage",
+           "SideGroup", "side_group"]
 
 
 def own_group(groups):
@@ -178,3 +186,67 @@ def own_storage(x: Tensor) -> Tensor:
     if x.untyped_storage().nbytes() == x.nbytes and x.is_contiguous():
         return x
     return x.clone(memory_format=torch.contiguous_format)
+
+
+# ---------------------------------------------------------------- the CPU side group
+
+
+class SideGroup:
+    """A gloo group over the ranks of a CP group, for the call's metadata (host tensors).
+
+    It is a process-group backend of its own (not registered with torch.distributed), keyed
+    in the default store by its ranks alone: its members create it together, at the first
+    call that needs it, whatever other groups each rank has made before; no other rank
+    takes part. It waits as long as the CP group does.
+    """
+
+    def __init__(self, group):
+        from torch.distributed.distributed_c10d import _get_default_store
+
+        ranks = dist.get_process_group_ranks(group)
+        self.ranks, self.rank, self.size = tuple(ranks), dist.get_rank(group), len(ranks)
+        store = dist.PrefixStore("cp_cache/side/" + "_".join(map(str, ranks)) + "/", _get_default_store())
+        self._backend = dist.ProcessGroupGloo(store, self.rank, self.size, _timeout_of(group))
+
+    def all_gather(self, tensor: Tensor) -> list[Tensor]:
+        """Every member's ``tensor`` (a CPU tensor of the same shape and dtype on every rank)."""
+        gathered = [torch.empty_like(tensor) for _ in range(self.size)]
+        self._backend.allgather([gathered], [tensor]).wait()
+        return gathered
+
+    def all_gather_text(self, text: str) -> list[str]:
+        """Every member's ``text``."""
+        data = torch.tensor(list(text.encode()), dtype=torch.uint8)
+        lengths = self.all_gather(torch.tensor([data.numel()], dtype=torch.int64))
+        longest = max(int(n) for n in lengths)  # host tensors: no device involved
+        padded = torch.zeros(longest, dtype=torch.uint8)
+        padded[:data.numel()] = data
+        return [bytes(t[:int(n)].tolist()).decode() for t, n in zip(self.all_gather(padded), lengths)]
+
+
+def _timeout_of(group) -> timedelta:
+    """How long ``group``'s collectives wait for their peers (the side group waits as long)."""
+    for device in ("cpu", "cuda", "npu"):
+        try:
+            return group._get_backend(torch.device(device)).options._timeout
+        except (AttributeError, RuntimeError, ValueError):
+            continue
+    from torch.distributed.constants import default_pg_timeout
+
+    return default_pg_timeout
+
+
+_side_lock = threading.Lock()
+_side_groups: dict[tuple[int, ...], SideGroup] = {}
+
+
+def side_group(group) -> SideGroup:
+    """The CPU side group of the CP group ``group`` (one per set of ranks, created by its
+    members at the first call that needs it, then cached)."""
+    ranks = tuple(dist.get_process_group_ranks(group))
+    with _side_lock:
+        found = _side_groups.get(ranks)
+        if found is None:
+            found = _side_groups[ranks] = SideGroup(group)
+    return found
+
