@@ -244,7 +244,7 @@ def _windows(plan: dict, rank: int, world_size: int, mesh) -> list[dict]:
     g = torch.Generator().manual_seed(rank)
     local = [torch.randn(b, n, s_local, d, generator=g) for _ in range(4)]
     rows = []
-    with cp_session(policy="handle"):
+    with cp_session(mesh, policy="handle"):
         for load_balance in (False, True):
             _cp_options.enable_load_balance = load_balance
             for window in windows + [None]:  # None: the full-causal ring (sparse_mode 2)
@@ -317,11 +317,12 @@ def _floor(plan: dict, rank: int, world_size: int, mesh) -> list[dict]:
         cp_cache.enable(policy=policy)
         inputs, call = _causal_call(f, mesh, world_size, rank)
         store_before = cp_cache.stats()["live_bytes"]
-        with SavedStorages(exclude=inputs) as saved:
-            out = call()
-        store_bytes = cp_cache.stats()["live_bytes"] - store_before
-        fused = cp_cache.call_stats()["forward"]["fused_merge"]
-        out.backward(inputs[3])
+        with cp_cache.context_parallel(mesh):
+            with SavedStorages(exclude=inputs) as saved:
+                out = call()
+            store_bytes = cp_cache.stats()["live_bytes"] - store_before
+            fused = cp_cache.call_stats()["forward"]["fused_merge"]
+            out.backward(inputs[3])
         kept = saved.nbytes + store_bytes
         rows.append(dict(
             world_size=world_size, rank=rank, policy=policy, shape=f, kept_bytes=kept,
@@ -344,14 +345,15 @@ def _overlap(plan: dict, rank: int, world_size: int, mesh) -> list[dict]:
     for name in ("attn", "comm_bound"):
         inputs, call = _causal_call(plan[name], mesh, world_size, rank)
         samples: dict[str, list] = {"forward": [], "backward": []}
-        for i in range(plan["warmup"] + plan["repeats"]):
-            for t in inputs[:3]:
-                t.grad = None
-            call().backward(inputs[3])
-            stats = cp_cache.call_stats()
-            if i >= plan["warmup"]:
-                for direction in samples:
-                    samples[direction].append(stats[direction])
+        with cp_cache.context_parallel(mesh):
+            for i in range(plan["warmup"] + plan["repeats"]):
+                for t in inputs[:3]:
+                    t.grad = None
+                call().backward(inputs[3])
+                stats = cp_cache.call_stats()
+                if i >= plan["warmup"]:
+                    for direction in samples:
+                        samples[direction].append(stats[direction])
         for direction, records in samples.items():
             rows.append(dict(
                 world_size=world_size, rank=rank, shape="default" if name == "attn" else "comm_bound",

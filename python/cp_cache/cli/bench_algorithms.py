@@ -73,7 +73,7 @@ def algorithms_rank(plan: dict, rank: int, world_size: int) -> list[dict]:
     shape = plan["algorithms"]
     meshes = _meshes(world_size)
     rows = []
-    with cp_session(policy="handle"):
+    with cp_session(meshes["ring"], policy="handle"):
         _cp_options.enable_load_balance = False  # hybrid lays the sequence out contiguously: all do here
         for kv_heads in shape["kv_heads"]:
             n = shape["heads"]

@@ -165,7 +165,7 @@ def varlen_rank(shape: dict, repeats: int, warmup: int, rank: int, world_size: i
     kw = dict(scale=1.0 / math.sqrt(d), atten_mask=causal_mask("cpu"), sparse_mode=3,
               actual_seq_qlen=torch.tensor(cu), actual_seq_kvlen=torch.tensor(cu))
     rows = []
-    with cp_session(policy="handle"):
+    with cp_session(mesh, policy="handle"):
         for load_balance in (True, False):
             _cp_options.enable_load_balance = load_balance
             local = [cp_cache.shard_documents(t, cu, mesh) for t in full]
