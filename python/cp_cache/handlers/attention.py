@@ -62,7 +62,8 @@ class AttentionHandlers:
         with refusal_shared("forward", op_call, args, kwargs):
             call = prepare(bind_arguments(op_call._schema, args, kwargs), self.config)
         q, k, v = call.local("query", "key", "value")
-        out, lse, seed = ops.ring_forward(q, k, v, call.mask, call.groups, call.plan.encode(), self.config.policy)
+        out, lse, seed = ops.ring_forward(q, k, v, call.mask, call.groups, call.plan.encode(), self.config.policy,
+                                          *call.lengths)
         outputs = (
             *call.wrap_forward(out, lse),
             torch.empty(0, dtype=q.dtype, device=q.device),
@@ -85,7 +86,7 @@ class AttentionHandlers:
             lse = lse_from_stats(*(local_tensor(a[n], n) for n in ("softmax_max", "softmax_sum")))
         dy, q, k, v, out = call.local("dy", "query", "key", "value", "attention_in")
         dq, dk, dv = ops.ring_backward(dy, q, k, v, out, lse, a["seed"], call.mask, call.groups, call.plan.encode(),
-                                       self.config.policy)
+                                       self.config.policy, *call.lengths)
         outputs = (
             *call.wrap_grads(dq, dk, dv),
             torch.empty(0, dtype=q.dtype, device=q.device),  # dpse: no pse
