@@ -52,9 +52,9 @@ class AttentionHandlers:
                 pass
         return table
 
-    # Where torch.compile cannot trace a call (Dynamo breaks the graph at the op: packed
-    # documents' host lengths), the op runs eagerly and so does its handler: Dynamo must not
-    # trace the handler's own frames into graphs of their own.
+    # Where torch.compile cannot trace a call (Dynamo breaks the graph at the op), the op runs
+    # eagerly and so does its handler: Dynamo must not trace the handler's own frames into
+    # graphs of their own.
     @torch._dynamo.disable
     def forward(self, op_call, args, kwargs):
         """Handler of ``npu_fusion_attention_v3`` for DTensor inputs."""
