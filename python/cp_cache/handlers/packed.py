@@ -70,11 +70,16 @@ def packed_documents(a: dict[str, Any]) -> tuple[tuple[int, ...], tuple[Optional
                              f"every rank, not a DTensor ({describe(a[name])})")
     if not any(isinstance(a[name], Tensor) for name in _LENGTHS):
         return same_documents(a["actual_seq_qlen"], a["actual_seq_kvlen"]), (None, None)
-    lengths = tuple(a[name] if isinstance(a[name], Tensor) else torch.tensor(a[name], dtype=torch.int64)
-                    for name in _LENGTHS)
-    for name, tensor in zip(_LENGTHS, lengths):
-        check_lengths_tensor(tensor, name)
-    return (), lengths
+    return (), tuple(_lengths_tensor(a[name], name) for name in _LENGTHS)
+
+
+def _lengths_tensor(value: Any, name: str) -> Tensor:
+    """``value`` as the op's lengths tensor: a tensor checked from its shape; a list (one of q/kv
+    given as a list, the other as a tensor) checked and made an int64 tensor."""
+    if isinstance(value, Tensor):
+        check_lengths_tensor(value, name)
+        return value
+    return torch.tensor(cumulative_lengths(value, name), dtype=torch.int64)
 
 
 def same_documents(qlen: Any, kvlen: Any) -> tuple[int, ...]:
