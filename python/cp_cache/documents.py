@@ -24,6 +24,7 @@ from torch import Tensor
 
 __all__ = [
     "cumulative_lengths",
+    "check_lengths_tensor",
     "check_documents",
     "document_pieces",
     "document_positions",
@@ -34,9 +35,7 @@ def cumulative_lengths(value: Any, name: str = "cu_seqlens") -> tuple[int, ...]:
     """The cumulative end offsets given as ``name`` (a 1-D integer tensor, or a list of ints),
     checked to be strictly increasing and positive; ValueError naming the values otherwise."""
     if isinstance(value, Tensor):
-        if value.dim() != 1 or value.dtype.is_floating_point or value.dtype == torch.bool:
-            raise ValueError(f"{name} must be a 1-D integer tensor of cumulative document ends, got a tensor of "
-                             f"shape {tuple(value.shape)} and dtype {value.dtype}")
+        check_lengths_tensor(value, name)
         ends = tuple(int(x) for x in value.tolist())
     elif isinstance(value, (list, tuple)):
         ends = tuple(int(x) for x in value)
@@ -52,6 +51,16 @@ def cumulative_lengths(value: Any, name: str = "cu_seqlens") -> tuple[int, ...]:
                              f"is {end} after {previous} (document {i} would have length {end - previous})")
         previous = end
     return ends
+
+
+def check_lengths_tensor(value: Tensor, name: str = "cu_seqlens") -> None:
+    """What a tensor of cumulative document ends must be, from its shape and dtype alone (its
+    values are not read: under fake tensors they are unknown): 1-D, integer, not empty."""
+    if value.dim() != 1 or value.dtype.is_floating_point or value.dtype == torch.bool:
+        raise ValueError(f"{name} must be a 1-D integer tensor of cumulative document ends, got a tensor of "
+                         f"shape {tuple(value.shape)} and dtype {value.dtype}")
+    if value.size(0) == 0:
+        raise ValueError(f"{name} is empty; it needs the cumulative end of every document (the last = T)")
 
 
 def check_documents(cu: Sequence[int], total: int, world_size: int, load_balance: bool,

@@ -1,6 +1,7 @@
 """The emulator against torch_npu 2.13.0's own files: the four op schemas equal the wheel's
 ``npu_native_functions_by_codegen.yaml``, and the emulator's fake (meta) outputs equal the
-wheel's meta functions in shape and dtype for every layout the emulator accepts."""
+wheel's meta functions in shape and dtype for every layout the emulator accepts, on meta
+tensors and under FakeTensorMode (TND included: from shapes alone, the lengths unread)."""
 
 from __future__ import annotations
 
@@ -92,6 +93,51 @@ def test_grad_fakes_equal_wheel_meta(layout, dtype, gqa):
     # the wheel's v1 meta returns None for dpse although the schema says Tensor: compare the rest
     assert theirs_v1[3] is None
     assert _signature(ours_v1[:3]) + _signature(ours_v1[4:]) == _signature(theirs_v1[:3]) + _signature(theirs_v1[4:])
+
+
+ALL_LAYOUTS = EMULATED_LAYOUTS + ("TND",)
+
+
+def _fake_inputs(mode, layout: str, dtype: torch.dtype, gqa: bool):
+    """q, k, v as fake tensors of ``mode`` (TND: T=32, N=4, D=8) and the lengths each op version
+    takes: v3 a fake int64 tensor whose values the fakes cannot read (no constant behind it), v1 a list."""
+    if layout != "TND":
+        q, k, v = (mode.from_tensor(torch.empty(t.shape, dtype=dtype)) for t in _inputs(layout, dtype, gqa))
+        return q, k, v, {}, {}
+    nkv = 2 if gqa else 4
+    q = mode.from_tensor(torch.empty(32, 4, 8, dtype=dtype))
+    k, v = (mode.from_tensor(torch.empty(32, nkv, 8, dtype=dtype)) for _ in range(2))
+    cu = mode.from_tensor(torch.tensor([10, 32]))
+    return q, k, v, dict(actual_seq_qlen=cu, actual_seq_kvlen=cu), dict(actual_seq_qlen=[10, 32],
+                                                                        actual_seq_kvlen=[10, 32])
+
+
+@pytest.mark.parametrize("layout", ALL_LAYOUTS)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("gqa", [False, True], ids=["mha", "gqa"])
+def test_fakes_equal_wheel_meta_under_fake_tensor_mode(layout, dtype, gqa):
+    """Under FakeTensorMode (what torch.compile traces with), every layout TND included: the fakes
+    work from shapes alone (reading a lengths value would raise DataDependentOutputException) and
+    give the wheel's meta outputs: shapes, dtypes and the v1 ints."""
+    from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+
+    meta = {name: fn for name, (fn, _where) in wheel_meta_functions(VERSION).items()}
+    mode = FakeTensorMode()
+    with mode:
+        q, k, v, lengths_v3, lengths_v1 = _fake_inputs(mode, layout, dtype, gqa)
+        for name, lengths in (("npu_fusion_attention_v3", lengths_v3), ("npu_fusion_attention", lengths_v1)):
+            ours = getattr(torch.ops.npu, name)(q, k, v, 4, layout, **lengths)
+            theirs = meta[name](q, k, v, 4, layout, **lengths)
+            assert _signature(ours) == _signature(theirs), name
+            assert all(isinstance(o, FakeTensor) for o in ours if isinstance(o, torch.Tensor)), name
+        out = ours[0]
+        for name, lengths in (("npu_fusion_attention_grad_v3", lengths_v3), ("npu_fusion_attention_grad", lengths_v1)):
+            ours = getattr(torch.ops.npu, name)(q, k, v, out, 4, layout, attention_in=out, **lengths)
+            theirs = meta[name](q, k, v, out, 4, layout, attention_in=out, **lengths)
+            if name == "npu_fusion_attention_grad":  # the wheel's v1 meta gives None for dpse
+                assert theirs[3] is None
+                ours, theirs = ours[:3] + ours[4:], theirs[:3] + theirs[4:]
+            assert _signature(ours) == _signature(theirs), name
 
 
 def test_tnd_without_lengths_is_refused_by_name():

@@ -54,6 +54,13 @@ def _rank_errors(rank: int, world: int) -> dict:
     # ranks that disagree on the documents (each list valid on its own): every rank refuses
     per_rank = [4 * world, T] if rank == 0 else [8 * world, T]
     errors["ranks_disagree"] = capture(call(per_rank))
+    # a backward whose documents (read by the custom op) are not its forward's
+    res = call([8 * world, T])()
+    other = torch.tensor([4 * world, T])
+    errors["backward_other_documents"] = capture(lambda: torch.ops.npu.npu_fusion_attention_grad_v3(
+        q, k, v, res[0], N, "TND", softmax_max=res[1], softmax_sum=res[2], attention_in=res[0], seed=res[4],
+        offset=res[5], actual_seq_qlen=other, actual_seq_kvlen=other, scale_value=1.0, **causal))
+    del res
     _cp_options.enable_load_balance = False
     errors["contiguous_odd_ok"] = capture(call([3, 10, T]))  # any lengths without load balancing
     cp_cache.disable()
@@ -80,6 +87,8 @@ EXPECTED = [
     ("band", "NotImplementedError", r"input_layout='TND'.*not sparse_mode=4"),
     ("explicit_mask", "NotImplementedError", r"input_layout='TND'.*not sparse_mode=1"),
     ("ranks_disagree", "RuntimeError", r"ranks disagree on packed documents: rank 0 2 documents.*rank 1 2 documents"),
+    ("backward_other_documents", "RuntimeError",
+     r"backward called with .*'documents': \({4W}, {T}\).* but its forward ran with .*'documents': \({8W}, {T}\)"),
     ("contiguous_odd_ok", "no error", r""),
 ]
 
@@ -88,7 +97,7 @@ EXPECTED = [
 @pytest.mark.parametrize("label, kind, pattern", EXPECTED, ids=[e[0] for e in EXPECTED])
 def test_refused_on_every_rank(world, label, kind, pattern):
     T = 16 * world
-    pattern = pattern.replace("{2W}", str(2 * world)).replace("{Tm}", str(T - 2 * world)).replace("{T}", str(T))
+    pattern = pattern.replace("{2W}", str(2 * world)).replace("{4W}", str(4 * world)).replace("{8W}", str(8 * world)).replace("{Tm}", str(T - 2 * world)).replace("{T}", str(T))
     for rank, errors in enumerate(_errors(world)):
         got_kind, message = errors[label]
         assert got_kind == kind, (label, rank, got_kind, message)

@@ -34,20 +34,23 @@ def _check_no_given_dropout(a: dict) -> None:
             )
 
 
-def _check(a: dict) -> "M._Dims":
+def _check(a: dict, *, read_values: bool) -> "M._Dims":
+    """The call's dims, checked; ``read_values=False`` (the fakes): from shapes alone, as torch_npu's
+    meta functions (TND's lengths tensors are not read: under fake tensors their values are unknown)."""
     if a["input_layout"] == V.LAYOUT:
         return V.check_tnd_call(a["query"], a["key"], a["value"], a["head_num"], a["pse"], a["padding_mask"],
                                 a["atten_mask"], a["keep_prob"], a["prefix"], a["actual_seq_qlen"],
-                                a["actual_seq_kvlen"], a["sparse_mode"], a["softmax_layout"], a["sink"])
+                                a["actual_seq_kvlen"], a["sparse_mode"], a["softmax_layout"], a["sink"],
+                                read_values=read_values)
     return M.check_call(a["query"], a["key"], a["value"], a["head_num"], a["input_layout"], a["pse"],
                         a["padding_mask"], a["keep_prob"], a["prefix"], a["actual_seq_qlen"],
                         a["actual_seq_kvlen"], a["sparse_mode"], a["softmax_layout"], a["sink"])
 
 
-def _forward_arguments(schema: str, args: tuple, kwargs: dict) -> tuple[dict, "M._Dims"]:
+def _forward_arguments(schema: str, args: tuple, kwargs: dict, read_values: bool) -> tuple[dict, "M._Dims"]:
     """The forward op's bound arguments and dimensions, checked (the CPU and fake kernels alike)."""
     a = _bind(schema, args, kwargs)
-    d = _check(a)
+    d = _check(a, read_values=read_values)
     if schema != FORWARD_V3:
         _check_no_given_dropout(a)
     return a, d
@@ -66,7 +69,7 @@ def _forward(schema: str):
     v3 = schema == FORWARD_V3
 
     def kernel(*args, **kwargs):
-        a, d = _forward_arguments(schema, args, kwargs)
+        a, d = _forward_arguments(schema, args, kwargs, read_values=True)
         seed, offset = M.draw_seed_offset(a["keep_prob"])
         math = V.tnd_forward if isinstance(d, V.TndDims) else M.forward_math
         layout_arg = () if isinstance(d, V.TndDims) else (a["input_layout"],)
@@ -86,7 +89,7 @@ def _forward_fake(schema: str):
     v3 = schema == FORWARD_V3
 
     def kernel(*args, **kwargs):
-        a, d = _forward_arguments(schema, args, kwargs)
+        a, d = _forward_arguments(schema, args, kwargs, read_values=False)
         query = a["query"]
         stat_shape = V.stats_shape(d) if isinstance(d, V.TndDims) else (d.B, d.Nq, d.Sq, M.STATS_WIDTH)
         sdt = M.stat_dtype(query.dtype)
@@ -117,7 +120,7 @@ def _empty_dsink(schema: str, query: torch.Tensor) -> torch.Tensor:
 def _grad(schema: str):
     def kernel(*args, **kwargs):
         a = _bind(schema, args, kwargs)
-        d = _check(a)
+        d = _check(a, read_values=True)
         query = a["query"]
         if tuple(a["dy"].shape) != tuple(query.shape):
             raise ValueError(
@@ -140,7 +143,7 @@ def _grad(schema: str):
 def _grad_fake(schema: str):
     def kernel(*args, **kwargs):
         a = _bind(schema, args, kwargs)
-        _check(a)
+        _check(a, read_values=False)
         query = a["query"]
         return (
             torch.empty_like(query, memory_format=torch.contiguous_format),

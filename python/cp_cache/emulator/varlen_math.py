@@ -33,7 +33,8 @@ _TND_MODES = (0, 1, 2, 3, 4)
 
 
 class TndDims(M._Dims):
-    """The dense view's dims (B = 1, Sq = T, Skv = Tkv) plus the segments' cumulative ends."""
+    """The dense view's dims (B = 1, Sq = T, Skv = Tkv) plus the segments' cumulative ends
+    (None where a fake kernel did not read them)."""
 
     __slots__ = ("cu_q", "cu_kv")
 
@@ -42,20 +43,28 @@ class TndDims(M._Dims):
         self.cu_q, self.cu_kv = cu_q, cu_kv
 
 
-def segment_lengths(value: Any, name: str, total: int) -> list[int]:
-    """The cumulative ends given as ``name`` (tensor or list), checked: 1-D integers,
-    non-decreasing, non-negative, the last equal to ``total``."""
+def _length_count(value: Any, name: str) -> int:
+    """How many cumulative ends ``name`` gives, from its shape alone (a tensor's values are not
+    read: under fake tensors they are unknown): present, a 1-D integer tensor or a list, not empty."""
     if value is None:
         raise ValueError(f"npu_fusion_attention: input_layout='TND' needs {name} (cumulative segment ends)")
     if isinstance(value, Tensor):
         if value.dim() != 1 or value.dtype.is_floating_point or value.dtype == torch.bool:
             raise ValueError(f"npu_fusion_attention: {name} must be a 1-D integer tensor, got {M.describe(value)} "
                              f"of dtype {value.dtype}")
-        ends = [int(x) for x in value.tolist()]
+        count = value.size(0)
     else:
-        ends = [int(x) for x in value]
-    if not ends:
+        count = len(value)
+    if count == 0:
         raise ValueError(f"npu_fusion_attention: {name} is empty; it needs at least one cumulative end")
+    return count
+
+
+def segment_lengths(value: Any, name: str, total: int) -> list[int]:
+    """The cumulative ends given as ``name`` (tensor or list), checked: 1-D integers,
+    non-decreasing, non-negative, the last equal to ``total``. Reads a tensor's values."""
+    _length_count(value, name)
+    ends = [int(x) for x in (value.tolist() if isinstance(value, Tensor) else value)]
     previous = 0
     for i, end in enumerate(ends):
         if end < previous:
@@ -68,18 +77,8 @@ def segment_lengths(value: Any, name: str, total: int) -> list[int]:
     return ends
 
 
-def check_tnd_call(query, key, value, head_num, pse, padding_mask, atten_mask, keep_prob, prefix,
-                   actual_seq_qlen, actual_seq_kvlen, sparse_mode, softmax_layout, sink) -> TndDims:
-    M._check_unsupported(pse, padding_mask, prefix, None, None, sink, softmax_layout)
-    M._check_sparse_mode(sparse_mode)
-    if sparse_mode not in _TND_MODES:
-        raise NotImplementedError(f"npu emulator: sparse_mode={sparse_mode} with input_layout='TND'")
-    if sparse_mode in (0, 1) and atten_mask is not None:
-        raise NotImplementedError(
-            f"npu emulator: input_layout='TND' with sparse_mode={sparse_mode} and an explicit atten_mask "
-            f"({M.describe(atten_mask)}) is not supported; use sparse_mode 2/3/4 with the compressed mask, "
-            "or no mask (full attention per segment)")
-    M._check_keep_prob(keep_prob)
+def _check_tnd_shapes(query, key, value, head_num) -> tuple[int, int, int, int, int]:
+    """(T, Nq, Tkv, Nkv, D) of q ``[T, Nq, D]`` and k/v ``[Tkv, Nkv, D]``, checked."""
     for name, t in (("query", query), ("key", key), ("value", value)):
         if t.dim() != 3:
             raise ValueError(f"npu_fusion_attention: {name} must be 3-D [T, N, D] for input_layout='TND', "
@@ -97,11 +96,48 @@ def check_tnd_call(query, key, value, head_num, pse, padding_mask, atten_mask, k
     if Nkv <= 0 or Nq % Nkv:
         raise ValueError(f"npu_fusion_attention: query heads Nq={Nq} must be a multiple of key/value heads "
                          f"Nkv={Nkv} (GQA)")
-    cu_q = segment_lengths(actual_seq_qlen, "actual_seq_qlen", T)
-    cu_kv = segment_lengths(actual_seq_kvlen, "actual_seq_kvlen", Tkv)
-    if len(cu_q) != len(cu_kv):
-        raise ValueError(f"npu_fusion_attention: actual_seq_qlen={cu_q} and actual_seq_kvlen={cu_kv} give "
-                         f"{len(cu_q)} and {len(cu_kv)} segments; they must give the same count")
+    return T, Nq, Tkv, Nkv, D
+
+
+def _check_tnd_mask(atten_mask, sparse_mode) -> None:
+    M._check_sparse_mode(sparse_mode)
+    if sparse_mode not in _TND_MODES:
+        raise NotImplementedError(f"npu emulator: sparse_mode={sparse_mode} with input_layout='TND'")
+    if sparse_mode in (0, 1) and atten_mask is not None:
+        raise NotImplementedError(
+            f"npu emulator: input_layout='TND' with sparse_mode={sparse_mode} and an explicit atten_mask "
+            f"({M.describe(atten_mask)}) is not supported; use sparse_mode 2/3/4 with the compressed mask, "
+            "or no mask (full attention per segment)")
+
+
+def _segment_ends(actual_seq_qlen, actual_seq_kvlen, T: int, Tkv: int, read_values: bool):
+    """(cu_q, cu_kv): the checked cumulative ends, or (None, None) when they are tensors and
+    ``read_values`` is false (a fake kernel: shapes only; lists are host values and always read)."""
+    given = ((actual_seq_qlen, "actual_seq_qlen", T), (actual_seq_kvlen, "actual_seq_kvlen", Tkv))
+    if read_values or not any(isinstance(v, Tensor) for v, _, _ in given):
+        cu_q, cu_kv = (segment_lengths(v, name, total) for v, name, total in given)
+        counts, shown = (len(cu_q), len(cu_kv)), f"actual_seq_qlen={cu_q} and actual_seq_kvlen={cu_kv}"
+    else:
+        cu_q = cu_kv = None
+        counts = tuple(_length_count(v, name) for v, name, _ in given)
+        shown = f"actual_seq_qlen ({M.describe(actual_seq_qlen)}) and actual_seq_kvlen ({M.describe(actual_seq_kvlen)})"
+    if counts[0] != counts[1]:
+        raise ValueError(f"npu_fusion_attention: {shown} give {counts[0]} and {counts[1]} segments; they must give "
+                         "the same count")
+    return cu_q, cu_kv
+
+
+def check_tnd_call(query, key, value, head_num, pse, padding_mask, atten_mask, keep_prob, prefix,
+                   actual_seq_qlen, actual_seq_kvlen, sparse_mode, softmax_layout, sink, *,
+                   read_values: bool = True) -> TndDims:
+    """The call's dims, checked. ``read_values=False`` (the fake kernels): from shapes only, as
+    torch_npu's meta functions; the lengths' values are then not read (``cu_q``/``cu_kv`` None)
+    unless given as lists."""
+    M._check_unsupported(pse, padding_mask, prefix, None, None, sink, softmax_layout)
+    _check_tnd_mask(atten_mask, sparse_mode)
+    M._check_keep_prob(keep_prob)
+    T, Nq, Tkv, Nkv, D = _check_tnd_shapes(query, key, value, head_num)
+    cu_q, cu_kv = _segment_ends(actual_seq_qlen, actual_seq_kvlen, T, Tkv, read_values)
     return TndDims(Nq, Nkv, T, Tkv, D, cu_q, cu_kv)
 
 

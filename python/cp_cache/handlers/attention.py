@@ -102,9 +102,9 @@ class AttentionHandlers:
             return entry(op_call, args, kwargs)
         return dtensor_default(op_call, args, kwargs)
 
-    # Where torch.compile cannot trace a call (Dynamo breaks the graph at the op: packed
-    # documents' host lengths), the op runs eagerly and so does its handler: Dynamo must not
-    # trace the handler's own frames into graphs of their own.
+    # Where torch.compile cannot trace a call (Dynamo breaks the graph at the op), the op runs
+    # eagerly and so does its handler: Dynamo must not trace the handler's own frames into
+    # graphs of their own.
     @torch._dynamo.disable
     def forward(self, op_call, args, kwargs):
         """Handler of ``npu_fusion_attention_v3`` for DTensor inputs."""
@@ -114,7 +114,8 @@ class AttentionHandlers:
         with refusal_shared("forward", op_call, args, kwargs):
             call = prepare(bind_arguments(op_call._schema, args, kwargs), self.config)
         q, k, v = call.local("query", "key", "value")
-        out, lse, seed = ops.ring_forward(q, k, v, call.mask, call.groups, call.plan.encode(), self.config.policy)
+        out, lse, seed = ops.ring_forward(q, k, v, call.mask, call.groups, call.plan.encode(), self.config.policy,
+                                          *call.lengths)
         outputs = (
             *call.wrap_forward(out, lse),
             torch.empty(0, dtype=q.dtype, device=q.device),
@@ -139,7 +140,7 @@ class AttentionHandlers:
             lse = lse_from_stats(*(local_tensor(a[n], n) for n in ("softmax_max", "softmax_sum")))
         dy, q, k, v, out = call.local("dy", "query", "key", "value", "attention_in")
         dq, dk, dv = ops.ring_backward(dy, q, k, v, out, lse, a["seed"], call.mask, call.groups, call.plan.encode(),
-                                       self.config.policy)
+                                       self.config.policy, *call.lengths)
         outputs = (
             *call.wrap_grads(dq, dk, dv),
             torch.empty(0, dtype=q.dtype, device=q.device),  # dpse: no pse

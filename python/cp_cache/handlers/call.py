@@ -19,7 +19,6 @@ from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 
 from .. import layout as L
 from ..config import CPConfig, load_balance_enabled
-from ..documents import check_documents
 from ..engine import agreement
 from ..engine.merge import fused_merge_available
 from ..engine.steps import positions
@@ -30,7 +29,7 @@ from . import ops
 from ..arguments import bind_arguments
 from .checks import local_mask_rows, mask_spec
 from .cp_mesh import CPSharding, cp_sharding, resolve_algorithm, whole_mask
-from .packed import packed_documents, packed_mask, packed_sharding
+from .packed import check_packed_tokens, packed_documents, packed_mask, packed_sharding
 
 __all__ = ["Call", "prepare", "refusal_shared"]
 
@@ -40,12 +39,15 @@ _QKV = ("query", "key", "value")
 @dataclass
 class Call:
     """A prepared call: its bound arguments, its plan, the CP sharding of q/k/v, the given
-    mask's rows for this rank (ring) or whole (Ulysses), and the CP groups by name."""
+    mask's rows for this rank (ring) or whole (Ulysses), the CP groups by name, and the packed
+    documents' lengths tensors (q, kv) the custom op reads (``handlers/packed.py``; (None, None)
+    when the plan holds the documents or there are none)."""
 
     args: dict[str, Any]
     plan: CallPlan
     sharding: CPSharding
     mask: Optional[Tensor]
+    lengths: tuple[Optional[Tensor], Optional[Tensor]] = (None, None)
 
     @property
     def groups(self) -> str:
@@ -122,14 +124,14 @@ def prepare(a: dict[str, Any], cp: CPConfig, *, backward: bool = False) -> Call:
 
 def _prepare_packed(a: dict[str, Any], cp: CPConfig, scale: float) -> Call:
     spec = packed_mask(a)
-    cu = packed_documents(a)
+    documents, lengths = packed_documents(a)
     sharding = packed_sharding({n: a[n] for n in _QKV})
     plan = CallPlan(world_size=sharding.size, rank=sharding.rank, layout=L.TND, head_num=int(a["head_num"]),
                     scale=scale, keep_prob=float(a["keep_prob"]), mask=spec, load_balance=load_balance_enabled(),
-                    algorithm="ring", cp_sizes=tuple(sharding.cp_sizes), documents=cu, **_execution(cp))
+                    algorithm="ring", cp_sizes=tuple(sharding.cp_sizes), documents=documents, **_execution(cp))
     # on global lengths, the same on every rank: every rank refuses together
-    check_documents(cu, a["query"].size(0), plan.world_size, plan.load_balance, name="actual_seq_qlen")
-    return Call(a, plan, sharding, None)
+    check_packed_tokens(plan, a["query"].size(0))
+    return Call(a, plan, sharding, None, lengths)
 
 
 def _execution(cp: CPConfig) -> dict:

@@ -20,7 +20,10 @@ and the DTensor wrapping in Python and hand the local work to these ops:
 
 What the kernels need besides tensors travels as strings, constants of a traced
 graph: the CP process groups by name (outer first), the call's plan
-(``CallPlan.encode()``) and the step-cache policy.
+(``CallPlan.encode()``) and the step-cache policy. Packed documents given as tensors
+travel as tensors (``actual_seq_qlen/kvlen``): the kernels read their values
+(``packed.read_documents``), the fakes only their shapes, so the plan a graph records holds
+no document values and each compiled call runs with its own lengths.
 Whatever the ops refuse before their first exchange (a seed that is no live handle, a
 backward that does not match its forward) they refuse together with the other ranks
 (``agreement.refusal_shared``).
@@ -41,6 +44,7 @@ from ..kernels import get_kernel
 from ..plan import CallPlan
 from ..arguments import describe
 from .calls import CALL_LOG
+from .packed import read_documents
 
 __all__ = ["ring_forward", "ring_backward", "group_names", "check_seed"]
 
@@ -63,13 +67,17 @@ def _groups(names: str) -> list:
 # torch replays the forward's generator state around the recompute, as for its own dropout
 @torch.library.custom_op("cp_cache::ring_forward", mutates_args=(), tags=(torch.Tag.nondeterministic_seeded,))
 def ring_forward(query: Tensor, key: Tensor, value: Tensor, mask_rows: Optional[Tensor], groups: str,
-                 plan: str, policy: str) -> tuple[Tensor, Tensor, Tensor]:
+                 plan: str, policy: str, actual_seq_qlen: Optional[Tensor] = None,
+                 actual_seq_kvlen: Optional[Tensor] = None) -> tuple[Tensor, Tensor, Tensor]:
     """CP attention of the local shards: (out, float32 LSE [B, N, S] (TND: [T, N]), seed slot).
     The seed slot is the step cache's handle (handle policy) or its pairing key after the push
-    (stack). ``mask_rows``: the given mask's rows of this rank (ring) or the whole mask (Ulysses)."""
+    (stack). ``mask_rows``: the given mask's rows of this rank (ring) or the whole mask (Ulysses).
+    ``actual_seq_qlen/kvlen``: packed documents' lengths, read and checked here (``read_documents``)."""
     started = time.perf_counter()
-    call = CallPlan.decode(plan)
-    result = strategy_for(call).forward(call, query, key, value, groups=_groups(groups),
+    process_groups = _groups(groups)
+    with agreement.refusal_shared("forward", lambda: agreement.first_agreement(process_groups)):
+        call = read_documents(CallPlan.decode(plan), actual_seq_qlen, actual_seq_kvlen, query.size(0))
+    result = strategy_for(call).forward(call, query, key, value, groups=process_groups,
                                         kernel=get_kernel(call.kernel), mask=mask_rows)
     ring_seconds = time.perf_counter() - started
     seed = step_cache.seed_slot(policy, call, result.steps)
@@ -78,7 +86,8 @@ def ring_forward(query: Tensor, key: Tensor, value: Tensor, mask_rows: Optional[
 
 
 @ring_forward.register_fake
-def _ring_forward_fake(query, key, value, mask_rows, groups, plan, policy):
+def _ring_forward_fake(query, key, value, mask_rows, groups, plan, policy, actual_seq_qlen=None,
+                       actual_seq_kvlen=None):
     call = CallPlan.decode(plan)
     out, lse = strategy_for(call).fake(call, query, key, value)
     # the handle / pairing key: CPU int64 [1] (meta when tracing with meta tensors)
@@ -90,15 +99,19 @@ def _ring_forward_fake(query, key, value, mask_rows, groups, plan, policy):
 
 @torch.library.custom_op("cp_cache::ring_backward", mutates_args=())
 def ring_backward(dy: Tensor, query: Tensor, key: Tensor, value: Tensor, out: Tensor, lse: Tensor, seed: Tensor,
-                  mask_rows: Optional[Tensor], groups: str, plan: str, policy: str) -> tuple[Tensor, Tensor, Tensor]:
+                  mask_rows: Optional[Tensor], groups: str, plan: str, policy: str,
+                  actual_seq_qlen: Optional[Tensor] = None,
+                  actual_seq_kvlen: Optional[Tensor] = None) -> tuple[Tensor, Tensor, Tensor]:
     """(dq, dk, dv) of the local shards, from the forward's step cache found through ``seed``;
-    ``plan``: the one the grad op's arguments give, checked against the forward's."""
+    ``plan``: the one the grad op's arguments give (with the documents of ``actual_seq_qlen/kvlen``),
+    checked against the forward's."""
     started = time.perf_counter()
     process_groups = _groups(groups)
     with agreement.refusal_shared("backward", lambda: agreement.first_agreement(process_groups)):
+        called = read_documents(CallPlan.decode(plan), actual_seq_qlen, actual_seq_kvlen, query.size(0))
         cache = step_cache.claim(seed, policy)
         recorded = step_cache.plan_of(cache)
-        mismatch = recorded.backward_mismatch(CallPlan.decode(plan))
+        mismatch = recorded.backward_mismatch(called)
         if mismatch:
             raise RuntimeError(f"cp_cache: {mismatch} (cache {cache.id})")
         steps = step_cache.steps_of(cache, recorded)
@@ -111,7 +124,8 @@ def ring_backward(dy: Tensor, query: Tensor, key: Tensor, value: Tensor, out: Te
 
 
 @ring_backward.register_fake
-def _ring_backward_fake(dy, query, key, value, out, lse, seed, mask_rows, groups, plan, policy):
+def _ring_backward_fake(dy, query, key, value, out, lse, seed, mask_rows, groups, plan, policy, actual_seq_qlen=None,
+                        actual_seq_kvlen=None):
     return query.new_empty(query.shape), key.new_empty(key.shape), value.new_empty(value.shape)
 
 

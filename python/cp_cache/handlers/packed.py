@@ -5,26 +5,37 @@ q/k/v are DTensors ``Shard(0)`` on a 1-D mesh; the lengths are the GLOBAL cumula
 document ends, the same on every rank (a plain tensor or list). The layout of the local
 shards follows torch's ``_cp_options.enable_load_balance`` (per-document head-tail when on,
 contiguous when off), for causal and full attention alike: the documents decide which
-local rows belong together. The documents go into the call's plan, and a backward whose
-lengths differ from its forward's is refused.
+local rows belong together. A backward whose lengths differ from its forward's is refused.
+
+Lengths given as tensors (the op's schema) are checked here from their shapes alone and
+travel to the custom op (``handlers/ops.py``), whose kernel reads and checks their values
+(``read_documents``) and puts the documents into the call's plan before the strategy runs:
+so a traced call (fake tensors: values unknown) records the op without reading them, and a
+compiled graph reads the lengths of each call, not those it was traced with. Lengths given
+as lists go into the plan here.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from dataclasses import replace
+from typing import Any, Optional
 
+import torch
+from torch import Tensor
 from torch.distributed.tensor import DTensor, Shard
 
-from ..documents import cumulative_lengths
+from ..documents import check_documents, check_lengths_tensor, cumulative_lengths
 from ..npu_ops import CAUSAL_MODES, SparseMode, is_compressed_mask
-from ..plan import MaskSpec
+from ..plan import CallPlan, MaskSpec
 from ..arguments import describe
 from .cp_mesh import CPSharding
 
-__all__ = ["packed_mask", "packed_documents", "packed_sharding"]
+__all__ = ["packed_mask", "packed_documents", "same_documents", "check_packed_tokens", "read_documents",
+           "packed_sharding"]
 
 _UNSUPPORTED_WHEN_SET = ("pse", "padding_mask", "prefix", "sink")
 _TND_PLACEMENTS = (Shard(0),)
+_LENGTHS = ("actual_seq_qlen", "actual_seq_kvlen")
 
 
 def packed_mask(a: dict[str, Any]) -> MaskSpec:
@@ -47,20 +58,61 @@ def packed_mask(a: dict[str, Any]) -> MaskSpec:
         f"atten_mask={describe(mask)}")
 
 
-def packed_documents(a: dict[str, Any]) -> tuple[int, ...]:
-    """The global cumulative document ends; q and kv lengths must be the same documents."""
-    for name in ("actual_seq_qlen", "actual_seq_kvlen"):
+def packed_documents(a: dict[str, Any]) -> tuple[tuple[int, ...], tuple[Optional[Tensor], Optional[Tensor]]]:
+    """(documents, lengths): the global cumulative document ends given as lists, read and checked
+    now (constants of a traced graph), or the tensors given, checked from their shapes alone, for
+    the custom op to read (``read_documents``): host data whose values a traced call does not know."""
+    for name in _LENGTHS:
         if a[name] is None:
             raise ValueError(f"input_layout='TND' needs {name}: the global cumulative document ends (last = T)")
         if isinstance(a[name], DTensor):
             raise ValueError(f"{name} must be a plain tensor or list of the global cumulative ends, the same on "
                              f"every rank, not a DTensor ({describe(a[name])})")
-    cu_q = cumulative_lengths(a["actual_seq_qlen"], "actual_seq_qlen")
-    cu_kv = cumulative_lengths(a["actual_seq_kvlen"], "actual_seq_kvlen")
+    if not any(isinstance(a[name], Tensor) for name in _LENGTHS):
+        return same_documents(a["actual_seq_qlen"], a["actual_seq_kvlen"]), (None, None)
+    return (), tuple(_lengths_tensor(a[name], name) for name in _LENGTHS)
+
+
+def _lengths_tensor(value: Any, name: str) -> Tensor:
+    """``value`` as the op's lengths tensor: a tensor checked from its shape; a list (one of q/kv
+    given as a list, the other as a tensor) checked and made an int64 tensor."""
+    if isinstance(value, Tensor):
+        check_lengths_tensor(value, name)
+        return value
+    return torch.tensor(cumulative_lengths(value, name), dtype=torch.int64)
+
+
+def same_documents(qlen: Any, kvlen: Any) -> tuple[int, ...]:
+    """The documents of ``actual_seq_qlen`` (reads its values), the same as ``actual_seq_kvlen``'s."""
+    cu_q = cumulative_lengths(qlen, "actual_seq_qlen")
+    cu_kv = cumulative_lengths(kvlen, "actual_seq_kvlen")
     if cu_q != cu_kv:
         raise ValueError(f"actual_seq_qlen={list(cu_q)} and actual_seq_kvlen={list(cu_kv)} differ; packed "
                          "self-attention under CP needs the same documents for queries and keys")
     return cu_q
+
+
+def check_packed_tokens(plan: CallPlan, total: int) -> None:
+    """The global T against the plan's documents when known (ValueError naming them), else from
+    the shapes alone: the ranks hold equal slices of T/W tokens."""
+    if plan.documents:
+        check_documents(plan.documents, total, plan.world_size, plan.load_balance, name="actual_seq_qlen")
+    elif total % plan.world_size:
+        raise ValueError(f"input_layout='TND' cuts the global sequence into W={plan.world_size} equal slices: "
+                         f"its T={total} tokens do not divide by W")
+
+
+def read_documents(plan: CallPlan, qlen: Optional[Tensor], kvlen: Optional[Tensor], local_rows: int) -> CallPlan:
+    """``plan`` with the documents of the lengths tensors ``packed_documents`` left to the custom op,
+    read on the host and checked as documents given as lists are (``plan`` itself when none were
+    left). Run by the op's kernel, never while tracing: the lengths are host data (a CPU tensor:
+    no device sync), and a graph records the op, not the values."""
+    if qlen is None and kvlen is None:
+        return plan
+    documents = same_documents(qlen, kvlen)
+    plan = replace(plan, documents=documents)
+    check_packed_tokens(plan, local_rows * plan.world_size)  # equal slices: T = W * local rows
+    return plan
 
 
 def packed_sharding(tensors: dict[str, Any]) -> CPSharding:
