@@ -675,6 +675,14 @@ def test_install_idempotent_and_uninstall_reinstall():
     assert F.scaled_dot_product_attention is emu.scaled_dot_product_attention
 
 
+def _run_child(script: str) -> subprocess.CompletedProcess:
+    """``script`` in a fresh Python process that imports cp_cache the way this process did (same
+    sys.path), else from the source tree."""
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([p for p in sys.path if p] + [os.path.join(REPO, "python")])
+    return subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120)
+
+
 def test_install_refused_when_real_op_exists():
     script = textwrap.dedent(
         """
@@ -693,10 +701,7 @@ def test_install_refused_when_real_op_exists():
         print("REFUSED-OK")
         """
     )
-    env = dict(os.environ)
-    # the child imports cp_cache the way this process did (same sys.path), else from the source tree
-    env["PYTHONPATH"] = os.pathsep.join([p for p in sys.path if p] + [os.path.join(REPO, "python")])
-    proc = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120)
+    proc = _run_child(script)
     assert proc.returncode == 0, proc.stderr
     assert "REFUSED-OK" in proc.stdout
     assert "already exists" in proc.stderr
@@ -724,9 +729,7 @@ def test_emulator_is_product_code_and_enable_names_it():
         print("PRODUCT-OK")
         """
     )
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join([p for p in sys.path if p] + [os.path.join(REPO, "python")])
-    proc = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120)
+    proc = _run_child(script)
     assert proc.returncode == 0, proc.stderr
     assert "PRODUCT-OK" in proc.stdout
 

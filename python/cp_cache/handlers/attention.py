@@ -25,10 +25,10 @@ import torch
 from torch import Tensor
 from torch.distributed.tensor import DTensor
 
+from ..arguments import bind_arguments
 from ..config import CPConfig
 from ..npu_ops import lse_from_stats
 from . import ops
-from ..arguments import bind_arguments
 from .call import prepare, refusal_shared
 from .calls import CallLog
 from .checks import local_tensor, sharded_like

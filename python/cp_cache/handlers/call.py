@@ -18,6 +18,7 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 
 from .. import layout as L
+from ..arguments import bind_arguments
 from ..config import CPConfig, load_balance_enabled
 from ..engine import agreement
 from ..engine.merge import fused_merge_available
@@ -26,7 +27,6 @@ from ..kernels import get_kernel
 from ..npu_ops import stats_views_from_lse
 from ..plan import CallPlan, MaskSpec
 from . import ops
-from ..arguments import bind_arguments
 from .checks import local_mask_rows, mask_spec
 from .cp_mesh import CPSharding, cp_sharding, resolve_algorithm, whole_mask
 from .packed import check_packed_tokens, packed_documents, packed_mask, packed_sharding

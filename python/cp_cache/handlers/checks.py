@@ -9,9 +9,9 @@ from torch import Tensor
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from .. import layout as L
+from ..arguments import describe
 from ..npu_ops import CAUSAL_MODES, INT_MAX, SparseMode, is_compressed_mask
 from ..plan import MaskSpec
-from ..arguments import describe
 
 __all__ = ["mask_spec", "local_mask_rows", "sharded_like", "local_tensor"]
 

@@ -39,10 +39,10 @@ from torch import Tensor
 
 from .. import step_cache
 from ..algorithms import strategy_for
+from ..arguments import describe
 from ..engine import agreement
 from ..kernels import get_kernel
 from ..plan import CallPlan
-from ..arguments import describe
 from .calls import CALL_LOG
 from .packed import read_documents
 
@@ -130,14 +130,9 @@ def _ring_backward_fake(dy, query, key, value, out, lse, seed, mask_rows, groups
 
 
 def check_seed(seed: Any) -> None:
-    """The seed argument's type, checked where the handler runs (eagerly or while tracing)."""
-    from torch.distributed.tensor import DTensor
-
-    if isinstance(seed, DTensor):
-        raise RuntimeError(
-            "cp_cache: the seed argument of npu_fusion_attention_grad_v3 is a DTensor; it must be "
-            "the seed output of the CP attention forward (a plain int64 tensor)"
-        )
+    """The seed argument's type, checked where the handler runs (eagerly or while tracing). A
+    DTensor seed never reaches it: that backward's forward was served elsewhere, and so is it
+    (``AttentionHandlers._runs``)."""
     if not isinstance(seed, Tensor):
         raise RuntimeError(
             f"cp_cache: npu_fusion_attention_grad_v3 got seed={describe(seed)}; it needs the seed "

@@ -24,10 +24,10 @@ import torch
 from torch import Tensor
 from torch.distributed.tensor import DTensor, Shard
 
+from ..arguments import describe
 from ..documents import check_documents, check_lengths_tensor, cumulative_lengths
 from ..npu_ops import CAUSAL_MODES, SparseMode, is_compressed_mask
 from ..plan import CallPlan, MaskSpec
-from ..arguments import describe
 from .cp_mesh import CPSharding
 
 __all__ = ["packed_mask", "packed_documents", "same_documents", "check_packed_tokens", "read_documents",

@@ -298,27 +298,39 @@ def directional_derivative_errors(loss_fn, params: list[torch.Tensor], *, direct
     No model, no reference implementation: only the function and its gradient.
     """
     total = reduce or (lambda x: x)
-    loss = loss_fn()
-    grads = torch.autograd.grad(loss, params, allow_unused=True)
+    errors = []
+    for d, slope in _directions(loss_fn, params, directions, seed, total):
+        plus, minus = _loss_along(loss_fn, params, d, eps, total)
+        fd = (plus - minus) / (2 * eps)
+        errors.append(abs(slope - fd) / max(abs(slope), abs(fd), 1e-12))
+    return errors
+
+
+def _directions(loss_fn, params: list[torch.Tensor], directions: int, seed: int, total):
+    """(d, g.d) for ``directions`` random unit directions d (float64 draws from ``seed``, the same
+    on every rank), g the gradient of one backward of ``loss_fn()``."""
+    grads = torch.autograd.grad(loss_fn(), params, allow_unused=True)
     grads = [torch.zeros_like(p) if g is None else g for p, g in zip(params, grads)]
     g = torch.Generator().manual_seed(seed)
-    errors = []
     for _ in range(directions):
         d = [torch.randn(p.shape, generator=g, dtype=torch.float64) for p in params]
         norm = math.sqrt(sum(float((x * x).sum()) for x in d))
         d = [(x / norm).to(p.dtype) for x, p in zip(d, params)]
-        slope = total(sum(float((gi.double() * di.double()).sum()) for gi, di in zip(grads, d)))
-        values = []
-        for sign in (1.0, -1.0):
-            with torch.no_grad():
-                for p, di in zip(params, d):
-                    p.add_(di, alpha=sign * eps)
-                values.append(total(float(loss_fn())))
-                for p, di in zip(params, d):
-                    p.sub_(di, alpha=sign * eps)
-        fd = (values[0] - values[1]) / (2 * eps)
-        errors.append(abs(slope - fd) / max(abs(slope), abs(fd), 1e-12))
-    return errors
+        yield d, total(sum(float((gi.double() * di.double()).sum()) for gi, di in zip(grads, d)))
+
+
+def _loss_along(loss_fn, params: list[torch.Tensor], d: list[torch.Tensor], step: float, total) -> tuple:
+    """(f(p + step d), f(p - step d)) under no_grad, the parameters put back exactly after each."""
+    saved = [p.detach().clone() for p in params]
+    values = []
+    for sign in (1.0, -1.0):
+        with torch.no_grad():
+            for p, di in zip(params, d):
+                p.add_(di, alpha=sign * step)
+            values.append(total(float(loss_fn())))
+            for p, x in zip(params, saved):
+                p.copy_(x)
+    return values[0], values[1]
 
 
 def directional_derivative_check(loss_fn, params: list[torch.Tensor], *, directions: int = 4, eps: float = 1e-2,
@@ -335,31 +347,15 @@ def directional_derivative_check(loss_fn, params: list[torch.Tensor], *, directi
     wrong gradient misses the slope by its own error, whatever the steps.
     """
     total = reduce or (lambda x: x)
-    loss = loss_fn()
-    grads = torch.autograd.grad(loss, params, allow_unused=True)
-    grads = [torch.zeros_like(p) if g is None else g for p, g in zip(params, grads)]
     unit = eps_of(params)
-    g = torch.Generator().manual_seed(seed)
     checks = []
-    for _ in range(directions):
-        d = [torch.randn(p.shape, generator=g, dtype=torch.float64) for p in params]
-        norm = math.sqrt(sum(float((x * x).sum()) for x in d))
-        d = [(x / norm).to(p.dtype) for x, p in zip(d, params)]
-        slope = total(sum(float((gi.double() * di.double()).sum()) for gi, di in zip(grads, d)))
-        values = {}
-        saved = [p.detach().clone() for p in params]
-        for step in (eps, eps / 2):
-            for sign in (1.0, -1.0):
-                with torch.no_grad():
-                    for p, di in zip(params, d):
-                        p.add_(di, alpha=sign * step)
-                    values[(step, sign)] = total(float(loss_fn()))
-                    for p, x in zip(params, saved):
-                        p.copy_(x)
-        fd = (values[(eps, 1.0)] - values[(eps, -1.0)]) / (2 * eps)
-        fd_half = (values[(eps / 2, 1.0)] - values[(eps / 2, -1.0)]) / eps
+    for d, slope in _directions(loss_fn, params, directions, seed, total):
+        plus, minus = _loss_along(loss_fn, params, d, eps, total)
+        plus_half, minus_half = _loss_along(loss_fn, params, d, eps / 2, total)
+        fd = (plus - minus) / (2 * eps)
+        fd_half = (plus_half - minus_half) / eps
         size = max(abs(slope), abs(fd), 1e-12)
-        rounding = floor * unit * max(abs(values[(eps, 1.0)]), abs(values[(eps, -1.0)])) / eps
+        rounding = floor * unit * max(abs(plus), abs(minus)) / eps
         checks.append((abs(slope - fd) / size, (factor * abs(fd - fd_half) + rounding) / size))
     return checks
 
