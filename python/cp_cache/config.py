@@ -10,7 +10,7 @@ import os
 from dataclasses import dataclass
 
 from .kernels import KERNEL_NAMES
-from .plan import ALGORITHMS
+from .plan import ALGORITHMS, EXCHANGES
 from .step_cache import HANDLE_POLICY, POLICIES, STACK_POLICY
 
 __all__ = [
@@ -22,6 +22,8 @@ __all__ = [
     "KERNELS",
     "ALGORITHMS",
     "ALGORITHM_ENV",
+    "EXCHANGES",
+    "EXCHANGE_ENV",
     "CPConfig",
     "resolve_config",
     "load_balance_enabled",
@@ -31,6 +33,7 @@ POLICY_ENV = "CP_CACHE_POLICY"
 FUSED_MERGE_ENV = "CP_CACHE_FUSED_MERGE"
 KERNELS = KERNEL_NAMES
 ALGORITHM_ENV = "CP_CACHE_ALGORITHM"
+EXCHANGE_ENV = "CP_CACHE_EXCHANGE"
 
 
 @dataclass(frozen=True)
@@ -45,14 +48,18 @@ class CPConfig:
         outer) or "auto" (per call, ``plan.choose_algorithm``).
     fused_merge: merge ring steps with ``npu_ring_attention_update`` when the op exists
         (else, or when False, the float32 merge in plain torch).
+    exchange: how the ring's K/V travel: "direct" (each rank sends each other rank only the
+        rows that rank's queries may attend to) or "ring" (whole blocks relayed round the ring).
     """
 
     policy: str = HANDLE_POLICY
     kernel: str | None = None
     algorithm: str = "ring"
     fused_merge: bool = True
+    exchange: str = "direct"
 
     def __post_init__(self) -> None:
+        _check_choice("exchange", self.exchange, EXCHANGES)
         _check_choice("policy", self.policy, POLICIES)
         if self.kernel is not None:
             _check_choice("kernel", self.kernel, KERNELS)
@@ -65,9 +72,15 @@ def _check_choice(name: str, value, choices: tuple) -> None:
 
 
 def resolve_config(policy: str | None = None, *, kernel: str | None = None,
-                   fused_merge: bool | None = None, algorithm: str | None = None) -> CPConfig:
+                   fused_merge: bool | None = None, algorithm: str | None = None,
+                   exchange: str | None = None) -> CPConfig:
     """A CPConfig from explicit arguments, falling back on the environment (CP_CACHE_POLICY,
-    CP_CACHE_FUSED_MERGE: "0" turns the fused merge off, CP_CACHE_ALGORITHM)."""
+    CP_CACHE_FUSED_MERGE: "0" turns the fused merge off, CP_CACHE_ALGORITHM, CP_CACHE_EXCHANGE)."""
+    if exchange is None:
+        exchange = os.environ.get(EXCHANGE_ENV, "direct").strip() or "direct"
+        if exchange not in EXCHANGES:
+            raise ValueError(f"environment variable {EXCHANGE_ENV}={exchange!r} is not a cp_cache exchange; "
+                             f"use one of {EXCHANGES}")
     if algorithm is None:
         algorithm = os.environ.get(ALGORITHM_ENV, "ring").strip() or "ring"
         if algorithm not in ALGORITHMS:
@@ -86,7 +99,7 @@ def resolve_config(policy: str | None = None, *, kernel: str | None = None,
         if value not in ("0", "1"):
             raise ValueError(f"environment variable {FUSED_MERGE_ENV}={value!r}: use 0 or 1")
         fused_merge = value == "1"
-    return CPConfig(policy=policy, kernel=kernel, fused_merge=fused_merge, algorithm=algorithm)
+    return CPConfig(policy=policy, kernel=kernel, fused_merge=fused_merge, algorithm=algorithm, exchange=exchange)
 
 
 def load_balance_enabled() -> bool:

@@ -159,7 +159,7 @@ _call_log = CALL_LOG
 
 
 def enable(policy: str | None = None, *, kernel: str | None = None, fused_merge: bool | None = None,
-           algorithm: str | None = None) -> None:
+           algorithm: str | None = None, exchange: str | None = None) -> None:
     """Register the CP handlers for the NPU attention ops (idempotent; a new configuration
     replaces the handlers).
 
@@ -168,12 +168,14 @@ def enable(policy: str | None = None, *, kernel: str | None = None, fused_merge:
     ``fused_merge``: merge ring steps with ``npu_ring_attention_update`` when it exists;
     None reads CP_CACHE_FUSED_MERGE (default on).
     ``algorithm``: "ring" (default), "ulysses", "hybrid" or "auto"; None reads CP_CACHE_ALGORITHM.
+    ``exchange``: how the ring's K/V travel, "direct" (default: only the rows each rank's queries
+    may attend to, straight to it) or "ring" (whole blocks relayed); None reads CP_CACHE_EXCHANGE.
 
     Call it after ``import torch_npu``: torch_npu's import replaces torch's CP dispatcher
     switches and its handler table, and cp_cache wraps what it finds.
     """
     global _registered
-    config = resolve_config(policy, kernel=kernel, fused_merge=fused_merge, algorithm=algorithm)
+    config = resolve_config(policy, kernel=kernel, fused_merge=fused_merge, algorithm=algorithm, exchange=exchange)
     handlers = AttentionHandlers(config, _call_log)
     if not handlers.table():
         raise RuntimeError(
@@ -240,7 +242,9 @@ def registered_handlers() -> AttentionHandlers | None:
 
 def call_stats() -> dict[str, dict]:
     """The last CP attention call of each direction on this process:
-    ``{"forward": {...}, "backward": {...}}``, each with ``bytes_sent`` (this rank),
+    ``{"forward": {...}, "backward": {...}}``, each with ``bytes_sent`` and ``bytes_received``
+    (this rank) next to ``bytes_lower_bound`` and ``bytes_received_lower_bound`` (the least the
+    call's mask needs of this rank; None under Ulysses and hybrid),
     ``handler_seconds`` (whole handler), ``ring_seconds`` (kernels and communication),
     ``overhead_seconds`` (their difference) and ``calls`` (count since import)."""
     return _call_log.snapshot()
@@ -273,7 +277,7 @@ def context_parallel(
             log.warning("cp_cache: torch's CP dispatcher switches were replaced after cp_cache.enable() "
                         "(torch_npu imported late?); enabling again on top of them")
         enable(outer_config.policy, kernel=outer_config.kernel, fused_merge=outer_config.fused_merge,
-               algorithm=algorithm or outer_config.algorithm)
+               algorithm=algorithm or outer_config.algorithm, exchange=outer_config.exchange)
     try:
         if buffers:
             with torch_context_parallel(
@@ -294,4 +298,4 @@ def context_parallel(
             disable()
         elif _registered is not None and _registered.handlers.config != outer_config:
             enable(outer_config.policy, kernel=outer_config.kernel, fused_merge=outer_config.fused_merge,
-                   algorithm=outer_config.algorithm)
+                   algorithm=outer_config.algorithm, exchange=outer_config.exchange)

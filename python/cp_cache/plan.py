@@ -27,6 +27,7 @@ from .npu_ops import INT_MAX
 __all__ = [
     "ALGORITHMS",
     "ALGORITHM_CP_DIMS",
+    "EXCHANGES",
     "MaskSpec",
     "CallPlan",
     "HeadPlan",
@@ -37,6 +38,7 @@ __all__ = [
 ]
 
 ALGORITHMS = ("ring", "ulysses", "hybrid", "auto")
+EXCHANGES = ("direct", "ring")  # how the ring's K/V rows travel (CallPlan.exchange)
 # how many mesh dimensions sharded on the sequence each algorithm runs over
 ALGORITHM_CP_DIMS = {"ring": 1, "ulysses": 1, "hybrid": 2}
 
@@ -97,6 +99,9 @@ class CallPlan:
         2W-1-r of 2W; per document for TND) rather than contiguous.
     kernel, fused_merge: the step kernel's name and whether ring steps merge with the
         fused NPU op; "" / False when a strategy is driven directly.
+    exchange: how the ring's K/V reach the ranks: "direct" (each rank sends each other rank
+        the rows of its block that rank's queries may attend to, and nothing else) or "ring"
+        (whole blocks relayed round the ring).
     """
 
     world_size: int
@@ -112,8 +117,11 @@ class CallPlan:
     documents: tuple[int, ...] = ()
     kernel: str = ""
     fused_merge: bool = False
+    exchange: str = "direct"
 
     def __post_init__(self):
+        if self.exchange not in EXCHANGES:
+            raise ValueError(f"exchange={self.exchange!r} is not a cp_cache exchange; use one of {EXCHANGES}")
         if self.cp_sizes and math.prod(self.cp_sizes) != self.world_size:
             raise ValueError(f"cp_sizes={self.cp_sizes} do not multiply to world_size={self.world_size}")
 

@@ -37,6 +37,7 @@ from ..engine.agreement import agreed_checks
 from ..engine.checks import check_backward_operands, check_keep_prob
 from ..engine.loop import BackwardResult, ForwardResult, RingStep, backward_ring, empty_outputs, forward_ring
 from ..engine.merge import merge_into
+from ..engine.needs import exchange_plan
 from ..engine.transport import group_info, own_group
 from ..kernels.base import StepForward, StepKernel, StepMask
 from ..plan import CallPlan
@@ -276,12 +277,12 @@ class PackedDocuments:
                 del res
             return step.part, rng
 
-        steps, bytes_sent, compute_s, wait_s = forward_ring(k, v, lengths, L.TND, size - 1, compute, group=group,
-                                                            rank=rank, size=size)
-        log.debug("packed documents forward rank %d/%d: parts %s, %d bytes sent", rank, size,
-                  [s.part for s in steps], bytes_sent)
-        return ForwardResult(out=acc_out.to(q.dtype), lse=acc_lse, steps=steps, bytes_sent=bytes_sent,
-                             compute_seconds=compute_s, wait_seconds=wait_s)
+        steps, traffic, compute_s, wait_s = forward_ring(k, v, lengths, L.TND, size - 1, compute, group=group,
+                                                         rank=rank, size=size, exchange=exchange_plan(plan, lengths),
+                                                         direct=plan.exchange == "direct")
+        log.debug("packed documents forward rank %d/%d: parts %s, %s", rank, size, [s.part for s in steps], traffic)
+        return ForwardResult(out=acc_out.to(q.dtype), lse=acc_lse, steps=steps, compute_seconds=compute_s,
+                             wait_seconds=wait_s, **traffic.fields())
 
     def backward(self, plan: CallPlan, dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
                  steps: list[RingStep], *, groups: Sequence = (), kernel: StepKernel,
@@ -313,10 +314,12 @@ class PackedDocuments:
             _add_rows(dq, qi, grads[0])
             return [(ops.kv_index, grads[1], grads[2])]
 
-        dk, dv, bytes_sent, compute_s, wait_s = backward_ring(k, v, lengths, L.TND, size - 1, compute, _add_rows,
-                                                              group=group, rank=rank, size=size)
-        return BackwardResult(dq=dq.to(q.dtype), dk=dk.to(k.dtype), dv=dv.to(v.dtype), bytes_sent=bytes_sent,
-                              compute_seconds=compute_s, wait_seconds=wait_s)
+        dk, dv, traffic, compute_s, wait_s = backward_ring(k, v, lengths, L.TND, size - 1, compute, _add_rows,
+                                                           group=group, rank=rank, size=size,
+                                                           exchange=exchange_plan(plan, lengths),
+                                                           direct=plan.exchange == "direct")
+        return BackwardResult(dq=dq.to(q.dtype), dk=dk.to(k.dtype), dv=dv.to(v.dtype), compute_seconds=compute_s,
+                              wait_seconds=wait_s, **traffic.fields())
 
 
 PACKED = PackedDocuments()

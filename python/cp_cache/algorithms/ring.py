@@ -45,6 +45,7 @@ from ..engine.loop import (
     forward_ring,
 )
 from ..engine.merge import merge_into
+from ..engine.needs import exchange_plan
 from ..engine.steps import BlockTask, hops_needed, plan_step
 from ..engine.transport import group_info, own_group
 from ..kernels.base import StepKernel
@@ -142,12 +143,13 @@ class Ring:
                 del res
             return part, rng
 
-        steps, bytes_sent, compute_s, wait_s = forward_ring(k, v, lengths, lay, _last_step(plan, k.size(seq_dim)),
-                                                            compute, group=group, rank=rank, size=size)
-        log.debug("ring forward rank %d/%d: parts %s, %d bytes sent", rank, size, [s.part for s in steps],
-                  bytes_sent)
-        return ForwardResult(out=acc_out.to(q.dtype), lse=acc_lse, steps=steps, bytes_sent=bytes_sent,
-                             compute_seconds=compute_s, wait_seconds=wait_s, lengths=lengths)
+        rows = exchange_plan(plan, lengths, group=group, mask_rows=mask)
+        steps, traffic, compute_s, wait_s = forward_ring(k, v, lengths, lay, _last_step(plan, k.size(seq_dim)),
+                                                         compute, group=group, rank=rank, size=size, exchange=rows,
+                                                         direct=plan.exchange == "direct")
+        log.debug("ring forward rank %d/%d: parts %s, %s", rank, size, [s.part for s in steps], traffic)
+        return ForwardResult(out=acc_out.to(q.dtype), lse=acc_lse, steps=steps, compute_seconds=compute_s,
+                             wait_seconds=wait_s, lengths=lengths, **traffic.fields())
 
     def backward(self, plan: CallPlan, dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
                  steps: list[RingStep], *, groups: Sequence = (), kernel: StepKernel,
@@ -184,11 +186,13 @@ class Ring:
         def add_rows(acc: Tensor, kv_rows: tuple[int, int], grad: Tensor) -> None:
             _rows(acc, lay, kv_rows).add_(grad)
 
-        dk, dv, bytes_sent, compute_s, wait_s = backward_ring(k, v, lengths, lay, _last_step(plan, k.size(seq_dim)),
-                                                              compute, add_rows, group=group, rank=rank, size=size)
-        log.debug("ring backward rank %d/%d: %d bytes sent", rank, size, bytes_sent)
-        return BackwardResult(dq=dq.to(q.dtype), dk=dk.to(k.dtype), dv=dv.to(v.dtype), bytes_sent=bytes_sent,
-                              compute_seconds=compute_s, wait_seconds=wait_s, lengths=lengths)
+        rows = exchange_plan(plan, lengths, group=group, mask_rows=mask)
+        dk, dv, traffic, compute_s, wait_s = backward_ring(k, v, lengths, lay, _last_step(plan, k.size(seq_dim)),
+                                                           compute, add_rows, group=group, rank=rank, size=size,
+                                                           exchange=rows, direct=plan.exchange == "direct")
+        log.debug("ring backward rank %d/%d: %s", rank, size, traffic)
+        return BackwardResult(dq=dq.to(q.dtype), dk=dk.to(k.dtype), dv=dv.to(v.dtype), compute_seconds=compute_s,
+                              wait_seconds=wait_s, lengths=lengths, **traffic.fields())
 
     def fake(self, plan: CallPlan, q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
         """Empty (out, lse) of the shapes ``forward`` returns: for tracing with fake tensors."""

@@ -192,6 +192,7 @@ class _Local:
     steps: list[RingStep]
     bytes_sent: int = 0
     wait_seconds: float = 0.0
+    bytes_received: int = 0
 
 
 class Ulysses:
@@ -241,6 +242,7 @@ class Ulysses:
         return ForwardResult(out=own_storage(L.from_bnsd(out_b.to(q.dtype), plan.layout)),
                              lse=own_storage(lse.squeeze(-1)), steps=local.steps,
                              bytes_sent=sent + back + local.bytes_sent,
+                             bytes_received=sent + back + local.bytes_received,  # the all-to-alls are symmetric
                              compute_seconds=(computed - exchanged) - local.wait_seconds,
                              wait_seconds=(exchanged - started) + (finished - computed) + local.wait_seconds)
 
@@ -255,7 +257,7 @@ class Ulysses:
         ring = self.inner.forward(plan.ring_part(where.ring_size, where.ring_rank, heads.local_nq), qh, kh, vh,
                                   groups=groups[:-1], kernel=kernel,
                                   mask=_ring_mask_rows(plan, where, mask, qh.size(2) * where.ring_size))
-        return _Local(ring.out, ring.lse, ring.steps, ring.bytes_sent, ring.wait_seconds)
+        return _Local(ring.out, ring.lse, ring.steps, ring.bytes_sent, ring.wait_seconds, ring.bytes_received)
 
     # ------------------------------------------------------------ backward
 
@@ -284,7 +286,7 @@ class Ulysses:
         order = _sequence_order(plan, local_seq)
         gathered = [_to_global(t, order) for t in exchanged_in]
         gathered[5] = gathered[5].squeeze(-1)
-        grads, ring_bytes, ring_wait = self._local_backward(plan, gathered, steps, heads, where, groups, kernel, mask)
+        grads, (ring_bytes, ring_received), ring_wait = self._local_backward(plan, gathered, steps, heads, where, groups, kernel, mask)
         computed = time.perf_counter()
         grads = [_to_rank_order(t, order) for t in grads]
         if heads.kv_repeats > 1:  # the repeated heads' gradients are summed: send them in float32
@@ -297,12 +299,13 @@ class Ulysses:
         return BackwardResult(
             dq=own_storage(L.from_bnsd(dq_b.to(q.dtype), lay)), dk=own_storage(L.from_bnsd(dk_b.to(k.dtype), lay)),
             dv=own_storage(L.from_bnsd(dv_b.to(v.dtype), lay)), bytes_sent=sent + back + ring_bytes,
+            bytes_received=sent + back + ring_received,
             compute_seconds=(computed - exchanged) - ring_wait,
             wait_seconds=(exchanged - started) + (finished - computed) + ring_wait,
         )
 
     def _local_backward(self, plan, gathered, steps, heads: HeadPlan, where: _Groups, groups, kernel, mask):
-        """(dq, dk, dv) of the gathered head shards, bytes the inner ring sent, its wait."""
+        """(dq, dk, dv) of the gathered head shards, (bytes the inner ring sent, received), its wait."""
         qh, kh, vh, outh, douth, lseh = gathered
         if where.ring_size == 1:
             _, step_mask = _local_mask(plan, mask, qh.size(2))
@@ -310,12 +313,12 @@ class Ulysses:
             grads = kernel.backward(qh, kh, vh, douth, outh, lseh, layout=_BNSD, head_num=heads.local_nq,
                                     scale=plan.scale, keep_prob=plan.keep_prob, mask=step_mask,
                                     seed=seed, offset=offset)
-            return list(grads), 0, 0.0
+            return list(grads), (0, 0), 0.0
         ring_plan = plan.ring_part(where.ring_size, where.ring_rank, heads.local_nq)
         ring_steps = [replace(st, source_rank=(ring_plan.rank - st.index) % ring_plan.world_size) for st in steps]
         ring = self.inner.backward(ring_plan, douth, qh, kh, vh, outh, lseh, ring_steps, groups=groups[:-1],
                                    kernel=kernel, mask=_ring_mask_rows(plan, where, mask, qh.size(2) * where.ring_size))
-        return [ring.dq, ring.dk, ring.dv], ring.bytes_sent, ring.wait_seconds
+        return [ring.dq, ring.dk, ring.dv], (ring.bytes_sent, ring.bytes_received), ring.wait_seconds
 
 
 class _OwnDropoutDraws:

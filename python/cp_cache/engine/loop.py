@@ -1,10 +1,18 @@
 """The ring's loop, shared by the strategies that rotate K/V blocks (the ring, packed
 documents, the ring inside hybrid): the step records, the results, the forward and backward
-loops (K/V rotation posted before each step's compute, dK/dV accumulators travelling with
-their block, per-call timing, drain on error).
+loops, per-call timing, drain on error.
 
 Step i on rank r uses the block of group rank ``(r - i) % W``; at most two K/V blocks are
 alive. A strategy gives the loop a ``compute`` callback for one step on the block it holds.
+Two ways for the blocks to get there:
+
+* the direct exchange (an ``ExchangePlan``, ``engine/needs.py``): at stage i rank r sends
+  rank r+i only the rows of its own block that rank needs and receives from rank r-i the
+  rows it needs, posted before the previous step's compute; the received rows are put in
+  place in a block of zeros (rows none of this rank's queries may read). In backward the
+  dK/dV partials of those rows go straight back to their owner;
+* the whole-block ring (no plan): K/V blocks travel round the ring, each rank relaying
+  what it received; the dK/dV accumulators travel with their block and go home at the end.
 """
 
 from __future__ import annotations
@@ -17,10 +25,11 @@ import torch
 from torch import Tensor
 
 from .. import layout as L
+from .needs import ExchangePlan
 from .steps import PARTS
-from .transport import TAG_DKV, TAG_KV, Rotation
+from .transport import TAG_DKV, TAG_KV, Rotation, Transfer
 
-__all__ = ["RingStep", "ForwardResult", "BackwardResult", "forward_ring", "backward_ring", "check_steps",
+__all__ = ["RingStep", "ForwardResult", "BackwardResult", "Traffic", "forward_ring", "backward_ring", "check_steps",
            "with_length", "empty_outputs"]
 
 
@@ -54,6 +63,9 @@ class ForwardResult:
     compute_seconds: float = 0.0  # kernels and merges
     wait_seconds: float = 0.0  # blocked on a K/V receive: communication the compute did not hide
     lengths: Optional[list] = None  # every rank's (local query length, local K/V length)
+    bytes_received: int = 0
+    bytes_lower_bound: Optional[int] = None  # the least this rank must send (None: not computed)
+    bytes_received_lower_bound: Optional[int] = None  # the least it must receive
 
 
 @dataclass
@@ -65,6 +77,45 @@ class BackwardResult:
     compute_seconds: float = 0.0  # kernels and accumulation
     wait_seconds: float = 0.0  # blocked on a K/V or dK/dV receive
     lengths: Optional[list] = None  # every rank's (local query length, local K/V length)
+    bytes_received: int = 0
+    bytes_lower_bound: Optional[int] = None  # as in ForwardResult: K/V rows again and dK/dV rows back
+    bytes_received_lower_bound: Optional[int] = None
+
+
+@dataclass
+class Traffic:
+    """The bytes a ring loop moved for this rank, and the least it had to (the K/V rows the
+    mask needs; backward: those again and their float32 dK/dV partials back to the owner)."""
+
+    sent: int = 0
+    received: int = 0
+    sent_bound: Optional[int] = None
+    received_bound: Optional[int] = None
+
+    def fields(self) -> dict:
+        """As the keyword arguments of a ForwardResult / BackwardResult."""
+        return dict(bytes_sent=self.sent, bytes_received=self.received, bytes_lower_bound=self.sent_bound,
+                    bytes_received_lower_bound=self.received_bound)
+
+
+def _row_bytes(k: Tensor, v: Tensor, layout: str, itemsize: Optional[int] = None) -> int:
+    """Bytes of one sequence row of K plus one of V (at ``itemsize``: their own by default)."""
+    length = k.size(L.seq_dim(layout))
+    if length == 0:
+        return 0
+    size = lambda t: t.numel() // length * (itemsize or t.element_size())  # noqa: E731
+    return size(k) + size(v)
+
+
+def _bounds(traffic: Traffic, exchange: ExchangePlan, k: Tensor, v: Tensor, layout: str, backward: bool) -> Traffic:
+    kv = _row_bytes(k, v, layout)
+    traffic.sent_bound = exchange.rows_sent * kv
+    traffic.received_bound = exchange.rows_received * kv
+    if backward:  # the partials of the rows received go back in float32
+        grad = _row_bytes(k, v, layout, 4)
+        traffic.sent_bound += exchange.rows_received * grad
+        traffic.received_bound += exchange.rows_sent * grad
+    return traffic
 
 
 def with_length(t: Tensor, layout: str, length: int) -> torch.Size:
@@ -83,6 +134,7 @@ class _KVTravel:
         self._kv = Rotation([k.contiguous(), v.contiguous()], group, rank, size, TAG_KV)
         self._like, self._lengths, self._layout = (k, v), lengths, layout
         self._rank, self._size = rank, size
+        self.received = 0
 
     def block_shapes(self, source: int) -> list[torch.Size]:
         """The shapes of rank ``source``'s K/V block."""
@@ -97,7 +149,9 @@ class _KVTravel:
         the ``last`` step); bytes sent."""
         if i >= last:
             return 0
-        return self._kv.post(recv_shapes=self.block_shapes((self._rank - i - 1) % self._size))
+        shapes = self.block_shapes((self._rank - i - 1) % self._size)
+        self.received += sum(shape.numel() * t.element_size() for shape, t in zip(shapes, self._like))
+        return self._kv.post(recv_shapes=shapes)
 
     def advance(self) -> float:
         """After step i's compute: wait for the hop in flight; seconds blocked."""
@@ -111,20 +165,92 @@ class _KVTravel:
         self._kv.drain()
 
 
+class _KVDirect:
+    """The direct exchange of K/V rows (``ExchangePlan``): before step i's compute, stage i+1
+    sends rank r+i+1 the rows of this rank's block it needs and receives from rank r-i-1 the
+    rows this rank needs of that block. At step i the current block is rank (r - i) % W's, of
+    its shape: the rows received in place, zeros in the rows none of this rank's queries read."""
+
+    def __init__(self, k: Tensor, v: Tensor, lengths: list, layout: str, exchange: ExchangePlan, *, group,
+                 rank: int, size: int):
+        self._own = [k.contiguous(), v.contiguous()]
+        self.current = self._own
+        self._plan = exchange.on(k.device)
+        self._lengths, self._layout, self._dim = lengths, layout, L.seq_dim(layout)
+        self._group, self._rank, self._size = group, rank, size
+        self._transfer: Optional[Transfer] = None
+        self._stage = 0
+        self.received = 0
+
+    def block_shapes(self, source: int) -> list[torch.Size]:
+        return [with_length(t, self._layout, self._lengths[source][1]) for t in self._own]
+
+    def post_next(self, i: int, last: int) -> int:
+        """Before step ``i``'s compute: post stage i+1 (none after the ``last`` step); bytes sent."""
+        stage = i + 1
+        if stage > last:
+            return 0
+        send, recv = self._plan.send[stage], self._plan.recv[stage]
+        sending = [t if send.index is None else t.index_select(self._dim, send.index)
+                   for t in self._own] if send.count else []
+        receiving = [torch.empty(with_length(t, self._layout, recv.count), dtype=t.dtype, device=t.device)
+                     for t in self._own] if recv.count else []
+        self._transfer = Transfer(sending, (self._rank + stage) % self._size, receiving,
+                                  (self._rank - stage) % self._size, self._group, TAG_KV)
+        self._stage = stage
+        self.received += self._transfer.received_bytes
+        return self._transfer.nbytes
+
+    def advance(self) -> float:
+        """After step i's compute: wait for stage i+1; seconds blocked."""
+        if self._transfer is None:
+            return 0.0
+        started = time.perf_counter()
+        transfer, self._transfer = self._transfer, None
+        received = transfer.wait()
+        waited = time.perf_counter() - started
+        self.current = self._block(received)
+        return waited
+
+    def _block(self, received: list[Tensor]) -> list[Tensor]:
+        """The block of the stage's source with the ``received`` rows in place."""
+        rows = self._plan.recv[self._stage]
+        shapes = self.block_shapes((self._rank - self._stage) % self._size)
+        if rows.count and rows.index is None:
+            return received
+        if not rows.count:  # nothing of that block is read: zeros without memory
+            return [t.new_zeros(()).expand(shape) for t, shape in zip(self._own, shapes)]
+        return [t.new_zeros(shape).index_copy_(self._dim, rows.index, got)
+                for t, shape, got in zip(self._own, shapes, received)]
+
+    def drain(self) -> None:
+        if self._transfer is not None:
+            transfer, self._transfer = self._transfer, None
+            transfer.drain()
+
+
+def _kv_blocks(k: Tensor, v: Tensor, lengths: list, layout: str, exchange: Optional[ExchangePlan], **where):
+    if exchange is None:
+        return _KVTravel(k, v, lengths, layout, **where)
+    return _KVDirect(k, v, lengths, layout, exchange, **where)
+
+
 def forward_ring(k: Tensor, v: Tensor, lengths: list, layout: str, last: int, compute, *, group, rank: int,
-                 size: int) -> tuple[list[RingStep], int, float, float]:
-    """Steps 0..``last`` of a forward ring: this rank's K/V block (``k``, ``v``; every rank's
-    lengths in ``lengths``) travels round while ``compute(i, cur_k, cur_v) -> (part, rng)``
-    computes step i on the block it holds. Returns (the step records, bytes sent, compute
-    seconds, seconds blocked on a receive)."""
+                 size: int, exchange: Optional[ExchangePlan] = None,
+                 direct: bool = True) -> tuple[list[RingStep], Traffic, float, float]:
+    """Steps 0..``last`` of a forward ring: the K/V rows each step needs arrive by the direct
+    ``exchange`` (or, without one or not ``direct``, this rank's whole block travels round the
+    ring; every rank's lengths in ``lengths``) while ``compute(i, cur_k, cur_v) -> (part, rng)`` computes step i on
+    the block it holds. Returns (the step records, the traffic, compute seconds, seconds
+    blocked on a receive)."""
     steps: list[RingStep] = []
-    bytes_sent = 0
+    traffic = Traffic()
     compute_s = wait_s = 0.0
-    kv = _KVTravel(k, v, lengths, layout, group=group, rank=rank, size=size)
+    kv = _kv_blocks(k, v, lengths, layout, exchange if direct else None, group=group, rank=rank, size=size)
     try:
         for i in range(last + 1):
             cur_k, cur_v = kv.current
-            bytes_sent += kv.post_next(i, last)
+            traffic.sent += kv.post_next(i, last)
             started = time.perf_counter()
             part, rng = compute(i, cur_k, cur_v)
             steps.append(RingStep(index=i, source_rank=(rank - i) % size, part=part, rng=tuple(rng)))
@@ -134,7 +260,10 @@ def forward_ring(k: Tensor, v: Tensor, lengths: list, layout: str, last: int, co
     except BaseException:
         kv.drain()
         raise
-    return steps, bytes_sent, compute_s, wait_s
+    traffic.received = kv.received
+    if exchange is not None:
+        _bounds(traffic, exchange, k, v, layout, backward=False)
+    return steps, traffic, compute_s, wait_s
 
 
 class _GradAccumulators:
@@ -147,13 +276,13 @@ class _GradAccumulators:
     ring went all the way round). Two pairs of buffers serve every hop.
     """
 
-    def __init__(self, group, rank: int, size: int):
-        self._group, self._rank, self._size = group, rank, size
+    def __init__(self, kv: _KVTravel, group, rank: int, size: int):
+        self._kv, self._group, self._rank, self._size = kv, group, rank, size
         self._rotation: Optional[Rotation] = None
-        self.bytes_sent = 0
+        self.bytes_sent = self.received = 0
 
-    def for_block(self, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
-        """The accumulators of the block (``k``, ``v``) held at this step."""
+    def for_block(self, i: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+        """The accumulators of the block (``k``, ``v``) held at step ``i``."""
         if self._rotation is None:
             zeros = [torch.zeros(t.shape, dtype=torch.float32, device=t.device) for t in (k, v)]
             self._rotation = Rotation(zeros, self._group, self._rank, self._size, TAG_DKV)
@@ -161,11 +290,15 @@ class _GradAccumulators:
             self._rotation.advance()
         return tuple(self._rotation.current)
 
-    def pass_on(self, shift: int = 1, recv_shapes: Optional[list[torch.Size]] = None) -> None:
-        """Send the held accumulators ``shift`` ranks ahead (nothing to do when that is this rank),
-        receiving those the rank ``shift`` behind holds (of ``recv_shapes``: uneven shards)."""
+    def pass_on(self, i: int, last: int, held: tuple[Tensor, Tensor]) -> float:
+        """After step ``i``: send the held accumulators on (after the ``last`` step: home),
+        receiving those of the block the rank behind holds."""
+        shift = 1 if i < last else self._size - last
         if shift % self._size:
-            self.bytes_sent += self._rotation.post(shift, recv_shapes=recv_shapes)
+            shapes = self._kv.block_shapes((self._rank - shift - i) % self._size)  # the block it holds
+            self.received += sum(shape.numel() * 4 for shape in shapes)
+            self.bytes_sent += self._rotation.post(shift, recv_shapes=shapes)
+        return 0.0
 
     def drain(self) -> None:
         if self._rotation is not None:
@@ -178,38 +311,100 @@ class _GradAccumulators:
         return tuple(self._rotation.current)
 
 
+class _GradReturns:
+    """The float32 dK/dV of the direct exchange. This rank's own block has its accumulators;
+    at step i > 0 the partials of the block held (rank r-i's) go into fresh zeros, and after
+    the step the rows this rank received of it go straight back to rank r-i, while the
+    partials rank r+i computed for the rows it received of this rank's block come in and are
+    added (waited for after the next step)."""
+
+    def __init__(self, k: Tensor, v: Tensor, layout: str, exchange: ExchangePlan, group, rank: int, size: int):
+        self._own = tuple(torch.zeros(t.shape, dtype=torch.float32, device=t.device) for t in (k, v))
+        self._plan, self._layout, self._dim = exchange.on(k.device), layout, L.seq_dim(layout)
+        self._group, self._rank, self._size = group, rank, size
+        self._pending: Optional[tuple[Transfer, int]] = None
+        self.bytes_sent = self.received = 0
+
+    def for_block(self, i: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+        if i == 0:
+            return self._own
+        return tuple(torch.zeros(t.shape, dtype=torch.float32, device=t.device) for t in (k, v))
+
+    def pass_on(self, i: int, last: int, held: tuple[Tensor, Tensor]) -> float:
+        """After step ``i``: the previous step's returns added, this step's posted; seconds blocked."""
+        waited = self._settle()
+        if i == 0:
+            return waited
+        back, coming = self._plan.recv[i], self._plan.send[i]
+        sending = [t if back.index is None else t.index_select(self._dim, back.index)
+                   for t in held] if back.count else []
+        receiving = [torch.empty(with_length(t, self._layout, coming.count), dtype=torch.float32, device=t.device)
+                     for t in self._own] if coming.count else []
+        transfer = Transfer(sending, (self._rank - i) % self._size, receiving, (self._rank + i) % self._size,
+                            self._group, TAG_DKV)
+        self.bytes_sent += transfer.nbytes
+        self.received += transfer.received_bytes
+        self._pending = (transfer, i)
+        return waited
+
+    def _settle(self) -> float:
+        if self._pending is None:
+            return 0.0
+        (transfer, i), self._pending = self._pending, None
+        started = time.perf_counter()
+        partials = transfer.wait()
+        waited = time.perf_counter() - started
+        rows = self._plan.send[i]
+        for acc, got in zip(self._own, partials):
+            if rows.index is None:
+                acc.add_(got)
+            else:
+                acc.index_add_(self._dim, rows.index, got)
+        return waited
+
+    def drain(self) -> None:
+        if self._pending is not None:
+            (transfer, _), self._pending = self._pending, None
+            transfer.drain()
+
+    def home(self) -> tuple[Tensor, Tensor]:
+        self._settle()
+        return self._own
+
+
 def backward_ring(k: Tensor, v: Tensor, lengths: list, layout: str, last: int, compute, add_rows, *, group,
-                  rank: int, size: int) -> tuple[Tensor, Tensor, int, float, float]:
-    """Steps 0..``last`` of a backward ring: the K/V blocks travel round as in ``forward_ring``;
+                  rank: int, size: int, exchange: Optional[ExchangePlan] = None,
+                  direct: bool = True) -> tuple[Tensor, Tensor, Traffic, float, float]:
+    """Steps 0..``last`` of a backward ring: the K/V rows arrive as in ``forward_ring``;
     ``compute(i, cur_k, cur_v) -> [(where, dk, dv)]`` computes step i, whose gradients
     ``add_rows(accumulator, where, grad)`` adds into the held block's float32 accumulators,
-    which then move on with their block, and home after the last step. Returns (this rank's
-    own block's dK and dV accumulators, bytes sent, compute seconds, seconds blocked on a
-    receive)."""
-
-    accumulators = _GradAccumulators(group, rank, size)
-    bytes_sent = 0
+    which then go back to the block's owner (the direct exchange: the rows received, straight
+    back; the ring: with their block, home after the last step). Returns (this rank's own
+    block's dK and dV accumulators, the traffic, compute seconds, seconds blocked on a receive)."""
+    where = dict(group=group, rank=rank, size=size)
+    kv = _kv_blocks(k, v, lengths, layout, exchange if direct else None, **where)
+    accumulators = (_GradReturns(k, v, layout, exchange, **where) if direct and exchange is not None
+                    else _GradAccumulators(kv, **where))
+    traffic = Traffic()
     compute_s = wait_s = 0.0
-    kv = _KVTravel(k, v, lengths, layout, group=group, rank=rank, size=size)
     try:
         for i in range(last + 1):
             cur_k, cur_v = kv.current
-            bytes_sent += kv.post_next(i, last)
+            traffic.sent += kv.post_next(i, last)
             started = time.perf_counter()
             kv_grads = compute(i, cur_k, cur_v)
             computed = time.perf_counter()
-            dk_acc, dv_acc = accumulators.for_block(cur_k, cur_v)
+            held = accumulators.for_block(i, cur_k, cur_v)
             received = time.perf_counter()
-            for where, dk_i, dv_i in kv_grads:
-                add_rows(dk_acc, where, dk_i)
-                add_rows(dv_acc, where, dv_i)
-            del dk_acc, dv_acc, kv_grads
-            shift = 1 if i < last else size - last
-            accumulators.pass_on(shift, kv.block_shapes((rank - shift - i) % size))  # the block it holds
+            for at, dk_i, dv_i in kv_grads:
+                add_rows(held[0], at, dk_i)
+                add_rows(held[1], at, dv_i)
+            del kv_grads
+            blocked = accumulators.pass_on(i, last, held)
             passed = time.perf_counter()
-            compute_s += (computed - started) + (passed - received)
-            wait_s += received - computed
-            del cur_k, cur_v
+            compute_s += (computed - started) + (passed - received) - blocked
+            wait_s += (received - computed) + blocked
+            del cur_k, cur_v, held
             wait_s += kv.advance()
     except BaseException:
         kv.drain()
@@ -218,7 +413,11 @@ def backward_ring(k: Tensor, v: Tensor, lengths: list, layout: str, last: int, c
     homed = time.perf_counter()
     dk, dv = accumulators.home()
     wait_s += time.perf_counter() - homed
-    return dk, dv, bytes_sent + accumulators.bytes_sent, compute_s, wait_s
+    traffic.sent += accumulators.bytes_sent
+    traffic.received = kv.received + accumulators.received
+    if exchange is not None:
+        _bounds(traffic, exchange, k, v, layout, backward=True)
+    return dk, dv, traffic, compute_s, wait_s
 
 
 def check_steps(steps: list[RingStep], rank: int, size: int, expected: int) -> None:

@@ -31,7 +31,7 @@ from ..kernels.base import StepMask
 from ..npu_ops import INT_MAX
 from ..plan import MaskSpec
 
-__all__ = ["BlockTask", "step_part", "plan_step", "hops_needed", "chunks", "positions", "PARTS"]
+__all__ = ["BlockTask", "step_part", "plan_step", "hops_needed", "chunks", "positions", "given_columns", "PARTS"]
 
 PARTS = ("causal", "full", "q_tail", "kv_head", "band", "masked", "skip")
 
@@ -118,6 +118,20 @@ def _given_task(mask_rows: Tensor, q_chunk, kv_chunk, spec: MaskSpec) -> Optiona
     if not bool(masked.any()):
         return BlockTask(rows, cols, _NONE)
     return BlockTask(rows, cols, StepMask("given", block=masked.contiguous()))
+
+
+def given_columns(mask_rows: Tensor, spec: MaskSpec, q_pos: Tensor, total: int) -> Tensor:
+    """bool [total] on the host: the global keys some of this rank's queries may attend to under a
+    given mask (``mask_rows``: its rows at the global query positions ``q_pos``, True = masked
+    out; the band of ``sparse_mode=0`` folded in). One host read per call: the need set of the
+    direct exchange depends on the mask's values."""
+    rows = mask_rows.shape[-2]
+    allowed = ~mask_rows.bool().reshape(-1, rows, mask_rows.shape[-1]).all(0)
+    if spec.window:
+        i = q_pos.to(allowed.device).view(-1, 1)
+        j = torch.arange(total, device=allowed.device).view(1, -1)
+        allowed = allowed & (j - i <= spec.next_tockens) & (i - j <= spec.pre_tockens)
+    return allowed.any(0).cpu()
 
 
 def plan_step(rank: int, index: int, world_size: int, load_balance: bool, spec: MaskSpec,

@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-__all__ = ["own_group", "group_info", "Exchange", "Rotation", "TAG_KV", "TAG_DKV", "exchange_heads", "own_storage",
+__all__ = ["own_group", "group_info", "Exchange", "Transfer", "Rotation", "TAG_KV", "TAG_DKV", "exchange_heads", "own_storage",
            "SideGroup", "side_group"]
 
 
@@ -75,6 +75,35 @@ class Exchange:
         self._works = None  # drop every reference to the sent and received buffers
         recv, self.recv = self.recv, None
         return recv
+
+
+class Transfer:
+    """One point-to-point stage of the direct exchange: ``send`` to group rank ``to`` and receive
+    into ``recv`` from group rank ``source`` (either list may be empty: no operation for it; the
+    j-th tensor of each side uses tag ``tag + j``)."""
+
+    def __init__(self, send: list[Tensor], to: int, recv: list[Tensor], source: int, group, tag: int):
+        ops = [dist.P2POp(dist.isend, t, dist.get_global_rank(group, to), group, tag + j) for j, t in enumerate(send)]
+        ops += [dist.P2POp(dist.irecv, r, dist.get_global_rank(group, source), group, tag + j)
+                for j, r in enumerate(recv)]
+        self.nbytes = sum(t.nbytes for t in send)
+        self.received_bytes = sum(t.nbytes for t in recv)
+        self.recv, self._sent = recv, send  # kept until the sends complete
+        self._works = dist.batch_isend_irecv(ops) if ops else []
+
+    def wait(self) -> list[Tensor]:
+        works, self._works = self._works, []
+        for w in works:
+            w.wait()
+        recv, self.recv, self._sent = self.recv, None, None
+        return recv
+
+    def drain(self) -> None:
+        """Wait, dropping errors (after an error on this rank: see ``Rotation.drain``)."""
+        try:
+            self.wait()
+        except Exception:  # noqa: BLE001 - the original error is the one raised
+            pass
 
 
 class Rotation:

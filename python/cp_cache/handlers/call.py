@@ -135,8 +135,9 @@ def _prepare_packed(a: dict[str, Any], cp: CPConfig, scale: float) -> Call:
 
 
 def _execution(cp: CPConfig) -> dict:
-    """The step kernel and the merge this process runs with."""
-    return dict(kernel=get_kernel(cp.kernel).name, fused_merge=cp.fused_merge and fused_merge_available())
+    """The step kernel, the merge and the ring's exchange this process runs with."""
+    return dict(kernel=get_kernel(cp.kernel).name, fused_merge=cp.fused_merge and fused_merge_available(),
+                exchange=cp.exchange)
 
 
 def _algorithm(a: dict[str, Any], layout: str, spec: MaskSpec, sharding: CPSharding, configured: str,

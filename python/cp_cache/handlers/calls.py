@@ -1,10 +1,12 @@
-"""Per-call measurements of the CP handlers (bytes sent, time), read by ``cp_cache.call_stats()``."""
+"""Per-call measurements of the CP handlers (bytes sent and received, their lower bounds, time), read by
+``cp_cache.call_stats()``."""
 
 from __future__ import annotations
 
 import threading
 import time
 from dataclasses import asdict, dataclass
+from typing import Optional
 
 __all__ = ["CallRecord", "CallLog", "CALL_LOG"]
 
@@ -14,6 +16,12 @@ class CallRecord:
     """What the last call of one direction cost on this process."""
 
     bytes_sent: int = 0
+    bytes_received: int = 0
+    # the least this rank must send / receive for the call's mask (the K/V rows other ranks'
+    # queries may attend to; backward: those again and their float32 dK/dV partials back);
+    # None where no ring ran alone (Ulysses, hybrid: their all-to-alls have no such bound)
+    bytes_lower_bound: Optional[int] = None
+    bytes_received_lower_bound: Optional[int] = None
     handler_seconds: float = 0.0  # whole handler, ring included
     ring_seconds: float = 0.0  # kernels and communication
     compute_seconds: float = 0.0  # inside the ring: kernels, merges, accumulation
@@ -48,6 +56,9 @@ class CallLog:
         with self._lock:
             record = self._records[direction]
             record.bytes_sent = result.bytes_sent
+            record.bytes_received = result.bytes_received
+            record.bytes_lower_bound = result.bytes_lower_bound
+            record.bytes_received_lower_bound = result.bytes_received_lower_bound
             record.handler_seconds = handler_seconds
             record.ring_seconds = ring_seconds
             record.compute_seconds = result.compute_seconds
@@ -62,7 +73,8 @@ class CallLog:
             self._records[direction].handler_seconds = time.perf_counter() - started
 
     def snapshot(self) -> dict[str, dict]:
-        """{"forward": {...}, "backward": {...}} with bytes_sent, handler_seconds, ring_seconds,
+        """{"forward": {...}, "backward": {...}} with bytes_sent, bytes_received, their lower bounds
+        (bytes_lower_bound, bytes_received_lower_bound), handler_seconds, ring_seconds,
         overhead_seconds, compute_seconds, wait_seconds, exposed_fraction, fused_merge and
         calls of each direction."""
         with self._lock:

@@ -21,7 +21,9 @@ class SentCounter:
     (input bytes x (W-1), i.e. (W-1)/W of the gathered output),
     ``all_to_all``/``all_to_all_single`` (classic and functional; the parts addressed to other
     ranks; the functional ``permute_tensor`` that torch's ring uses goes through it).
-    Set ``phase`` to also sum by phase (``by_phase``, ``calls_by_phase``).
+    Set ``phase`` to also sum by phase (``by_phase``, ``calls_by_phase``). The bytes received by
+    point-to-point calls (``recv``/``irecv``) are summed apart: ``received``,
+    ``received_by_phase``.
     """
 
     def __init__(self):
@@ -30,6 +32,8 @@ class SentCounter:
         self.phase: str | None = None
         self.by_phase: dict[str, int] = {}
         self.calls_by_phase: dict[str, dict[str, int]] = {}
+        self.received = 0
+        self.received_by_phase: dict[str, int] = {}
         self._saved: list = []
 
     def _add(self, name: str, n: int) -> None:
@@ -44,6 +48,11 @@ class SentCounter:
 
     def _count_p2p(self, tensor, *a, **k):
         self._add("send", tensor.nbytes)
+
+    def _count_p2p_received(self, tensor, *a, **k):
+        self.received += tensor.nbytes
+        if self.phase is not None:
+            self.received_by_phase[self.phase] = self.received_by_phase.get(self.phase, 0) + tensor.nbytes
 
     def _count_all_gather(self, tensor_list, tensor, group=None, *a, **k):
         self._add("all_gather", tensor.nbytes * (_group_size(group) - 1))
@@ -82,9 +91,11 @@ class SentCounter:
         import torch.distributed._functional_collectives as ft_c
         import torch.distributed.distributed_c10d as c10d
 
-        # isend and send: the same wrapper in both namespaces (P2POp checks op is c10d.isend)
-        for name in ("isend", "send"):
-            wrapper = self._wrap(c10d, name, self._count_p2p)
+        # isend and send (irecv, recv): the same wrapper in both namespaces (P2POp checks op is
+        # c10d.isend or c10d.irecv)
+        for name in ("isend", "send", "irecv", "recv"):
+            count = self._count_p2p if name.endswith("send") else self._count_p2p_received
+            wrapper = self._wrap(c10d, name, count)
             self._saved.append((dist, name, getattr(dist, name)))
             setattr(c10d, name, wrapper)
             setattr(dist, name, wrapper)
