@@ -169,7 +169,9 @@ class _KVDirect:
     """The direct exchange of K/V rows (``ExchangePlan``): before step i's compute, stage i+1
     sends rank r+i+1 the rows of this rank's block it needs and receives from rank r-i-1 the
     rows this rank needs of that block. At step i the current block is rank (r - i) % W's, of
-    its shape: the rows received in place, zeros in the rows none of this rank's queries read."""
+    its shape, with the rows received in place; its other rows are never read (every query of
+    this rank is masked there): zeros, or what the buffer held before. Two block buffers
+    serve every stage, as in the ring."""
 
     def __init__(self, k: Tensor, v: Tensor, lengths: list, layout: str, exchange: ExchangePlan, *, group,
                  rank: int, size: int):
@@ -180,10 +182,18 @@ class _KVDirect:
         self._group, self._rank, self._size = group, rank, size
         self._transfer: Optional[Transfer] = None
         self._stage = 0
+        self._spare: Optional[list[Tensor]] = None  # a block buffer not in use
+        self._buffered = False  # whether ``current`` is one of the two block buffers
         self.received = 0
 
     def block_shapes(self, source: int) -> list[torch.Size]:
         return [with_length(t, self._layout, self._lengths[source][1]) for t in self._own]
+
+    def _buffers(self, shapes: list[torch.Size]) -> list[Tensor]:
+        spare, self._spare = self._spare, None
+        if spare is not None and [t.shape for t in spare] == shapes:
+            return spare
+        return [torch.zeros(shape, dtype=t.dtype, device=t.device) for t, shape in zip(self._own, shapes)]
 
     def post_next(self, i: int, last: int) -> int:
         """Before step ``i``'s compute: post stage i+1 (none after the ``last`` step); bytes sent."""
@@ -193,8 +203,13 @@ class _KVDirect:
         send, recv = self._plan.send[stage], self._plan.recv[stage]
         sending = [t if send.index is None else t.index_select(self._dim, send.index)
                    for t in self._own] if send.count else []
-        receiving = [torch.empty(with_length(t, self._layout, recv.count), dtype=t.dtype, device=t.device)
-                     for t in self._own] if recv.count else []
+        if not recv.count:
+            receiving = []
+        elif recv.index is None:  # the whole block: straight into a block buffer
+            receiving = self._buffers(self.block_shapes((self._rank - stage) % self._size))
+        else:
+            receiving = [torch.empty(with_length(t, self._layout, recv.count), dtype=t.dtype, device=t.device)
+                         for t in self._own]
         self._transfer = Transfer(sending, (self._rank + stage) % self._size, receiving,
                                   (self._rank - stage) % self._size, self._group, TAG_KV)
         self._stage = stage
@@ -209,19 +224,22 @@ class _KVDirect:
         transfer, self._transfer = self._transfer, None
         received = transfer.wait()
         waited = time.perf_counter() - started
-        self.current = self._block(received)
+        block, buffered = self._block(received)
+        if self._buffered:
+            self._spare = self.current
+        self.current, self._buffered = block, buffered
         return waited
 
-    def _block(self, received: list[Tensor]) -> list[Tensor]:
-        """The block of the stage's source with the ``received`` rows in place."""
+    def _block(self, received: list[Tensor]) -> tuple[list[Tensor], bool]:
+        """The block of the stage's source with the ``received`` rows in place; whether it is a
+        block buffer."""
         rows = self._plan.recv[self._stage]
         shapes = self.block_shapes((self._rank - self._stage) % self._size)
         if rows.count and rows.index is None:
-            return received
-        if not rows.count:  # nothing of that block is read: zeros without memory
-            return [t.new_zeros(()).expand(shape) for t, shape in zip(self._own, shapes)]
-        return [t.new_zeros(shape).index_copy_(self._dim, rows.index, got)
-                for t, shape, got in zip(self._own, shapes, received)]
+            return received, True
+        if not rows.count:  # no query of this rank reads that block: zeros without memory
+            return [t.new_zeros(()).expand(shape) for t, shape in zip(self._own, shapes)], False
+        return [buf.index_copy_(self._dim, rows.index, got) for buf, got in zip(self._buffers(shapes), received)], True
 
     def drain(self) -> None:
         if self._transfer is not None:
@@ -323,12 +341,22 @@ class _GradReturns:
         self._plan, self._layout, self._dim = exchange.on(k.device), layout, L.seq_dim(layout)
         self._group, self._rank, self._size = group, rank, size
         self._pending: Optional[tuple[Transfer, int]] = None
+        self._partials: list[Optional[tuple[Tensor, Tensor]]] = [None, None]
         self.bytes_sent = self.received = 0
 
     def for_block(self, i: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+        """Step 0: this rank's own accumulators; step i > 0: zeros of the held block's shape, in
+        one of two buffers (the other may still be on its way back)."""
         if i == 0:
             return self._own
-        return tuple(torch.zeros(t.shape, dtype=torch.float32, device=t.device) for t in (k, v))
+        held = self._partials[i % 2]
+        if held is None or [t.shape for t in held] != [k.shape, v.shape]:
+            held = tuple(torch.zeros(t.shape, dtype=torch.float32, device=t.device) for t in (k, v))
+            self._partials[i % 2] = held
+        else:
+            for t in held:
+                t.zero_()
+        return held
 
     def pass_on(self, i: int, last: int, held: tuple[Tensor, Tensor]) -> float:
         """After step ``i``: the previous step's returns added, this step's posted; seconds blocked."""
