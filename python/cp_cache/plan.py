@@ -254,11 +254,12 @@ def ulysses_degree(algorithm: str, cp_sizes: Sequence[int]) -> int:
 
 
 def bytes_per_rank(algorithm: str, *, nq: int, nkv: int, world: int, batch: int, local_seq: int,
-                   head_dim: int, itemsize: int) -> int:
+                   head_dim: int, itemsize: int, exchange: str = "direct") -> int:
     """Bytes one rank sends for one attention call, forward plus backward, with full attention
-    (what ``call_stats()`` reports; a causal ring skips no transfer either).
+    (what ``call_stats()`` reports; other masks let the direct exchange send less).
 
-    ring: forward W-1 K/V blocks; backward W-1 K/V blocks and W float32 dK/dV blocks.
+    ring: forward W-1 K/V blocks; backward W-1 K/V blocks and W-1 float32 dK/dV blocks (each
+    partial straight back to its owner; ``exchange="ring"``: W, the accumulators travel home).
     ulysses: the (W-1)/W share not kept of q, k, v (K/V repeated when Nkv < W) and of the
     output and LSE (forward); of q, k, v, output, output gradient, LSE, and dq, dk, dv
     (backward).
@@ -268,7 +269,8 @@ def bytes_per_rank(algorithm: str, *, nq: int, nkv: int, world: int, batch: int,
     token = batch * local_seq * head_dim
     kv = 2 * nkv * token
     if algorithm == "ring":
-        return (world - 1) * kv * itemsize + (world - 1) * kv * itemsize + world * kv * 4
+        returns = world if exchange == "ring" else world - 1
+        return (world - 1) * kv * itemsize + (world - 1) * kv * itemsize + returns * kv * 4
     if algorithm == "ulysses":
         split = head_plan(nq, nkv, world)
         kv_sent = 2 * nkv * split.kv_repeats * token
@@ -288,7 +290,7 @@ def choose_algorithm(*, nq: int, nkv: int, world: int, given_mask: bool, batch: 
     fewer bytes per rank than the ring for this call's shapes (``bytes_per_rank``: apart from
     the small LSE, only the head counts and W matter); the ring otherwise, ties included (the
     ring hides its transfers behind the step kernels, Ulysses' all-to-alls are not hidden).
-    For MHA that is Ulysses from W = 2 up (the ring's backward sends W float32 dK/dV blocks);
+    For MHA that is Ulysses from W = 2 up (the ring's backward sends W-1 float32 dK/dV blocks);
     for GQA with few K/V heads, the ring.
     """
     if world == 1 or given_mask:

@@ -58,12 +58,20 @@ def test_bench_quick_writes_json_and_png(tmp_path):
     report = json.loads((tmp_path / "bench.json").read_text())
     assert (tmp_path / "bench.png").stat().st_size > 10_000
     assert f"written: {tmp_path / 'bench.json'}" in proc.stdout
-    for key in ("memory", "calls", "accuracy", "store", "torch_npu_formula"):
+    for key in ("memory", "calls", "accuracy", "traffic", "traffic_summary", "store", "torch_npu_formula"):
         assert key in report, key
+    assert (tmp_path / "bench_traffic.png").stat().st_size > 10_000
     handle_ckpt = [r for r in report["memory"] if r["policy"] == "handle" and r["checkpoint"] == "non_reentrant"]
     assert handle_ckpt and all(r["held_entries"] == 0 for r in handle_ckpt)
     for r in report["calls"]:
-        assert r["fwd_bytes_sent"] == r["ring_minimum_bytes"], r  # forward sends each K/V block once
+        # forward sends each other rank the K/V rows its queries may attend to, once
+        assert r["fwd_bytes_sent"] == r["fwd_bytes_lower_bound"] <= r["ring_minimum_bytes"], r
+    for c in report["traffic_summary"]:  # bytes received at the mask's lower bound
+        if c["exchange"] == "direct":
+            assert c["fwd_total_ratio"] == c["fwd_busiest_ratio"] == 1.0, c
+    for r in report["traffic"]:  # the bound cp_cache reports is the one computed from the mask
+        if r["exchange"] == "direct":
+            assert r["fwd_reported_received_bound"] == r["bound_received"] == r["fwd_received"], r
     bound = _accuracy_bound(report["meta"]["plan"]["attn"])
     assert all(r["out_max_abs"] <= bound for r in report["accuracy"] if r["dtype"] == "float32"), bound
 

@@ -21,6 +21,7 @@ from cp_cache.testing.reference import (
     case_bounds,
     case_dense,
     case_positions,
+    exchanged_rows,
     full_inputs,
     gather,
     keep_mask,
@@ -148,6 +149,7 @@ def _run_case(case: Case, rank: int, world: int, mesh) -> dict:
     forward = cp_cache.call_stats()["forward"]
     res: dict = {"fwd_calls": forward["calls"] - calls,
                  "fwd_bytes": forward["bytes_sent"],
+                 "fwd_bound": forward["bytes_lower_bound"],
                  "block_bytes": kl.nbytes + vl.nbytes,
                  "live_after_forward": cp_cache.stats()["live_entries"]}
     res["types"] = [type(o).__name__ for o in out]
@@ -172,6 +174,7 @@ def _run_case(case: Case, rank: int, world: int, mesh) -> dict:
     backward = cp_cache.call_stats()["backward"]
     res["bwd_calls"] = backward["calls"] - calls
     res["bwd_bytes"] = backward["bytes_sent"]
+    res["bwd_bound"] = backward["bytes_lower_bound"]
     res["grad_types"] = [type(t.grad).__name__ for t in (qd, kd, vd)]
     res["grad_placements"] = [tuple(t.grad.placements) for t in (qd, kd, vd)]
     res["dq"], res["dk"], res["dv"] = (t.grad.to_local().detach() for t in (qd, kd, vd))
@@ -384,19 +387,22 @@ def test_outputs_are_dtensors_with_query_placements(world):
 
 
 @pytest.mark.parametrize("world", WORLDS)
-def test_bytes_sent_is_ring_minimum(world):
-    """Forward sends (W-1) local K/V blocks (GQA: the Nkv-head blocks, not repeated); backward
-    adds W float32 dK/dV blocks."""
-    for r, res in enumerate(_results(world)):
-        for case in CASES:
+def test_bytes_sent_are_the_rows_others_need(world):
+    """Forward sends each other rank the rows of its K/V block that rank's queries may attend to
+    (GQA: the Nkv-head rows, not repeated), counted here from the causal mask; backward sends them
+    again plus the float32 dK/dV partials of the rows it received; call_stats reports these as
+    the lower bounds."""
+    for case in CASES:
+        seq = case.s_local * world
+        masked = torch.ones(seq, seq, dtype=torch.bool).triu(1) if case.causal else torch.zeros(seq, seq).bool()
+        sent, received = exchanged_rows(masked, [case_positions(case, world, r) for r in range(world)])
+        for r, res in enumerate(_results(world)):
             rr = res[case.name]
-            B, S, D = case.B, case.s_local, case.D
             item = torch.empty((), dtype=case.torch_dtype).element_size()
-            block = 2 * B * case.nkv * S * D * item
-            assert rr["block_bytes"] == block
-            assert rr["fwd_bytes"] == (world - 1) * block, (case.name, r, rr["fwd_bytes"])
-            dkv = block // item * 4
-            assert rr["bwd_bytes"] == (world - 1) * block + (world * dkv if world > 1 else 0), case.name
+            row = 2 * case.B * case.nkv * case.D * item
+            assert rr["block_bytes"] == row * case.s_local
+            assert rr["fwd_bytes"] == sent[r] * row == rr["fwd_bound"], (case.name, r, rr["fwd_bytes"], sent[r])
+            assert rr["bwd_bytes"] == sent[r] * row + received[r] * row // item * 4 == rr["bwd_bound"], case.name
 
 
 @pytest.mark.parametrize("world", WORLDS)

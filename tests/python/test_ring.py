@@ -221,19 +221,33 @@ def test_ring_matches_dense(world, case):
         assert err <= bound[key], f"{case.name} W={world} {key}: relative error {err:.3g} > {bound[key]:.3g}"
 
 
+def _blocks_exchanged(case: Case, rank: int, world: int) -> tuple[float, float]:
+    """(blocks of K/V this rank sends, blocks it receives) under the direct exchange."""
+    if not case.causal:
+        return world - 1, world - 1
+    if not case.load_balance:  # rank r's block is wholly before ranks > r
+        return world - 1 - rank, rank
+    # head-tail: ranks p < r see all of r's block (their tail chunk comes after both of r's),
+    # ranks p > r its head chunk only; r sees the head chunk of each p < r, all of each p > r
+    return rank + (world - 1 - rank) / 2, rank / 2 + (world - 1 - rank)
+
+
 @pytest.mark.parametrize("world", WORLDS)
 def test_bytes_and_liveness(world):
-    """Forward sends exactly (W-1) K/V blocks; backward adds W float32 dK/dV blocks; <= 2 blocks alive."""
+    """Forward sends each other rank the rows of its K/V block that rank needs: full attention
+    every row, causal on contiguous shards whole blocks to the later ranks, causal head-tail whole
+    blocks to the earlier ranks and the head half to the later ones; backward sends them again
+    plus the float32 dK/dV partials of the rows it received; <= 2 blocks alive."""
     results = _results(world)
     for case in CASES:
         for r, res in enumerate(results):
             rr = res[case.name]
             block = rr["block_bytes"]
-            assert rr["fwd_bytes"] == (world - 1) * block, (case.name, r)
+            sent, received = _blocks_exchanged(case, r, world)
+            assert rr["fwd_bytes"] == sent * block, (case.name, r, rr["fwd_bytes"], sent)
             item = torch.empty((), dtype=case.torch_dtype).element_size()
             dkv = block // item * 4
-            expect_bwd = (world - 1) * block + (world * dkv if world > 1 else 0)
-            assert rr["bwd_bytes"] == expect_bwd, (case.name, r)
+            assert rr["bwd_bytes"] == sent * block + received * dkv, (case.name, r)
             # the caller keeps its own block; besides it two receive buffers serve every hop:
             # the block being computed and the one being received into (a block sent earlier)
             assert rr["max_alive"] <= 2, (case.name, r, rr["max_alive"])

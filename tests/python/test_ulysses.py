@@ -706,7 +706,7 @@ def test_memory_floor_output_plus_lse(world):
 def test_auto_rule():
     from cp_cache.plan import bytes_per_rank, choose_algorithm
 
-    for world in (2, 4, 8):  # MHA: Ulysses (the ring's backward sends W float32 dK/dV blocks)
+    for world in (2, 4, 8):  # MHA: Ulysses (the ring's backward sends W-1 float32 dK/dV blocks)
         assert choose_algorithm(nq=8, nkv=8, world=world, given_mask=False) == "ulysses"
     assert choose_algorithm(nq=8, nkv=8, world=1, given_mask=False) == "ring"
     assert choose_algorithm(nq=6, nkv=6, world=4, given_mask=False) == "ring"  # heads do not split
@@ -714,7 +714,8 @@ def test_auto_rule():
     assert choose_algorithm(nq=32, nkv=4, world=4, given_mask=False) == "ring"  # few K/V heads: ring
     assert choose_algorithm(nq=32, nkv=16, world=4, given_mask=False) == "ulysses"
     shape = dict(nq=32, nkv=4, world=4, batch=1, local_seq=1, head_dim=128, itemsize=2)
-    assert bytes_per_rank("ring", **shape) == 224 * 128 * 2 // 2  # 3 * 2 blocks bf16 + 4 float32 dK/dV
+    assert bytes_per_rank("ring", **shape) == 192 * 128  # 3 * 2 blocks bf16 + 3 float32 dK/dV
+    assert bytes_per_rank("ring", exchange="ring", **shape) == 224 * 128  # whole-block ring: 4 float32 dK/dV
     assert bytes_per_rank("ulysses", **shape) > bytes_per_rank("ring", **shape)
 
 

@@ -2,7 +2,7 @@
 against dense float64 at W = 1, 2, 4: windows smaller than, equal to and larger than the local
 length, with and without load balancing, GQA; random masks (with and without fully masked
 rows), bool and uint8, [S, S] / [B, 1, S, S] / [B, N, S, S], replicated or sharded on the query
-dimension; sparse_mode 0 with a band; bytes sent against the hops predicted; dropout by a
+dimension; sparse_mode 0 with a band; bytes sent against the rows other ranks need (the direct exchange); dropout by a
 directional-derivative check; and the emulator's sparse_mode 4 pinned to the band rule.
 """
 
@@ -20,7 +20,7 @@ from cp_cache.engine.steps import hops_needed, plan_step
 from cp_cache.plan import MaskSpec
 from cp_cache.testing import install_npu_emulator
 from cp_cache.testing.multiprocess import run_ranks
-from cp_cache.testing.reference import band_masked, dense_attention, error_bound, rank_positions
+from cp_cache.testing.reference import band_masked, dense_attention, error_bound, exchanged_rows, rank_positions
 
 WORLDS = (1, 2, 4)
 B, N, D, S_LOCAL = 2, 4, 8, 8
@@ -202,23 +202,22 @@ def test_matches_dense_float64(world, case):
         assert res[case.name]["live"] == 0
 
 
-def _predicted_hops(case: MaskCase, world: int) -> int:
-    """A causal window of w = pre + 1 tokens with contiguous shards needs ceil((w-1)/S_local)
-    hops; everything else goes all the way round."""
-    if case.sparse_mode == 4 and case.nxt == 0 and not case.lb:
-        return min(world - 1, -(-case.pre // S_LOCAL))
-    return world - 1
-
-
 @pytest.mark.parametrize("world", WORLDS)
-def test_bytes_sent_follow_the_window(world):
-    for rank, res in enumerate(_results(world)):
-        for case in CASES:
+def test_bytes_sent_are_the_rows_others_need(world):
+    """Each rank sends the rows of its K/V block that other ranks' queries may attend to (the
+    band, the given mask, both), counted here from the mask: never more than the whole-block
+    ring's (W-1) blocks, and for a window on contiguous shards only the band's reach."""
+    for case in CASES:
+        held = [rank_positions(world, r, S_LOCAL, case.lb) for r in range(world)]
+        _, _, _, _, given = _inputs(case, world)
+        masked = _reference_mask(case, world, given)
+        sent, _ = exchanged_rows(torch.zeros(S_LOCAL * world, S_LOCAL * world, dtype=torch.bool) if masked is None
+                                 else masked.reshape(-1, *masked.shape[-2:]).all(0), held)
+        for rank, res in enumerate(_results(world)):
             rr = res[case.name]
-            if case.sparse_mode == 4 and case.nxt == 0 or case.given:
-                assert rr["fwd_bytes"] == _predicted_hops(case, world) * rr["block_bytes"], (case.name, rank)
-            else:
-                assert rr["fwd_bytes"] <= (world - 1) * rr["block_bytes"], (case.name, rank)
+            row = rr["block_bytes"] // S_LOCAL
+            assert rr["fwd_bytes"] == sent[rank] * row, (case.name, rank, rr["fwd_bytes"], sent[rank] * row)
+            assert rr["fwd_bytes"] <= (world - 1) * rr["block_bytes"], (case.name, rank)
 
 
 def test_window_hops_closed_form():

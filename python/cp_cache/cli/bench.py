@@ -9,8 +9,11 @@ Sections (``--only`` picks some):
   (computed from the shapes; formula in the JSON);
 * ``overhead``: per attention call, the handler's own time (``cp_cache.call_stats()``'s
   overhead_seconds: handler time minus kernels and communication) against the ring time, W = 1, 2, 4;
-* ``traffic``: bytes sent per rank per call, forward and backward, against the ring
-  minimum (W-1) * (K + V block bytes), with and without GQA;
+* ``traffic``: K/V bytes each rank receives per call, forward and backward, against the
+  mask's lower bound and against the whole-block ring, for causal attention, windows,
+  given masks and packed documents at the largest W, with the exposed communication and the
+  time per call (``cli/bench_traffic.py``; also ``bench_traffic.png``); the ``overhead``
+  rows also carry each call's bytes sent and its lower bound, with and without GQA;
 * ``accuracy``: max error of output and gradients versus a float64 dense reference,
   fp32 and bf16, against W;
 * ``windows``: band (sliding-window) attention at the largest W: bytes sent and time per
@@ -76,7 +79,7 @@ def _plan(quick: bool, worlds: list[int] | None) -> dict:
             floor=dict(batch=1, heads=4, seq=128, head_dim=16),
             comm_bound=dict(batch=1, heads=4, seq=16, head_dim=32),
             store=dict(number=2000, repeat=2),
-            agreement=dict(calls=50),
+            agreement=dict(calls=50), traffic=dict(batch=1, heads=4, head_dim=16, seq=128),
             varlen=dict(tokens=256, heads=2, head_dim=16), varlen_balance=dict(tokens=4096, worlds=[2, 4]),
             algorithms=dict(batch=1, heads=4, kv_heads=[4, 2], seq=64, head_dim=16),
         )
@@ -88,7 +91,7 @@ def _plan(quick: bool, worlds: list[int] | None) -> dict:
         floor=dict(batch=1, heads=8, seq=4096, head_dim=64),
         comm_bound=dict(batch=1, heads=8, seq=32, head_dim=128),  # tiny blocks: the hops dominate
         store=dict(number=100_000, repeat=5),
-        agreement=dict(calls=500),
+        agreement=dict(calls=500), traffic=dict(batch=1, heads=4, head_dim=16, seq=128),
         varlen=dict(tokens=2048, heads=4, head_dim=32), varlen_balance=dict(tokens=65536, worlds=[2, 4, 8]),
         algorithms=dict(batch=1, heads=8, kv_heads=[8, 2], seq=1024, head_dim=64),
     )
@@ -194,6 +197,8 @@ def _overhead_traffic(plan: dict, rank: int, world_size: int, mesh) -> list[dict
                 gqa=kv_heads != a["heads"],
                 **{f"{k}_us_median": statistics.median(v) * 1e6 for k, v in samples.items()},
                 fwd_bytes_sent=calls["forward"]["bytes_sent"], bwd_bytes_sent=calls["backward"]["bytes_sent"],
+                fwd_bytes_lower_bound=calls["forward"]["bytes_lower_bound"],
+                bwd_bytes_lower_bound=calls["backward"]["bytes_lower_bound"],
                 ring_minimum_bytes=minimum, kv_block_bytes=2 * block,
             ))
     cp_cache.disable()
@@ -415,8 +420,12 @@ def bench_rank(rank: int, world_size: int, plan: dict, sections: list[str]) -> d
     out = dict(rank=rank, world_size=world_size, ops=ops, torch=torch.__version__)
     if "memory" in sections:
         out["memory"] = _memory(plan, rank, world_size, mesh)
-    if "overhead" in sections or "traffic" in sections:
+    if "overhead" in sections:
         out["calls"] = _overhead_traffic(plan, rank, world_size, mesh)
+    if "traffic" in sections and world_size == max(plan["worlds"]) and world_size > 1:
+        from .bench_traffic import traffic_rank
+
+        out["traffic"] = traffic_rank(plan, rank, world_size)
     if "accuracy" in sections:
         out["accuracy"] = _accuracy(plan, rank, world_size, mesh)
     if "floor" in sections:
@@ -507,7 +516,7 @@ def _print_calls(calls: list[dict] | None) -> None:
              fmt_bytes(r["fwd_bytes_sent"]), fmt_bytes(r["bwd_bytes_sent"]), fmt_bytes(r["ring_minimum_bytes"])]
             for r in calls if r["rank"] == 0]
     print(table(["W", "heads q/kv", "fwd overhead us", "fwd ring us", "bwd overhead us", "bwd ring us",
-                 "fwd sent", "bwd sent", "ring minimum"], rows))
+                 "fwd sent", "bwd sent", "whole-block ring fwd"], rows))
 
 
 def _print_accuracy(acc: list[dict] | None) -> None:
@@ -628,8 +637,13 @@ def _report(args: argparse.Namespace, plan: dict, sections: list[str], per_world
     )
     if "memory" in sections:
         report["memory"] = _collect(per_world, "memory")
-    if "overhead" in sections or "traffic" in sections:
+    if "overhead" in sections:
         report["calls"] = _collect(per_world, "calls", all_ranks=True)
+    if "traffic" in sections:
+        from .bench_traffic import summary
+
+        report["traffic"] = _collect(per_world, "traffic", all_ranks=True)
+        report["traffic_summary"] = summary(report["traffic"])
     if "accuracy" in sections:
         report["accuracy"] = _collect(per_world, "accuracy")
     if "windows" in sections:
@@ -666,6 +680,13 @@ def _publish(report: dict, out: Path) -> None:
         algorithms_png = out / "bench_algorithms.png"
         if plot_algorithms(report["algorithms"], algorithms_png):
             print(f"written: {algorithms_png}")
+    if report.get("traffic"):
+        from .bench_traffic import plot as plot_traffic, print_summary as print_traffic
+
+        print_traffic(report["traffic"])
+        traffic_png = out / "bench_traffic.png"
+        if plot_traffic(report["traffic"], traffic_png):
+            print(f"written: {traffic_png}")
     if report.get("windows"):
         windows_png = out / "bench_windows.png"
         if _plot_windows(report, windows_png):
@@ -718,7 +739,7 @@ def _plot_memory(ax, mem: list[dict]) -> None:
 
 
 def _plot_calls(ax_over, ax_traffic, calls: list[dict]) -> None:
-    """Handler overhead against ring time, and bytes sent against the ring minimum, over W."""
+    """Handler overhead against ring time, and bytes sent against the whole-block ring's, over W."""
     if not calls:
         return
     for gqa, marker in ((False, "o"), (True, "x")):
@@ -743,7 +764,7 @@ def _plot_calls(ax_over, ax_traffic, calls: list[dict]) -> None:
     ax_over.legend(fontsize=7)
     ax_traffic.set_xlabel("W")
     ax_traffic.set_ylabel("bytes sent / ((W-1) * K+V block bytes)")
-    ax_traffic.set_title("bytes sent per rank per call vs the ring minimum")
+    ax_traffic.set_title("bytes sent per rank per call vs the whole-block ring's forward")
     ax_traffic.legend(fontsize=8)
 
 

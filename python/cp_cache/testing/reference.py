@@ -143,6 +143,24 @@ def band_masked(seq: int, pre_tockens: int, next_tockens: int) -> torch.Tensor:
     return (j - i > next_tockens) | (i - j > pre_tockens)
 
 
+def exchanged_rows(masked: torch.Tensor, held: list[torch.Tensor]) -> tuple[list[int], list[int]]:
+    """(K/V rows each rank must send, rows each must receive) at the mask's lower bound: rank r
+    receives the keys it does not hold that some query it holds may attend to. ``masked``: the
+    [S, S] mask (True = masked out); ``held``: each rank's global positions."""
+    allowed = ~masked.bool()
+    owner = torch.empty(masked.size(-1), dtype=torch.int64)
+    for rank, pos in enumerate(held):
+        owner[pos] = rank
+    sent, received = [0] * len(held), [0] * len(held)
+    for rank, pos in enumerate(held):
+        needed = allowed.index_select(0, pos).any(0)
+        needed[pos] = False
+        received[rank] = int(needed.sum())
+        for source, count in enumerate(torch.bincount(owner[needed], minlength=len(held)).tolist()):
+            sent[source] += count
+    return sent, received
+
+
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     """max|a - b| / max|b| (b: the reference)."""
     return float((a - b).abs().max() / b.abs().max().clamp_min(1e-12))
