@@ -196,12 +196,14 @@ def test_ring_with_uneven_shards_matches_dense(world):
 
 @pytest.mark.parametrize("world", [2, 4])
 def test_ring_sends_blocks_of_their_own_size(world):
-    """Forward bytes: every block but the rank's last incoming one, at its own length."""
+    """Forward bytes: the rank's own block, at its own length, to every rank that needs it (full:
+    all others; causal on contiguous shards: the later ranks)."""
     for rank, res in enumerate(_results(world)):
         for (lengths, causal, layout), case in res["ring"].items():
             kv_heads = N if layout == "BNSD" else 2
-            sent = [lengths[(rank - i) % world] for i in range(world - 1)]  # the blocks this rank passes on
-            assert case["bytes_sent"] == 2 * B * kv_heads * D * 4 * sum(sent), (rank, lengths, case["bytes_sent"])
+            receivers = world - 1 - rank if causal else world - 1
+            assert case["bytes_sent"] == 2 * B * kv_heads * D * 4 * lengths[rank] * receivers, \
+                (rank, lengths, case["bytes_sent"])
 
 
 @pytest.mark.parametrize("world", [2, 4])
