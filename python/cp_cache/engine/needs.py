@@ -104,6 +104,9 @@ class StageRows:
             return StageRows(None, count)
         return StageRows(needed.nonzero().flatten(), count)
 
+    def on(self, device: torch.device) -> "StageRows":
+        return self if self.index is None else StageRows(self.index.to(device), self.count)
+
 
 @dataclass(frozen=True)
 class ExchangePlan:
@@ -126,8 +129,8 @@ class ExchangePlan:
         """The same plan with its indices on ``device`` (copied once per device)."""
         key = str(device)
         if key not in self._on_device:
-            move = lambda rows: StageRows(None if rows.index is None else rows.index.to(device), rows.count)  # noqa
-            self._on_device[key] = ExchangePlan(tuple(map(move, self.send)), tuple(map(move, self.recv)))
+            self._on_device[key] = ExchangePlan(tuple(rows.on(device) for rows in self.send),
+                                                tuple(rows.on(device) for rows in self.recv))
         return self._on_device[key]
 
 
