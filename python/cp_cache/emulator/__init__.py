@@ -27,6 +27,9 @@ Emulated semantics
 * layouts BNSD, BSND, BSH, SBH (BSH/SBH: ``H = N * D``; ``D = Hq / head_num``;
   the kv head count is ``Hkv / D``).  TND (packed segments, ``actual_seq_qlen`` /
   ``actual_seq_kvlen`` cumulative ends; statistics ``[T, N, 8]``): ``varlen_math``.
+* MLA: value's head size ``Dv`` may differ from query/key's ``D`` (BSH/SBH: value hidden
+  ``Nkv * Dv``); the output has ``Dv`` (BSH/SBH: ``Nq * Dv``), as torch_npu's meta functions
+  give it. Key and value agree on every other dim.
 * GQA: key/value may have ``Nkv`` heads with ``Nq % Nkv == 0``; query head ``h``
   uses kv head ``h // (Nq // Nkv)``; dk/dv are summed over each group.
 * ``scale`` multiplies ``Q K^T`` (op default 1.0).
@@ -69,7 +72,7 @@ Fully masked rows (every key masked): attention_out = 0, gradients 0,
 Raises ``NotImplementedError`` (naming the argument and its value) for pse,
 padding_mask, prefix, actual_seq_qlen/kvlen outside TND, sink, a non-empty softmax_layout,
 an explicit mask with TND and sparse modes 5..8; ``ValueError`` for bad inputs (rank for the
-layout, head_num mismatch, ``Nq % Nkv``, key/value shape, batch, head dim,
+layout, head_num mismatch, ``Nq % Nkv``, key/value shape (all but the head size), batch, head dim,
 keep_prob, unknown layout or sparse_mode, mask dtype/shape).
 
 With ``route_sdpa=True``, ``torch.nn.functional.scaled_dot_product_attention``

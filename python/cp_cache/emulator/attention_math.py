@@ -109,10 +109,13 @@ def _check_keep_prob(keep_prob: float) -> None:
 
 
 class _Dims:
-    __slots__ = ("B", "Nq", "Nkv", "Sq", "Skv", "D")
+    """The call's dims; ``D`` is Q/K's head size, ``Dv`` V's (and the output's): MLA, default ``D``."""
 
-    def __init__(self, B, Nq, Nkv, Sq, Skv, D):
+    __slots__ = ("B", "Nq", "Nkv", "Sq", "Skv", "D", "Dv")
+
+    def __init__(self, B, Nq, Nkv, Sq, Skv, D, Dv=None):
         self.B, self.Nq, self.Nkv, self.Sq, self.Skv, self.D = B, Nq, Nkv, Sq, Skv, D
+        self.Dv = D if Dv is None else Dv
 
 
 def op_dims(query, key, value, head_num: int, input_layout: str) -> _Dims:
@@ -125,11 +128,7 @@ def op_dims(query, key, value, head_num: int, input_layout: str) -> _Dims:
                 f"npu_fusion_attention: {name} must be {rank}-D for input_layout={input_layout!r}, "
                 f"got {t.dim()}-D shape {list(t.shape)}"
             )
-    if tuple(key.shape) != tuple(value.shape):
-        raise ValueError(
-            f"npu_fusion_attention: key and value must have the same shape, got key {list(key.shape)} "
-            f"and value {list(value.shape)}"
-        )
+    check_value_shape(key, value)
     if head_num <= 0:
         raise ValueError(f"npu_fusion_attention: head_num={head_num} must be positive")
     qs, ks = list(query.shape), list(key.shape)
@@ -158,6 +157,11 @@ def op_dims(query, key, value, head_num: int, input_layout: str) -> _Dims:
                 f"D={D} (= H_q {Hq} / head_num {head_num})"
             )
         Nkv, Dk = Hkv // D, D
+        if Nkv > 0 and value.size(2) % Nkv:
+            raise ValueError(
+                f"npu_fusion_attention: value hidden size H={value.size(2)} is not a multiple of the key/value "
+                f"head count Nkv={Nkv} (= key H {Hkv} / D {D})"
+            )
     if Nq != head_num:
         raise ValueError(
             f"npu_fusion_attention: head_num={head_num} does not match the query's head count {Nq} "
@@ -171,7 +175,17 @@ def op_dims(query, key, value, head_num: int, input_layout: str) -> _Dims:
         raise ValueError(
             f"npu_fusion_attention: query heads Nq={Nq} must be a multiple of key/value heads Nkv={Nkv} (GQA)"
         )
-    return _Dims(B, Nq, Nkv, Sq, Skv, D)
+    return _Dims(B, Nq, Nkv, Sq, Skv, D, L.value_head_dim(value, input_layout, Nkv))
+
+
+def check_value_shape(key, value) -> None:
+    """Key and value agree on every dim but the last (V's head size, or BSH/SBH's hidden size N * Dv,
+    may differ from K's: MLA)."""
+    if key.dim() != value.dim() or tuple(key.shape[:-1]) != tuple(value.shape[:-1]):
+        raise ValueError(
+            f"npu_fusion_attention: key and value must agree on every dim but the head size, got key "
+            f"{list(key.shape)} and value {list(value.shape)}"
+        )
 
 
 def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -332,7 +346,7 @@ def backward_math(query, key, value, dy, d: _Dims, layout, atten_mask, softmax_m
     dk = torch.matmul(ds.transpose(-1, -2), q) * scale
     if groups > 1:
         dk = dk.view(d.B, d.Nkv, groups, d.Skv, d.D).sum(dim=2)
-        dv = dv.view(d.B, d.Nkv, groups, d.Skv, d.D).sum(dim=2)
+        dv = dv.view(d.B, d.Nkv, groups, d.Skv, d.Dv).sum(dim=2)
     return (
         L.from_bnsd(dq.to(query.dtype), layout),
         L.from_bnsd(dk.to(key.dtype), layout),

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import torch
 
+from .. import layout as L
 from ..arguments import bind_arguments
 from ..npu_ops import FORWARD_V1, FORWARD_V3, GRAD_V1, GRAD_V3
 from . import attention_math as M
@@ -93,8 +94,9 @@ def _forward_fake(schema: str):
         query = a["query"]
         stat_shape = V.stats_shape(d) if isinstance(d, V.TndDims) else (d.B, d.Nq, d.Sq, M.STATS_WIDTH)
         sdt = M.stat_dtype(query.dtype)
+        out_shape = L.output_shape(query, a["key"], a["value"], a["input_layout"], a["head_num"])
         tensors = (
-            torch.empty_like(query, memory_format=torch.contiguous_format),
+            query.new_empty(out_shape),  # the query's shape with V's head size (MLA), as the meta function
             query.new_empty(stat_shape, dtype=sdt),
             query.new_empty(stat_shape, dtype=sdt),
             query.new_empty((0,)),
@@ -122,9 +124,11 @@ def _grad(schema: str):
         a = _bind(schema, args, kwargs)
         d = _check(a, read_values=True)
         query = a["query"]
-        if tuple(a["dy"].shape) != tuple(query.shape):
+        out_shape = L.output_shape(query, a["key"], a["value"], a["input_layout"], a["head_num"])
+        if tuple(a["dy"].shape) != out_shape:
             raise ValueError(
-                f"npu_fusion_attention_grad: dy shape {list(a['dy'].shape)} != query shape {list(query.shape)}"
+                f"npu_fusion_attention_grad: dy shape {list(a['dy'].shape)} != the output's shape {list(out_shape)} "
+                f"(the query's {list(query.shape)} with the value's head size)"
             )
         dropout = a["keep_prob"] < 1.0
         math = V.tnd_backward if isinstance(d, V.TndDims) else M.backward_math

@@ -1,6 +1,7 @@
 """The emulated ops in ``input_layout="TND"`` (varlen, packed sequences).
 
-q ``[T, Nq, D]``, k/v ``[Tkv, Nkv, D]``; ``actual_seq_qlen`` / ``actual_seq_kvlen`` are the
+q ``[T, Nq, D]``, k ``[Tkv, Nkv, D]``, v ``[Tkv, Nkv, Dv]`` (Dv may differ from D: MLA; the
+output is ``[T, Nq, Dv]``); ``actual_seq_qlen`` / ``actual_seq_kvlen`` are the
 cumulative end offsets of the segments (a 1-D int64 tensor in v3, a list in v1), the same
 count for both, non-decreasing, the last equal to T (resp. Tkv). Query segment i attends
 only to key segment i; inside a segment the sparse mode applies as in the 4-D layouts
@@ -38,8 +39,8 @@ class TndDims(M._Dims):
 
     __slots__ = ("cu_q", "cu_kv")
 
-    def __init__(self, Nq, Nkv, T, Tkv, D, cu_q, cu_kv):
-        super().__init__(1, Nq, Nkv, T, Tkv, D)
+    def __init__(self, Nq, Nkv, T, Tkv, D, cu_q, cu_kv, Dv=None):
+        super().__init__(1, Nq, Nkv, T, Tkv, D, Dv)
         self.cu_q, self.cu_kv = cu_q, cu_kv
 
 
@@ -78,14 +79,12 @@ def segment_lengths(value: Any, name: str, total: int) -> list[int]:
 
 
 def _check_tnd_shapes(query, key, value, head_num) -> tuple[int, int, int, int, int]:
-    """(T, Nq, Tkv, Nkv, D) of q ``[T, Nq, D]`` and k/v ``[Tkv, Nkv, D]``, checked."""
+    """(T, Nq, Tkv, Nkv, D) of q ``[T, Nq, D]``, k ``[Tkv, Nkv, D]`` and v ``[Tkv, Nkv, Dv]``, checked."""
     for name, t in (("query", query), ("key", key), ("value", value)):
         if t.dim() != 3:
             raise ValueError(f"npu_fusion_attention: {name} must be 3-D [T, N, D] for input_layout='TND', "
                              f"got shape {list(t.shape)}")
-    if tuple(key.shape) != tuple(value.shape):
-        raise ValueError(f"npu_fusion_attention: key and value must have the same shape, got key "
-                         f"{list(key.shape)} and value {list(value.shape)}")
+    M.check_value_shape(key, value)
     T, Nq, D = query.shape
     Tkv, Nkv, Dk = key.shape
     if head_num != Nq:
@@ -138,7 +137,7 @@ def check_tnd_call(query, key, value, head_num, pse, padding_mask, atten_mask, k
     M._check_keep_prob(keep_prob)
     T, Nq, Tkv, Nkv, D = _check_tnd_shapes(query, key, value, head_num)
     cu_q, cu_kv = _segment_ends(actual_seq_qlen, actual_seq_kvlen, T, Tkv, read_values)
-    return TndDims(Nq, Nkv, T, Tkv, D, cu_q, cu_kv)
+    return TndDims(Nq, Nkv, T, Tkv, D, cu_q, cu_kv, value.size(2))
 
 
 def _segments(d: TndDims):
@@ -146,7 +145,7 @@ def _segments(d: TndDims):
     q0 = k0 = 0
     for i, (q1, k1) in enumerate(zip(d.cu_q, d.cu_kv)):
         if q1 > q0:
-            yield i, slice(q0, q1), slice(k0, k1), M._Dims(1, d.Nq, d.Nkv, q1 - q0, k1 - k0, d.D)
+            yield i, slice(q0, q1), slice(k0, k1), M._Dims(1, d.Nq, d.Nkv, q1 - q0, k1 - k0, d.D, d.Dv)
         q0, k0 = q1, k1
 
 
@@ -165,12 +164,12 @@ def _tnd(x: Tensor) -> Tensor:
 
 def tnd_forward(query, key, value, d: TndDims, atten_mask, scale, keep_prob, pre_tockens, next_tockens,
                 sparse_mode, seed: int, offset: int):
-    """(out [T, Nq, D], softmax_max [T, Nq, 8], softmax_sum [T, Nq, 8]), segment by segment:
+    """(out [T, Nq, Dv], softmax_max [T, Nq, 8], softmax_sum [T, Nq, 8]), segment by segment:
     the work is the segments' own (q x kv) blocks. Segment i's dropout keep mask is
     ``dropout_keep_mask(seed, offset + i, [1, Nq, sq_i, skv_i], keep_prob)``. Rows of an
     empty key segment: out 0, max = float32 lowest, sum 0 (LSE -inf)."""
     sdt = M.stat_dtype(query.dtype)
-    out = torch.zeros(d.Sq, d.Nq, d.D, dtype=query.dtype)
+    out = torch.zeros(d.Sq, d.Nq, d.Dv, dtype=query.dtype)
     smax = torch.full((d.Sq, d.Nq, STATS_WIDTH), M.FLOAT32_LOWEST, dtype=sdt)
     ssum = torch.zeros((d.Sq, d.Nq, STATS_WIDTH), dtype=sdt)
     mask, mode = _segment_mask(atten_mask, sparse_mode)

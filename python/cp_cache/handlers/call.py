@@ -142,14 +142,15 @@ def _execution(cp: CPConfig) -> dict:
 def _algorithm(a: dict[str, Any], layout: str, spec: MaskSpec, sharding: CPSharding, configured: str,
                strict: bool) -> str:
     """The algorithm this call runs (``configured``, "auto" resolved by the local head counts)."""
-    q, k = a["query"].to_local(), a["key"].to_local()
+    q, k, v = (a[n].to_local() for n in _QKV)
     nq = sharding.local_heads(int(a["head_num"]))
     qd = L.dims(q, layout, nq)
     nkv = L.heads_of(k, layout, qd.head_dim)
     # from the global length, so that every rank picks the same even if local lengths differ
     local_seq = a["query"].size(L.seq_dim(layout)) // sharding.size
     return resolve_algorithm(configured, sharding, nq=nq, nkv=nkv, given_mask=spec.given, strict=strict,
-                             batch=qd.batch, local_seq=local_seq, head_dim=qd.head_dim, itemsize=q.element_size())
+                             batch=qd.batch, local_seq=local_seq, head_dim=qd.head_dim, itemsize=q.element_size(),
+                             v_head_dim=L.value_head_dim(v, layout, nkv))
 
 
 def _mask_rows(a: dict[str, Any], plan: CallPlan) -> Optional[Tensor]:
