@@ -44,7 +44,7 @@ def test_selftest_passes_on_two_spawned_cpu_ranks():
     rows = _rows(text)
     probes = {c.name for c in selftest.cases(2) if c.probe}
     for name, result in rows.items():
-        if name in probes:  # sinks and MLA: refused by today's handlers, reported, not failed
+        if name in probes:  # sinks: refused by today's handlers, reported, not failed
             assert result.startswith("n/a"), (name, result)
         else:
             assert result == "ok", (name, result)

@@ -51,7 +51,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 @dataclass(frozen=True)
 class Case:
-    """One CP attention call: algorithm, layout, mask, load balancing, heads, dropout."""
+    """One CP attention call: algorithm, layout, mask, load balancing, heads, dropout, V's head size."""
 
     name: str
     algorithm: str = "ring"  # ring | ulysses | hybrid
@@ -60,7 +60,8 @@ class Case:
     lb: bool = True  # head-tail load balancing (torch's _cp_options.enable_load_balance)
     gqa: bool = False
     keep_prob: float = 1.0  # < 1: dropout, checked by directional derivatives
-    probe: str = ""  # "sink" | "mla": a feature checked once the handlers accept it
+    mla: bool = False  # V's head size differs from Q/K's (MLA): D / 2
+    probe: str = ""  # "sink": a feature checked once the handlers accept it
 
     @property
     def dropout(self) -> bool:
@@ -104,7 +105,7 @@ def cases(world: int) -> list[Case]:
         Case("TND full, contiguous, GQA", "ring", "TND", "full", False, gqa=True),
         Case("TND causal, dropout", "ring", "TND", "causal", True, keep_prob=KEEP_PROB),
         Case("sinks", "ring", "BNSD", "causal", True, probe="sink"),
-        Case("MLA (value head size != query's)", "ring", "BSND", "causal", True, probe="mla"),
+        Case("MLA (value head size != query's)", "ring", "BSND", "causal", True, mla=True),
     ]
     return out
 
@@ -220,7 +221,7 @@ def make_problem(case: Case, world: int) -> Problem:
     tnd = case.layout == "TND"
     batch, seq = (1 if tnd else B), S_LOCAL * world
     g = torch.Generator().manual_seed(zlib.crc32(f"{case.name}/{world}".encode()))
-    dv = 2 * D if case.probe == "mla" else D
+    dv = D // 2 if case.mla else D
     q, dout = (torch.randn(batch, nq, seq, d, generator=g, dtype=torch.float64) for d in (D, dv))
     k = torch.randn(batch, nkv, seq, D, generator=g, dtype=torch.float64)
     v = torch.randn(batch, nkv, seq, dv, generator=g, dtype=torch.float64)
