@@ -180,7 +180,7 @@ def _run_case(case: Case, rank: int, world: int) -> dict:
     sent = cp_cache.call_stats()["forward"]["bytes_sent"]
     out[0].backward(where.dtensor(local[3]))
     sent += cp_cache.call_stats()["backward"]["bytes_sent"]
-    lse = lse_from_stats(out[1].to_local(), out[2].to_local()).double()
+    lse = lse_from_stats(out[1].to_local(), out[2].to_local()).detach().double()
     got = {"out": where.bnsd(out[0].to_local(), case.nq),
            "lse": lse.T.unsqueeze(0) if case.layout == L.TND else lse}
     for key, leaf, heads in (("dq", leaves[0], case.nq), ("dk", leaves[1], case.nkv), ("dv", leaves[2], case.nkv)):

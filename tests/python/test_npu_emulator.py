@@ -754,7 +754,7 @@ def _qkv4(Nq=4, Nkv=4, S=4, Dh=4):
                             v=a["v"].reshape(1, 4, 16), head_num=3), ValueError, r"head_num=3.*H=16"),
         (lambda a: a.update(q=a["q"][0]), ValueError, r"query must be 4-D.*'BNSD'.*3-D"),
         (lambda a: a.update(k=a["k"][:, :3], v=a["v"][:, :3]), ValueError, r"Nq=4.*Nkv=3"),
-        (lambda a: a.update(v=a["v"][:, :2]), ValueError, r"key and value must have the same shape"),
+        (lambda a: a.update(v=a["v"][:, :2]), ValueError, r"key and value must agree on every dim but the head size"),
         (lambda a: a["kw"].update(keep_prob=0.0), ValueError, r"keep_prob=0.0"),
         (lambda a: a["kw"].update(keep_prob=1.5), ValueError, r"keep_prob=1.5"),
         (lambda a: a["kw"].update(sparse_mode=9), ValueError, r"sparse_mode=9"),
