@@ -283,15 +283,17 @@ def _windows(plan: dict, rank: int, world_size: int, mesh) -> list[dict]:
 
 
 def _causal_call(shape: dict, mesh, world_size: int, rank: int, seed: int = 0):
-    """Local causal q, k, v, dy as DTensors (Shard(2), BNSD, fp32) and the v3 call on them."""
+    """Local causal q, k, v, dy as DTensors (Shard(2), BNSD, fp32) and the v3 call on them (v and dy
+    at ``shape["v_head_dim"]`` when given: MLA)."""
     import torch
     from torch.distributed.tensor import DTensor, Shard
 
     from ..npu_ops import causal_mask
 
     b, n, s, d = shape["batch"], shape["heads"], shape["seq"], shape["head_dim"]
+    dv = shape.get("v_head_dim", d)
     g = torch.Generator().manual_seed(seed + rank)
-    local = [torch.randn(b, n, s // world_size, d, generator=g) for _ in range(4)]
+    local = [torch.randn(b, n, s // world_size, dim, generator=g) for dim in (d, d, dv, dv)]
     q, k, v = (DTensor.from_local(t, mesh, [Shard(2)]).requires_grad_() for t in local[:3])
     dy = DTensor.from_local(local[3], mesh, [Shard(2)])
     mask = causal_mask(torch.device("cpu"))
@@ -310,7 +312,7 @@ def _floor(plan: dict, rank: int, world_size: int, mesh) -> list[dict]:
     f = plan["floor"]
     s_local = f["seq"] // world_size
     tokens = f["batch"] * f["heads"] * s_local
-    output, lse = tokens * f["head_dim"] * 4, tokens * 4
+    output, lse = tokens * f.get("v_head_dim", f["head_dim"]) * 4, tokens * 4  # the output has V's head size
     contiguous_stats = 2 * tokens * 8 * 4
     rows = []
     for policy in ("handle", "stack"):
