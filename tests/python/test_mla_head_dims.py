@@ -336,3 +336,26 @@ def test_one_process_mla_runs_in_every_layout(layout):
     expected = list(dims[0])
     expected[-1] = 4 * 8 if layout in ("BSH", "SBH") else 8
     assert tuple(res.out.shape) == tuple(expected)
+
+
+@pytest.mark.parametrize("layout", L.ALL_LAYOUTS)
+def test_strategy_fakes_give_the_output_at_v_head_dim(layout):
+    """What a traced graph records (``cp_cache::ring_forward``'s fake asks the strategy): from
+    shapes alone, under FakeTensorMode, the output at V's head size and the LSE."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from cp_cache.algorithms import HYBRID, PACKED, RING, ULYSSES
+    from cp_cache.testing.reference import ring_plan
+
+    dims = {"BNSD": ((2, 4, 6, 12), (2, 2, 6, 12), (2, 2, 6, 8), (2, 4, 6, 8)),
+            "BSND": ((2, 6, 4, 12), (2, 6, 2, 12), (2, 6, 2, 8), (2, 6, 4, 8)),
+            "BSH": ((2, 6, 48), (2, 6, 24), (2, 6, 16), (2, 6, 32)),
+            "SBH": ((6, 2, 48), (6, 2, 24), (6, 2, 16), (6, 2, 32)),
+            "TND": ((6, 4, 12), (6, 2, 12), (6, 2, 8), (6, 4, 8))}[layout]
+    plan = ring_plan(world_size=2, rank=0, layout=layout, head_num=4, scale=1.0, keep_prob=1.0)
+    with FakeTensorMode() as mode:
+        q, k, v = (mode.from_tensor(torch.empty(s)) for s in dims[:3])
+        for strategy in ((PACKED,) if layout == L.TND else (RING, ULYSSES, HYBRID)):
+            out, lse = strategy.fake(plan, q, k, v)
+            assert tuple(out.shape) == dims[3], (strategy, tuple(out.shape))
+            assert tuple(lse.shape) == L.lse_shape(q, layout, 4) and lse.dtype == torch.float32
