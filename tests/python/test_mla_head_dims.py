@@ -57,6 +57,7 @@ CASES = [
     Case("hybrid", "BSND", "causal", nq=8, nkv=2),
     Case("ring", "TND", "causal_lb"),
     Case("ring", "TND", "full", merge="float32"),
+    Case("ring", "TND", "causal_lb", merge="float32", kernel="reference"),  # one call per document (BSND)
 ]
 HYBRID_WORLDS = (4, 8)
 
