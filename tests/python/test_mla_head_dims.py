@@ -177,10 +177,11 @@ def _run_case(case: Case, rank: int, world: int) -> dict:
     full = _full(case, world)
     local = [where.local(t) for t in full]
     leaves = [where.dtensor(t.clone()).requires_grad_() for t in local[:3]]
-    out = torch.ops.npu.npu_fusion_attention_v3(*leaves, case.nq, case.layout, **_op_kwargs(case, world))
-    sent = cp_cache.call_stats()["forward"]["bytes_sent"]
-    out[0].backward(where.dtensor(local[3]))
-    sent += cp_cache.call_stats()["backward"]["bytes_sent"]
+    with cp_cache.context_parallel(where.mesh):  # cp_cache serves the calls made in a CP region
+        out = torch.ops.npu.npu_fusion_attention_v3(*leaves, case.nq, case.layout, **_op_kwargs(case, world))
+        sent = cp_cache.call_stats()["forward"]["bytes_sent"]
+        out[0].backward(where.dtensor(local[3]))
+        sent += cp_cache.call_stats()["backward"]["bytes_sent"]
     lse = lse_from_stats(out[1].to_local(), out[2].to_local()).detach().double()
     got = {"out": where.bnsd(out[0].to_local(), case.nq),
            "lse": lse.T.unsqueeze(0) if case.layout == L.TND else lse}
@@ -234,7 +235,8 @@ def _dropout_check(rank: int, world: int) -> list[tuple[float, float]]:
         dist.all_reduce(t)
         return float(t)
 
-    checks = directional_derivative_check(loss, params, directions=2, eps=5e-2, reduce=total)
+    with cp_cache.context_parallel(where.mesh):
+        checks = directional_derivative_check(loss, params, directions=2, eps=5e-2, reduce=total)
     cp_cache.disable()
     return checks
 
