@@ -50,6 +50,14 @@ def _torch_cp():
     return _attention
 
 
+def _cp_region_active() -> bool:
+    """Whether a CP region is active now, whoever entered it: torch's and torch_npu's CP
+    dispatcher switches both register torch's CP sharding rules on entry and drop them on exit."""
+    from torch.distributed.tensor.experimental._context_parallel import _sharding_rules
+
+    return bool(_sharding_rules._cp_strategy_contexts)
+
+
 def _is_ours(handler) -> bool:
     return isinstance(getattr(handler, "__self__", None), AttentionHandlers)
 
@@ -59,7 +67,8 @@ class _Registration:
 
     def __init__(self, handlers: AttentionHandlers):
         self.adopt(handlers)
-        self.depth = 0  # CP dispatcher entries seen and not yet left
+        # CP dispatcher entries not yet left; enabled inside a region, its exit counts too
+        self.depth = 1 if _cp_region_active() else 0
         # the foreign entries the handlers displaced: outside CP (at enable) and inside
         # the current CP entry (torch's or torch_npu's CP handlers), {op: entry or _MISSING}
         self._displaced_outside: dict = {}
