@@ -72,7 +72,7 @@ class _Mask:
     """The mask a layer asks for, on positions in the whole (global) sequence."""
 
     causal: bool
-    window: Optional[int]  # sliding_window w: keys i-w < j <= i (causal), |i - j| <= w (not causal)
+    window: Optional[int]  # sliding_window w: keys i-w < j <= i (causal only)
     documents: Optional[tuple[int, ...]]  # cumulative document lengths, leading 0, the last = S
 
 
@@ -107,7 +107,8 @@ def attention_forward(module: torch.nn.Module, query: Tensor, key: Tensor, value
         _refuse(attention_mask, kwargs)
         _check_qkv(query, key, value, s_aux)
         sharding = _sharding(mesh, query, key)
-        mask = _Mask(causal=_causal(module, kwargs), window=_window(sliding_window),
+        causal = _causal(module, kwargs)
+        mask = _Mask(causal=causal, window=_window(sliding_window, causal),
                      documents=_CHECKED.documents(kwargs, sharding))
         options = dict(scale=query.size(-1) ** -0.5 if scaling is None else float(scaling),
                        keep_prob=_keep_prob(dropout), sink=None if s_aux is None else s_aux.float())
@@ -149,11 +150,14 @@ def _causal(module: torch.nn.Module, kwargs: dict) -> bool:
     return bool(getattr(module, "is_causal", True) if given is None else given)
 
 
-def _window(sliding_window: Optional[int]) -> Optional[int]:
+def _window(sliding_window: Optional[int], causal: bool) -> Optional[int]:
     if sliding_window is None:
         return None
     if int(sliding_window) != sliding_window or sliding_window < 1:
         raise ValueError(f"cp_cache attention: sliding_window={sliding_window!r} must be a positive integer")
+    if not causal:  # transformers' models differ on it (|i - j| < w or <= w): not knowable from the call
+        raise NotImplementedError(f"cp_cache attention: sliding_window={sliding_window} with is_causal=False "
+                                  "(a bidirectional window) is not supported")
     return int(sliding_window)
 
 
@@ -267,10 +271,9 @@ _CHECKED = _Checked()
 
 def _band(mask: _Mask, device) -> dict:
     """The op's mask arguments for causal / window attention over the whole sequence."""
-    if mask.window is not None:
-        pre, after = (mask.window - 1, 0) if mask.causal else (mask.window, mask.window)
-        return dict(atten_mask=causal_mask(device), sparse_mode=int(SparseMode.BAND), pre_tockens=pre,
-                    next_tockens=after)
+    if mask.window is not None:  # causal: keys i-w < j <= i
+        return dict(atten_mask=causal_mask(device), sparse_mode=int(SparseMode.BAND), pre_tockens=mask.window - 1,
+                    next_tockens=0)
     if mask.causal:  # right-down: a query shorter than the keys (decoding) sits at their end
         return dict(atten_mask=causal_mask(device), sparse_mode=int(SparseMode.RIGHT_DOWN_CAUSAL))
     return dict(sparse_mode=int(SparseMode.MASK))  # no mask: full attention
@@ -285,8 +288,8 @@ def _document_mask(documents: tuple[int, ...], causal: bool, window: Optional[in
     masked = doc[:, None] != doc[None, :]
     if causal:
         masked |= j > i
-    if window is not None:
-        masked |= (j <= i - window) if causal else ((i - j).abs() > window)
+    if window is not None:  # causal only
+        masked |= j <= i - window
     return masked
 
 
