@@ -110,6 +110,9 @@ def attention_forward(module: torch.nn.Module, query: Tensor, key: Tensor, value
         causal = _causal(module, kwargs)
         mask = _Mask(causal=causal, window=_window(sliding_window, causal),
                      documents=_CHECKED.documents(kwargs, sharding))
+        if mask.documents is not None and query.size(0) != 1:
+            raise NotImplementedError(f"cp_cache attention: packed documents (cu_seq_lens_q/k) need batch size 1 "
+                                      f"(the documents flattened into one row), got query {describe(query)}")
         options = dict(scale=query.size(-1) ** -0.5 if scaling is None else float(scaling),
                        keep_prob=_keep_prob(dropout), sink=None if s_aux is None else s_aux.float())
     if mask.documents is not None and mask.window is None and s_aux is None and sharding.contiguous:
@@ -310,9 +313,6 @@ def _packed_call(query: Tensor, key: Tensor, value: Tensor, mask: _Mask, shardin
                  options: dict) -> Tensor:
     """Packed documents on contiguous shards: the op's packed layout ``[T, N, D]`` with the
     documents' cumulative ends (what the buffers hold: contiguous slices of the sequence)."""
-    if query.size(0) != 1:
-        raise NotImplementedError(f"cp_cache attention: packed documents (cu_seq_lens_q/k) need batch size 1 "
-                                  f"(the documents flattened into one row), got query {describe(query)}")
     ends = torch.tensor(mask.documents[1:], dtype=torch.int64)
     mask_args = _band(_Mask(mask.causal, None, None), query.device)
     q, k, v = (_sharded(t[0].transpose(0, 1).contiguous(), sharding, 0) for t in (query, key, value))
