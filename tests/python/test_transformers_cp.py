@@ -229,3 +229,18 @@ def test_import_cp_cache_does_not_import_transformers():
     code = "import sys, cp_cache, cp_cache.integrations.transformers; print('transformers' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
+
+
+def test_dropout_is_keep_prob():
+    """dropout p reaches the op as keep_prob = 1 - p (the same draw: the same output), and drops."""
+    from cp_cache.npu_ops import causal_mask
+
+    q, k, v = _qkv()
+    torch.manual_seed(5)
+    out = attention_forward(_Layer(), q, k, v, None, dropout=0.3)[0]
+    torch.manual_seed(5)
+    op = torch.ops.npu.npu_fusion_attention_v3(q, k, v, 2, "BNSD", atten_mask=causal_mask("cpu"), sparse_mode=3,
+                                               scale=0.5, keep_prob=0.7)[0]
+    plain = attention_forward(_Layer(), q, k, v, None)[0]
+    assert torch.equal(out, op.transpose(1, 2))
+    assert not torch.equal(out, plain)

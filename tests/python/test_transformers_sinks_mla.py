@@ -1,9 +1,15 @@
 """cp_cache.integrations.transformers on the models that need sinks and MLA: tiny gpt-oss
-(attention sinks on every layer, sliding window 5 on the first; packed too) and DeepSeek-V3
-(MLA: q/k head dim 12, v head dim 6) train 2 AdamW steps with attn_implementation="cp_cache"
+(attention sinks on every layer, sliding window 5 on the first) and DeepSeek-V3 (MLA: q/k head
+dim 12, v head dim 6; packed too) train 2 AdamW steps with attn_implementation="cp_cache"
 under cp_cache.context_parallel at W = 2 and 4 with the loss and the gradients of one process
 with "eager" (float32, within error_bound of eager's own float32 error), and equal "eager"
 outside a CP region. The same checks as test_transformers_cp.py (transformers_cases.py).
+
+Packed gpt-oss (sinks with documents and a window: the explicit-mask path) has no eager
+reference: transformers 5.24's gpt-oss builds its eager masks without the position ids, so its
+eager attention crosses the documents of a packed batch (flash attention and cp_cache follow
+cu_seq_lens). Its CP run is held against "cp_cache" in one process instead (float32 and
+float64), whose sinks, documents and windows the other cases hold against eager.
 """
 
 from __future__ import annotations
@@ -20,7 +26,7 @@ import transformers_cases as tc
 WORLDS = (2, 4)
 CASES = [
     tc.Case("gpt_oss", "gpt_oss"),
-    tc.Case("packed_gpt_oss", "gpt_oss", packed=True),
+    tc.Case("packed_gpt_oss", "gpt_oss", packed=True, reference="cp_cache"),
     tc.Case("deepseek_v3", "deepseek_v3"),
     tc.Case("packed_deepseek_v3", "deepseek_v3", packed=True, load_balance=False),
 ]
@@ -73,6 +79,6 @@ def test_training_matches_eager(world, case):
         for i, r in enumerate(rows)))
 
 
-@pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
+@pytest.mark.parametrize("case", [c for c in CASES if c.reference == "eager"], ids=lambda c: c.name)
 def test_outside_cp_equals_eager(case):
     tc.check_outside_cp(case)

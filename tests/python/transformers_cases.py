@@ -24,6 +24,7 @@ SEQ = 32
 VOCAB = 128
 STEPS = 2
 DOCUMENTS = (6, 14, 12)  # packed cases: document lengths, summing to SEQ
+_MOE = ("gpt_oss", "deepseek_v3")
 
 
 @dataclass(frozen=True)
@@ -32,6 +33,7 @@ class Case:
     model: str  # llama | qwen3 | gemma3 | gpt_oss | deepseek_v3
     packed: bool = False
     load_balance: bool = True  # head-tail buffers (torch's default); False: contiguous
+    reference: str = "eager"  # the single process's attention implementation
 
 
 def _config(model: str):
@@ -63,7 +65,8 @@ def make_model(case: Case, attn_implementation: str = "eager"):
     """The case's model (the same random init everywhere), in training mode, float32."""
     cls, config = _config(case.model)
     torch.manual_seed(0)
-    model = cls._from_config(config, attn_implementation="eager", dtype=torch.float32)
+    extra = {"experts_implementation": "eager"} if case.model in _MOE else {}  # grouped_mm has no float64
+    model = cls._from_config(config, attn_implementation="eager", dtype=torch.float32, **extra)
     if attn_implementation != "eager":
         model.set_attn_implementation(attn_implementation)
     return model.train()
@@ -102,9 +105,10 @@ def _optimizer(model):
 
 
 def train_single(case: Case) -> dict:
-    """The single process with "eager": float32 (the reference) and float64 (the truth), per step."""
+    """The single process (``case.reference``, "eager" unless said otherwise): float32 (the
+    reference) and float64 (the truth), per step."""
     out = {"ref_loss": [], "truth_loss": [], "ref_grads": [], "truth_grads": []}
-    ref = make_model(case)
+    ref = make_model(case, case.reference)
     truth = copy.deepcopy(ref).double()
     opts = [_optimizer(ref), _optimizer(truth)]
     for step in range(STEPS):
