@@ -87,7 +87,7 @@ class _Sharding:
 
     @property
     def contiguous(self) -> bool:
-        return self.mesh is None or not self.load_balance or self.mesh.size() == 1
+        return self.mesh is None or not self.load_balance
 
 
 def attention_forward(module: torch.nn.Module, query: Tensor, key: Tensor, value: Tensor,
