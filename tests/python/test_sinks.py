@@ -246,6 +246,42 @@ def _dropout_check(world: int, rank: int, mesh) -> list[tuple[float, float]]:
                                         reduce=lambda x: float(_sum_over_ranks(torch.tensor([x]))))
 
 
+def _refusals(world: int, rank: int, meshes: dict) -> dict:
+    """What the handlers refuse, on every rank alike: a sink DTensor sharded (not replicated), and
+    a sink with the heads split over a tensor-parallel mesh dimension (W = 4: a 2 x 2 mesh)."""
+    from torch.distributed.tensor import DTensor, Shard
+
+    case = SinkCase("refusals", "ring", "BNSD", "full", False)
+    tensors = _inputs(case, world)
+    pos = _positions(case, world, rank)
+    mesh = _mesh(case, world, meshes)
+    q = DTensor.from_local(_local(case, tensors[0], pos), mesh, [Shard(2)])
+    sharded_sink = DTensor.from_local(tensors[4].float()[: N // world], mesh, [Shard(0)])
+    got = {}
+    for name, call in (
+        ("sharded_sink", lambda: torch.ops.npu.npu_fusion_attention_v3(q, q, q, N, "BNSD", sink=sharded_sink)),
+        ("tp_heads", lambda: _tp_call(tensors, pos, world)),
+    ):
+        try:
+            call()
+            got[name] = None
+        except Exception as exc:  # noqa: BLE001 - the refusal is the result
+            got[name] = f"{type(exc).__name__}: {exc}"
+    return got
+
+
+def _tp_call(tensors, pos, world: int):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Shard
+
+    mesh = init_device_mesh("cpu", (world // 2, 2), mesh_dim_names=("cp", "tp"))
+    heads = N // 2
+    local = tensors[0].index_select(2, rank_positions(world // 2, mesh.get_local_rank(0), 2 * S_LOCAL, False))
+    local = local[:, mesh.get_local_rank(1) * heads:(mesh.get_local_rank(1) + 1) * heads].float()
+    q = DTensor.from_local(local, mesh, [Shard(2), Shard(1)])
+    return torch.ops.npu.npu_fusion_attention_v3(q, q, q, N, "BNSD", sink=tensors[4].float())
+
+
 def _ranks(rank: int, world: int) -> dict:
     import cp_cache
 
@@ -263,6 +299,8 @@ def _ranks(rank: int, world: int) -> dict:
     ring_mesh = _mesh(SinkCase("ring"), world, meshes)
     cp_cache.enable("handle")
     results["dropout"] = _dropout_check(world, rank, ring_mesh)
+    if world == 4:
+        results["refusals"] = _refusals(world, rank, meshes)
     if world == 2:
         base = CASES[0]
         tensors = _inputs(base, world)
@@ -315,6 +353,15 @@ def test_recompute_stack_policy_and_compile(kind):
     for rank, res in enumerate(_results(2)):
         _assert_within(res[kind]["errors"], (kind, rank))
         assert res[kind]["live"] == 0
+
+
+def test_refusals_name_the_sink():
+    for rank, res in enumerate(_results(4)):
+        got = res["refusals"]
+        assert got["sharded_sink"] and got["sharded_sink"].startswith("NotImplementedError") \
+            and "replicated on the query's mesh" in got["sharded_sink"], (rank, got)
+        assert got["tp_heads"] and got["tp_heads"].startswith("NotImplementedError") \
+            and "tensor-parallel" in got["tp_heads"] and "sink=" in got["tp_heads"], (rank, got)
 
 
 # ---------------------------------------------------------------- the emulator's single-device op
