@@ -283,6 +283,7 @@ def _tp_call(tensors, pos, world: int):
 
 
 def _ranks(rank: int, world: int) -> dict:
+    """Every rank-side check; each call inside a CP region (where cp_cache takes the calls)."""
     import cp_cache
 
     install_npu_emulator(route_sdpa=False)
@@ -291,23 +292,27 @@ def _ranks(rank: int, world: int) -> dict:
     for case in CASES:
         if not case.runs_at(world):
             continue
-        cp_cache.enable("handle", algorithm=case.algorithm)
+        cp_cache.enable("handle")
+        mesh = _mesh(case, world, meshes)
         tensors = _inputs(case, world)
-        got = _cp_call(case, world, rank, _mesh(case, world, meshes), tensors)
+        with cp_cache.context_parallel(mesh, algorithm=case.algorithm):
+            got = _cp_call(case, world, rank, mesh, tensors)
         results[case.name] = dict(errors=_errors(case, world, rank, got, tensors),
                                   partial=got.get("sink_grad_partial"), live=cp_cache.stats()["live_entries"])
     ring_mesh = _mesh(SinkCase("ring"), world, meshes)
     cp_cache.enable("handle")
-    results["dropout"] = _dropout_check(world, rank, ring_mesh)
-    if world == 4:
-        results["refusals"] = _refusals(world, rank, meshes)
+    with cp_cache.context_parallel(ring_mesh):
+        results["dropout"] = _dropout_check(world, rank, ring_mesh)
+        if world == 4:
+            results["refusals"] = _refusals(world, rank, meshes)
     if world == 2:
         base = CASES[0]
         tensors = _inputs(base, world)
         for kind, policy, run in (("checkpoint", "handle", "checkpoint"), ("stack", "stack", "eager"),
                                   ("compile", "handle", "compile")):
             cp_cache.enable(policy)
-            got = _cp_call(base, world, rank, ring_mesh, tensors, run=run)
+            with cp_cache.context_parallel(ring_mesh):
+                got = _cp_call(base, world, rank, ring_mesh, tensors, run=run)
             results[kind] = dict(errors=_errors(base, world, rank, got, tensors), live=cp_cache.stats()["live_entries"])
     cp_cache.disable()
     return results
