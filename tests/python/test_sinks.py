@@ -439,3 +439,15 @@ def test_emulator_refuses_a_bad_sink(sink, error):
     q = torch.randn(1, 2, 4, 4)
     with pytest.raises(ValueError, match=error):
         torch.ops.npu.npu_fusion_attention_v3(q, q, q, 2, "BNSD", sink=sink)
+
+
+def test_backward_with_another_sink_presence_than_its_forward_is_refused():
+    from dataclasses import replace
+
+    from cp_cache.plan import CallPlan
+
+    forward = CallPlan(world_size=2, rank=0, layout="BNSD", head_num=N, scale=0.3, keep_prob=1.0, sink=True)
+    assert forward.backward_mismatch(forward) is None
+    assert CallPlan.decode(forward.encode()) == forward
+    mismatch = forward.backward_mismatch(replace(forward, sink=False))
+    assert mismatch and "'sink': False" in mismatch and "'sink': True" in mismatch, mismatch
