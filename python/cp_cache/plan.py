@@ -97,6 +97,8 @@ class CallPlan:
         2W-1-r of 2W; per document for TND) rather than contiguous.
     kernel, fused_merge: the step kernel's name and whether ring steps merge with the
         fused NPU op; "" / False when a strategy is driven directly.
+    sink: whether the call has attention sinks (merged once into the strategy's result by the
+        custom ops, ``handlers/ops.py``; the strategies never see them).
     """
 
     world_size: int
@@ -112,6 +114,7 @@ class CallPlan:
     documents: tuple[int, ...] = ()
     kernel: str = ""
     fused_merge: bool = False
+    sink: bool = False
 
     def __post_init__(self):
         if self.cp_sizes and math.prod(self.cp_sizes) != self.world_size:
@@ -163,7 +166,7 @@ class CallPlan:
         """Why a backward whose arguments give ``called`` cannot use this recorded forward plan,
         or None. The grad op repeats the forward's arguments; the mesh must be the same; with a
         given mask, so must the algorithm and the load balancing that picked the mask's rows."""
-        keys = ("layout", "head_num", "scale", "keep_prob", "mask", "documents")
+        keys = ("layout", "head_num", "scale", "keep_prob", "mask", "documents", "sink")
         keys += ("algorithm",) if self.mask.given else ()
         mine, theirs = ({k: getattr(p, k) for k in keys} for p in (self, called))
         if mine != theirs:

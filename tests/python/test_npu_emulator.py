@@ -773,7 +773,8 @@ def _qkv4(Nq=4, Nkv=4, S=4, Dh=4):
         (lambda a: a["kw"].update(prefix=[1]), NotImplementedError, r"prefix=\[1\]"),
         (lambda a: a["kw"].update(actual_seq_qlen=torch.tensor([4])), NotImplementedError, r"actual_seq_qlen="),
         (lambda a: a["kw"].update(actual_seq_kvlen=torch.tensor([4])), NotImplementedError, r"actual_seq_kvlen="),
-        (lambda a: a["kw"].update(sink=torch.zeros(4)), NotImplementedError, r"sink=Tensor of shape \[4\]"),
+        (lambda a: a["kw"].update(sink=torch.zeros(3)), ValueError,
+         r"sink=Tensor of shape \[3\] must be a floating tensor of shape \[head_num\] = \[4\]"),
         (lambda a: a["kw"].update(softmax_layout="TND"), NotImplementedError, r"softmax_layout='TND'"),
     ],
 )

@@ -150,6 +150,35 @@ def test_fakes_equal_wheel_meta_under_fake_tensor_mode(layout, dtype, gqa, dims)
             assert _signature(ours) == _signature(theirs), name
 
 
+@pytest.mark.parametrize("layout", ALL_LAYOUTS)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_sink_fakes_equal_wheel_meta(layout, dtype):
+    """With a sink (float32 [N]; a float64 one to tell the sink's dtype from the default): the
+    forward's outputs as without, and the grads' dsink in the sink's shape and dtype, under
+    FakeTensorMode as the wheel's meta functions give them."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    meta = {name: fn for name, (fn, _where) in wheel_meta_functions(VERSION).items()}
+    mode = FakeTensorMode()
+    with mode:
+        q, k, v, lengths_v3, lengths_v1 = _fake_inputs(mode, layout, dtype, gqa=False)
+        for sink_dtype in (torch.float32, torch.float64):
+            sink = mode.from_tensor(torch.empty(4, dtype=sink_dtype))
+            for name, lengths in (("npu_fusion_attention_v3", lengths_v3), ("npu_fusion_attention", lengths_v1)):
+                ours = getattr(torch.ops.npu, name)(q, k, v, 4, layout, sink=sink, **lengths)
+                theirs = meta[name](q, k, v, 4, layout, sink=sink, **lengths)
+                assert _signature(ours) == _signature(theirs), (name, sink_dtype)
+            out = ours[0]
+            for name, lengths in (("npu_fusion_attention_grad_v3", lengths_v3),
+                                  ("npu_fusion_attention_grad", lengths_v1)):
+                ours = getattr(torch.ops.npu, name)(q, k, v, out, 4, layout, attention_in=out, sink=sink, **lengths)
+                theirs = meta[name](q, k, v, out, 4, layout, attention_in=out, sink=sink, **lengths)
+                if name == "npu_fusion_attention_grad":  # the wheel's v1 meta gives None for dpse
+                    ours, theirs = ours[:3] + ours[4:], theirs[:3] + theirs[4:]
+                assert _signature(ours) == _signature(theirs), (name, sink_dtype)
+                assert (tuple(ours[-1].shape), ours[-1].dtype) == ((4,), sink_dtype), name
+
+
 def test_tnd_without_lengths_is_refused_by_name():
     # TND is emulated (tests/python/test_varlen_emulator.py); it needs the cumulative lengths
     q = torch.empty(32, 4, 8, device="meta")

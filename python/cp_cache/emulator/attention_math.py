@@ -62,14 +62,13 @@ def describe(value: Any) -> str:
     return f"Tensor of shape {list(value.shape)}" if isinstance(value, torch.Tensor) else repr(value)
 
 
-def _check_unsupported(pse, padding_mask, prefix, actual_seq_qlen, actual_seq_kvlen, sink, softmax_layout):
+def _check_unsupported(pse, padding_mask, prefix, actual_seq_qlen, actual_seq_kvlen, softmax_layout):
     for name, value in (
         ("pse", pse),
         ("padding_mask", padding_mask),
         ("prefix", prefix),
         ("actual_seq_qlen", actual_seq_qlen),
         ("actual_seq_kvlen", actual_seq_kvlen),
-        ("sink", sink),
     ):
         if value is not None:
             raise NotImplementedError(
@@ -100,6 +99,17 @@ def _check_sparse_mode(sparse_mode: int) -> None:
         raise NotImplementedError(
             f"npu emulator: sparse_mode={sparse_mode} (prefix/varlen modes) is not supported; "
             "supported: 0, 1, 2, 3, 4"
+        )
+
+
+def check_sink(sink: Optional[torch.Tensor], head_num: int) -> None:
+    """``sink``: None, or a floating tensor [head_num] (one logit per query head; float32 on the NPU)."""
+    if sink is None:
+        return
+    if not isinstance(sink, torch.Tensor) or not sink.dtype.is_floating_point or tuple(sink.shape) != (head_num,):
+        raise ValueError(
+            f"npu_fusion_attention: sink={describe(sink)} must be a floating tensor of shape [head_num] = "
+            f"[{head_num}] (one logit per query head)"
         )
 
 
@@ -256,9 +266,10 @@ def _expand_kv(x: torch.Tensor, groups: int) -> torch.Tensor:
 def check_call(query, key, value, head_num, input_layout, pse, padding_mask, keep_prob, prefix,
                    actual_seq_qlen, actual_seq_kvlen, sparse_mode, softmax_layout, sink):
     _check_layout(input_layout)
-    _check_unsupported(pse, padding_mask, prefix, actual_seq_qlen, actual_seq_kvlen, sink, softmax_layout)
+    _check_unsupported(pse, padding_mask, prefix, actual_seq_qlen, actual_seq_kvlen, softmax_layout)
     _check_sparse_mode(sparse_mode)
     _check_keep_prob(keep_prob)
+    check_sink(sink, head_num)
     return op_dims(query, key, value, head_num, input_layout)
 
 
@@ -274,8 +285,15 @@ def _scores(q, k, scale, allowed):
     return s
 
 
+def _sink_logits(sink: Optional[torch.Tensor], cdt: torch.dtype) -> Optional[torch.Tensor]:
+    """The sink as [1, N, 1, 1] logits in the compute dtype (None: no sink)."""
+    return None if sink is None else sink.to(cdt).view(1, -1, 1, 1)
+
+
 def forward_math(query, key, value, d: _Dims, layout, atten_mask, scale, keep_prob, pre_tockens,
-                  next_tockens, sparse_mode, seed: int, offset: int):
+                  next_tockens, sparse_mode, seed: int, offset: int, sink=None):
+    """(out, softmax_max, softmax_sum). ``sink`` [Nq]: one more logit per row of head h, sink[h]
+    itself (not scaled), in the softmax's max and sum; its column is dropped before P V."""
     cdt = _compute_dtype(query.dtype)
     q = L.to_bnsd(query, layout, d.Nq).to(cdt)
     groups = d.Nq // d.Nkv
@@ -284,10 +302,15 @@ def forward_math(query, key, value, d: _Dims, layout, atten_mask, scale, keep_pr
     allowed = _allowed_mask(atten_mask, sparse_mode, pre_tockens, next_tockens, d)
     s = _scores(q, k, scale, allowed)
     row_max = s.amax(dim=-1, keepdim=True)
+    sink_logit = _sink_logits(sink, cdt)
+    if sink_logit is not None:
+        row_max = torch.maximum(row_max, sink_logit)
     dead = torch.isneginf(row_max)
     row_max = torch.where(dead, torch.full_like(row_max, FLOAT32_LOWEST), row_max)
     p = torch.exp(s - row_max)
     row_sum = p.sum(dim=-1, keepdim=True)
+    if sink_logit is not None:
+        row_sum = row_sum + torch.exp(sink_logit - row_max)
     probs = p / torch.where(row_sum == 0, torch.ones_like(row_sum), row_sum)
     if keep_prob < 1.0:
         keep = dropout_keep_mask(seed, offset, (d.B, d.Nq, d.Sq, d.Skv), keep_prob)
@@ -308,13 +331,15 @@ def draw_seed_offset(keep_prob: float):
 
 def backward_math(query, key, value, dy, d: _Dims, layout, atten_mask, softmax_max, softmax_sum,
                    attention_in, scale, keep_prob, pre_tockens, next_tockens, sparse_mode,
-                   seed: int, offset: int):
+                   seed: int, offset: int, sink=None):
+    """(dq, dk, dv, dsink); dsink [Nq] (None without a sink): the sink's probability
+    exp(sink_h - LSE_i) times (0 - rowsum(dy * attention_in)), summed over the rows."""
     cdt = _compute_dtype(query.dtype)
     groups = d.Nq // d.Nkv
     if attention_in is None or softmax_max is None or softmax_sum is None:
         # Not given: recompute them as the forward would.
         out, smax, ssum = forward_math(query, key, value, d, layout, atten_mask, scale, keep_prob,
-                                        pre_tockens, next_tockens, sparse_mode, seed, offset)
+                                        pre_tockens, next_tockens, sparse_mode, seed, offset, sink)
         attention_in = out if attention_in is None else attention_in
         softmax_max = smax if softmax_max is None else softmax_max
         softmax_sum = ssum if softmax_sum is None else softmax_sum
@@ -347,10 +372,15 @@ def backward_math(query, key, value, dy, d: _Dims, layout, atten_mask, softmax_m
     if groups > 1:
         dk = dk.view(d.B, d.Nkv, groups, d.Skv, d.D).sum(dim=2)
         dv = dv.view(d.B, d.Nkv, groups, d.Skv, d.Dv).sum(dim=2)
+    dsink = None
+    if sink is not None:
+        p_sink = torch.where(live, torch.exp(_sink_logits(sink, cdt) - lse_safe), torch.zeros_like(lse))
+        dsink = (-(p_sink * delta)).sum(dim=(0, 2, 3)).to(sink.dtype)
     return (
         L.from_bnsd(dq.to(query.dtype), layout),
         L.from_bnsd(dk.to(key.dtype), layout),
         L.from_bnsd(dv.to(value.dtype), layout),
+        dsink,
     )
 
 

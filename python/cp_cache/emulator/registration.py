@@ -77,6 +77,7 @@ def _forward(schema: str):
         out, smax, ssum = math(
             a["query"], a["key"], a["value"], d, *layout_arg, a["atten_mask"], a["scale"],
             a["keep_prob"], a["pre_tockens"], a["next_tockens"], a["sparse_mode"], int(seed[0]), int(offset[0]),
+            a["sink"],
         )
         softmax_out = M.empty(a["query"].dtype, a["query"].device)
         if v3:
@@ -119,6 +120,14 @@ def _empty_dsink(schema: str, query: torch.Tensor) -> torch.Tensor:
     return torch.zeros(shape, dtype=torch.float32, device=query.device)
 
 
+def _fake_dsink(schema: str, query: torch.Tensor, sink) -> torch.Tensor:
+    """dsink's shape as torch_npu's meta functions give it: the sink's shape and dtype, on the
+    query's device; without a sink, ``_empty_dsink``."""
+    if sink is None:
+        return _empty_dsink(schema, query)
+    return torch.empty(sink.shape, dtype=sink.dtype, device=query.device)
+
+
 def _grad(schema: str):
     def kernel(*args, **kwargs):
         a = _bind(schema, args, kwargs)
@@ -133,13 +142,15 @@ def _grad(schema: str):
         dropout = a["keep_prob"] < 1.0
         math = V.tnd_backward if isinstance(d, V.TndDims) else M.backward_math
         layout_arg = () if isinstance(d, V.TndDims) else (a["input_layout"],)
-        dq, dk, dv = math(
+        dq, dk, dv, dsink = math(
             query, a["key"], a["value"], a["dy"], d, *layout_arg, a["atten_mask"], a["softmax_max"],
             a["softmax_sum"], a["attention_in"], a["scale_value"], a["keep_prob"], a["pre_tockens"],
             a["next_tockens"], a["sparse_mode"],
-            M.read_int(a["seed"]) if dropout else 0, M.read_int(a["offset"]) if dropout else 0,
+            M.read_int(a["seed"]) if dropout else 0, M.read_int(a["offset"]) if dropout else 0, a["sink"],
         )
-        return dq, dk, dv, M.empty(query.dtype, query.device), _empty_dsink(schema, query)
+        if dsink is None:
+            dsink = _empty_dsink(schema, query)
+        return dq, dk, dv, M.empty(query.dtype, query.device), dsink
 
     return kernel
 
@@ -154,7 +165,7 @@ def _grad_fake(schema: str):
             torch.empty_like(a["key"], memory_format=torch.contiguous_format),
             torch.empty_like(a["value"], memory_format=torch.contiguous_format),
             query.new_empty((0,)),
-            _empty_dsink(schema, query),
+            _fake_dsink(schema, query, a["sink"]),
         )
 
     return kernel
