@@ -110,7 +110,7 @@ def test_grad_fakes_equal_wheel_meta(layout, dtype, gqa, dims):
 ALL_LAYOUTS = EMULATED_LAYOUTS + ("TND",)
 
 
-def _fake_inputs(mode, layout: str, dtype: torch.dtype, gqa: bool, dims: str):
+def _fake_inputs(mode, layout: str, dtype: torch.dtype, gqa: bool, dims: str = "same"):
     """q, k, v as fake tensors of ``mode`` (``_shapes``) and the lengths each op version takes (TND):
     v3 a fake int64 tensor whose values the fakes cannot read (no constant behind it), v1 a list."""
     q, k, v = (mode.from_tensor(torch.empty(shape, dtype=dtype)) for shape in _shapes(layout, gqa, dims))
@@ -152,7 +152,8 @@ def test_fakes_equal_wheel_meta_under_fake_tensor_mode(layout, dtype, gqa, dims)
 
 @pytest.mark.parametrize("layout", ALL_LAYOUTS)
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-def test_sink_fakes_equal_wheel_meta(layout, dtype):
+@pytest.mark.parametrize("dims", HEAD_DIMS)
+def test_sink_fakes_equal_wheel_meta(layout, dtype, dims):
     """With a sink (float32 [N]; a float64 one to tell the sink's dtype from the default): the
     forward's outputs as without, and the grads' dsink in the sink's shape and dtype, under
     FakeTensorMode as the wheel's meta functions give them."""
@@ -161,7 +162,7 @@ def test_sink_fakes_equal_wheel_meta(layout, dtype):
     meta = {name: fn for name, (fn, _where) in wheel_meta_functions(VERSION).items()}
     mode = FakeTensorMode()
     with mode:
-        q, k, v, lengths_v3, lengths_v1 = _fake_inputs(mode, layout, dtype, gqa=False)
+        q, k, v, lengths_v3, lengths_v1 = _fake_inputs(mode, layout, dtype, gqa=False, dims=dims)
         for sink_dtype in (torch.float32, torch.float64):
             sink = mode.from_tensor(torch.empty(4, dtype=sink_dtype))
             for name, lengths in (("npu_fusion_attention_v3", lengths_v3), ("npu_fusion_attention", lengths_v1)):
