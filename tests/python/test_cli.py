@@ -82,6 +82,7 @@ def test_bench_quick_writes_json_and_png(tmp_path):
     for r in report["models"]:
         assert r["fp32_rel_error"] <= error_bound(r["dense_fp32_rel_error"]), r
         assert r["fwd"]["bytes_sent"] > 0 and r["bwd"]["bytes_sent"] > 0, r
+        assert r["fwd"]["bytes_received"] == r["fwd"]["bytes_received_lower_bound"], r  # the direct exchange
 
 
 def _accuracy_bound(a: dict) -> float:

@@ -39,7 +39,8 @@ def _inputs(shape: dict, world_size: int):
 def _directional(calls: dict, direction: str) -> dict:
     """What call_stats says one direction sent, received and needed at least (bytes)."""
     stats = calls[direction]
-    return {key: stats[key] for key in ("bytes_sent", "bytes_received", "bytes_lower_bound") if key in stats}
+    return {key: stats[key] for key in ("bytes_sent", "bytes_received", "bytes_lower_bound",
+                                        "bytes_received_lower_bound") if key in stats}
 
 
 def _one_kind(mask: dict, full: tuple, pos, mesh, shape: dict, plan: dict) -> dict:
@@ -108,7 +109,7 @@ def print_summary(rows: list[dict]) -> None:
         for direction in ("fwd", "bwd"):
             busiest = max(group, key=lambda r: r[direction].get("bytes_received", r[direction]["bytes_sent"]))
             moved = busiest[direction].get("bytes_received", busiest[direction]["bytes_sent"])
-            bound = busiest[direction].get("bytes_lower_bound")
+            bound = busiest[direction].get("bytes_received_lower_bound")  # the bound of what it received
             cells.append(fmt_bytes(moved) + ("" if bound is None else f" (bound {fmt_bytes(bound)})"))
         cells += [f"{max(r['ms_median'] for r in group):.1f}", f"{max(r['fp32_rel_error'] for r in group):.1e}"]
         body.append(cells)
