@@ -159,7 +159,7 @@ _call_log = CALL_LOG
 
 
 def enable(policy: str | None = None, *, kernel: str | None = None, fused_merge: bool | None = None,
-           algorithm: str | None = None) -> None:
+           algorithm: str | None = None, documents: str | None = None) -> None:
     """Register the CP handlers for the NPU attention ops (idempotent; a new configuration
     replaces the handlers).
 
@@ -168,12 +168,14 @@ def enable(policy: str | None = None, *, kernel: str | None = None, fused_merge:
     ``fused_merge``: merge ring steps with ``npu_ring_attention_update`` when it exists;
     None reads CP_CACHE_FUSED_MERGE (default on).
     ``algorithm``: "ring" (default), "ulysses", "hybrid" or "auto"; None reads CP_CACHE_ALGORITHM.
+    ``documents``: where packed documents (TND) go under load balancing, "balanced" (default)
+    or "head_tail"; None reads CP_CACHE_DOCUMENTS (``cp_cache.document_layout``).
 
     Call it after ``import torch_npu``: torch_npu's import replaces torch's CP dispatcher
     switches and its handler table, and cp_cache wraps what it finds.
     """
     global _registered
-    config = resolve_config(policy, kernel=kernel, fused_merge=fused_merge, algorithm=algorithm)
+    config = resolve_config(policy, kernel=kernel, fused_merge=fused_merge, algorithm=algorithm, documents=documents)
     handlers = AttentionHandlers(config, _call_log)
     if not handlers.table():
         raise RuntimeError(
@@ -273,7 +275,7 @@ def context_parallel(
             log.warning("cp_cache: torch's CP dispatcher switches were replaced after cp_cache.enable() "
                         "(torch_npu imported late?); enabling again on top of them")
         enable(outer_config.policy, kernel=outer_config.kernel, fused_merge=outer_config.fused_merge,
-               algorithm=algorithm or outer_config.algorithm)
+               algorithm=algorithm or outer_config.algorithm, documents=outer_config.documents)
     try:
         if buffers:
             with torch_context_parallel(
@@ -294,4 +296,4 @@ def context_parallel(
             disable()
         elif _registered is not None and _registered.handlers.config != outer_config:
             enable(outer_config.policy, kernel=outer_config.kernel, fused_merge=outer_config.fused_merge,
-                   algorithm=outer_config.algorithm)
+                   algorithm=outer_config.algorithm, documents=outer_config.documents)

@@ -19,7 +19,7 @@ from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 
 from .. import layout as L
 from ..arguments import bind_arguments
-from ..config import CPConfig, load_balance_enabled
+from ..config import CPConfig, document_placement, load_balance_enabled
 from ..engine import agreement
 from ..engine.merge import fused_merge_available
 from ..engine.steps import positions
@@ -126,9 +126,11 @@ def _prepare_packed(a: dict[str, Any], cp: CPConfig, scale: float) -> Call:
     spec = packed_mask(a)
     documents, lengths = packed_documents(a)
     sharding = packed_sharding({n: a[n] for n in _QKV})
+    load_balance = load_balance_enabled()
     plan = CallPlan(world_size=sharding.size, rank=sharding.rank, layout=L.TND, head_num=int(a["head_num"]),
-                    scale=scale, keep_prob=float(a["keep_prob"]), mask=spec, load_balance=load_balance_enabled(),
-                    algorithm="ring", cp_sizes=tuple(sharding.cp_sizes), documents=documents, **_execution(cp))
+                    scale=scale, keep_prob=float(a["keep_prob"]), mask=spec, load_balance=load_balance,
+                    algorithm="ring", cp_sizes=tuple(sharding.cp_sizes), documents=documents,
+                    placement=document_placement(cp.documents, load_balance), **_execution(cp))
     # on global lengths, the same on every rank: every rank refuses together
     check_packed_tokens(plan, a["query"].size(0))
     return Call(a, plan, sharding, None, lengths)
