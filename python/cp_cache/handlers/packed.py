@@ -27,7 +27,7 @@ from torch.distributed.tensor import DTensor, Shard
 
 from ..arguments import describe
 from ..documents import check_documents, check_lengths_tensor, cumulative_lengths, local_lengths
-from ..placement import CONTIGUOUS
+from ..placement import BALANCED, CONTIGUOUS
 from ..npu_ops import CAUSAL_MODES, SparseMode, is_compressed_mask
 from ..plan import CallPlan, MaskSpec
 from .cp_mesh import CPSharding
@@ -106,6 +106,8 @@ def check_packed_tokens(plan: CallPlan, total: int) -> None:
 
 def check_local_tokens(plan: CallPlan, local_rows: int) -> None:
     """This rank's local length against what the plan's placement gives it (ValueError naming both)."""
+    if plan.placement != BALANCED:  # even shards: T = W * local rows
+        check_packed_tokens(plan, local_rows * plan.world_size)
     check_documents(plan.documents, plan.documents[-1], plan.world_size, plan.placement, name="actual_seq_qlen")
     held = local_lengths(plan.documents, plan.world_size, plan.placement)[plan.rank]
     if local_rows != held:
