@@ -84,13 +84,12 @@ def document_pieces(cu: Sequence[int], rank: int, world_size: int,
 
 def document_positions(cu: Sequence[int], rank: int, world_size: int, placement: str) -> Tensor:
     """The global token positions ``rank`` holds, in local order (int64)."""
-    return placement_positions(cu, world_size, placement)[rank]
+    return torch.cat([torch.arange(g, g + n) for _, _, g, n in document_pieces(cu, rank, world_size, placement)])
 
 
 def placement_positions(cu: Sequence[int], world_size: int, placement: str) -> list[Tensor]:
     """Every rank's global token positions in local order (int64), under ``placement``."""
-    return [torch.cat([torch.arange(g, g + n) for _, _, g, n in document_pieces(cu, rank, world_size, placement)])
-            for rank in range(world_size)]
+    return [document_positions(cu, rank, world_size, placement) for rank in range(world_size)]
 
 
 def local_lengths(cu: Sequence[int], world_size: int, placement: str) -> list[int]:

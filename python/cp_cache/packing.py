@@ -17,7 +17,7 @@ from torch import Tensor
 
 from .config import document_placement, documents_from_env
 from .dispatch import active_config
-from .documents import check_documents, cumulative_lengths, local_lengths, placement_positions
+from .documents import check_documents, cumulative_lengths, document_positions, local_lengths, placement_positions
 from .placement import check_placement
 
 __all__ = ["document_layout", "shard_documents", "unshard_documents", "pad_documents"]
@@ -61,7 +61,7 @@ def shard_documents(tensor: Tensor, cu_seqlens: Any, mesh, dim: int = 0, *,
     rank, world = _mesh_coordinates(mesh)
     chosen = _placement(placement, load_balance)
     check_documents(cu, tensor.size(dim), world, chosen)
-    return tensor.index_select(dim, placement_positions(cu, world, chosen)[rank].to(tensor.device))
+    return tensor.index_select(dim, document_positions(cu, rank, world, chosen).to(tensor.device))
 
 
 def unshard_documents(local: Tensor, cu_seqlens: Any, mesh, dim: int = 0, *,

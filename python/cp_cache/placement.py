@@ -13,7 +13,8 @@ adjacent, and causal order within the rank is causal order globally):
   2k-1-i). Objective: tokens and causal attention work per rank each within
   ``BALANCE_TOLERANCE`` of the mean, then the fewest K/V rows needed from other ranks. A
   greedy: documents longest first, each whole on the rank where it raises the load least,
-  split only when no rank can take it whole (``_balanced``);
+  split over the fewest ranks only when no rank can take it whole; rerun with splits
+  widened when that leaves the later documents too little room (``_balanced``);
 * ``"head_tail"``: every document cut into 2W equal chunks, rank r holding chunks r and
   2W-1-r of each (every length must divide by 2W);
 * ``"contiguous"``: T/W consecutive tokens per rank (T must divide by W); documents may
@@ -219,7 +220,7 @@ def _group_for(loads: _Loads, length: int, aim: float, widen: float) -> tuple[in
         return (whole,)
     widest, peak = loads.lowest(most, length)
     if peak > aim:
-        return widest  # nothing fits: spread it widest (the lowest peak)
+        return widest  # nothing fits: over the most ranks, where the peak is lowest
     low, high = 2, most  # the fewest ranks within aim (the peak falls as k grows)
     while low < high:
         middle = (low + high) // 2
@@ -273,8 +274,8 @@ def placement_cost(cu: Sequence[int], world: int, placement: str) -> PlacementCo
     for pieces in placement_pieces(cu, world, placement):
         tokens.append(sum(p.length for p in pieces))
         work.append(sum(causal_pairs(p.start - starts[p.document], p.length) for p in pieces))
-        last: dict[int, int] = {}  # document -> (last position held, tokens held)
-        held: dict[int, int] = {}
+        last: dict[int, int] = {}  # document -> the last position this rank holds of it
+        held: dict[int, int] = {}  # document -> tokens this rank holds of it
         for p in pieces:
             last[p.document] = p.start + p.length - 1
             held[p.document] = held.get(p.document, 0) + p.length

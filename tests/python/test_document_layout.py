@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import math
 import random
+import re
 from dataclasses import dataclass
 
 import pytest
@@ -177,6 +178,22 @@ def _run_case(case: Case, mesh) -> dict:
                 live=cp_cache.stats()["live_entries"])
 
 
+def _disagreeing_placements(mesh, rank: int) -> tuple[str, str]:
+    """Rank 0 configured with head_tail, the others with balanced, each sharding by its own: refused
+    on every rank before anything moves, naming the placements."""
+    from torch.distributed.tensor import DTensor, Shard
+
+    from cp_cache.testing.multiprocess import capture
+
+    case = CASES[-1]
+    cp_cache.enable(documents="head_tail" if rank == 0 else "balanced")
+    full = _global_inputs(case)
+    q, k, v = (DTensor.from_local(cp_cache.shard_documents(t, case.cu, mesh).float(), mesh, [Shard(0)],
+                                  shape=t.shape, stride=t.stride()) for t in full[:3])
+    lengths = dict(actual_seq_qlen=torch.tensor(case.cu), actual_seq_kvlen=torch.tensor(case.cu))
+    return capture(lambda: torch.ops.npu.npu_fusion_attention_v3(q, k, v, case.nq, "TND", **lengths))
+
+
 def _ranks(rank: int, world: int) -> dict:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor.experimental._context_parallel._attention import _cp_options
@@ -187,6 +204,7 @@ def _ranks(rank: int, world: int) -> dict:
     _cp_options.enable_load_balance = True
     mesh = init_device_mesh("cpu", (world,))
     results = {case.name: _run_case(case, mesh) for case in CASES}
+    results["disagree"] = _disagreeing_placements(mesh, rank)
     cp_cache.enable()  # the default placement under load balancing: balanced
     results["layout"] = [p.tolist() for p in cp_cache.document_layout(_cumulative(MIX), world)]
     cp_cache.disable()
@@ -226,3 +244,12 @@ def test_every_rank_computed_the_same_layout_and_nothing_stays_alive(world):
     assert results[0]["layout"] == [p.tolist() for p in cp_cache.document_layout(_cumulative(MIX), world,
                                                                                 placement="balanced")]
     assert all(res["live_after"] == 0 for res in results)
+
+
+@pytest.mark.parametrize("world", (2, 4))
+def test_ranks_that_disagree_on_the_placement_refuse_together(world):
+    for rank, res in enumerate(_results(world)):
+        kind, message = res["disagree"]
+        assert kind == "RuntimeError", (rank, kind, message)
+        assert re.search(r"ranks disagree on .*document placement: rank 0 'head_tail', rank 1 'balanced'", message), \
+            (rank, message)
