@@ -238,7 +238,8 @@ def _ranks(rank: int, world: int) -> dict:
     cp_groups = [flat.get_group(), grid.get_group(0), grid.get_group(1)]
     guard = AcceleratorOnly(cp_groups)
     try:
-        results = _cases(rank, world, flat, grid)
+        with cp_cache.context_parallel(flat):
+            results = _cases(rank, world, flat, grid)
         results["guard_refuses"] = capture(lambda: torch.distributed.all_gather_object([None] * world, 1,
                                                                                           group=cp_groups[0]))
     finally:

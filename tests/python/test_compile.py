@@ -478,8 +478,10 @@ def _compile_rank(rank: int, world: int, cases: list[Case]) -> dict:
     install_npu_emulator(route_sdpa=True)
     mesh = init_device_mesh("cpu", (world,))
     cp_cache.enable("handle")
-    results = {"fake": _fake_tracing(mesh, world), "block": _single_block(mesh, world, rank),
-               "masks": _masks_compiled(mesh, world, rank), "algorithms": _algorithms_compiled(mesh, world, rank)}
+    results = {"block": _single_block(mesh, world, rank)}
+    with cp_cache.context_parallel(mesh):
+        results.update(fake=_fake_tracing(mesh, world), masks=_masks_compiled(mesh, world, rank),
+                       algorithms=_algorithms_compiled(mesh, world, rank))
     results["train"] = {case.name: _train_case(case, mesh, world) for case in cases}
     results["live_entries"] = cp_cache.stats()["live_entries"]
     cp_cache.disable()

@@ -31,7 +31,6 @@ def _dying_rank(rank: int, world: int, direction: str) -> dict:
 
     install_npu_emulator(route_sdpa=False)
     mesh = init_device_mesh("cpu", (world,))
-    cp_cache.enable()
     victim = world - 1
     if rank == victim:
         calls = {"n": 0}
@@ -50,10 +49,11 @@ def _dying_rank(rank: int, world: int, direction: str) -> dict:
     started = time.monotonic()
     error = None
     try:
-        out = torch.ops.npu.npu_fusion_attention_v3(
-            q, k, v, N, "BNSD", atten_mask=causal_mask("cpu"), scale=1 / math.sqrt(D), sparse_mode=2,
-            next_tockens=0)[0]
-        out.backward(DTensor.from_local(local[3], mesh, [Shard(2)]))
+        with cp_cache.context_parallel(mesh):
+            out = torch.ops.npu.npu_fusion_attention_v3(
+                q, k, v, N, "BNSD", atten_mask=causal_mask("cpu"), scale=1 / math.sqrt(D), sparse_mode=2,
+                next_tockens=0)[0]
+            out.backward(DTensor.from_local(local[3], mesh, [Shard(2)]))
     except Exception as exc:  # noqa: BLE001 - what the survivor saw is the result
         error = f"{type(exc).__name__}: {exc}"
     elapsed = time.monotonic() - started

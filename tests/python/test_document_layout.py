@@ -203,11 +203,11 @@ def _ranks(rank: int, world: int) -> dict:
     install_npu_emulator(route_sdpa=False)
     _cp_options.enable_load_balance = True
     mesh = init_device_mesh("cpu", (world,))
-    results = {case.name: _run_case(case, mesh) for case in CASES}
-    results["disagree"] = _disagreeing_placements(mesh, rank)
-    cp_cache.enable()  # the default placement under load balancing: balanced
-    results["layout"] = [p.tolist() for p in cp_cache.document_layout(_cumulative(MIX), world)]
-    cp_cache.disable()
+    with cp_cache.context_parallel(mesh):  # cp_cache serves sequence-sharded calls inside a CP region
+        results = {case.name: _run_case(case, mesh) for case in CASES}
+        results["disagree"] = _disagreeing_placements(mesh, rank)
+        cp_cache.enable()  # the default placement under load balancing: balanced
+        results["layout"] = [p.tolist() for p in cp_cache.document_layout(_cumulative(MIX), world)]
     results["live_after"] = cp_cache.stats()["live_entries"]
     return results
 

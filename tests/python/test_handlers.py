@@ -290,8 +290,9 @@ def _rejections(rank: int, world: int, mesh) -> dict:
 
 def _handlers_rank(rank: int, world: int, cases: list[Case]) -> dict:
     mesh = _setup(rank, world)
-    results = {case.name: _run_case(case, rank, world, mesh) for case in cases}
-    results["errors"] = _rejections(rank, world, mesh)
+    with cp_cache.context_parallel(mesh):
+        results = {case.name: _run_case(case, rank, world, mesh) for case in cases}
+        results["errors"] = _rejections(rank, world, mesh)
     results["live_entries"] = cp_cache.stats()["live_entries"]
     return results
 

@@ -36,24 +36,25 @@ def _floor_rank(rank: int, world: int) -> dict:
     results = {}
     for policy in ("handle", "stack"):
         cp_cache.enable(policy=policy)
-        for checkpointed in (False, True):
-            local = [t.index_select(2, pos).float() for t in full]
-            q, k, v = (DTensor.from_local(t, mesh, [Shard(2)]).requires_grad_() for t in local[:3])
+        with cp_cache.context_parallel(mesh):
+            for checkpointed in (False, True):
+                local = [t.index_select(2, pos).float() for t in full]
+                q, k, v = (DTensor.from_local(t, mesh, [Shard(2)]).requires_grad_() for t in local[:3])
 
-            def attention(a, b, c):
-                return torch.ops.npu.npu_fusion_attention_v3(
-                    a, b, c, N, "BNSD", atten_mask=mask, scale=1 / math.sqrt(D), sparse_mode=2, next_tockens=0)
+                def attention(a, b, c):
+                    return torch.ops.npu.npu_fusion_attention_v3(
+                        a, b, c, N, "BNSD", atten_mask=mask, scale=1 / math.sqrt(D), sparse_mode=2, next_tockens=0)
 
-            store_before = cp_cache.stats()["live_bytes"]
-            with SavedStorages(exclude=(q, k, v, mask)) as saved:
-                outs = checkpoint(attention, q, k, v, use_reentrant=False) if checkpointed else attention(q, k, v)
-            strides = [tuple(o.to_local().stride()) for o in outs[1:3]]
-            out = outs[0]
-            del outs  # a model keeps the attention output only (the seed output would hold the handle)
-            kept = saved.nbytes + cp_cache.stats()["live_bytes"] - store_before
-            out.backward(DTensor.from_local(local[3], mesh, [Shard(2)]))
-            grads = [t.grad.to_local().double() for t in (q, k, v)]
-            results[(policy, checkpointed)] = dict(kept=kept, strides=strides, grads=grads)
+                store_before = cp_cache.stats()["live_bytes"]
+                with SavedStorages(exclude=(q, k, v, mask)) as saved:
+                    outs = checkpoint(attention, q, k, v, use_reentrant=False) if checkpointed else attention(q, k, v)
+                strides = [tuple(o.to_local().stride()) for o in outs[1:3]]
+                out = outs[0]
+                del outs  # a model keeps the attention output only (the seed output would hold the handle)
+                kept = saved.nbytes + cp_cache.stats()["live_bytes"] - store_before
+                out.backward(DTensor.from_local(local[3], mesh, [Shard(2)]))
+                grads = [t.grad.to_local().double() for t in (q, k, v)]
+                results[(policy, checkpointed)] = dict(kept=kept, strides=strides, grads=grads)
         cp_cache.disable()
     return dict(results=results, pos=pos)
 

@@ -2,9 +2,9 @@
 
 cp_cache takes effect only where CP is. A call whose query has no ``Shard(seq)`` mesh dimension
 (data parallel ``Shard(batch)``, tensor parallel ``Shard(heads)``, ``Replicate``, a shard of the
-head size), and with torch_npu loaded every call made outside a CP region, goes to what serves it
-without cp_cache: torch_npu's layer-1 DTensor handler, or DTensor's own sharding propagation
-(which, for the emulated op alone, has no sharding strategy and raises). Checked here:
+head size), and every call made outside a CP region, goes to what serves it without cp_cache:
+torch_npu's layer-1 DTensor handler, or DTensor's own sharding propagation (which, for the
+emulated op alone, has no sharding strategy and raises). Checked here:
 
 * the same results (``torch.equal``) or the same error, with and without ``enable()``: the
   cases of torch_npu's ``test_attention_ops`` for the v3 op (BNSD forward and backward for five
@@ -15,7 +15,7 @@ without cp_cache: torch_npu's layer-1 DTensor handler, or DTensor's own sharding
   whole tensors (bounded by that op's own float32 error, measured in the same run);
 * a CP call on fake tensors with a symbolic sequence length runs through the handler;
 * sequence-sharded calls inside a CP region run cp_cache (their backward too, after the
-  region); outside one they run it only where nothing else serves the op (no torch_npu);
+  region); outside one they do not (torch_npu's handler serves them, or DTensor raises);
 * the handler table after ``disable()`` and after every CP exit holds exactly the entries
   (the same objects) it held before.
 
@@ -31,7 +31,7 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from cp_cache.testing.multiprocess import run_ranks
+from cp_cache.testing.multiprocess import capture, run_ranks
 from cp_cache.testing.torch_npu_wheel import fetch
 
 WORLD = 4  # the rank group; W = 2 runs on its pairs
@@ -249,7 +249,9 @@ def _sequence_sharded(mesh) -> dict:
     res["backward_after"] = _runs_cp_cache(lambda: res["out"].backward(distribute_tensor(dy, mesh, [Shard(2)])))
     res["inside_err"] = (rel_err(res.pop("out").full_tensor().double(), low[0].double()),
                          error_bound(rel_err(low[0].double(), high[0])))
-    res["outside"] = _runs_cp_cache(lambda: _op()(*leaves, **kw))
+    outside = {}
+    res["outside"] = _runs_cp_cache(lambda: outside.update(error=capture(lambda: _op()(*leaves, **kw))[0]))
+    res["outside_error"] = outside["error"]
     return res
 
 
@@ -494,15 +496,10 @@ def test_table_after_every_cp_exit_is_the_table_before_entry(ranks, mode):
 
 @pytest.mark.parametrize("mode", MODES)
 def test_non_cp_calls_same_with_and_without_enable(ranks, mode):
-    """Every placement without a CP mesh dimension; with torch_npu loaded every placement
-    (outside a CP region, torch_npu's layer-1 handler serves sequence shards too)."""
-    tests = {t.name: t for t in NPU_TESTS}
+    """Every placement, sequence shards included: outside a CP region cp_cache serves nothing."""
     for r, res in enumerate(ranks):
         compared = res[mode]["npu"]
         calls = sum(len(_placements(t)) for t in NPU_TESTS)
-        if mode == "plain":  # sequence shards outside CP: cp_cache's ring, nothing else serves them
-            compared = {k: v for k, v in compared.items() if k[2] != f"Shard({tests[k[1]].seq_dim})"}
-            calls -= len(NPU_TESTS)
         assert len(compared) == len(WORLDS) * calls, (mode, len(compared))
         differ = _not_same(compared)
         assert not differ, f"{mode}, rank {r}:\n{differ}"
@@ -543,12 +540,13 @@ def test_sequence_sharded_calls_inside_cp_run_cp_cache(ranks, mode):
 
 
 def test_sequence_sharded_calls_outside_cp(ranks):
-    """Outside a CP region: torch_npu's layer-1 handler serves them when loaded; without it
-    nothing else would (the op has no sharding strategy), and cp_cache runs them."""
+    """Outside a CP region cp_cache runs nothing: torch_npu's layer-1 handler serves the call when
+    loaded; without it DTensor raises, as it does without cp_cache (no sharding strategy)."""
     for r, res in enumerate(ranks):
         for w in WORLDS:
-            assert res["torch_npu"]["sequence"][w]["outside"] == (0, 0), (w, r)
-            assert res["plain"]["sequence"][w]["outside"] == (1, 0), (w, r)
+            for mode, error in (("torch_npu", "no error"), ("plain", "NotImplementedError")):
+                seq = res[mode]["sequence"][w]
+                assert (seq["outside"], seq["outside_error"]) == ((0, 0), error), (mode, w, r)
 
 
 @pytest.mark.parametrize("mode", MODES)

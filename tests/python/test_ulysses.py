@@ -23,7 +23,7 @@ import torch
 import cp_cache
 from cp_cache import layout as L
 from cp_cache.step_cache import plan_of
-from cp_cache.testing.multiprocess import capture, run_ranks
+from cp_cache.testing.multiprocess import capture, cp_region, run_ranks
 from cp_cache.testing.reference import band_masked, dense_attention, error_bound, rel_err
 
 MASK = 2048
@@ -538,12 +538,13 @@ def _ranks(rank: int, world: int, cases: list[Case]) -> dict:
     logger, messages = logging.getLogger("cp_cache"), _Messages()
     logger.addHandler(messages)
     logger.setLevel(logging.INFO)
-    results = {case.name: _run_case(case, rank, world) for case in cases}
-    results["log"] = [m for m in messages.messages if "Ulysses" in m]
-    results["checkpointing"] = _checkpointing(rank, world)
-    results["errors"] = _rejections(rank, world)
-    results["sharding"] = _sharding_helpers(rank, world)
-    results["floor"] = _memory_floor(rank, world)
+    with cp_region(world):
+        results = {case.name: _run_case(case, rank, world) for case in cases}
+        results["log"] = [m for m in messages.messages if "Ulysses" in m]
+        results["checkpointing"] = _checkpointing(rank, world)
+        results["errors"] = _rejections(rank, world)
+        results["sharding"] = _sharding_helpers(rank, world)
+        results["floor"] = _memory_floor(rank, world)
     if world == 2:
         results["model"] = _model_step(rank, world)
     results["live_entries"] = cp_cache.stats()["live_entries"]

@@ -145,19 +145,19 @@ def _ranks(rank: int, world: int) -> dict:
 
     install_npu_emulator(route_sdpa=False)
     mesh = init_device_mesh("cpu", (world,))
-    cp_cache.enable()
     _cp_options.enable_load_balance = False
     results = {"ring": {}, "dtensor": {}, "refused": {}}
     for lengths in RING_LENGTHS[world]:
         for causal in (True, False):
             for layout, nkv in (("BNSD", N), ("BSH", 2)):
                 results["ring"][(lengths, causal, layout)] = _ring_case(rank, world, lengths, causal, layout, nkv)
-    for causal in (True, False):
-        results["dtensor"][causal] = _dtensor_case(rank, world, mesh, causal)
-    results["refused"]["load_balance"] = _refused_in_ring(rank, world, load_balance=True)
-    results["refused"]["window"] = _refused_in_ring(rank, world, causal=False, window=True, pre_tockens=2,
-                                                    next_tockens=0)
-    results["handler"] = _handler_refusals(rank, world, mesh)
+    with cp_cache.context_parallel(mesh):
+        for causal in (True, False):
+            results["dtensor"][causal] = _dtensor_case(rank, world, mesh, causal)
+        results["refused"]["load_balance"] = _refused_in_ring(rank, world, load_balance=True)
+        results["refused"]["window"] = _refused_in_ring(rank, world, causal=False, window=True, pre_tockens=2,
+                                                        next_tockens=0)
+        results["handler"] = _handler_refusals(rank, world, mesh)
     results["live"] = cp_cache.stats()["live_entries"]
     return results
 

@@ -25,49 +25,49 @@ def _rank_errors(rank: int, world: int) -> dict:
 
     install_npu_emulator(route_sdpa=False)
     mesh = init_device_mesh("cpu", (world,))
-    cp_cache.enable(documents="head_tail")  # equal local lengths; the balanced placement's refusals at the end
-    T = 16 * world
-    g = torch.Generator().manual_seed(3)
-    local = [torch.randn(T // world, N, D, generator=g) for _ in range(3)]
-    q, k, v = (DTensor.from_local(t, mesh, [Shard(0)]) for t in local)
-    causal = dict(atten_mask=causal_mask("cpu"), sparse_mode=3)
+    with cp_cache.context_parallel(mesh):
+        cp_cache.enable(documents="head_tail")  # equal local lengths; the balanced placement's refusals at the end
+        T = 16 * world
+        g = torch.Generator().manual_seed(3)
+        local = [torch.randn(T // world, N, D, generator=g) for _ in range(3)]
+        q, k, v = (DTensor.from_local(t, mesh, [Shard(0)]) for t in local)
+        causal = dict(atten_mask=causal_mask("cpu"), sparse_mode=3)
 
-    def call(qlen, kvlen=None, **kw):
-        kvlen = qlen if kvlen is None else kvlen
-        as_tensor = (lambda x: x) if not isinstance(qlen, list) else torch.tensor
-        return lambda: torch.ops.npu.npu_fusion_attention_v3(
-            q, k, v, N, "TND", actual_seq_qlen=as_tensor(qlen), actual_seq_kvlen=as_tensor(kvlen), **{**causal, **kw})
+        def call(qlen, kvlen=None, **kw):
+            kvlen = qlen if kvlen is None else kvlen
+            as_tensor = (lambda x: x) if not isinstance(qlen, list) else torch.tensor
+            return lambda: torch.ops.npu.npu_fusion_attention_v3(
+                q, k, v, N, "TND", actual_seq_qlen=as_tensor(qlen), actual_seq_kvlen=as_tensor(kvlen), **{**causal, **kw})
 
-    errors = {}
-    _cp_options.enable_load_balance = True
-    # document 1 has length 6: not a multiple of 2W (4 at W = 2, 8 at W = 4)
-    errors["indivisible"] = capture(call([2 * world, 2 * world + 6, T]))
-    errors["short_sum"] = capture(call([8, T - 2 * world]))
-    errors["non_increasing"] = capture(call([8, 8, T]))
-    errors["decreasing"] = capture(call([16, 8, T]))
-    errors["q_kv_differ"] = capture(call([8, T], [16, T]))
-    errors["missing_kvlen"] = capture(lambda: torch.ops.npu.npu_fusion_attention_v3(
-        q, k, v, N, "TND", actual_seq_qlen=torch.tensor([T])))
-    errors["float_lengths"] = capture(call(torch.tensor([8.0, T])))
-    errors["band"] = capture(call([T], sparse_mode=4))
-    errors["explicit_mask"] = capture(call([T], atten_mask=torch.zeros(T, T, dtype=torch.bool), sparse_mode=1))
-    # ranks that disagree on the documents (each list valid on its own): every rank refuses
-    per_rank = [4 * world, T] if rank == 0 else [8 * world, T]
-    errors["ranks_disagree"] = capture(call(per_rank))
-    # a backward whose documents (read by the custom op) are not its forward's
-    res = call([8 * world, T])()
-    other = torch.tensor([4 * world, T])
-    errors["backward_other_documents"] = capture(lambda: torch.ops.npu.npu_fusion_attention_grad_v3(
-        q, k, v, res[0], N, "TND", softmax_max=res[1], softmax_sum=res[2], attention_in=res[0], seed=res[4],
-        offset=res[5], actual_seq_qlen=other, actual_seq_kvlen=other, scale_value=1.0, **causal))
-    del res
-    _cp_options.enable_load_balance = False
-    errors["contiguous_odd_ok"] = capture(call([3, 10, T]))  # any lengths without load balancing
-    _cp_options.enable_load_balance = True
-    cp_cache.enable(documents="balanced")
-    # T/W local tokens on every rank, but the balanced placement of these documents is uneven
-    errors["balanced_local_length"] = capture(call([T - 3, T]))
-    cp_cache.disable()
+        errors = {}
+        _cp_options.enable_load_balance = True
+        # document 1 has length 6: not a multiple of 2W (4 at W = 2, 8 at W = 4)
+        errors["indivisible"] = capture(call([2 * world, 2 * world + 6, T]))
+        errors["short_sum"] = capture(call([8, T - 2 * world]))
+        errors["non_increasing"] = capture(call([8, 8, T]))
+        errors["decreasing"] = capture(call([16, 8, T]))
+        errors["q_kv_differ"] = capture(call([8, T], [16, T]))
+        errors["missing_kvlen"] = capture(lambda: torch.ops.npu.npu_fusion_attention_v3(
+            q, k, v, N, "TND", actual_seq_qlen=torch.tensor([T])))
+        errors["float_lengths"] = capture(call(torch.tensor([8.0, T])))
+        errors["band"] = capture(call([T], sparse_mode=4))
+        errors["explicit_mask"] = capture(call([T], atten_mask=torch.zeros(T, T, dtype=torch.bool), sparse_mode=1))
+        # ranks that disagree on the documents (each list valid on its own): every rank refuses
+        per_rank = [4 * world, T] if rank == 0 else [8 * world, T]
+        errors["ranks_disagree"] = capture(call(per_rank))
+        # a backward whose documents (read by the custom op) are not its forward's
+        res = call([8 * world, T])()
+        other = torch.tensor([4 * world, T])
+        errors["backward_other_documents"] = capture(lambda: torch.ops.npu.npu_fusion_attention_grad_v3(
+            q, k, v, res[0], N, "TND", softmax_max=res[1], softmax_sum=res[2], attention_in=res[0], seed=res[4],
+            offset=res[5], actual_seq_qlen=other, actual_seq_kvlen=other, scale_value=1.0, **causal))
+        del res
+        _cp_options.enable_load_balance = False
+        errors["contiguous_odd_ok"] = capture(call([3, 10, T]))  # any lengths without load balancing
+        _cp_options.enable_load_balance = True
+        cp_cache.enable(documents="balanced")
+        # T/W local tokens on every rank, but the balanced placement of these documents is uneven
+        errors["balanced_local_length"] = capture(call([T - 3, T]))
     return errors
 
 

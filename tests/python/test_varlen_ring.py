@@ -234,16 +234,16 @@ def _ranks(rank: int, world: int) -> dict:
 
     install_npu_emulator(route_sdpa=False)
     mesh = init_device_mesh("cpu", (world,))
-    cp_cache.enable(documents="head_tail")  # the cases' lb: per-document head-tail
-    results = {case.name: _run_case(case, mesh) for case in CASES}
-    if world > 1:
-        results["dropout"] = {lb: _dropout_check(mesh, rank, lb) for lb in (True, False)}
-    results["checkpoint"] = _checkpoint_and_stack(mesh)
-    # the plain-torch step kernel has no TND: the ring calls it once per segment (BSND, batch 1);
-    # with the float32 merge in plain torch (the cases above merge with the fused op)
-    cp_cache.enable(kernel="reference", fused_merge=False, documents="head_tail")
-    results["reference_kernel"] = {case.name: _run_case(case, mesh) for case in REFERENCE_KERNEL_CASES}
-    cp_cache.disable()
+    with cp_cache.context_parallel(mesh):
+        cp_cache.enable(documents="head_tail")  # the cases' lb: per-document head-tail
+        results = {case.name: _run_case(case, mesh) for case in CASES}
+        if world > 1:
+            results["dropout"] = {lb: _dropout_check(mesh, rank, lb) for lb in (True, False)}
+        results["checkpoint"] = _checkpoint_and_stack(mesh)
+        # the plain-torch step kernel has no TND: the ring calls it once per segment (BSND, batch 1);
+        # with the float32 merge in plain torch (the cases above merge with the fused op)
+        cp_cache.enable(kernel="reference", fused_merge=False, documents="head_tail")
+        results["reference_kernel"] = {case.name: _run_case(case, mesh) for case in REFERENCE_KERNEL_CASES}
     return results
 
 
@@ -342,7 +342,6 @@ def _training_step(rank: int, world: int) -> dict:
 
     install_npu_emulator(route_sdpa=False)
     mesh = init_device_mesh("cpu", (world,))
-    cp_cache.enable()
     g = torch.Generator().manual_seed(11)
     cu_seqlens = torch.tensor([5, 18, 27, 48])  # documents of 5, 13, 9 and 21 tokens
     tokens = torch.randint(0, 32, (48,), generator=g)
@@ -370,8 +369,9 @@ def _training_step(rank: int, world: int) -> dict:
 
     params = _tiny_model()
     local = [cp_cache.shard_documents(t, cu, mesh) for t in (tokens, labels, real)]
-    loss = _model_loss(params, local[0], local[1], local[2].float(), context_parallel, real.sum())
-    loss.backward()
+    with cp_cache.context_parallel(mesh):
+        loss = _model_loss(params, local[0], local[1], local[2].float(), context_parallel, real.sum())
+        loss.backward()
     total = loss.detach().double().reshape(1)
     dist.all_reduce(total)
     ref = float(ref_loss.detach())
@@ -382,7 +382,6 @@ def _training_step(rank: int, world: int) -> dict:
         dist.all_reduce(grad)  # data-parallel style: each rank's part of the gradient
         errors[name] = rel_err(grad, reference[name].grad)
         single_errors[name] = rel_err(single[name].grad.double(), reference[name].grad)
-    cp_cache.disable()
     return dict(errors=errors, single_errors=single_errors, padded_tokens=int(cu[-1]),
                 live=cp_cache.stats()["live_entries"])
 

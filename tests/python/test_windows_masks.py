@@ -141,10 +141,9 @@ def _ranks(rank: int, world: int) -> dict:
 
     install_npu_emulator(route_sdpa=False)
     mesh = init_device_mesh("cpu", (world,))
-    cp_cache.enable()
-    results = {case.name: _run_case(case, rank, world, mesh) for case in CASES}
-    results["dropout"] = {name: _dropout_check(name, rank, world, mesh) for name in ("band", "mask")}
-    cp_cache.disable()
+    with cp_cache.context_parallel(mesh):
+        results = {case.name: _run_case(case, rank, world, mesh) for case in CASES}
+        results["dropout"] = {name: _dropout_check(name, rank, world, mesh) for name in ("band", "mask")}
     return results
 
 

@@ -17,7 +17,6 @@ threads see the table as it is.
 from __future__ import annotations
 
 import functools
-import logging
 import time
 from typing import Any, Callable, Optional, Protocol
 
@@ -36,7 +35,6 @@ from .cp_mesh import sequence_sharded
 
 __all__ = ["AttentionHandlers", "Registration", "dtensor_default"]
 
-log = logging.getLogger("cp_cache")
 
 
 class Registration(Protocol):
@@ -78,22 +76,16 @@ class AttentionHandlers:
     def _runs(self, op_call, args, kwargs, backward: bool) -> bool:
         """Whether this call is cp_cache's. Its query must be sharded on the sequence (a CP mesh
         dimension) over ranks of their own (not LocalTensor's ranks simulated in one process: the
-        ring exchanges between processes). A forward then runs inside a CP region, and outside
-        one only where nothing else would serve the op (no displaced handler, no sharding
-        strategy); a backward runs where its forward ran: cp_cache's forward gives a plain seed,
+        ring exchanges between processes). A forward then runs only inside a CP region (outside
+        one the call is served as without cp_cache, even where that is DTensor's "no sharding
+        strategy" error); a backward runs where its forward ran: cp_cache's forward gives a plain seed,
         one served elsewhere a DTensor."""
         query, layout = (_argument(op_call, args, kwargs, name) for name in ("query", "input_layout"))
         if not sequence_sharded(query, layout) or _simulated_ranks(query):
             return False
         if backward:
             return not isinstance(_argument(op_call, args, kwargs, "seed"), DTensor)
-        site = self.registration
-        if site is None or site.in_cp():
-            return True
-        if site.displaced(op_call) is not None or _has_sharding_strategy(op_call):
-            return False
-        _note_outside_cp(op_call)
-        return True
+        return self.registration is None or self.registration.in_cp()
 
     def _pass_on(self, op_call, args, kwargs):
         """Serve a call that is not cp_cache's as it is served without cp_cache."""
@@ -182,13 +174,6 @@ def _argument(op_call, args: tuple, kwargs: dict, name: str) -> Any:
     return args[index] if index < len(args) else kwargs.get(name)
 
 
-def _has_sharding_strategy(op_call) -> bool:
-    """Whether DTensor's sharding propagation knows the op (torch_npu registers strategies)."""
-    propagator = DTensor._op_dispatcher.sharding_propagator
-    names = ("op_strategy_funcs", "op_single_dim_strategy_funcs", "op_to_rules")
-    return any(op_call in getattr(propagator, name, {}) for name in names)
-
-
 def _simulated_ranks(query: DTensor) -> bool:
     """Whether the ranks are simulated in this process (LocalTensor mode: the local tensor holds
     every rank's shard, ranks and sizes are symbolic)."""
@@ -196,12 +181,3 @@ def _simulated_ranks(query: DTensor) -> bool:
 
     return isinstance(query._local_tensor, LocalTensor)
 
-
-_NOTED: set = set()
-
-
-def _note_outside_cp(op_call) -> None:
-    if op_call not in _NOTED:
-        _NOTED.add(op_call)
-        log.info("cp_cache: %s of sequence-sharded DTensors outside any CP region runs cp_cache's handler: "
-                 "nothing else serves the op here (no handler, no sharding strategy)", op_call)

@@ -11,6 +11,7 @@ rank's traceback.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import pickle
@@ -21,7 +22,7 @@ import traceback
 from datetime import timedelta
 from typing import Any, Callable
 
-__all__ = ["run_ranks", "free_port", "capture"]
+__all__ = ["run_ranks", "free_port", "capture", "cp_region"]
 
 log = logging.getLogger("cp_cache")
 
@@ -168,3 +169,16 @@ def capture(fn) -> tuple[str, str]:
     except Exception as exc:  # noqa: BLE001 - reported to the parent
         return type(exc).__name__, str(exc)
     return "no error", ""
+
+
+@contextlib.contextmanager
+def cp_region(world_size: int):
+    """A CP region over a 1-D CPU mesh of the whole world, for rank workers that call the
+    attention ops on sequence-sharded DTensors themselves: cp_cache serves such calls only
+    inside a CP region (its handlers decide from the DTensors' placements, whatever mesh the
+    region names)."""
+    import cp_cache
+    from torch.distributed.device_mesh import init_device_mesh
+
+    with cp_cache.context_parallel(init_device_mesh("cpu", (world_size,))):
+        yield
