@@ -28,6 +28,7 @@ __all__ = [
     "document_positions",
     "placement_positions",
     "local_lengths",
+    "check_local_length",
 ]
 
 
@@ -90,6 +91,16 @@ def document_positions(cu: Sequence[int], rank: int, world_size: int, placement:
 def placement_positions(cu: Sequence[int], world_size: int, placement: str) -> list[Tensor]:
     """Every rank's global token positions in local order (int64), under ``placement``."""
     return [document_positions(cu, rank, world_size, placement) for rank in range(world_size)]
+
+
+def check_local_length(cu: Sequence[int], world_size: int, placement: str, rank: int, local_rows: int,
+                       name: str = "actual_seq_qlen") -> None:
+    """ValueError, naming both, unless ``rank`` holds the ``local_rows`` tokens ``placement`` gives it."""
+    held = local_lengths(cu, world_size, placement)[rank]
+    if local_rows != held:
+        raise ValueError(f"rank {rank} holds {local_rows} local tokens, but placement {placement!r} of "
+                         f"{name}={list(cu)} over W={world_size} ranks gives it {held} "
+                         "(cp_cache.document_layout; cp_cache.shard_documents lays a tensor out by it)")
 
 
 def local_lengths(cu: Sequence[int], world_size: int, placement: str) -> list[int]:

@@ -35,14 +35,14 @@ import torch
 from torch import Tensor
 
 from .. import layout as L
-from ..documents import check_documents, cumulative_lengths, document_pieces, local_lengths
-from ..placement import CONTIGUOUS
+from ..documents import check_documents, check_local_length, cumulative_lengths, document_pieces, local_lengths
 from ..engine.agreement import agreed_checks
 from ..engine.checks import check_backward_operands, check_keep_prob
 from ..engine.loop import BackwardResult, ForwardResult, RingStep, backward_ring, empty_outputs, forward_ring
 from ..engine.merge import merge_into
 from ..engine.transport import group_info, own_group
 from ..kernels.base import StepForward, StepKernel, StepMask
+from ..placement import CONTIGUOUS
 from ..plan import CallPlan
 
 __all__ = ["Segment", "VarlenStep", "plan_varlen_step", "step_pairs", "PackedDocuments", "PACKED"]
@@ -165,11 +165,7 @@ def _check_inputs(q: Tensor, k: Tensor, v: Tensor, plan: CallPlan, cu: Sequence[
     if nkv <= 0 or plan.head_num % nkv:
         raise ValueError(f"head_num={plan.head_num} is not a multiple of the K/V head count {nkv}")
     check_documents(cu, cu[-1], plan.world_size, plan.placement, name="actual_seq_qlen")
-    held = local_lengths(cu, plan.world_size, plan.placement)[plan.rank]
-    if q.size(0) != held:
-        raise ValueError(f"rank {plan.rank} holds {q.size(0)} local tokens, but placement {plan.placement!r} of "
-                         f"actual_seq_qlen={list(cu)} over W={plan.world_size} ranks gives it {held} "
-                         "(cp_cache.document_layout; cp_cache.shard_documents lays a tensor out by it)")
+    check_local_length(cu, plan.world_size, plan.placement, plan.rank, q.size(0))
     check_keep_prob(plan)
     return nkv
 

@@ -26,9 +26,9 @@ from torch import Tensor
 from torch.distributed.tensor import DTensor, Shard
 
 from ..arguments import describe
-from ..documents import check_documents, check_lengths_tensor, cumulative_lengths, local_lengths
-from ..placement import BALANCED, CONTIGUOUS
+from ..documents import check_documents, check_lengths_tensor, check_local_length, cumulative_lengths
 from ..npu_ops import CAUSAL_MODES, SparseMode, is_compressed_mask
+from ..placement import BALANCED, CONTIGUOUS
 from ..plan import CallPlan, MaskSpec
 from .cp_mesh import CPSharding
 
@@ -109,11 +109,7 @@ def check_local_tokens(plan: CallPlan, local_rows: int) -> None:
     if plan.placement != BALANCED:  # even shards: T = W * local rows
         check_packed_tokens(plan, local_rows * plan.world_size)
     check_documents(plan.documents, plan.documents[-1], plan.world_size, plan.placement, name="actual_seq_qlen")
-    held = local_lengths(plan.documents, plan.world_size, plan.placement)[plan.rank]
-    if local_rows != held:
-        raise ValueError(f"rank {plan.rank} holds {local_rows} local tokens, but placement {plan.placement!r} of "
-                         f"actual_seq_qlen={list(plan.documents)} over W={plan.world_size} ranks gives it {held} "
-                         "(cp_cache.document_layout; cp_cache.shard_documents lays a tensor out by it)")
+    check_local_length(plan.documents, plan.world_size, plan.placement, plan.rank, local_rows)
 
 
 def read_documents(plan: CallPlan, qlen: Optional[Tensor], kvlen: Optional[Tensor], local_rows: int) -> CallPlan:
