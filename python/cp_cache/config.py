@@ -68,12 +68,12 @@ class CPConfig:
         if self.kernel is not None:
             _check_choice("kernel", self.kernel, KERNELS)
         _check_choice("algorithm", self.algorithm, ALGORITHMS)
-        _check_choice("documents", self.documents, DOCUMENT_PLACEMENTS)
+        _check_choice("documents", self.documents, DOCUMENT_PLACEMENTS, "document placement")
 
 
-def _check_choice(name: str, value, choices: tuple) -> None:
+def _check_choice(name: str, value, choices: tuple, what: str = "") -> None:
     if value not in choices:
-        raise ValueError(f"{name}={value!r} is not a cp_cache {name}; use one of {choices}")
+        raise ValueError(f"{name}={value!r} is not a cp_cache {what or name}; use one of {choices}")
 
 
 def resolve_config(policy: str | None = None, *, kernel: str | None = None,

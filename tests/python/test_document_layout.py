@@ -96,7 +96,7 @@ def test_configuration_and_bad_values():
 
     assert resolve_config().documents == "balanced"
     assert resolve_config(documents="head_tail").documents == "head_tail"
-    with pytest.raises(ValueError, match=r"documents='diagonal' is not a cp_cache documents"):
+    with pytest.raises(ValueError, match=r"documents='diagonal' is not a cp_cache document placement"):
         cp_cache.CPConfig(documents="diagonal")
     with pytest.raises(ValueError, match=r"placement='diagonal' is not a cp_cache document placement"):
         cp_cache.document_layout([8, 16], 2, placement="diagonal")
