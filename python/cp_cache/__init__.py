@@ -15,7 +15,7 @@ import torch  # noqa: F401  (loads libtorch before the extension)
 from . import _C
 from ._C import StepCache, StepCacheStore
 from .config import CPConfig
-from .dispatch import active_config, call_stats, context_parallel, disable, enable, enabled
+from .dispatch import active_config, active_mesh, call_stats, context_parallel, disable, enable, enabled
 from .packing import document_layout, pad_documents, shard_documents, unshard_documents
 from .sharding import shard_sequence, unshard_sequence
 
@@ -24,6 +24,7 @@ __all__ = [
     "StepCache",
     "StepCacheStore",
     "active_config",
+    "active_mesh",
     "call_stats",
     "context_parallel",
     "current_graph_task_id",

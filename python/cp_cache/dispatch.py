@@ -37,7 +37,8 @@ from .config import CPConfig, resolve_config
 from .handlers import AttentionHandlers
 from .handlers.calls import CALL_LOG
 
-__all__ = ["enable", "disable", "enabled", "active_config", "call_stats", "context_parallel"]
+__all__ = ["enable", "disable", "enabled", "active_config", "active_mesh", "call_stats", "context_parallel",
+           "in_cp_region"]
 
 log = logging.getLogger("cp_cache")
 
@@ -50,6 +51,14 @@ def _torch_cp():
     return _attention
 
 
+def _cp_region_active() -> bool:
+    """Whether a CP region is active now, whoever entered it: torch's and torch_npu's CP
+    dispatcher switches both register torch's CP sharding rules on entry and drop them on exit."""
+    from torch.distributed.tensor.experimental._context_parallel import _sharding_rules
+
+    return bool(_sharding_rules._cp_strategy_contexts)
+
+
 def _is_ours(handler) -> bool:
     return isinstance(getattr(handler, "__self__", None), AttentionHandlers)
 
@@ -59,7 +68,8 @@ class _Registration:
 
     def __init__(self, handlers: AttentionHandlers):
         self.adopt(handlers)
-        self.depth = 0  # CP dispatcher entries seen and not yet left
+        # CP dispatcher entries not yet left; enabled inside a region, its exit counts too
+        self.depth = 1 if _cp_region_active() else 0
         # the foreign entries the handlers displaced: outside CP (at enable) and inside
         # the current CP entry (torch's or torch_npu's CP handlers), {op: entry or _MISSING}
         self._displaced_outside: dict = {}
@@ -156,6 +166,8 @@ class _Registration:
 _registered: _Registration | None = None
 # Measurements of every call, kept across enable()/disable() so they can be read afterwards.
 _call_log = CALL_LOG
+# The meshes of the cp_cache.context_parallel() regions entered and not yet left, innermost last.
+_active_meshes: list = []
 
 
 def enable(policy: str | None = None, *, kernel: str | None = None, fused_merge: bool | None = None,
@@ -235,6 +247,18 @@ def active_config() -> CPConfig | None:
     return None if _registered is None else _registered.handlers.config
 
 
+def active_mesh():
+    """The mesh of the innermost ``cp_cache.context_parallel()`` region now active, or None
+    outside one (a region entered through torch's ``context_parallel()`` alone is not seen)."""
+    return _active_meshes[-1] if _active_meshes else None
+
+
+def in_cp_region() -> bool:
+    """Whether a CP region (cp_cache's or torch's ``context_parallel()``) is active while cp_cache
+    is enabled."""
+    return _registered is not None and _registered.in_cp()
+
+
 def registered_handlers() -> AttentionHandlers | None:
     """The registered handler object (tests check which handler a table holds)."""
     return None if _registered is None else _registered.handlers
@@ -276,6 +300,7 @@ def context_parallel(
                         "(torch_npu imported late?); enabling again on top of them")
         enable(outer_config.policy, kernel=outer_config.kernel, fused_merge=outer_config.fused_merge,
                algorithm=algorithm or outer_config.algorithm, documents=outer_config.documents)
+    _active_meshes.append(mesh)
     try:
         if buffers:
             with torch_context_parallel(
@@ -292,6 +317,7 @@ def context_parallel(
             finally:
                 _attention._disable_context_parallel_dispatcher_impl()
     finally:
+        _active_meshes.pop()
         if not was_enabled:
             disable()
         elif _registered is not None and _registered.handlers.config != outer_config:

@@ -12,6 +12,10 @@ SBH       [S, B, N*D]         0         2         [S, B, N, D]          [B, N, S
 TND       [T, N, D]           0         1         (packed documents)    [T, N, 8] (0, 1)
 ========  ==================  ========  ========  ====================  ==============================
 
+V's head size may differ from Q/K's (MLA, e.g. DeepSeek-V3: 192 for Q/K, 128 for V): the
+value is then ``[..., D_v]`` (BSH/SBH: hidden ``N_kv * D_v``) and so is the output (BSH/SBH:
+``N * D_v``), as the op's meta function gives it; every other dim of V is K's.
+
 The 4-D view keeps the sequence dimension where the layout has it, so a
 sequence range can be narrowed on either form. TND (packed documents, varlen) has
 no 4-D view: its tensors are used as they are ([T, N, D], the LSE [T, N]).
@@ -40,6 +44,9 @@ __all__ = [
     "from_bnsd",
     "narrow_seq",
     "lse_shape",
+    "check_value",
+    "value_head_dim",
+    "output_shape",
 ]
 
 LAYOUTS = ("BNSD", "BSND", "BSH", "SBH")  # the dense layouts (a 4-D view each)
@@ -200,3 +207,42 @@ def from_bnsd(x: Tensor, layout: str) -> Tensor:
 def narrow_seq(x: Tensor, layout: str, start: int, length: int) -> Tensor:
     """The sequence range [start, start + length) of ``x`` (layout form or its 4-D view): a view."""
     return x.narrow(seq_dim(layout), start, length)
+
+
+def check_value(k: Tensor, v: Tensor, layout: str, kv_heads: int) -> int:
+    """V's head size, after checking ``v`` against the key ``k`` (``kv_heads`` heads): every dim
+    but the last (the head size, or BSH/SBH's hidden size ``N_kv * D_v``) must be K's, since only
+    the head size may differ (MLA). ValueError naming both shapes otherwise."""
+    _known(layout)
+    same = v.dim() == k.dim() and all(v.size(i) == k.size(i) for i in range(k.dim() - 1))
+    if not same:
+        raise ValueError(
+            f"key {tuple(k.shape)} and value {tuple(v.shape)} disagree (input_layout={layout!r}): they must "
+            "agree on batch, heads and sequence length; only the head size may differ (MLA)"
+        )
+    if layout in ("BSH", "SBH") and (kv_heads <= 0 or v.size(2) % kv_heads):
+        raise ValueError(
+            f"input_layout={layout!r}: the value's hidden size {v.size(2)} (shape {tuple(v.shape)}) is not a "
+            f"multiple of the K/V head count {kv_heads}"
+        )
+    return value_head_dim(v, layout, kv_heads)
+
+
+def value_head_dim(v: Tensor, layout: str, kv_heads: int) -> int:
+    """V's head size (``kv_heads``: its head count, used for BSH/SBH)."""
+    if layout in ("BSH", "SBH"):
+        return v.size(2) // kv_heads if kv_heads > 0 else 0
+    return v.size(-1)
+
+
+def output_shape(q: Tensor, k: Tensor, v: Tensor, layout: str, head_num: int) -> tuple[int, ...]:
+    """The attention output's shape: the query's with V's head size, from shapes alone (BSH/SBH:
+    the K/V head count is K's hidden size over Q's head size, as torch_npu's meta function)."""
+    shape = list(q.shape)
+    if layout in ("BSH", "SBH"):
+        q_head = q.size(2) // head_num if head_num > 0 else 0
+        kv_heads = k.size(2) // q_head if q_head > 0 else 0
+        shape[-1] = head_num * value_head_dim(v, layout, kv_heads)
+    else:
+        shape[-1] = v.size(-1)
+    return tuple(shape)

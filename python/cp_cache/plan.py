@@ -99,6 +99,8 @@ class CallPlan:
         "contiguous"); "" otherwise.
     kernel, fused_merge: the step kernel's name and whether ring steps merge with the
         fused NPU op; "" / False when a strategy is driven directly.
+    sink: whether the call has attention sinks (merged once into the strategy's result by the
+        custom ops, ``handlers/ops.py``; the strategies never see them).
     """
 
     world_size: int
@@ -115,6 +117,7 @@ class CallPlan:
     placement: str = ""
     kernel: str = ""
     fused_merge: bool = False
+    sink: bool = False
 
     def __post_init__(self):
         if self.cp_sizes and math.prod(self.cp_sizes) != self.world_size:
@@ -169,7 +172,7 @@ class CallPlan:
         """Why a backward whose arguments give ``called`` cannot use this recorded forward plan,
         or None. The grad op repeats the forward's arguments; the mesh must be the same; with a
         given mask, so must the algorithm and the load balancing that picked the mask's rows."""
-        keys = ("layout", "head_num", "scale", "keep_prob", "mask", "documents", "placement")
+        keys = ("layout", "head_num", "scale", "keep_prob", "mask", "documents", "placement", "sink")
         keys += ("algorithm",) if self.mask.given else ()
         mine, theirs = ({k: getattr(p, k) for k in keys} for p in (self, called))
         if mine != theirs:
@@ -252,9 +255,11 @@ def ulysses_degree(algorithm: str, cp_sizes: Sequence[int]) -> int:
 
 
 def bytes_per_rank(algorithm: str, *, nq: int, nkv: int, world: int, batch: int, local_seq: int,
-                   head_dim: int, itemsize: int) -> int:
+                   head_dim: int, itemsize: int, v_head_dim: Optional[int] = None) -> int:
     """Bytes one rank sends for one attention call, forward plus backward, with full attention
-    (what ``call_stats()`` reports; a causal ring skips no transfer either).
+    (what ``call_stats()`` reports; a causal ring skips no transfer either). ``head_dim``: Q/K's
+    head size; ``v_head_dim``: V's (MLA; default Q/K's), the head size of V, the output, its
+    gradient and dV.
 
     ring: forward W-1 K/V blocks; backward W-1 K/V blocks and W float32 dK/dV blocks.
     ulysses: the (W-1)/W share not kept of q, k, v (K/V repeated when Nkv < W) and of the
@@ -263,22 +268,24 @@ def bytes_per_rank(algorithm: str, *, nq: int, nkv: int, world: int, batch: int,
     """
     if world == 1:
         return 0
-    token = batch * local_seq * head_dim
-    kv = 2 * nkv * token
+    qk_token = batch * local_seq * head_dim
+    v_token = batch * local_seq * (head_dim if v_head_dim is None else v_head_dim)
+    kv = nkv * (qk_token + v_token)
     if algorithm == "ring":
         return (world - 1) * kv * itemsize + (world - 1) * kv * itemsize + world * kv * 4
     if algorithm == "ulysses":
         split = head_plan(nq, nkv, world)
-        kv_sent = 2 * nkv * split.kv_repeats * token
+        kv_sent = nkv * split.kv_repeats * (qk_token + v_token)
         lse = batch * nq * local_seq * 4
-        forward = (nq * token + kv_sent + nq * token) * itemsize + lse
-        backward = (3 * nq * token + kv_sent) * itemsize + lse + (nq * token + kv_sent) * itemsize
+        q, out = nq * qk_token, nq * v_token
+        forward = (q + kv_sent + out) * itemsize + lse
+        backward = (q + kv_sent + 2 * out) * itemsize + lse + (q + kv_sent) * itemsize
         return (forward + backward) * (world - 1) // world
     raise ValueError(f"bytes_per_rank: algorithm={algorithm!r} is not 'ring' or 'ulysses'")
 
 
 def choose_algorithm(*, nq: int, nkv: int, world: int, given_mask: bool, batch: int = 1, local_seq: int = 1,
-                     head_dim: int = 128, itemsize: int = 2) -> str:
+                     head_dim: int = 128, itemsize: int = 2, v_head_dim: Optional[int] = None) -> str:
     """What ``algorithm="auto"`` runs on one CP mesh dimension of ``world`` ranks.
 
     Ulysses when its head split exists (N and Nkv as ``head_plan`` needs), the mask is not a
@@ -296,5 +303,5 @@ def choose_algorithm(*, nq: int, nkv: int, world: int, given_mask: bool, batch: 
     except ValueError:
         return "ring"
     shape = dict(nq=nq, nkv=nkv, world=world, batch=batch, local_seq=local_seq, head_dim=head_dim,
-                 itemsize=itemsize)
+                 itemsize=itemsize, v_head_dim=v_head_dim)
     return "ulysses" if bytes_per_rank("ulysses", **shape) < bytes_per_rank("ring", **shape) else "ring"

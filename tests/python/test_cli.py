@@ -66,6 +66,12 @@ def test_bench_quick_writes_json_and_png(tmp_path):
         assert r["fwd_bytes_sent"] == r["ring_minimum_bytes"], r  # forward sends each K/V block once
     bound = _accuracy_bound(report["meta"]["plan"]["attn"])
     assert all(r["out_max_abs"] <= bound for r in report["accuracy"] if r["dtype"] == "float32"), bound
+    # the gpt-oss-shaped row: both layer kinds on every rank, sinks included in the error
+    assert {(r["layer"], r["rank"]) for r in report["models"]} == {(kind, rank) for rank in (0, 1)
+                                                                   for kind in ("full causal", "window 8")}
+    for r in report["models"]:
+        assert r["fp32_rel_error"] <= error_bound(r["dense_fp32_rel_error"]), r
+        assert r["fwd"]["bytes_sent"] > 0 and r["bwd"]["bytes_sent"] > 0, r
 
 
 def _accuracy_bound(a: dict) -> float:

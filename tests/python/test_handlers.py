@@ -205,7 +205,7 @@ def _rejections(rank: int, world: int, mesh) -> dict:
     got["prefix"] = capture(fwd(prefix=[1]))
     got["actual_seq_qlen"] = capture(fwd(actual_seq_qlen=idx))
     got["actual_seq_kvlen"] = capture(fwd(actual_seq_kvlen=idx))
-    got["sink"] = capture(fwd(sink=torch.zeros(N)))
+    got["sink"] = capture(fwd(sink=torch.zeros(N + 1)))  # a sink is taken; one of the wrong shape is not
     got["softmax_layout"] = capture(fwd(softmax_layout="TND"))
     for mode in range(5, 9):
         got[f"sparse_mode={mode}"] = capture(fwd(atten_mask=causal, sparse_mode=mode))
@@ -423,7 +423,7 @@ REJECTED = [
     ("prefix", "NotImplementedError", r"prefix=\[1\]"),
     ("actual_seq_qlen", "NotImplementedError", r"actual_seq_qlen=<tensor of shape \(1,\)"),
     ("actual_seq_kvlen", "NotImplementedError", r"actual_seq_kvlen=<tensor"),
-    ("sink", "NotImplementedError", r"sink=<tensor of shape \(2,\)"),
+    ("sink", "ValueError", r"shape \[head_num\] = \[2\].*sink=<tensor of shape \(3,\)"),
     ("softmax_layout", "NotImplementedError", r"softmax_layout='TND'"),
     *[(f"sparse_mode={m}", "NotImplementedError", f"sparse_mode={m}") for m in range(5, 9)],
     ("mask_mode4_small", "NotImplementedError", r"sparse_mode=4 needs the compressed 2048x2048"),

@@ -2,7 +2,8 @@
 its output, the LSE and a few bytes: the distinct storages autograd saves for it (inputs and
 mask excluded) plus the store's live bytes are at most output + LSE + 1 KiB, under both
 policies, with and without full checkpointing (then nothing), and the gradients are still
-right (the statistics leave the forward as stride-0 views)."""
+right (the statistics leave the forward as stride-0 views); with V's head size equal to
+Q/K's and half of it (MLA: the output, and so the floor, at V's head size)."""
 
 from __future__ import annotations
 
@@ -15,6 +16,13 @@ from cp_cache.testing.multiprocess import run_ranks
 from cp_cache.testing.reference import dense_attention, error_bound, rank_positions
 
 B, N, D, S_LOCAL, WORLD = 1, 4, 16, 64, 2
+V_DIMS = (D, D // 2)  # V's head size: Q/K's, and MLA's smaller one
+
+
+def _full_inputs(dv: int) -> list[torch.Tensor]:
+    """q, k, v, dout on the full sequence, float64 (v and dout at V's head size ``dv``)."""
+    g = torch.Generator().manual_seed(5 + dv)
+    return [torch.randn(B, N, S_LOCAL * WORLD, d, generator=g, dtype=torch.float64) for d in (D, D, dv, dv)]
 
 
 def _floor_rank(rank: int, world: int) -> dict:
@@ -29,12 +37,11 @@ def _floor_rank(rank: int, world: int) -> dict:
 
     install_npu_emulator(route_sdpa=False)
     mesh = init_device_mesh("cpu", (world,))
-    g = torch.Generator().manual_seed(5)
-    full = [torch.randn(B, N, S_LOCAL * world, D, generator=g, dtype=torch.float64) for _ in range(4)]
     pos = rank_positions(world, rank, S_LOCAL, True)
     mask = causal_mask("cpu")
     results = {}
-    for policy in ("handle", "stack"):
+    for dv, policy in ((dv, policy) for dv in V_DIMS for policy in ("handle", "stack")):
+        full = _full_inputs(dv)
         cp_cache.enable(policy=policy)
         with cp_cache.context_parallel(mesh):
             for checkpointed in (False, True):
@@ -54,7 +61,7 @@ def _floor_rank(rank: int, world: int) -> dict:
                 kept = saved.nbytes + cp_cache.stats()["live_bytes"] - store_before
                 out.backward(DTensor.from_local(local[3], mesh, [Shard(2)]))
                 grads = [t.grad.to_local().double() for t in (q, k, v)]
-                results[(policy, checkpointed)] = dict(kept=kept, strides=strides, grads=grads)
+                results[(dv, policy, checkpointed)] = dict(kept=kept, strides=strides, grads=grads)
         cp_cache.disable()
     return dict(results=results, pos=pos)
 
@@ -65,10 +72,10 @@ def runs():
 
 
 def test_kept_bytes_at_most_output_plus_lse(runs):
-    output = B * N * S_LOCAL * D * 4
     lse = B * N * S_LOCAL * 4
     for rank, run in enumerate(runs):
-        for (policy, checkpointed), r in run["results"].items():
+        for (dv, policy, checkpointed), r in run["results"].items():
+            output = B * N * S_LOCAL * dv * 4  # the output has V's head size
             if checkpointed:  # the checkpoint drops what the original forward saved
                 assert r["kept"] <= (32 if policy == "stack" else 0), (rank, policy, r["kept"])
             else:
@@ -83,12 +90,10 @@ def test_statistics_are_stride0_views(runs):
 
 
 def test_gradients_right_with_the_views(runs):
-    g = torch.Generator().manual_seed(5)
-    full = [torch.randn(B, N, S_LOCAL * WORLD, D, generator=g, dtype=torch.float64) for _ in range(4)]
-    full = [t.float().double() for t in full]
-    ref, low = (dense_attention(*full, causal=True, dtype=dt) for dt in (torch.float64, torch.float32))
     for run in runs:
         for key, r in run["results"].items():
+            full = [t.float().double() for t in _full_inputs(key[0])]
+            ref, low = (dense_attention(*full, causal=True, dtype=dt) for dt in (torch.float64, torch.float32))
             for name, got in zip(("dq", "dk", "dv"), r["grads"]):
                 want = ref[name].index_select(2, run["pos"])
                 # 20x dense torch's float32 error on the same rows, + 32 eps of the largest value

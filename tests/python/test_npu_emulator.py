@@ -754,7 +754,7 @@ def _qkv4(Nq=4, Nkv=4, S=4, Dh=4):
                             v=a["v"].reshape(1, 4, 16), head_num=3), ValueError, r"head_num=3.*H=16"),
         (lambda a: a.update(q=a["q"][0]), ValueError, r"query must be 4-D.*'BNSD'.*3-D"),
         (lambda a: a.update(k=a["k"][:, :3], v=a["v"][:, :3]), ValueError, r"Nq=4.*Nkv=3"),
-        (lambda a: a.update(v=a["v"][:, :2]), ValueError, r"key and value must have the same shape"),
+        (lambda a: a.update(v=a["v"][:, :2]), ValueError, r"key and value must agree on every dim but the head size"),
         (lambda a: a["kw"].update(keep_prob=0.0), ValueError, r"keep_prob=0.0"),
         (lambda a: a["kw"].update(keep_prob=1.5), ValueError, r"keep_prob=1.5"),
         (lambda a: a["kw"].update(sparse_mode=9), ValueError, r"sparse_mode=9"),
@@ -773,7 +773,8 @@ def _qkv4(Nq=4, Nkv=4, S=4, Dh=4):
         (lambda a: a["kw"].update(prefix=[1]), NotImplementedError, r"prefix=\[1\]"),
         (lambda a: a["kw"].update(actual_seq_qlen=torch.tensor([4])), NotImplementedError, r"actual_seq_qlen="),
         (lambda a: a["kw"].update(actual_seq_kvlen=torch.tensor([4])), NotImplementedError, r"actual_seq_kvlen="),
-        (lambda a: a["kw"].update(sink=torch.zeros(4)), NotImplementedError, r"sink=Tensor of shape \[4\]"),
+        (lambda a: a["kw"].update(sink=torch.zeros(3)), ValueError,
+         r"sink=Tensor of shape \[3\] must be a floating tensor of shape \[head_num\] = \[4\]"),
         (lambda a: a["kw"].update(softmax_layout="TND"), NotImplementedError, r"softmax_layout='TND'"),
     ],
 )

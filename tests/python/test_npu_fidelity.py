@@ -1,7 +1,8 @@
 """The emulator against torch_npu 2.13.0's own files: the four op schemas equal the wheel's
 ``npu_native_functions_by_codegen.yaml``, and the emulator's fake (meta) outputs equal the
 wheel's meta functions in shape and dtype for every layout the emulator accepts, on meta
-tensors and under FakeTensorMode (TND included: from shapes alone, the lengths unread)."""
+tensors and under FakeTensorMode (TND included: from shapes alone, the lengths unread), with
+V's head dim equal to Q/K's and differing from it (MLA: D_qk=12, D_v=8)."""
 
 from __future__ import annotations
 
@@ -45,18 +46,25 @@ def test_schemas_equal_torch_npu_yaml():
         assert registered == wheel[name], name
 
 
-def _inputs(layout: str, dtype: torch.dtype, gqa: bool):
-    """q, k, v on the meta device: B=2, N=4 (Nkv 2 with GQA), S=16, D=8."""
+HEAD_DIMS = {"same": (8, 8), "mla": (12, 8)}  # (D of Q/K, D of V)
+
+
+def _shapes(layout: str, gqa: bool, dims: str) -> tuple:
+    """(q, k, v) shapes: B=2, N=4 (Nkv 2 with GQA), S=16 (TND: T=32), Q/K and V head dims of ``dims``."""
     nkv = 2 if gqa else 4
-    shapes = {
-        "BNSD": ((2, 4, 16, 8), (2, nkv, 16, 8)),
-        "BSND": ((2, 16, 4, 8), (2, 16, nkv, 8)),
-        "BSH": ((2, 16, 32), (2, 16, 8 * nkv)),
-        "SBH": ((16, 2, 32), (16, 2, 8 * nkv)),
+    d, dv = HEAD_DIMS[dims]
+    return {
+        "BNSD": ((2, 4, 16, d), (2, nkv, 16, d), (2, nkv, 16, dv)),
+        "BSND": ((2, 16, 4, d), (2, 16, nkv, d), (2, 16, nkv, dv)),
+        "BSH": ((2, 16, 4 * d), (2, 16, nkv * d), (2, 16, nkv * dv)),
+        "SBH": ((16, 2, 4 * d), (16, 2, nkv * d), (16, 2, nkv * dv)),
+        "TND": ((32, 4, d), (32, nkv, d), (32, nkv, dv)),
     }[layout]
-    q = torch.empty(shapes[0], device="meta", dtype=dtype)
-    k, v = (torch.empty(shapes[1], device="meta", dtype=dtype) for _ in range(2))
-    return q, k, v
+
+
+def _inputs(layout: str, dtype: torch.dtype, gqa: bool, dims: str = "same"):
+    """q, k, v on the meta device (``_shapes``)."""
+    return tuple(torch.empty(shape, device="meta", dtype=dtype) for shape in _shapes(layout, gqa, dims))
 
 
 def _signature(outputs) -> list:
@@ -69,27 +77,31 @@ DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 @pytest.mark.parametrize("layout", EMULATED_LAYOUTS)
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("gqa", [False, True], ids=["mha", "gqa"])
-def test_forward_fakes_equal_wheel_meta(layout, dtype, gqa):
+@pytest.mark.parametrize("dims", HEAD_DIMS)
+def test_forward_fakes_equal_wheel_meta(layout, dtype, gqa, dims):
     meta = {name: fn for name, (fn, _where) in wheel_meta_functions(VERSION).items()}
-    q, k, v = _inputs(layout, dtype, gqa)
+    q, k, v = _inputs(layout, dtype, gqa, dims)
     for name in ("npu_fusion_attention_v3", "npu_fusion_attention"):
         ours = getattr(torch.ops.npu, name)(q, k, v, 4, layout)
         theirs = meta[name](q, k, v, 4, layout)
         assert _signature(ours) == _signature(theirs), name
         assert all(o.device == q.device for o in ours if isinstance(o, torch.Tensor)), name
+        assert (ours[0].shape == q.shape) == (dims == "same"), name  # MLA: the output has V's head dim
 
 
 @pytest.mark.parametrize("layout", EMULATED_LAYOUTS)
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("gqa", [False, True], ids=["mha", "gqa"])
-def test_grad_fakes_equal_wheel_meta(layout, dtype, gqa):
+@pytest.mark.parametrize("dims", HEAD_DIMS)
+def test_grad_fakes_equal_wheel_meta(layout, dtype, gqa, dims):
     meta = {name: fn for name, (fn, _where) in wheel_meta_functions(VERSION).items()}
-    q, k, v = _inputs(layout, dtype, gqa)
-    ours = torch.ops.npu.npu_fusion_attention_grad_v3(q, k, v, q, 4, layout)
-    theirs = meta["npu_fusion_attention_grad_v3"](q, k, v, q, 4, layout)
+    q, k, v = _inputs(layout, dtype, gqa, dims)
+    dy = torch.ops.npu.npu_fusion_attention_v3(q, k, v, 4, layout)[0]  # the output's shape: V's head dim
+    ours = torch.ops.npu.npu_fusion_attention_grad_v3(q, k, v, dy, 4, layout)
+    theirs = meta["npu_fusion_attention_grad_v3"](q, k, v, dy, 4, layout)
     assert _signature(ours) == _signature(theirs)
-    ours_v1 = torch.ops.npu.npu_fusion_attention_grad(q, k, v, q, 4, layout)
-    theirs_v1 = meta["npu_fusion_attention_grad"](q, k, v, q, 4, layout)
+    ours_v1 = torch.ops.npu.npu_fusion_attention_grad(q, k, v, dy, 4, layout)
+    theirs_v1 = meta["npu_fusion_attention_grad"](q, k, v, dy, 4, layout)
     # the wheel's v1 meta returns None for dpse although the schema says Tensor: compare the rest
     assert theirs_v1[3] is None
     assert _signature(ours_v1[:3]) + _signature(ours_v1[4:]) == _signature(theirs_v1[:3]) + _signature(theirs_v1[4:])
@@ -98,15 +110,12 @@ def test_grad_fakes_equal_wheel_meta(layout, dtype, gqa):
 ALL_LAYOUTS = EMULATED_LAYOUTS + ("TND",)
 
 
-def _fake_inputs(mode, layout: str, dtype: torch.dtype, gqa: bool):
-    """q, k, v as fake tensors of ``mode`` (TND: T=32, N=4, D=8) and the lengths each op version
-    takes: v3 a fake int64 tensor whose values the fakes cannot read (no constant behind it), v1 a list."""
+def _fake_inputs(mode, layout: str, dtype: torch.dtype, gqa: bool, dims: str = "same"):
+    """q, k, v as fake tensors of ``mode`` (``_shapes``) and the lengths each op version takes (TND):
+    v3 a fake int64 tensor whose values the fakes cannot read (no constant behind it), v1 a list."""
+    q, k, v = (mode.from_tensor(torch.empty(shape, dtype=dtype)) for shape in _shapes(layout, gqa, dims))
     if layout != "TND":
-        q, k, v = (mode.from_tensor(torch.empty(t.shape, dtype=dtype)) for t in _inputs(layout, dtype, gqa))
         return q, k, v, {}, {}
-    nkv = 2 if gqa else 4
-    q = mode.from_tensor(torch.empty(32, 4, 8, dtype=dtype))
-    k, v = (mode.from_tensor(torch.empty(32, nkv, 8, dtype=dtype)) for _ in range(2))
     cu = mode.from_tensor(torch.tensor([10, 32]))
     return q, k, v, dict(actual_seq_qlen=cu, actual_seq_kvlen=cu), dict(actual_seq_qlen=[10, 32],
                                                                         actual_seq_kvlen=[10, 32])
@@ -115,7 +124,8 @@ def _fake_inputs(mode, layout: str, dtype: torch.dtype, gqa: bool):
 @pytest.mark.parametrize("layout", ALL_LAYOUTS)
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("gqa", [False, True], ids=["mha", "gqa"])
-def test_fakes_equal_wheel_meta_under_fake_tensor_mode(layout, dtype, gqa):
+@pytest.mark.parametrize("dims", HEAD_DIMS)
+def test_fakes_equal_wheel_meta_under_fake_tensor_mode(layout, dtype, gqa, dims):
     """Under FakeTensorMode (what torch.compile traces with), every layout TND included: the fakes
     work from shapes alone (reading a lengths value would raise DataDependentOutputException) and
     give the wheel's meta outputs: shapes, dtypes and the v1 ints."""
@@ -124,7 +134,7 @@ def test_fakes_equal_wheel_meta_under_fake_tensor_mode(layout, dtype, gqa):
     meta = {name: fn for name, (fn, _where) in wheel_meta_functions(VERSION).items()}
     mode = FakeTensorMode()
     with mode:
-        q, k, v, lengths_v3, lengths_v1 = _fake_inputs(mode, layout, dtype, gqa)
+        q, k, v, lengths_v3, lengths_v1 = _fake_inputs(mode, layout, dtype, gqa, dims)
         for name, lengths in (("npu_fusion_attention_v3", lengths_v3), ("npu_fusion_attention", lengths_v1)):
             ours = getattr(torch.ops.npu, name)(q, k, v, 4, layout, **lengths)
             theirs = meta[name](q, k, v, 4, layout, **lengths)
@@ -138,6 +148,36 @@ def test_fakes_equal_wheel_meta_under_fake_tensor_mode(layout, dtype, gqa):
                 assert theirs[3] is None
                 ours, theirs = ours[:3] + ours[4:], theirs[:3] + theirs[4:]
             assert _signature(ours) == _signature(theirs), name
+
+
+@pytest.mark.parametrize("layout", ALL_LAYOUTS)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("dims", HEAD_DIMS)
+def test_sink_fakes_equal_wheel_meta(layout, dtype, dims):
+    """With a sink (float32 [N]; a float64 one to tell the sink's dtype from the default): the
+    forward's outputs as without, and the grads' dsink in the sink's shape and dtype, under
+    FakeTensorMode as the wheel's meta functions give them."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    meta = {name: fn for name, (fn, _where) in wheel_meta_functions(VERSION).items()}
+    mode = FakeTensorMode()
+    with mode:
+        q, k, v, lengths_v3, lengths_v1 = _fake_inputs(mode, layout, dtype, gqa=False, dims=dims)
+        for sink_dtype in (torch.float32, torch.float64):
+            sink = mode.from_tensor(torch.empty(4, dtype=sink_dtype))
+            for name, lengths in (("npu_fusion_attention_v3", lengths_v3), ("npu_fusion_attention", lengths_v1)):
+                ours = getattr(torch.ops.npu, name)(q, k, v, 4, layout, sink=sink, **lengths)
+                theirs = meta[name](q, k, v, 4, layout, sink=sink, **lengths)
+                assert _signature(ours) == _signature(theirs), (name, sink_dtype)
+            out = ours[0]
+            for name, lengths in (("npu_fusion_attention_grad_v3", lengths_v3),
+                                  ("npu_fusion_attention_grad", lengths_v1)):
+                ours = getattr(torch.ops.npu, name)(q, k, v, out, 4, layout, attention_in=out, sink=sink, **lengths)
+                theirs = meta[name](q, k, v, out, 4, layout, attention_in=out, sink=sink, **lengths)
+                if name == "npu_fusion_attention_grad":  # the wheel's v1 meta gives None for dpse
+                    ours, theirs = ours[:3] + ours[4:], theirs[:3] + theirs[4:]
+                assert _signature(ours) == _signature(theirs), (name, sink_dtype)
+                assert (tuple(ours[-1].shape), ours[-1].dtype) == ((4,), sink_dtype), name
 
 
 def test_tnd_without_lengths_is_refused_by_name():

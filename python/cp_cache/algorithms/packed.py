@@ -154,8 +154,6 @@ def _check_inputs(q: Tensor, k: Tensor, v: Tensor, plan: CallPlan, cu: Sequence[
     for name, t in (("query", q), ("key", k), ("value", v)):
         if t.dim() != 3:
             raise ValueError(f"input_layout='TND' needs {name} as [T, N, D], got shape {tuple(t.shape)}")
-    if k.shape != v.shape:
-        raise ValueError(f"key and value shapes differ: key {tuple(k.shape)}, value {tuple(v.shape)}")
     if q.size(1) != plan.head_num:
         raise ValueError(f"head_num={plan.head_num} but the local query {tuple(q.shape)} has {q.size(1)} heads")
     if k.size(0) != q.size(0) or k.size(2) != q.size(2):
@@ -164,6 +162,7 @@ def _check_inputs(q: Tensor, k: Tensor, v: Tensor, plan: CallPlan, cu: Sequence[
     nkv = k.size(1)
     if nkv <= 0 or plan.head_num % nkv:
         raise ValueError(f"head_num={plan.head_num} is not a multiple of the K/V head count {nkv}")
+    L.check_value(k, v, L.TND, nkv)  # V's head size may differ (MLA), nothing else
     check_documents(cu, cu[-1], plan.world_size, plan.placement, name="actual_seq_qlen")
     check_local_length(cu, plan.world_size, plan.placement, plan.rank, q.size(0))
     check_keep_prob(plan)
@@ -274,7 +273,7 @@ class PackedDocuments:
 
     def fake(self, plan: CallPlan, q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
         """Empty (out, lse [T/W, Nq]) of the shapes ``forward`` returns: from shapes only."""
-        return empty_outputs(plan, q)
+        return empty_outputs(plan, q, k, v)
 
     def forward(self, plan: CallPlan, q: Tensor, k: Tensor, v: Tensor, *, groups: Sequence = (),
                 kernel: StepKernel, mask: Optional[Tensor] = None) -> ForwardResult:
@@ -288,7 +287,7 @@ class PackedDocuments:
                       kernel=kernel)
         lengths = _ring_lengths(plan, cu)
         rows = q.size(0)
-        acc_out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+        acc_out = torch.zeros(L.output_shape(q, k, v, L.TND, plan.head_num), dtype=torch.float32, device=q.device)
         acc_lse = torch.full((rows, plan.head_num), float("-inf"), dtype=torch.float32, device=q.device)
 
         def compute(i: int, cur_k: Tensor, cur_v: Tensor) -> tuple[str, list]:
@@ -321,7 +320,7 @@ class PackedDocuments:
 
         def check() -> list[VarlenStep]:
             _check_inputs(q, k, v, plan, cu)
-            check_backward_operands(plan, dout, q, out, lse)
+            check_backward_operands(plan, dout, q, k, v, out, lse)
             return _check_records(steps, plan, cu)
 
         planned, _ = agreed_checks("backward", check, plan, q, k, v, size=size, group=group, kernel=kernel,

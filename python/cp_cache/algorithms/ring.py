@@ -126,7 +126,7 @@ class Ring:
         qd, lengths = agreed_checks("forward", lambda: _check_inputs(plan, q, k, v, mask), plan, q, k, v,
                                     size=size, group=group, kernel=kernel, mask_rows=mask)
         lay, seq_dim = plan.layout, L.seq_dim(plan.layout)
-        acc_out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+        acc_out = torch.zeros(L.output_shape(q, k, v, lay, plan.head_num), dtype=torch.float32, device=q.device)
         acc_lse = torch.full((qd.batch, plan.head_num, qd.seq), float("-inf"), dtype=torch.float32, device=q.device)
 
         def compute(i: int, cur_k: Tensor, cur_v: Tensor) -> tuple[str, list]:
@@ -160,7 +160,7 @@ class Ring:
         def check() -> L.Dims:
             qd = _check_inputs(plan, q, k, v, mask)
             check_steps(steps, rank, size, _last_step(plan, k.size(seq_dim)) + 1)
-            check_backward_operands(plan, dout, q, out, lse)
+            check_backward_operands(plan, dout, q, k, v, out, lse)
             return qd
 
         qd, lengths = agreed_checks("backward", check, plan, q, k, v, size=size, group=group, kernel=kernel,
@@ -192,7 +192,7 @@ class Ring:
 
     def fake(self, plan: CallPlan, q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
         """Empty (out, lse) of the shapes ``forward`` returns: for tracing with fake tensors."""
-        return empty_outputs(plan, q)
+        return empty_outputs(plan, q, k, v)
 
 
 RING = Ring()

@@ -12,6 +12,8 @@ Ulysses over a group of U ranks, each holding a sequence shard of every head:
    shared by the heads), with its own dropout seed/offset, recorded like a ring step;
 4. one all-to-all brings the output and the LSE back to sequence shards.
 
+V, the output, its gradient and dV travel at V's head size, which may differ from Q/K's (MLA).
+
 Backward exchanges q, k, v, the output, its gradient and the LSE again (nothing but
 the op's outputs is kept from forward), replays the recorded seed/offset, and an
 all-to-all brings dq, dk, dv home (repeated K/V heads summed).
@@ -203,7 +205,7 @@ class Ulysses:
 
     def fake(self, plan: CallPlan, q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
         """Empty (out, lse) of the shapes ``forward`` returns: for tracing with fake tensors."""
-        return empty_outputs(plan, q)
+        return empty_outputs(plan, q, k, v)
 
     # ------------------------------------------------------------ forward
 
@@ -268,7 +270,7 @@ class Ulysses:
 
         def check() -> HeadPlan:
             split = _check(q, k, v, plan, mask)
-            check_backward_operands(plan, dout, q, out, lse)
+            check_backward_operands(plan, dout, q, k, v, out, lse)
             if where.ring_size == 1 and len(steps) != 1:
                 raise RuntimeError(f"a Ulysses backward needs the forward's 1 attention record, got {len(steps)}")
             return split
@@ -290,9 +292,8 @@ class Ulysses:
         if heads.kv_repeats > 1:  # the repeated heads' gradients are summed: send them in float32
             grads[1], grads[2] = grads[1].float(), grads[2].float()
         (dq_b, dk_b, dv_b), back = exchange_heads(grads, own_group(groups), u, to_heads=False)
-        if heads.kv_repeats > 1:
-            b, _, s, d = dk_b.shape
-            dk_b, dv_b = (t.view(b, heads.nkv, heads.kv_repeats, s, d).sum(2) for t in (dk_b, dv_b))
+        if heads.kv_repeats > 1:  # dK and dV each at their own head size (MLA)
+            dk_b, dv_b = (t.view(t.size(0), heads.nkv, heads.kv_repeats, *t.shape[2:]).sum(2) for t in (dk_b, dv_b))
         finished = time.perf_counter()
         return BackwardResult(
             dq=own_storage(L.from_bnsd(dq_b.to(q.dtype), lay)), dk=own_storage(L.from_bnsd(dk_b.to(k.dtype), lay)),

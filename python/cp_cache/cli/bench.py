@@ -38,6 +38,9 @@ Sections (``--only`` picks some):
 * ``algorithms``: ring, Ulysses and hybrid (2 x 2 CP mesh at W = 4) on one causal call,
   MHA and GQA: bytes sent per rank, time per call, fp32 error against dense float64, and
   what ``algorithm="auto"`` picks (``cli/bench_algorithms.py``; also ``bench_algorithms.png``);
+* ``models``: the attention of a gpt-oss-shaped model (sinks, GQA, alternating window and full
+  causal layers under head-tail): bytes each layer kind moves, time per call, fp32 error
+  (``cli/bench_models.py``);
 * ``store``: the store micro-benchmark (``cli/bench_store.py``).
 
 Benchmarks measure and report; they assert nothing about timings. On CPU the
@@ -61,7 +64,7 @@ NAME = "bench"
 HELP = "memory, overhead, traffic and accuracy benchmarks; JSON and a PNG plot under --out"
 
 SECTIONS = ("memory", "overhead", "traffic", "accuracy", "windows", "floor", "overlap", "agreement", "varlen",
-            "placement", "algorithms", "store")
+            "placement", "algorithms", "models", "store")
 _WITHOUT_RANKS = ("placement", "store")
 
 
@@ -85,6 +88,7 @@ def _plan(quick: bool, worlds: list[int] | None) -> dict:
             varlen=dict(tokens=256, heads=2, head_dim=16), varlen_balance=dict(tokens=4096, worlds=[2, 4]),
             placement=dict(worlds=[2, 4]),
             algorithms=dict(batch=1, heads=4, kv_heads=[4, 2], seq=64, head_dim=16),
+            models=dict(batch=1, heads=4, kv_heads=2, seq=64, head_dim=16, window=8),
         )
     return dict(
         worlds=worlds or [1, 2, 4], layers=[1, 2, 4],
@@ -98,6 +102,8 @@ def _plan(quick: bool, worlds: list[int] | None) -> dict:
         varlen=dict(tokens=2048, heads=4, head_dim=32), varlen_balance=dict(tokens=65536, worlds=[2, 4, 8]),
         placement=dict(worlds=[2, 4, 8, 16, 32, 64]),
         algorithms=dict(batch=1, heads=8, kv_heads=[8, 2], seq=1024, head_dim=64),
+        # gpt-oss: 64/8 heads of 64, a 128-token window; here 8/1 heads at S=1024 so the window is 1/8 of S
+        models=dict(batch=1, heads=8, kv_heads=1, seq=1024, head_dim=64, window=128),
     )
 
 
@@ -290,15 +296,17 @@ def _windows(plan: dict, rank: int, world_size: int, mesh) -> list[dict]:
 
 
 def _causal_call(shape: dict, mesh, world_size: int, rank: int, seed: int = 0):
-    """Local causal q, k, v, dy as DTensors (Shard(2), BNSD, fp32) and the v3 call on them."""
+    """Local causal q, k, v, dy as DTensors (Shard(2), BNSD, fp32) and the v3 call on them (v and dy
+    at ``shape["v_head_dim"]`` when given: MLA)."""
     import torch
     from torch.distributed.tensor import DTensor, Shard
 
     from ..npu_ops import causal_mask
 
     b, n, s, d = shape["batch"], shape["heads"], shape["seq"], shape["head_dim"]
+    dv = shape.get("v_head_dim", d)
     g = torch.Generator().manual_seed(seed + rank)
-    local = [torch.randn(b, n, s // world_size, d, generator=g) for _ in range(4)]
+    local = [torch.randn(b, n, s // world_size, dim, generator=g) for dim in (d, d, dv, dv)]
     q, k, v = (DTensor.from_local(t, mesh, [Shard(2)]).requires_grad_() for t in local[:3])
     dy = DTensor.from_local(local[3], mesh, [Shard(2)])
     mask = causal_mask(torch.device("cpu"))
@@ -317,7 +325,7 @@ def _floor(plan: dict, rank: int, world_size: int, mesh) -> list[dict]:
     f = plan["floor"]
     s_local = f["seq"] // world_size
     tokens = f["batch"] * f["heads"] * s_local
-    output, lse = tokens * f["head_dim"] * 4, tokens * 4
+    output, lse = tokens * f.get("v_head_dim", f["head_dim"]) * 4, tokens * 4  # the output has V's head size
     contiguous_stats = 2 * tokens * 8 * 4
     rows = []
     for policy in ("handle", "stack"):
@@ -442,6 +450,10 @@ def bench_rank(rank: int, world_size: int, plan: dict, sections: list[str]) -> d
         from .bench_algorithms import algorithms_rank
 
         out["algorithms"] = algorithms_rank(plan, rank, world_size)
+    if "models" in sections:
+        from .bench_models import models_rank
+
+        out["models"] = models_rank(plan, rank, world_size, mesh)
     return out
 
 
@@ -660,6 +672,8 @@ def _report(args: argparse.Namespace, plan: dict, sections: list[str], per_world
         report["varlen_balance"] = balance_rows(plan["varlen_balance"]["tokens"], plan["varlen_balance"]["worlds"])
     if "algorithms" in sections:
         report["algorithms"] = _collect(per_world, "algorithms", all_ranks=True)
+    if "models" in sections:
+        report["models"] = _collect(per_world, "models", all_ranks=True)
     return report
 
 
@@ -685,6 +699,10 @@ def _publish(report: dict, out: Path) -> None:
         placement_png = out / "bench_placement.png"
         if plot_placement(report["placement"], placement_png):
             print(f"written: {placement_png}")
+    if report.get("models"):
+        from .bench_models import print_summary as print_models
+
+        print_models(report["models"])
     if report.get("windows"):
         windows_png = out / "bench_windows.png"
         if _plot_windows(report, windows_png):

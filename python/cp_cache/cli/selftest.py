@@ -51,7 +51,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 @dataclass(frozen=True)
 class Case:
-    """One CP attention call: algorithm, layout, mask, load balancing, heads, dropout."""
+    """One CP attention call: algorithm, layout, mask, load balancing, heads, dropout, V's head size."""
 
     name: str
     algorithm: str = "ring"  # ring | ulysses | hybrid
@@ -60,7 +60,8 @@ class Case:
     lb: bool = True  # head-tail load balancing (torch's _cp_options.enable_load_balance)
     gqa: bool = False
     keep_prob: float = 1.0  # < 1: dropout, checked by directional derivatives
-    probe: str = ""  # "sink" | "mla": a feature checked once the handlers accept it
+    mla: bool = False  # V's head size differs from Q/K's (MLA): D / 2
+    sink: bool = False  # attention sinks (gpt-oss): the op's sink=, one logit per query head
 
     @property
     def dropout(self) -> bool:
@@ -103,8 +104,8 @@ def cases(world: int) -> list[Case]:
         Case("TND causal, load balanced", "ring", "TND", "causal", True),
         Case("TND full, contiguous, GQA", "ring", "TND", "full", False, gqa=True),
         Case("TND causal, dropout", "ring", "TND", "causal", True, keep_prob=KEEP_PROB),
-        Case("sinks", "ring", "BNSD", "causal", True, probe="sink"),
-        Case("MLA (value head size != query's)", "ring", "BSND", "causal", True, probe="mla"),
+        Case("sinks", "ring", "BNSD", "causal", True, sink=True),
+        Case("MLA (value head size != query's)", "ring", "BSND", "causal", True, mla=True),
     ]
     return out
 
@@ -186,6 +187,7 @@ class Problem:
     dout: object
     masked: object
     given: object = None  # the mask passed to the op (given masks)
+    sink: object = None  # the attention sinks [Nq] (float32, CPU), or None
     cu: tuple = ()  # TND: cumulative document ends
     nq: int = 0
     nkv: int = 0
@@ -220,12 +222,13 @@ def make_problem(case: Case, world: int) -> Problem:
     tnd = case.layout == "TND"
     batch, seq = (1 if tnd else B), S_LOCAL * world
     g = torch.Generator().manual_seed(zlib.crc32(f"{case.name}/{world}".encode()))
-    dv = 2 * D if case.probe == "mla" else D
+    dv = D // 2 if case.mla else D
     q, dout = (torch.randn(batch, nq, seq, d, generator=g, dtype=torch.float64) for d in (D, dv))
     k = torch.randn(batch, nkv, seq, D, generator=g, dtype=torch.float64)
     v = torch.randn(batch, nkv, seq, dv, generator=g, dtype=torch.float64)
     q, k, v, dout = (t.float() for t in (q, k, v, dout))
-    prob = Problem(case, world, q, k, v, dout, masked=None, nq=nq, nkv=nkv)
+    sink = torch.randn(nq, generator=g) if case.sink else None
+    prob = Problem(case, world, q, k, v, dout, masked=None, nq=nq, nkv=nkv, sink=sink)
     if tnd:
         prob.cu = _documents(world, case.lb)
         prob.masked = document_masked(prob.cu, prob.cu, "left_up" if case.mask == "causal" else "full")
@@ -263,8 +266,6 @@ def op_kwargs(prob: Problem, device) -> dict:
         kw.update(atten_mask=prob.given.to(device), sparse_mode=1)
     elif case.mask == "given_band":
         kw.update(atten_mask=prob.given.to(device), sparse_mode=0, pre_tockens=prob.window, next_tockens=2)
-    if case.probe == "sink":
-        kw["sink"] = torch.zeros(prob.nq, device=device)
     return kw
 
 
@@ -330,10 +331,16 @@ def unshard_lse(prob: Problem, env: Env, softmax_max, softmax_sum):
 # ---------------------------------------------------------------- the CP call
 
 
-def cp_forward(prob: Problem, env: Env, q, k, v):
+def cp_forward(prob: Problem, env: Env, q, k, v, sink=None):
     import torch
 
-    return torch.ops.npu.npu_fusion_attention_v3(q, k, v, prob.nq, prob.case.layout, **op_kwargs(prob, env.device))
+    return torch.ops.npu.npu_fusion_attention_v3(q, k, v, prob.nq, prob.case.layout, sink=sink,
+                                                 **op_kwargs(prob, env.device))
+
+
+def sink_leaf(prob: Problem, device):
+    """The case's sink as a leaf that takes a gradient on ``device`` (None without a sink)."""
+    return None if prob.sink is None else prob.sink.to(device).requires_grad_()
 
 
 def _sync(env: Env) -> None:
@@ -361,19 +368,22 @@ def cp_run(prob: Problem, env: Env) -> dict:
     import torch.distributed as dist
 
     leaves = [shard(prob, env, t).detach().requires_grad_() for t in (prob.q, prob.k, prob.v)]
+    sink = sink_leaf(prob, env.device)
     dout = shard(prob, env, prob.dout)
-    out = cp_forward(prob, env, *leaves)
+    out = cp_forward(prob, env, *leaves, sink=sink)
     sent = cp_cache.call_stats()["forward"]["bytes_sent"]
-    grads = torch.autograd.grad(out[0], leaves, dout)
+    grads = torch.autograd.grad(out[0], leaves + ([sink] if sink is not None else []), dout)
     got = {"out": unshard(prob, env, out[0], prob.nq), "lse": unshard_lse(prob, env, out[1], out[2])}
     for key, grad, heads in zip(("dq", "dk", "dv"), grads, (prob.nq, prob.nkv, prob.nkv)):
         got[key] = unshard(prob, env, grad, heads)
+    if sink is not None:  # each rank's share of a plain tensor's gradient: their sum is the gradient
+        got["dsink"] = torch.tensor(_all_reduce(env, grads[3].detach().cpu().double().tolist()))
     del out, grads
     times = []
     for _ in range(env.repeats):
         dist.barrier()
         started = time.perf_counter()
-        torch.autograd.grad(cp_forward(prob, env, *leaves)[0], leaves, dout)
+        torch.autograd.grad(cp_forward(prob, env, *leaves, sink=sink)[0], leaves, dout)
         _sync(env)
         times.append(time.perf_counter() - started)
     ms = 1e3 * statistics.median(times) if times else float("nan")
@@ -389,7 +399,8 @@ def dense_reference(prob: Problem, dtype, device="cpu") -> dict:
     from ..testing.reference import dense_attention
 
     q, k, v, dout = (t.to(device) for t in (prob.q, prob.k, prob.v, prob.dout))
-    res = dense_attention(q, k, v, dout, causal=False, dtype=dtype, masked=prob.masked.to(device))
+    sink = None if prob.sink is None else prob.sink.to(device)
+    res = dense_attention(q, k, v, dout, causal=False, dtype=dtype, masked=prob.masked.to(device), sink=sink)
     return {key: t.detach().cpu().double() for key, t in res.items()}
 
 
@@ -404,12 +415,16 @@ def one_device(prob: Problem, env: Env) -> dict:
         return dense_reference(prob, torch.float32, env.device)
     layout = prob.case.layout
     q, k, v = (_to_layout(t, layout).to(env.device).clone().requires_grad_() for t in (prob.q, prob.k, prob.v))
-    out = torch.ops.npu.npu_fusion_attention_v3(q, k, v, prob.nq, layout, **op_kwargs(prob, env.device))
-    grads = torch.autograd.grad(out[0], (q, k, v), _to_layout(prob.dout, layout).to(env.device))
+    sink = sink_leaf(prob, env.device)
+    out = torch.ops.npu.npu_fusion_attention_v3(q, k, v, prob.nq, layout, sink=sink, **op_kwargs(prob, env.device))
+    grads = torch.autograd.grad(out[0], [q, k, v] + ([sink] if sink is not None else []),
+                                _to_layout(prob.dout, layout).to(env.device))
     lse = lse_from_stats(out[1], out[2]).detach().cpu().double()
     res = {"out": _from_layout(out[0], layout, prob.nq), "lse": lse.T.unsqueeze(0) if layout == "TND" else lse}
     for key, grad, heads in zip(("dq", "dk", "dv"), grads, (prob.nq, prob.nkv, prob.nkv)):
         res[key] = _from_layout(grad, layout, heads)
+    if sink is not None:
+        res["dsink"] = grads[3].detach().cpu().double()
     return res
 
 
@@ -455,11 +470,14 @@ class Row:
 
 def compare(got: dict, truth: dict, reference: dict, inject: bool) -> tuple[float, float, str]:
     """(error, bound, key) of the output nearest its bound: each of out, lse, dq, dk, dv as
-    max|x - truth| / max|truth|, bounded by 20x the one-device float32 reference's own + 32 eps."""
+    max|x - truth| / max|truth|, bounded by 20x the one-device float32 reference's own + 32 eps
+    (and dsink, with attention sinks)."""
     from ..testing.reference import error_bound, rel_err
 
     worst = None
-    for key in ("out", "lse", "dq", "dk", "dv"):
+    for key in ("out", "lse", "dq", "dk", "dv", "dsink"):
+        if key not in truth:
+            continue
         x = got[key]
         if inject:
             x = x + INJECTED * float(truth[key].abs().max())
@@ -530,25 +548,12 @@ def dropout_effect(prob: Problem, env: Env, out) -> tuple[float, float]:
     return rel_err(out, truth), error_bound(rel_err(one_device(plain, env)["out"], truth))
 
 
-def check_probe(prob: Problem, env: Env, row: Row) -> None:
-    """A feature the handlers may not accept yet: refused means not supported by this build;
-    accepted means the selftest must grow a check for it."""
-    leaves = [shard(prob, env, t) for t in (prob.q, prob.k, prob.v)]
-    try:
-        cp_forward(prob, env, *leaves)
-    except Exception as exc:  # noqa: BLE001 - a refusal, raised on every rank alike
-        row.status = "n/a"
-        row.note = f"not supported by this build: {type(exc).__name__}: {str(exc).splitlines()[0][:120]}"
-        return
-    row.status, row.note = "FAIL", "runs under CP, but the selftest has no check for it yet"
-
-
 def run_case(case: Case, env: Env) -> Row:
     """One case on this rank: set the algorithm and load balancing, run its check."""
     import cp_cache
     from torch.distributed.tensor.experimental._context_parallel._attention import _cp_options
 
-    check = "directional" if case.dropout else ("accepted?" if case.probe else "fwd+bwd")
+    check = "directional" if case.dropout else "fwd+bwd"
     row = Row(case.name, check)
     if case.dropout and env.kernel == "reference":
         row.status, row.note = "n/a", "the plain-torch step kernel (CUDA) has no dropout"
@@ -558,8 +563,8 @@ def run_case(case: Case, env: Env) -> Row:
         _cp_options.enable_load_balance = case.lb
         prob = make_problem(case, env.world)
         with cp_cache.context_parallel(env.mesh(case)):  # cp_cache takes the calls made in a CP region
-            (check_probe if case.probe else check_dropout if case.dropout else check_exact)(prob, env, row)
-        if not case.probe and env.rank == 0:
+            (check_dropout if case.dropout else check_exact)(prob, env, row)
+        if env.rank == 0:
             row.lower = float(kv_lower_bound(prob))
     except Exception as exc:  # noqa: BLE001 - reported in the table; the other cases still run
         first = str(exc).splitlines()[0] if str(exc) else ""

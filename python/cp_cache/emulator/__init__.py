@@ -27,6 +27,9 @@ Emulated semantics
 * layouts BNSD, BSND, BSH, SBH (BSH/SBH: ``H = N * D``; ``D = Hq / head_num``;
   the kv head count is ``Hkv / D``).  TND (packed segments, ``actual_seq_qlen`` /
   ``actual_seq_kvlen`` cumulative ends; statistics ``[T, N, 8]``): ``varlen_math``.
+* MLA: value's head size ``Dv`` may differ from query/key's ``D`` (BSH/SBH: value hidden
+  ``Nkv * Dv``); the output has ``Dv`` (BSH/SBH: ``Nq * Dv``), as torch_npu's meta functions
+  give it. Key and value agree on every other dim.
 * GQA: key/value may have ``Nkv`` heads with ``Nq % Nkv == 0``; query head ``h``
   uses kv head ``h // (Nq // Nkv)``; dk/dv are summed over each group.
 * ``scale`` multiplies ``Q K^T`` (op default 1.0).
@@ -59,7 +62,18 @@ Emulated semantics
   ``attention_in``: ``P = exp(S - LSE)`` with ``LSE = softmax_max[..., 0] +
   log(softmax_sum[..., 0])``, ``D = rowsum(dy * attention_in)``,
   ``dS = P * (dP - D)``.  ``softmax_max = LSE, softmax_sum = 1`` gives the
-  same result.  dpse/dsink are empty ``[0]`` tensors.
+  same result.  dpse is an empty ``[0]`` tensor; dsink, without a sink, a float32 0-d
+  zero from v3 and ``[0]`` from v1 (the shapes of torch_npu's meta functions).
+* sink (gpt-oss's attention sinks): a floating tensor ``[head_num]``, one logit per
+  query head.  Row i of head h takes its softmax over the allowed SCALED scores and one
+  more logit, ``sink[h]`` itself (raw, not scaled); the sink's column is dropped before
+  multiplying by V.  The statistics include it (``softmax_max = max(row max, sink[h])``,
+  ``softmax_sum`` adds ``exp(sink[h] - max)``, so ``LSE`` is the LSE with the sink), and
+  the grad op, given them, returns ``dsink[h] = -sum_i exp(sink[h] - LSE_i) *
+  rowsum(dy * attention_in)_i`` (the same formula with dropout) in the sink's shape and
+  dtype.  THIS IS THE CONVENTION ASSUMED FOR THE REAL OP (the op-plugin schemas take
+  ``sink``; what its kernels compute has not been checked on an NPU yet): where the
+  real kernels differ, the emulator and cp_cache's CP sink follow this one.
 
 Fully masked rows (every key masked): attention_out = 0, gradients 0,
 ``softmax_max`` = the float32 lowest finite value (-3.4028235e38) and
@@ -67,9 +81,9 @@ Fully masked rows (every key masked): attention_out = 0, gradients 0,
 (a merge with such a block gives it weight ``exp(lowest - m) = 0``).
 
 Raises ``NotImplementedError`` (naming the argument and its value) for pse,
-padding_mask, prefix, actual_seq_qlen/kvlen outside TND, sink, a non-empty softmax_layout,
+padding_mask, prefix, actual_seq_qlen/kvlen outside TND, a non-empty softmax_layout,
 an explicit mask with TND and sparse modes 5..8; ``ValueError`` for bad inputs (rank for the
-layout, head_num mismatch, ``Nq % Nkv``, key/value shape, batch, head dim,
+layout, head_num mismatch, ``Nq % Nkv``, key/value shape (all but the head size), batch, head dim,
 keep_prob, unknown layout or sparse_mode, mask dtype/shape).
 
 With ``route_sdpa=True``, ``torch.nn.functional.scaled_dot_product_attention``

@@ -62,14 +62,13 @@ def describe(value: Any) -> str:
     return f"Tensor of shape {list(value.shape)}" if isinstance(value, torch.Tensor) else repr(value)
 
 
-def _check_unsupported(pse, padding_mask, prefix, actual_seq_qlen, actual_seq_kvlen, sink, softmax_layout):
+def _check_unsupported(pse, padding_mask, prefix, actual_seq_qlen, actual_seq_kvlen, softmax_layout):
     for name, value in (
         ("pse", pse),
         ("padding_mask", padding_mask),
         ("prefix", prefix),
         ("actual_seq_qlen", actual_seq_qlen),
         ("actual_seq_kvlen", actual_seq_kvlen),
-        ("sink", sink),
     ):
         if value is not None:
             raise NotImplementedError(
@@ -103,16 +102,30 @@ def _check_sparse_mode(sparse_mode: int) -> None:
         )
 
 
+def check_sink(sink: Optional[torch.Tensor], head_num: int) -> None:
+    """``sink``: None, or a floating tensor [head_num] (one logit per query head; float32 on the NPU)."""
+    if sink is None:
+        return
+    if not isinstance(sink, torch.Tensor) or not sink.dtype.is_floating_point or tuple(sink.shape) != (head_num,):
+        raise ValueError(
+            f"npu_fusion_attention: sink={describe(sink)} must be a floating tensor of shape [head_num] = "
+            f"[{head_num}] (one logit per query head)"
+        )
+
+
 def _check_keep_prob(keep_prob: float) -> None:
     if not (0.0 < keep_prob <= 1.0):
         raise ValueError(f"npu_fusion_attention: keep_prob={keep_prob} must be in (0, 1]")
 
 
 class _Dims:
-    __slots__ = ("B", "Nq", "Nkv", "Sq", "Skv", "D")
+    """The call's dims; ``D`` is Q/K's head size, ``Dv`` V's (and the output's): MLA, default ``D``."""
 
-    def __init__(self, B, Nq, Nkv, Sq, Skv, D):
+    __slots__ = ("B", "Nq", "Nkv", "Sq", "Skv", "D", "Dv")
+
+    def __init__(self, B, Nq, Nkv, Sq, Skv, D, Dv=None):
         self.B, self.Nq, self.Nkv, self.Sq, self.Skv, self.D = B, Nq, Nkv, Sq, Skv, D
+        self.Dv = D if Dv is None else Dv
 
 
 def op_dims(query, key, value, head_num: int, input_layout: str) -> _Dims:
@@ -125,11 +138,7 @@ def op_dims(query, key, value, head_num: int, input_layout: str) -> _Dims:
                 f"npu_fusion_attention: {name} must be {rank}-D for input_layout={input_layout!r}, "
                 f"got {t.dim()}-D shape {list(t.shape)}"
             )
-    if tuple(key.shape) != tuple(value.shape):
-        raise ValueError(
-            f"npu_fusion_attention: key and value must have the same shape, got key {list(key.shape)} "
-            f"and value {list(value.shape)}"
-        )
+    check_value_shape(key, value)
     if head_num <= 0:
         raise ValueError(f"npu_fusion_attention: head_num={head_num} must be positive")
     qs, ks = list(query.shape), list(key.shape)
@@ -158,6 +167,11 @@ def op_dims(query, key, value, head_num: int, input_layout: str) -> _Dims:
                 f"D={D} (= H_q {Hq} / head_num {head_num})"
             )
         Nkv, Dk = Hkv // D, D
+        if Nkv > 0 and value.size(2) % Nkv:
+            raise ValueError(
+                f"npu_fusion_attention: value hidden size H={value.size(2)} is not a multiple of the key/value "
+                f"head count Nkv={Nkv} (= key H {Hkv} / D {D})"
+            )
     if Nq != head_num:
         raise ValueError(
             f"npu_fusion_attention: head_num={head_num} does not match the query's head count {Nq} "
@@ -171,7 +185,17 @@ def op_dims(query, key, value, head_num: int, input_layout: str) -> _Dims:
         raise ValueError(
             f"npu_fusion_attention: query heads Nq={Nq} must be a multiple of key/value heads Nkv={Nkv} (GQA)"
         )
-    return _Dims(B, Nq, Nkv, Sq, Skv, D)
+    return _Dims(B, Nq, Nkv, Sq, Skv, D, L.value_head_dim(value, input_layout, Nkv))
+
+
+def check_value_shape(key, value) -> None:
+    """Key and value agree on every dim but the last (V's head size, or BSH/SBH's hidden size N * Dv,
+    may differ from K's: MLA)."""
+    if key.dim() != value.dim() or tuple(key.shape[:-1]) != tuple(value.shape[:-1]):
+        raise ValueError(
+            f"npu_fusion_attention: key and value must agree on every dim but the head size, got key "
+            f"{list(key.shape)} and value {list(value.shape)}"
+        )
 
 
 def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -242,9 +266,10 @@ def _expand_kv(x: torch.Tensor, groups: int) -> torch.Tensor:
 def check_call(query, key, value, head_num, input_layout, pse, padding_mask, keep_prob, prefix,
                    actual_seq_qlen, actual_seq_kvlen, sparse_mode, softmax_layout, sink):
     _check_layout(input_layout)
-    _check_unsupported(pse, padding_mask, prefix, actual_seq_qlen, actual_seq_kvlen, sink, softmax_layout)
+    _check_unsupported(pse, padding_mask, prefix, actual_seq_qlen, actual_seq_kvlen, softmax_layout)
     _check_sparse_mode(sparse_mode)
     _check_keep_prob(keep_prob)
+    check_sink(sink, head_num)
     return op_dims(query, key, value, head_num, input_layout)
 
 
@@ -260,8 +285,15 @@ def _scores(q, k, scale, allowed):
     return s
 
 
+def _sink_logits(sink: Optional[torch.Tensor], cdt: torch.dtype) -> Optional[torch.Tensor]:
+    """The sink as [1, N, 1, 1] logits in the compute dtype (None: no sink)."""
+    return None if sink is None else sink.to(cdt).view(1, -1, 1, 1)
+
+
 def forward_math(query, key, value, d: _Dims, layout, atten_mask, scale, keep_prob, pre_tockens,
-                  next_tockens, sparse_mode, seed: int, offset: int):
+                  next_tockens, sparse_mode, seed: int, offset: int, sink=None):
+    """(out, softmax_max, softmax_sum). ``sink`` [Nq]: one more logit per row of head h, sink[h]
+    itself (not scaled), in the softmax's max and sum; its column is dropped before P V."""
     cdt = _compute_dtype(query.dtype)
     q = L.to_bnsd(query, layout, d.Nq).to(cdt)
     groups = d.Nq // d.Nkv
@@ -270,10 +302,15 @@ def forward_math(query, key, value, d: _Dims, layout, atten_mask, scale, keep_pr
     allowed = _allowed_mask(atten_mask, sparse_mode, pre_tockens, next_tockens, d)
     s = _scores(q, k, scale, allowed)
     row_max = s.amax(dim=-1, keepdim=True)
+    sink_logit = _sink_logits(sink, cdt)
+    if sink_logit is not None:
+        row_max = torch.maximum(row_max, sink_logit)
     dead = torch.isneginf(row_max)
     row_max = torch.where(dead, torch.full_like(row_max, FLOAT32_LOWEST), row_max)
     p = torch.exp(s - row_max)
     row_sum = p.sum(dim=-1, keepdim=True)
+    if sink_logit is not None:
+        row_sum = row_sum + torch.exp(sink_logit - row_max)
     probs = p / torch.where(row_sum == 0, torch.ones_like(row_sum), row_sum)
     if keep_prob < 1.0:
         keep = dropout_keep_mask(seed, offset, (d.B, d.Nq, d.Sq, d.Skv), keep_prob)
@@ -294,13 +331,15 @@ def draw_seed_offset(keep_prob: float):
 
 def backward_math(query, key, value, dy, d: _Dims, layout, atten_mask, softmax_max, softmax_sum,
                    attention_in, scale, keep_prob, pre_tockens, next_tockens, sparse_mode,
-                   seed: int, offset: int):
+                   seed: int, offset: int, sink=None):
+    """(dq, dk, dv, dsink); dsink [Nq] (None without a sink): the sink's probability
+    exp(sink_h - LSE_i) times (0 - rowsum(dy * attention_in)), summed over the rows."""
     cdt = _compute_dtype(query.dtype)
     groups = d.Nq // d.Nkv
     if attention_in is None or softmax_max is None or softmax_sum is None:
         # Not given: recompute them as the forward would.
         out, smax, ssum = forward_math(query, key, value, d, layout, atten_mask, scale, keep_prob,
-                                        pre_tockens, next_tockens, sparse_mode, seed, offset)
+                                        pre_tockens, next_tockens, sparse_mode, seed, offset, sink)
         attention_in = out if attention_in is None else attention_in
         softmax_max = smax if softmax_max is None else softmax_max
         softmax_sum = ssum if softmax_sum is None else softmax_sum
@@ -332,11 +371,16 @@ def backward_math(query, key, value, dy, d: _Dims, layout, atten_mask, softmax_m
     dk = torch.matmul(ds.transpose(-1, -2), q) * scale
     if groups > 1:
         dk = dk.view(d.B, d.Nkv, groups, d.Skv, d.D).sum(dim=2)
-        dv = dv.view(d.B, d.Nkv, groups, d.Skv, d.D).sum(dim=2)
+        dv = dv.view(d.B, d.Nkv, groups, d.Skv, d.Dv).sum(dim=2)
+    dsink = None
+    if sink is not None:
+        p_sink = torch.where(live, torch.exp(_sink_logits(sink, cdt) - lse_safe), torch.zeros_like(lse))
+        dsink = (-(p_sink * delta)).sum(dim=(0, 2, 3)).to(sink.dtype)
     return (
         L.from_bnsd(dq.to(query.dtype), layout),
         L.from_bnsd(dk.to(key.dtype), layout),
         L.from_bnsd(dv.to(value.dtype), layout),
+        dsink,
     )
 
 

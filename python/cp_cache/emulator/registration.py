@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import torch
 
+from .. import layout as L
 from ..arguments import bind_arguments
 from ..npu_ops import FORWARD_V1, FORWARD_V3, GRAD_V1, GRAD_V3
 from . import attention_math as M
@@ -76,6 +77,7 @@ def _forward(schema: str):
         out, smax, ssum = math(
             a["query"], a["key"], a["value"], d, *layout_arg, a["atten_mask"], a["scale"],
             a["keep_prob"], a["pre_tockens"], a["next_tockens"], a["sparse_mode"], int(seed[0]), int(offset[0]),
+            a["sink"],
         )
         softmax_out = M.empty(a["query"].dtype, a["query"].device)
         if v3:
@@ -93,8 +95,9 @@ def _forward_fake(schema: str):
         query = a["query"]
         stat_shape = V.stats_shape(d) if isinstance(d, V.TndDims) else (d.B, d.Nq, d.Sq, M.STATS_WIDTH)
         sdt = M.stat_dtype(query.dtype)
+        out_shape = L.output_shape(query, a["key"], a["value"], a["input_layout"], a["head_num"])
         tensors = (
-            torch.empty_like(query, memory_format=torch.contiguous_format),
+            query.new_empty(out_shape),  # the query's shape with V's head size (MLA), as the meta function
             query.new_empty(stat_shape, dtype=sdt),
             query.new_empty(stat_shape, dtype=sdt),
             query.new_empty((0,)),
@@ -117,25 +120,37 @@ def _empty_dsink(schema: str, query: torch.Tensor) -> torch.Tensor:
     return torch.zeros(shape, dtype=torch.float32, device=query.device)
 
 
+def _fake_dsink(schema: str, query: torch.Tensor, sink) -> torch.Tensor:
+    """dsink's shape as torch_npu's meta functions give it: the sink's shape and dtype, on the
+    query's device; without a sink, ``_empty_dsink``."""
+    if sink is None:
+        return _empty_dsink(schema, query)
+    return torch.empty(sink.shape, dtype=sink.dtype, device=query.device)
+
+
 def _grad(schema: str):
     def kernel(*args, **kwargs):
         a = _bind(schema, args, kwargs)
         d = _check(a, read_values=True)
         query = a["query"]
-        if tuple(a["dy"].shape) != tuple(query.shape):
+        out_shape = L.output_shape(query, a["key"], a["value"], a["input_layout"], a["head_num"])
+        if tuple(a["dy"].shape) != out_shape:
             raise ValueError(
-                f"npu_fusion_attention_grad: dy shape {list(a['dy'].shape)} != query shape {list(query.shape)}"
+                f"npu_fusion_attention_grad: dy shape {list(a['dy'].shape)} != the output's shape {list(out_shape)} "
+                f"(the query's {list(query.shape)} with the value's head size)"
             )
         dropout = a["keep_prob"] < 1.0
         math = V.tnd_backward if isinstance(d, V.TndDims) else M.backward_math
         layout_arg = () if isinstance(d, V.TndDims) else (a["input_layout"],)
-        dq, dk, dv = math(
+        dq, dk, dv, dsink = math(
             query, a["key"], a["value"], a["dy"], d, *layout_arg, a["atten_mask"], a["softmax_max"],
             a["softmax_sum"], a["attention_in"], a["scale_value"], a["keep_prob"], a["pre_tockens"],
             a["next_tockens"], a["sparse_mode"],
-            M.read_int(a["seed"]) if dropout else 0, M.read_int(a["offset"]) if dropout else 0,
+            M.read_int(a["seed"]) if dropout else 0, M.read_int(a["offset"]) if dropout else 0, a["sink"],
         )
-        return dq, dk, dv, M.empty(query.dtype, query.device), _empty_dsink(schema, query)
+        if dsink is None:
+            dsink = _empty_dsink(schema, query)
+        return dq, dk, dv, M.empty(query.dtype, query.device), dsink
 
     return kernel
 
@@ -150,7 +165,7 @@ def _grad_fake(schema: str):
             torch.empty_like(a["key"], memory_format=torch.contiguous_format),
             torch.empty_like(a["value"], memory_format=torch.contiguous_format),
             query.new_empty((0,)),
-            _empty_dsink(schema, query),
+            _fake_dsink(schema, query, a["sink"]),
         )
 
     return kernel

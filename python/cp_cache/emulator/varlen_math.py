@@ -1,6 +1,7 @@
 """The emulated ops in ``input_layout="TND"`` (varlen, packed sequences).
 
-q ``[T, Nq, D]``, k/v ``[Tkv, Nkv, D]``; ``actual_seq_qlen`` / ``actual_seq_kvlen`` are the
+q ``[T, Nq, D]``, k ``[Tkv, Nkv, D]``, v ``[Tkv, Nkv, Dv]`` (Dv may differ from D: MLA; the
+output is ``[T, Nq, Dv]``); ``actual_seq_qlen`` / ``actual_seq_kvlen`` are the
 cumulative end offsets of the segments (a 1-D int64 tensor in v3, a list in v1), the same
 count for both, non-decreasing, the last equal to T (resp. Tkv). Query segment i attends
 only to key segment i; inside a segment the sparse mode applies as in the 4-D layouts
@@ -38,8 +39,8 @@ class TndDims(M._Dims):
 
     __slots__ = ("cu_q", "cu_kv")
 
-    def __init__(self, Nq, Nkv, T, Tkv, D, cu_q, cu_kv):
-        super().__init__(1, Nq, Nkv, T, Tkv, D)
+    def __init__(self, Nq, Nkv, T, Tkv, D, cu_q, cu_kv, Dv=None):
+        super().__init__(1, Nq, Nkv, T, Tkv, D, Dv)
         self.cu_q, self.cu_kv = cu_q, cu_kv
 
 
@@ -78,14 +79,12 @@ def segment_lengths(value: Any, name: str, total: int) -> list[int]:
 
 
 def _check_tnd_shapes(query, key, value, head_num) -> tuple[int, int, int, int, int]:
-    """(T, Nq, Tkv, Nkv, D) of q ``[T, Nq, D]`` and k/v ``[Tkv, Nkv, D]``, checked."""
+    """(T, Nq, Tkv, Nkv, D) of q ``[T, Nq, D]``, k ``[Tkv, Nkv, D]`` and v ``[Tkv, Nkv, Dv]``, checked."""
     for name, t in (("query", query), ("key", key), ("value", value)):
         if t.dim() != 3:
             raise ValueError(f"npu_fusion_attention: {name} must be 3-D [T, N, D] for input_layout='TND', "
                              f"got shape {list(t.shape)}")
-    if tuple(key.shape) != tuple(value.shape):
-        raise ValueError(f"npu_fusion_attention: key and value must have the same shape, got key "
-                         f"{list(key.shape)} and value {list(value.shape)}")
+    M.check_value_shape(key, value)
     T, Nq, D = query.shape
     Tkv, Nkv, Dk = key.shape
     if head_num != Nq:
@@ -133,12 +132,13 @@ def check_tnd_call(query, key, value, head_num, pse, padding_mask, atten_mask, k
     """The call's dims, checked. ``read_values=False`` (the fake kernels): from shapes only, as
     torch_npu's meta functions; the lengths' values are then not read (``cu_q``/``cu_kv`` None)
     unless given as lists."""
-    M._check_unsupported(pse, padding_mask, prefix, None, None, sink, softmax_layout)
+    M._check_unsupported(pse, padding_mask, prefix, None, None, softmax_layout)
     _check_tnd_mask(atten_mask, sparse_mode)
     M._check_keep_prob(keep_prob)
     T, Nq, Tkv, Nkv, D = _check_tnd_shapes(query, key, value, head_num)
+    M.check_sink(sink, head_num)
     cu_q, cu_kv = _segment_ends(actual_seq_qlen, actual_seq_kvlen, T, Tkv, read_values)
-    return TndDims(Nq, Nkv, T, Tkv, D, cu_q, cu_kv)
+    return TndDims(Nq, Nkv, T, Tkv, D, cu_q, cu_kv, value.size(2))
 
 
 def _segments(d: TndDims):
@@ -146,7 +146,7 @@ def _segments(d: TndDims):
     q0 = k0 = 0
     for i, (q1, k1) in enumerate(zip(d.cu_q, d.cu_kv)):
         if q1 > q0:
-            yield i, slice(q0, q1), slice(k0, k1), M._Dims(1, d.Nq, d.Nkv, q1 - q0, k1 - k0, d.D)
+            yield i, slice(q0, q1), slice(k0, k1), M._Dims(1, d.Nq, d.Nkv, q1 - q0, k1 - k0, d.D, d.Dv)
         q0, k0 = q1, k1
 
 
@@ -164,29 +164,35 @@ def _tnd(x: Tensor) -> Tensor:
 
 
 def tnd_forward(query, key, value, d: TndDims, atten_mask, scale, keep_prob, pre_tockens, next_tockens,
-                sparse_mode, seed: int, offset: int):
-    """(out [T, Nq, D], softmax_max [T, Nq, 8], softmax_sum [T, Nq, 8]), segment by segment:
+                sparse_mode, seed: int, offset: int, sink=None):
+    """(out [T, Nq, Dv], softmax_max [T, Nq, 8], softmax_sum [T, Nq, 8]), segment by segment:
     the work is the segments' own (q x kv) blocks. Segment i's dropout keep mask is
     ``dropout_keep_mask(seed, offset + i, [1, Nq, sq_i, skv_i], keep_prob)``. Rows of an
-    empty key segment: out 0, max = float32 lowest, sum 0 (LSE -inf)."""
+    empty key segment: out 0, max = float32 lowest, sum 0 (LSE -inf); with a sink, max = sink,
+    sum = 1 (the sink is all they see)."""
     sdt = M.stat_dtype(query.dtype)
-    out = torch.zeros(d.Sq, d.Nq, d.D, dtype=query.dtype)
+    out = torch.zeros(d.Sq, d.Nq, d.Dv, dtype=query.dtype)
     smax = torch.full((d.Sq, d.Nq, STATS_WIDTH), M.FLOAT32_LOWEST, dtype=sdt)
     ssum = torch.zeros((d.Sq, d.Nq, STATS_WIDTH), dtype=sdt)
+    if sink is not None:
+        smax[:] = sink.to(sdt).view(1, -1, 1)
+        ssum.fill_(1.0)
     mask, mode = _segment_mask(atten_mask, sparse_mode)
     for i, qs, ks, seg in _segments(d):
         if seg.Skv == 0:
             continue
         o, m, l = M.forward_math(_bnsd(query[qs]), _bnsd(key[ks]), _bnsd(value[ks]), seg, "BNSD", mask, scale,
-                                 keep_prob, pre_tockens, next_tockens, mode, seed, offset + i)
+                                 keep_prob, pre_tockens, next_tockens, mode, seed, offset + i, sink)
         out[qs], smax[qs], ssum[qs] = _tnd(o), _tnd(m), _tnd(l)
     return out, smax, ssum
 
 
 def tnd_backward(query, key, value, dy, d: TndDims, atten_mask, softmax_max, softmax_sum, attention_in,
-                 scale, keep_prob, pre_tockens, next_tockens, sparse_mode, seed: int, offset: int):
-    """(dq, dk, dv) in TND, segment by segment (as ``tnd_forward``)."""
+                 scale, keep_prob, pre_tockens, next_tockens, sparse_mode, seed: int, offset: int, sink=None):
+    """(dq, dk, dv, dsink) in TND, segment by segment (as ``tnd_forward``; dsink None without a
+    sink; rows of an empty key segment have out 0, so add nothing to it)."""
     dq, dk, dv = (torch.zeros_like(t, memory_format=torch.contiguous_format) for t in (query, key, value))
+    dsink = None if sink is None else torch.zeros_like(sink)
     mask, mode = _segment_mask(atten_mask, sparse_mode)
     for i, qs, ks, seg in _segments(d):
         if seg.Skv == 0:
@@ -195,11 +201,13 @@ def tnd_backward(query, key, value, dy, d: TndDims, atten_mask, softmax_max, sof
         given_out = None if attention_in is None else _bnsd(attention_in[qs])
         g = M.backward_math(_bnsd(query[qs]), _bnsd(key[ks]), _bnsd(value[ks]), _bnsd(dy[qs]), seg, "BNSD", mask,
                             stats[0], stats[1], given_out, scale, keep_prob, pre_tockens, next_tockens, mode, seed,
-                            offset + i)
+                            offset + i, sink)
         dq[qs] = _tnd(g[0])
         dk[ks] += _tnd(g[1])
         dv[ks] += _tnd(g[2])
-    return dq, dk, dv
+        if dsink is not None:
+            dsink += g[3]
+    return dq, dk, dv, dsink
 
 
 def stats_shape(d: TndDims) -> tuple[int, int, int]:

@@ -15,13 +15,9 @@ def check_qkv(plan: CallPlan, q: Tensor, k: Tensor, v: Tensor) -> tuple[L.Dims, 
     against the plan; ValueError (NotImplementedError for TND) naming what is wrong."""
     lay = L.check_layout(plan.layout)
     qd = L.dims(q, lay, plan.head_num)
-    if k.shape != v.shape:
-        raise ValueError(
-            f"key and value shapes differ: key {tuple(k.shape)}, value {tuple(v.shape)} "
-            f"(input_layout={lay!r}, sequence dim {L.seq_dim(lay)})"
-        )
     nkv = L.heads_of(k, lay, qd.head_dim)
     kd = L.dims(k, lay, nkv)
+    L.check_value(k, v, lay, nkv)  # V's head size may differ (MLA), nothing else
     if kd.batch != qd.batch or kd.head_dim != qd.head_dim:
         raise ValueError(
             f"query {tuple(q.shape)} and key {tuple(k.shape)} disagree on batch or head size "
@@ -48,11 +44,15 @@ def check_keep_prob(plan: CallPlan) -> None:
         raise ValueError(f"keep_prob must be in (0, 1], got {plan.keep_prob}")
 
 
-def check_backward_operands(plan: CallPlan, dout: Tensor, q: Tensor, out: Tensor, lse: Tensor) -> None:
-    """The backward's incoming gradient, forward output and LSE against the query."""
-    if dout.shape != q.shape or out.shape != q.shape:
+def check_backward_operands(plan: CallPlan, dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor,
+                            lse: Tensor) -> None:
+    """The backward's incoming gradient, forward output and LSE against q/k/v: dout and out have the
+    output's shape (the query's with V's head size)."""
+    expected_out = L.output_shape(q, k, v, plan.layout, plan.head_num)
+    if tuple(dout.shape) != expected_out or tuple(out.shape) != expected_out:
         raise ValueError(
-            f"dout {tuple(dout.shape)} and out {tuple(out.shape)} must have the query's shape {tuple(q.shape)}"
+            f"dout {tuple(dout.shape)} and out {tuple(out.shape)} must have the output's shape {expected_out} "
+            f"(the query's {tuple(q.shape)} with the value's head size)"
         )
     expected = L.lse_shape(q, plan.layout, plan.head_num)
     if tuple(lse.shape) != expected:

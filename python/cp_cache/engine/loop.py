@@ -234,7 +234,9 @@ def check_steps(steps: list[RingStep], rank: int, size: int, expected: int) -> N
             )
 
 
-def empty_outputs(plan, q: Tensor) -> tuple[Tensor, Tensor]:
-    """Empty (out, float32 LSE) of the shapes a strategy's forward returns for the query ``q``
-    (``plan``: its CallPlan): what the strategies' ``fake`` give while tracing."""
-    return q.new_empty(q.shape), q.new_empty(L.lse_shape(q, plan.layout, plan.head_num), dtype=torch.float32)
+def empty_outputs(plan, q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+    """Empty (out, float32 LSE) of the shapes a strategy's forward returns for ``q``, ``k``, ``v``
+    (``plan``: its CallPlan; out: the query's shape with V's head size): what the strategies'
+    ``fake`` give while tracing."""
+    return (q.new_empty(L.output_shape(q, k, v, plan.layout, plan.head_num)),
+            q.new_empty(L.lse_shape(q, plan.layout, plan.head_num), dtype=torch.float32))

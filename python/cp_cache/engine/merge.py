@@ -16,6 +16,12 @@ documents gather them), on one of two paths:
 Both give the same result to float32 rounding. The ring takes the fused path when
 the op exists and ``CPConfig.fused_merge`` is on (env ``CP_CACHE_FUSED_MERGE``, read in
 ``config.py``).
+
+Attention sinks (``merge_sink``, ``sink_grad``): the sink is one more logit per row of head
+h, ``sink[h]``, whose column has no value row: merged ONCE into a call's final result, as a
+block with LSE ``sink[h]`` and output 0 (``LSE' = logaddexp(LSE, sink)``, out scaled by
+``exp(LSE - LSE')``), never per step; its gradient is the sink's probability times
+``0 - rowsum(dout * out)``, summed over the rows this rank holds.
 """
 
 from __future__ import annotations
@@ -28,7 +34,7 @@ from torch import Tensor
 from .. import layout as L
 from ..npu_ops import FLOAT32_LOWEST, lse_from_stats, op_exists, stats_from_lse
 
-__all__ = ["OP_NAME", "merge_into", "fused_merge_available"]
+__all__ = ["OP_NAME", "merge_into", "fused_merge_available", "merge_sink", "sink_grad"]
 
 OP_NAME = "npu_ring_attention_update"
 
@@ -115,3 +121,36 @@ def _merge_fused(acc_out: Tensor, acc_lse: Tensor, out_i: Tensor, lse_i: Tensor,
     # sum 0 (no key on either side): lowest + log(0) = -inf
     acc_lse.copy_(lse_from_stats(new_max, new_sum))
     return None
+
+
+# ---------------------------------------------------------------- attention sinks
+
+
+def _per_head(sink: Tensor, lse: Tensor) -> Tensor:
+    """``sink`` [N] as float32 broadcasting against an LSE [B, N, S] (TND: [T, N])."""
+    return sink.float().view(-1, 1) if lse.dim() == 3 else sink.float().view(1, -1)
+
+
+def merge_sink(out: Tensor, lse: Tensor, sink: Tensor, layout: str, head_num: int) -> tuple[Tensor, Tensor]:
+    """(out', LSE'): a call's merged ``out`` (in ``layout``) and float32 ``lse`` with the sink's
+    logit added to every row's softmax: ``LSE' = logaddexp(LSE, sink[h])``, out scaled by
+    ``exp(LSE - LSE')`` in float32 (rows that saw no key: LSE' = sink[h], out 0)."""
+    new_lse = torch.logaddexp(lse.float(), _per_head(sink, lse))
+    weight = L.lse_view(torch.exp(lse.float() - new_lse), layout)
+    scaled = L.as_4d(out, layout, head_num).float() * weight
+    return scaled.reshape(out.shape).to(out.dtype), new_lse
+
+
+def _row_dot(a: Tensor, b: Tensor, layout: str, head_num: int) -> Tensor:
+    """rowsum(a * b) in float32, in the LSE's shape ([B, N, S]; TND: [T, N])."""
+    if layout == L.TND:
+        return (a.float() * b.float()).sum(-1)
+    return (L.to_bnsd(a, layout, head_num).float() * L.to_bnsd(b, layout, head_num).float()).sum(-1)
+
+
+def sink_grad(dout: Tensor, out: Tensor, lse: Tensor, sink: Tensor, layout: str, head_num: int) -> Tensor:
+    """dsink [N] (the sink's dtype) over this rank's rows: ``-sum_i exp(sink[h] - LSE'_i) *
+    rowsum(dout * out)_i``, ``out`` and ``lse`` the call's final results (the sink merged in)."""
+    p_sink = torch.exp(_per_head(sink, lse) - lse.float())
+    weighted = p_sink * _row_dot(dout, out, layout, head_num)
+    return -weighted.transpose(0, 1).reshape(sink.numel(), -1).sum(1).to(sink.dtype)

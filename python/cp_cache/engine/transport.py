@@ -146,7 +146,8 @@ def exchange_heads(tensors: list[Tensor], group, world: int, to_heads: bool) -> 
 
     to_heads: [B, N, s, D] on each rank -> [B, N/W, W*s, D], the sequence in rank order.
     back: [B, N/W, W*s, D] -> [B, N, s, D], the heads in rank order.
-    Tensors of one dtype travel in one all-to-all.
+    Each tensor keeps its own N and D (V, the output and their gradients at V's head size);
+    tensors of one dtype travel in one all-to-all.
     """
     if world == 1:
         return [t.contiguous() for t in tensors], 0

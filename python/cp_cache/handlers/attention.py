@@ -30,7 +30,7 @@ from ..npu_ops import lse_from_stats
 from . import ops
 from .call import prepare, refusal_shared
 from .calls import CallLog
-from .checks import local_tensor, sharded_like
+from .checks import local_tensor, sharded_like, sink_grad_like
 from .cp_mesh import sequence_sharded
 
 __all__ = ["AttentionHandlers", "Registration", "dtensor_default"]
@@ -107,7 +107,7 @@ class AttentionHandlers:
             call = prepare(bind_arguments(op_call._schema, args, kwargs), self.config)
         q, k, v = call.local("query", "key", "value")
         out, lse, seed = ops.ring_forward(q, k, v, call.mask, call.groups, call.plan.encode(), self.config.policy,
-                                          *call.lengths)
+                                          *call.lengths, call.sink)
         outputs = (
             *call.wrap_forward(out, lse),
             torch.empty(0, dtype=q.dtype, device=q.device),
@@ -131,12 +131,13 @@ class AttentionHandlers:
                 a[name] = sharded_like(a[name], name, call.sharding.mesh, call.sharding.placements)
             lse = lse_from_stats(*(local_tensor(a[n], n) for n in ("softmax_max", "softmax_sum")))
         dy, q, k, v, out = call.local("dy", "query", "key", "value", "attention_in")
-        dq, dk, dv = ops.ring_backward(dy, q, k, v, out, lse, a["seed"], call.mask, call.groups, call.plan.encode(),
-                                       self.config.policy, *call.lengths)
+        dq, dk, dv, dsink = ops.ring_backward(dy, q, k, v, out, lse, a["seed"], call.mask, call.groups,
+                                              call.plan.encode(), self.config.policy, *call.lengths, call.sink)
         outputs = (
             *call.wrap_grads(dq, dk, dv),
             torch.empty(0, dtype=q.dtype, device=q.device),  # dpse: no pse
-            torch.zeros((), dtype=torch.float32, device=q.device),  # dsink: no sink (0-d, as the op's meta)
+            # without a sink: a float32 0-d zero, as the op's meta
+            sink_grad_like(a["sink"], dsink, call.sharding.cp_dims),
         )
         self.call_log.set_handler_seconds("backward", started)
         return outputs

@@ -27,7 +27,7 @@ from ..kernels import get_kernel
 from ..npu_ops import stats_views_from_lse
 from ..plan import CallPlan, MaskSpec
 from . import ops
-from .checks import local_mask_rows, mask_spec
+from .checks import local_mask_rows, local_sink, mask_spec
 from .cp_mesh import CPSharding, cp_sharding, resolve_algorithm, whole_mask
 from .packed import check_packed_tokens, packed_documents, packed_mask, packed_sharding
 
@@ -39,15 +39,17 @@ _QKV = ("query", "key", "value")
 @dataclass
 class Call:
     """A prepared call: its bound arguments, its plan, the CP sharding of q/k/v, the given
-    mask's rows for this rank (ring) or whole (Ulysses), the CP groups by name, and the packed
+    mask's rows for this rank (ring) or whole (Ulysses), the CP groups by name, the packed
     documents' lengths tensors (q, kv) the custom op reads (``handlers/packed.py``; (None, None)
-    when the plan holds the documents or there are none)."""
+    when the plan holds the documents or there are none), and the attention sinks as this
+    rank's tensor (None without)."""
 
     args: dict[str, Any]
     plan: CallPlan
     sharding: CPSharding
     mask: Optional[Tensor]
     lengths: tuple[Optional[Tensor], Optional[Tensor]] = (None, None)
+    sink: Optional[Tensor] = None
 
     @property
     def groups(self) -> str:
@@ -115,25 +117,28 @@ def prepare(a: dict[str, Any], cp: CPConfig, *, backward: bool = False) -> Call:
             f"load balancing splits the sequence into 2*W = {2 * sharding.size} chunks; the "
             f"query sequence length {global_seq} is not divisible by {2 * sharding.size}"
         )
+    sink = local_sink(a["sink"], int(a["head_num"]), sharding.mesh, sharding.head_shards)
     plan = CallPlan(world_size=sharding.size, rank=sharding.rank, layout=layout,
                     head_num=sharding.local_heads(int(a["head_num"])), scale=scale, keep_prob=float(a["keep_prob"]),
                     mask=spec, load_balance=load_balance, algorithm=algorithm, cp_sizes=tuple(sharding.cp_sizes),
-                    **_execution(cp))
-    return Call(a, plan, sharding, _mask_rows(a, plan))
+                    sink=sink is not None, **_execution(cp))
+    return Call(a, plan, sharding, _mask_rows(a, plan), sink=sink)
 
 
 def _prepare_packed(a: dict[str, Any], cp: CPConfig, scale: float) -> Call:
     spec = packed_mask(a)
     documents, lengths = packed_documents(a)
     sharding = packed_sharding({n: a[n] for n in _QKV})
+    sink = local_sink(a["sink"], int(a["head_num"]), sharding.mesh, sharding.head_shards)
     load_balance = load_balance_enabled()
     plan = CallPlan(world_size=sharding.size, rank=sharding.rank, layout=L.TND, head_num=int(a["head_num"]),
                     scale=scale, keep_prob=float(a["keep_prob"]), mask=spec, load_balance=load_balance,
                     algorithm="ring", cp_sizes=tuple(sharding.cp_sizes), documents=documents,
-                    placement=document_placement(cp.documents, load_balance), **_execution(cp))
+                    placement=document_placement(cp.documents, load_balance), sink=sink is not None,
+                    **_execution(cp))
     # on global lengths, the same on every rank: every rank refuses together
     check_packed_tokens(plan, a["query"].size(0))
-    return Call(a, plan, sharding, None, lengths)
+    return Call(a, plan, sharding, None, lengths, sink)
 
 
 def _execution(cp: CPConfig) -> dict:
@@ -144,14 +149,15 @@ def _execution(cp: CPConfig) -> dict:
 def _algorithm(a: dict[str, Any], layout: str, spec: MaskSpec, sharding: CPSharding, configured: str,
                strict: bool) -> str:
     """The algorithm this call runs (``configured``, "auto" resolved by the local head counts)."""
-    q, k = a["query"].to_local(), a["key"].to_local()
+    q, k, v = (a[n].to_local() for n in _QKV)
     nq = sharding.local_heads(int(a["head_num"]))
     qd = L.dims(q, layout, nq)
     nkv = L.heads_of(k, layout, qd.head_dim)
     # from the global length, so that every rank picks the same even if local lengths differ
     local_seq = a["query"].size(L.seq_dim(layout)) // sharding.size
     return resolve_algorithm(configured, sharding, nq=nq, nkv=nkv, given_mask=spec.given, strict=strict,
-                             batch=qd.batch, local_seq=local_seq, head_dim=qd.head_dim, itemsize=q.element_size())
+                             batch=qd.batch, local_seq=local_seq, head_dim=qd.head_dim, itemsize=q.element_size(),
+                             v_head_dim=L.value_head_dim(v, layout, nkv))
 
 
 def _mask_rows(a: dict[str, Any], plan: CallPlan) -> Optional[Tensor]:

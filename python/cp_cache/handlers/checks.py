@@ -2,20 +2,20 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Optional
 
 import torch
 from torch import Tensor
-from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
 from .. import layout as L
 from ..arguments import describe
 from ..npu_ops import CAUSAL_MODES, INT_MAX, SparseMode, is_compressed_mask
 from ..plan import MaskSpec
 
-__all__ = ["mask_spec", "local_mask_rows", "sharded_like", "local_tensor"]
+__all__ = ["mask_spec", "local_mask_rows", "sharded_like", "local_tensor", "local_sink", "sink_grad_like"]
 
-_UNSUPPORTED_WHEN_SET = ("pse", "padding_mask", "prefix", "actual_seq_qlen", "actual_seq_kvlen", "sink")
+_UNSUPPORTED_WHEN_SET = ("pse", "padding_mask", "prefix", "actual_seq_qlen", "actual_seq_kvlen")
 _GIVEN_MASK_MODES = (SparseMode.MASK, SparseMode.ALL_MASK)
 _SUPPORTED_MODES = _GIVEN_MASK_MODES + CAUSAL_MODES + (SparseMode.BAND,)
 
@@ -106,3 +106,34 @@ def local_tensor(value: Any, name: str) -> Tensor:
     if isinstance(value, Tensor):
         return value
     raise RuntimeError(f"cp_cache: npu_fusion_attention_grad_v3 needs {name}, got {describe(value)}")
+
+
+def local_sink(sink: Any, head_num: int, mesh, head_shards: int) -> Optional[Tensor]:
+    """The attention sinks of the call as this rank's tensor [head_num] (None without): a plain
+    floating tensor, or a DTensor replicated on the query's mesh. ``head_num``: the op's."""
+    if sink is None:
+        return None
+    if not isinstance(sink, Tensor) or not sink.dtype.is_floating_point or tuple(sink.shape) != (head_num,):
+        raise ValueError(f"sink must be a floating tensor of shape [head_num] = [{head_num}] (one logit per query "
+                         f"head), got sink={describe(sink)}")
+    if head_shards > 1:
+        raise NotImplementedError(f"cp_cache ring attention does not support sink={describe(sink)} with the heads "
+                                  f"split over {head_shards} tensor-parallel shards yet")
+    if isinstance(sink, DTensor):
+        if sink.device_mesh != mesh or not all(isinstance(p, Replicate) for p in sink.placements):
+            raise NotImplementedError(f"cp_cache ring attention takes sink as a plain tensor or a DTensor replicated "
+                                      f"on the query's mesh, got placements={tuple(sink.placements)} on "
+                                      f"{sink.device_mesh}")
+        return sink.to_local()
+    return sink
+
+
+def sink_grad_like(sink: Any, dsink: Tensor, cp_dims: tuple[int, ...]) -> Tensor:
+    """The sink's gradient as its argument came: this rank's share as it is for a plain tensor;
+    for a replicated DTensor, a DTensor ``Partial`` on the CP dimensions (the ranks' shares sum to
+    the gradient) and replicated on the others (their ranks computed the same rows)."""
+    if not isinstance(sink, DTensor):
+        return dsink
+    mesh = sink.device_mesh
+    placements = [Partial() if dim in cp_dims else Replicate() for dim in range(mesh.ndim)]
+    return DTensor.from_local(dsink, mesh, placements, shape=sink.shape, stride=sink.stride())

@@ -120,7 +120,8 @@ def cp_sharding(tensors: dict[str, Any], layout: str) -> CPSharding:
 def resolve_algorithm(configured: str, sharding: CPSharding, *, nq: int, nkv: int, given_mask: bool,
                       strict: bool = True, **shape: int) -> str:
     """The algorithm a call runs: the configured one, or for "auto" hybrid on two CP dimensions
-    and ``plan.choose_algorithm`` on one (``shape``: batch, local_seq, head_dim, itemsize).
+    and ``plan.choose_algorithm`` on one (``shape``: batch, local_seq, head_dim, itemsize,
+    v_head_dim).
     ``strict``: refuse an algorithm that cannot run on these CP dimensions (a backward does not:
     it runs what its forward ran, and reports a mesh that differs as a mismatch)."""
     count = len(sharding.cp_dims)

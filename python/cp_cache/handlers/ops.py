@@ -23,7 +23,10 @@ graph: the CP process groups by name (outer first), the call's plan
 (``CallPlan.encode()``) and the step-cache policy. Packed documents given as tensors
 travel as tensors (``actual_seq_qlen/kvlen``): the kernels read their values
 (``packed.read_documents``), the fakes only their shapes, so the plan a graph records holds
-no document values and each compiled call runs with its own lengths.
+no document values and each compiled call runs with its own lengths. An attention sink
+travels as a tensor too (this rank's heads): ``ring_forward`` merges it once into the
+strategy's result (``merge.merge_sink``) and returns the LSE with it, so the backward's
+statistics include it; ``ring_backward`` returns its gradient over this rank's rows.
 Whatever the ops refuse before their first exchange (a seed that is no live handle, a
 backward that does not match its forward) they refuse together with the other ranks
 (``agreement.refusal_shared``).
@@ -41,6 +44,7 @@ from .. import step_cache
 from ..algorithms import strategy_for
 from ..arguments import describe
 from ..engine import agreement
+from ..engine.merge import merge_sink, sink_grad
 from ..kernels import get_kernel
 from ..plan import CallPlan
 from .calls import CALL_LOG
@@ -68,26 +72,38 @@ def _groups(names: str) -> list:
 @torch.library.custom_op("cp_cache::ring_forward", mutates_args=(), tags=(torch.Tag.nondeterministic_seeded,))
 def ring_forward(query: Tensor, key: Tensor, value: Tensor, mask_rows: Optional[Tensor], groups: str,
                  plan: str, policy: str, actual_seq_qlen: Optional[Tensor] = None,
-                 actual_seq_kvlen: Optional[Tensor] = None) -> tuple[Tensor, Tensor, Tensor]:
+                 actual_seq_kvlen: Optional[Tensor] = None,
+                 sink: Optional[Tensor] = None) -> tuple[Tensor, Tensor, Tensor]:
     """CP attention of the local shards: (out, float32 LSE [B, N, S] (TND: [T, N]), seed slot).
     The seed slot is the step cache's handle (handle policy) or its pairing key after the push
     (stack). ``mask_rows``: the given mask's rows of this rank (ring) or the whole mask (Ulysses).
-    ``actual_seq_qlen/kvlen``: packed documents' lengths, read and checked here (``read_documents``)."""
+    ``actual_seq_qlen/kvlen``: packed documents' lengths, read and checked here (``read_documents``).
+    ``sink``: the attention sinks of this rank's heads [N], merged once into the result."""
     started = time.perf_counter()
     process_groups = _groups(groups)
     with agreement.refusal_shared("forward", lambda: agreement.first_agreement(process_groups)):
         call = read_documents(CallPlan.decode(plan), actual_seq_qlen, actual_seq_kvlen, query.size(0))
+        _check_sink(call, sink)
     result = strategy_for(call).forward(call, query, key, value, groups=process_groups,
                                         kernel=get_kernel(call.kernel), mask=mask_rows)
+    out, lse = result.out, result.lse
+    if sink is not None:
+        out, lse = merge_sink(out, lse, sink, call.layout, call.head_num)
     ring_seconds = time.perf_counter() - started
     seed = step_cache.seed_slot(policy, call, result.steps)
     CALL_LOG.record("forward", result, started, ring_seconds, fused_merge=call.fused_merge)
-    return result.out, result.lse, seed
+    return out, lse, seed
+
+
+def _check_sink(call: CallPlan, sink: Optional[Tensor]) -> None:
+    if (sink is not None) != call.sink or (sink is not None and tuple(sink.shape) != (call.head_num,)):
+        raise ValueError(f"cp_cache: the plan says sink={call.sink} for {call.head_num} local heads, the op got "
+                         f"sink={describe(sink)}")
 
 
 @ring_forward.register_fake
 def _ring_forward_fake(query, key, value, mask_rows, groups, plan, policy, actual_seq_qlen=None,
-                       actual_seq_kvlen=None):
+                       actual_seq_kvlen=None, sink=None):
     call = CallPlan.decode(plan)
     out, lse = strategy_for(call).fake(call, query, key, value)
     # the handle / pairing key: CPU int64 [1] (meta when tracing with meta tensors)
@@ -100,15 +116,17 @@ def _ring_forward_fake(query, key, value, mask_rows, groups, plan, policy, actua
 @torch.library.custom_op("cp_cache::ring_backward", mutates_args=())
 def ring_backward(dy: Tensor, query: Tensor, key: Tensor, value: Tensor, out: Tensor, lse: Tensor, seed: Tensor,
                   mask_rows: Optional[Tensor], groups: str, plan: str, policy: str,
-                  actual_seq_qlen: Optional[Tensor] = None,
-                  actual_seq_kvlen: Optional[Tensor] = None) -> tuple[Tensor, Tensor, Tensor]:
-    """(dq, dk, dv) of the local shards, from the forward's step cache found through ``seed``;
+                  actual_seq_qlen: Optional[Tensor] = None, actual_seq_kvlen: Optional[Tensor] = None,
+                  sink: Optional[Tensor] = None) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """(dq, dk, dv, dsink) of the local shards, from the forward's step cache found through ``seed``;
     ``plan``: the one the grad op's arguments give (with the documents of ``actual_seq_qlen/kvlen``),
-    checked against the forward's."""
+    checked against the forward's. ``out``/``lse``: the forward's results (with the sink merged in);
+    dsink: this rank's rows' share of the sink's gradient, a float32 0-d zero without a sink."""
     started = time.perf_counter()
     process_groups = _groups(groups)
     with agreement.refusal_shared("backward", lambda: agreement.first_agreement(process_groups)):
         called = read_documents(CallPlan.decode(plan), actual_seq_qlen, actual_seq_kvlen, query.size(0))
+        _check_sink(called, sink)
         cache = step_cache.claim(seed, policy)
         recorded = step_cache.plan_of(cache)
         mismatch = recorded.backward_mismatch(called)
@@ -117,16 +135,19 @@ def ring_backward(dy: Tensor, query: Tensor, key: Tensor, value: Tensor, out: Te
         steps = step_cache.steps_of(cache, recorded)
         del cache
     ring_started = time.perf_counter()
+    dsink = (torch.zeros((), dtype=torch.float32, device=query.device) if sink is None
+             else sink_grad(dy, out, lse, sink, recorded.layout, recorded.head_num))
     result = strategy_for(recorded).backward(recorded, dy, query, key, value, out, lse, steps, groups=process_groups,
                                              kernel=get_kernel(recorded.kernel), mask=mask_rows)
     CALL_LOG.record("backward", result, started, time.perf_counter() - ring_started)
-    return result.dq.contiguous(), result.dk.contiguous(), result.dv.contiguous()
+    return result.dq.contiguous(), result.dk.contiguous(), result.dv.contiguous(), dsink
 
 
 @ring_backward.register_fake
 def _ring_backward_fake(dy, query, key, value, out, lse, seed, mask_rows, groups, plan, policy, actual_seq_qlen=None,
-                        actual_seq_kvlen=None):
-    return query.new_empty(query.shape), key.new_empty(key.shape), value.new_empty(value.shape)
+                        actual_seq_kvlen=None, sink=None):
+    dsink = query.new_empty((), dtype=torch.float32) if sink is None else sink.new_empty(sink.shape)
+    return query.new_empty(query.shape), key.new_empty(key.shape), value.new_empty(value.shape), dsink
 
 
 def check_seed(seed: Any) -> None:

@@ -35,7 +35,7 @@ from .cp_mesh import CPSharding
 __all__ = ["packed_mask", "packed_documents", "same_documents", "check_packed_tokens", "check_local_tokens",
            "read_documents", "packed_sharding"]
 
-_UNSUPPORTED_WHEN_SET = ("pse", "padding_mask", "prefix", "sink")
+_UNSUPPORTED_WHEN_SET = ("pse", "padding_mask", "prefix")
 _TND_PLACEMENTS = (Shard(0),)
 _LENGTHS = ("actual_seq_qlen", "actual_seq_kvlen")
 

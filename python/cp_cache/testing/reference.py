@@ -103,15 +103,17 @@ def shard(x_bnsd: torch.Tensor, case: AttentionCase, pos: torch.Tensor) -> torch
 
 
 def dense_attention(q, k, v, dout, causal: bool, keep=None, keep_prob: float = 1.0,
-                    dtype=torch.float64, masked=None) -> dict:
+                    dtype=torch.float64, masked=None, sink=None) -> dict:
     """Single-process attention on the full sequence, forward and backward, in ``dtype``.
 
     q/dout [B, Nq, S, D], k/v [B, Nkv, S, D] (GQA: Nq a multiple of Nkv); scale 1/sqrt(D);
     ``causal``: the global lower-triangular mask; ``keep`` (optional [B, Nq, S, S] bool):
     dropout applied to the probabilities, scaled by 1/keep_prob; ``masked`` (optional bool,
     broadcastable to [B, Nq, S, S], True = masked out): an attention mask on top; rows with
-    every key masked give 0. Returns "out", "lse" (float64, [B, Nq, S], before dropout),
-    "dq", "dk", "dv".
+    every key masked give 0. ``sink`` (optional [Nq]): attention sinks, one more column of
+    logit sink[h] (not scaled) in every row's softmax, dropped before the product with V.
+    Returns "out", "lse" (float64, [B, Nq, S], before dropout, the sink's column included),
+    "dq", "dk", "dv" (and "dsink" [Nq] with a sink).
     """
     groups = q.size(1) // k.size(1)
     qq, kk, vv = (t.detach().to(dtype).requires_grad_(True) for t in (q, k, v))
@@ -121,13 +123,24 @@ def dense_attention(q, k, v, dout, causal: bool, keep=None, keep_prob: float = 1
         s = s.masked_fill(torch.ones(n, n, dtype=torch.bool).triu(1), float("-inf"))
     if masked is not None:
         s = s.masked_fill(masked.bool(), float("-inf"))
+    inputs = [qq, kk, vv]
+    if sink is not None:
+        ss = sink.detach().to(dtype).requires_grad_(True)
+        inputs.append(ss)
+        s = torch.cat([s, ss.view(1, -1, 1, 1).expand(*s.shape[:-1], 1)], -1)
     dead = torch.isneginf(s).all(-1, keepdim=True)
     p = torch.softmax(s.masked_fill(dead, 0.0), -1).masked_fill(dead, 0.0)
+    if sink is not None:
+        p = p[..., :-1]
     if keep is not None:
         p = p * keep.to(dtype) / keep_prob
     out = p @ vv.repeat_interleave(groups, 1)
-    dq, dk, dv = torch.autograd.grad(out, (qq, kk, vv), dout.to(dtype))
-    return {"out": out.detach(), "lse": torch.logsumexp(s.detach().double(), -1), "dq": dq, "dk": dk, "dv": dv}
+    grads = torch.autograd.grad(out, inputs, dout.to(dtype))
+    res = {"out": out.detach(), "lse": torch.logsumexp(s.detach().double(), -1), "dq": grads[0], "dk": grads[1],
+           "dv": grads[2]}
+    if sink is not None:
+        res["dsink"] = grads[3]
+    return res
 
 
 def case_dense(q, k, v, dout, case: AttentionCase, keep=None, dtype=torch.float64) -> dict:
@@ -183,18 +196,18 @@ def error_bound(reference_error: float, *, scale: float = 1.0, dtype: torch.dtyp
 
 
 def dense_errors(q, k, v, dout, ref: dict, causal: bool, keep=None, keep_prob: float = 1.0,
-                 dtype=torch.float32, masked=None, keys=("out", "lse", "dq", "dk", "dv")) -> dict:
+                 dtype=torch.float32, masked=None, keys=("out", "lse", "dq", "dk", "dv"), sink=None) -> dict:
     """``rel_err`` of ``dense_attention`` computed in ``dtype`` against ``ref`` (its float64
     result on the same inputs), per key: how much plain torch errs in that dtype."""
-    low = dense_attention(q, k, v, dout, causal, keep, keep_prob, dtype=dtype, masked=masked)
+    low = dense_attention(q, k, v, dout, causal, keep, keep_prob, dtype=dtype, masked=masked, sink=sink)
     return {key: rel_err(low[key].double(), ref[key]) for key in keys}
 
 
 def dense_bounds(q, k, v, dout, ref: dict, causal: bool, keep=None, keep_prob: float = 1.0,
                  dtype=torch.float32, masked=None, keys=("out", "lse", "dq", "dk", "dv"),
-                 factor: float = FACTOR, floor: float = EPS_FLOOR) -> dict:
+                 factor: float = FACTOR, floor: float = EPS_FLOOR, sink=None) -> dict:
     """``error_bound`` of each key's ``dense_errors``: the bound on a ``rel_err`` against ``ref``."""
-    errors = dense_errors(q, k, v, dout, ref, causal, keep, keep_prob, dtype, masked, keys)
+    errors = dense_errors(q, k, v, dout, ref, causal, keep, keep_prob, dtype, masked, keys, sink)
     return {key: error_bound(err, dtype=dtype, factor=factor, floor=floor) for key, err in errors.items()}
 
 

@@ -34,15 +34,18 @@ def document_masked(cu_q: Sequence[int], cu_kv: Sequence[int], mode: str = "full
 
 
 def dense_tnd_attention(q, k, v, dout, cu_q: Sequence[int], cu_kv: Optional[Sequence[int]] = None,
-                        mode: str = "full", keep=None, keep_prob: float = 1.0, dtype=torch.float64) -> dict:
+                        mode: str = "full", keep=None, keep_prob: float = 1.0, dtype=torch.float64,
+                        sink=None) -> dict:
     """``dense_attention`` (in ``dtype``, float64 by default; scale 1/sqrt(D)) of TND tensors
     q/dout [T, Nq, D], k/v [Tkv, Nkv, D] under the documents' block-diagonal mask; ``keep``:
-    [1, Nq, T, Tkv]. Returns out/dq/dk/dv in [T, N, D] and lse [T, Nq] (-inf for rows that see
-    no key)."""
+    [1, Nq, T, Tkv]; ``sink``: [Nq] attention sinks. Returns out/dq/dk/dv in [T, N, D], lse [T, Nq]
+    (-inf for rows that see no key and no sink) and, with a sink, dsink [Nq]."""
     cu_kv = cu_q if cu_kv is None else cu_kv
     dense = [t.permute(1, 0, 2).unsqueeze(0) for t in (q, k, v, dout)]
     res = dense_attention(*dense, causal=False, keep=keep, keep_prob=keep_prob, dtype=dtype,
-                          masked=document_masked(cu_q, cu_kv, mode))
+                          masked=document_masked(cu_q, cu_kv, mode), sink=sink)
     out = {name: res[name].squeeze(0).permute(1, 0, 2) for name in ("out", "dq", "dk", "dv")}
     out["lse"] = res["lse"].squeeze(0).permute(1, 0)
+    if sink is not None:
+        out["dsink"] = res["dsink"]
     return out

@@ -1,0 +1,347 @@
+"""cp_cache as an attention implementation of Hugging Face transformers (5.x): docs/transformers.md.
+
+``register()`` adds "cp_cache" to transformers' ``AttentionInterface``, and a mask hook to its
+``AttentionMaskInterface`` so that transformers builds no dense mask for it. A model made with
+``attn_implementation="cp_cache"`` then calls ``attention_forward`` with each layer's local
+q/k/v ``[B, N, S, D]``:
+
+* inside ``cp_cache.context_parallel(mesh, buffers=[input_ids, position_ids, labels], ...)`` it
+  wraps them as DTensors sharded on the sequence over the region's mesh (in the layout the
+  buffers were sharded in) and calls ``torch.ops.npu.npu_fusion_attention_v3``, which
+  cp_cache's CP handlers run;
+* outside, it calls the same op on the plain tensors (single-process attention).
+
+The mask is the one the model asks for: causal from ``module.is_causal``, ``sliding_window``
+as a band, packed documents from ``cu_seq_lens_q/k``; ``s_aux`` is the sink. What the op cannot
+express raises naming it, never a silently different mask. transformers is imported only by
+``register()``; ``import cp_cache`` never needs it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import weakref
+from dataclasses import dataclass
+from typing import Any, Callable, Optional
+
+import torch
+from torch import Tensor
+
+from .. import layout as L
+from ..arguments import describe
+from ..config import load_balance_enabled
+from ..dispatch import active_mesh, in_cp_region
+from ..engine.agreement import refusal_shared
+from ..engine.steps import positions
+from ..npu_ops import SparseMode, causal_mask
+
+__all__ = ["NAME", "register", "attention_forward", "mask_hook"]
+
+NAME = "cp_cache"
+
+# keyword arguments of transformers' attention call that change the scores in a way the op cannot express
+_REFUSED = {"softcap": "logit soft-capping", "position_bias": "an additive position bias",
+            "head_mask": "a head mask"}
+
+
+def register() -> None:
+    """Register "cp_cache" in transformers' ``AttentionInterface`` and ``AttentionMaskInterface``
+    (idempotent); then ``from_config(..., attn_implementation="cp_cache")`` or
+    ``model.set_attn_implementation("cp_cache")`` selects it."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface
+
+    AttentionInterface.register(NAME, attention_forward)
+    AttentionMaskInterface.register(NAME, mask_hook)
+
+
+def mask_hook(batch_size: int, q_length: int, kv_length: int, *args, attention_mask: Optional[Tensor] = None,
+              **kwargs) -> Optional[Tensor]:
+    """transformers' mask function for "cp_cache": no dense mask is built (the attention takes
+    causal, window and documents from its own arguments). A 2-D padding mask that masks
+    nothing is dropped (one host read of it per mask); any other mask goes on to
+    ``attention_forward``, which refuses it."""
+    if attention_mask is not None and attention_mask.dim() == 2 and bool(attention_mask.all()):
+        return None
+    return attention_mask
+
+
+@dataclass(frozen=True)
+class _Mask:
+    """The mask a layer asks for, on positions in the whole (global) sequence."""
+
+    causal: bool
+    window: Optional[int]  # sliding_window w: keys i-w < j <= i (causal only)
+    documents: Optional[tuple[int, ...]]  # cumulative document lengths, leading 0, the last = S
+
+
+@dataclass(frozen=True)
+class _Sharding:
+    """Where the local sequence sits in the global one."""
+
+    mesh: Any  # None: single process
+    held: Optional[Tensor]  # the global positions of the local tokens (CPU int64); None: KV cache
+    seq: int  # the global sequence length
+    load_balance: bool
+
+    @property
+    def contiguous(self) -> bool:
+        return self.mesh is None or not self.load_balance
+
+
+def attention_forward(module: torch.nn.Module, query: Tensor, key: Tensor, value: Tensor,
+                      attention_mask: Optional[Tensor], scaling: Optional[float] = None, dropout: float = 0.0,
+                      sliding_window: Optional[int] = None, s_aux: Optional[Tensor] = None,
+                      **kwargs) -> tuple[Tensor, None]:
+    """transformers' attention function for "cp_cache": q ``[B, N, S, D]``, k/v ``[B, Nkv, S, D|Dv]``
+    -> ``(out [B, S, N, Dv], None)``."""
+    mesh = active_mesh()
+    if mesh is None and in_cp_region():
+        raise RuntimeError("cp_cache attention: a CP region entered through torch's context_parallel() is active; "
+                           "enter it with cp_cache.context_parallel(mesh, buffers=[...]) so that the attention "
+                           "knows its mesh")
+    shared = contextlib.nullcontext() if mesh is None or mesh.ndim != 1 else refusal_shared(
+        "forward", lambda: (mesh.get_group(), mesh.size()))
+    with shared:  # a refusal on one rank is raised on every rank, not left waiting
+        _refuse(attention_mask, kwargs)
+        _check_qkv(query, key, value, s_aux)
+        sharding = _sharding(mesh, query, key)
+        causal = _causal(module, kwargs)
+        mask = _Mask(causal=causal, window=_window(sliding_window, causal),
+                     documents=_CHECKED.documents(kwargs, sharding))
+        if mask.documents is not None and query.size(0) != 1:
+            raise NotImplementedError(f"cp_cache attention: packed documents (cu_seq_lens_q/k) need batch size 1 "
+                                      f"(the documents flattened into one row), got query {describe(query)}")
+        options = dict(scale=query.size(-1) ** -0.5 if scaling is None else float(scaling),
+                       keep_prob=_keep_prob(dropout), sink=None if s_aux is None else s_aux.float())
+    if mask.documents is not None and mask.window is None and s_aux is None and sharding.contiguous:
+        out = _packed_call(query, key, value, mask, sharding, options)
+    else:
+        out = _dense_call(query, key, value, mask, sharding, options)
+    return out, None
+
+
+# ---------------------------------------------------------------- what the call asks for
+
+
+def _refuse(attention_mask: Optional[Tensor], kwargs: dict) -> None:
+    if attention_mask is not None:
+        raise NotImplementedError(
+            f"cp_cache attention: attention_mask={describe(attention_mask)} is not supported: it takes the causal, "
+            "sliding-window and packed-document masks the model asks for, not a mask tensor (padding, or a custom "
+            "mask); pack the batch without padding (DataCollatorWithFlattening) and pass attention_mask=None")
+    for name, what in _REFUSED.items():
+        if kwargs.get(name) is not None:
+            raise NotImplementedError(f"cp_cache attention: {name}={describe(kwargs[name])} ({what}) is not supported")
+    if kwargs.get("output_attentions"):
+        raise NotImplementedError("cp_cache attention: output_attentions=True is not supported (the attention "
+                                  "weights are never formed); use attn_implementation='eager' to read them")
+
+
+def _check_qkv(query: Tensor, key: Tensor, value: Tensor, s_aux: Optional[Tensor]) -> None:
+    if query.dim() != 4 or key.dim() != 4 or value.dim() != 4:
+        raise ValueError(f"cp_cache attention: query, key and value must be [B, N, S, D], got "
+                         f"{describe(query)}, {describe(key)}, {describe(value)}")
+    if s_aux is not None and tuple(s_aux.shape) != (query.size(1),):
+        raise ValueError(f"cp_cache attention: s_aux (the sinks) must be [N] = [{query.size(1)}] (one per query "
+                         f"head), got {describe(s_aux)}")
+
+
+def _causal(module: torch.nn.Module, kwargs: dict) -> bool:
+    given = kwargs.get("is_causal")
+    return bool(getattr(module, "is_causal", True) if given is None else given)
+
+
+def _window(sliding_window: Optional[int], causal: bool) -> Optional[int]:
+    if sliding_window is None:
+        return None
+    if int(sliding_window) != sliding_window or sliding_window < 1:
+        raise ValueError(f"cp_cache attention: sliding_window={sliding_window!r} must be a positive integer")
+    if not causal:  # transformers' models differ on it (|i - j| < w or <= w): not knowable from the call
+        raise NotImplementedError(f"cp_cache attention: sliding_window={sliding_window} with is_causal=False "
+                                  "(a bidirectional window) is not supported")
+    return int(sliding_window)
+
+
+def _keep_prob(dropout: float) -> float:
+    if not 0.0 <= float(dropout) < 1.0:
+        raise ValueError(f"cp_cache attention: dropout={dropout!r} must be in [0, 1)")
+    return 1.0 - float(dropout)
+
+
+def _sharding(mesh, query: Tensor, key: Tensor) -> _Sharding:
+    s_q, s_kv = query.size(2), key.size(2)
+    if mesh is None:
+        held = torch.arange(s_q) if s_q == s_kv else None  # a shorter query: decoding over a KV cache
+        return _Sharding(None, held, s_kv, False)
+    if mesh.ndim != 1:
+        raise NotImplementedError(f"cp_cache attention: a {mesh.ndim}-D CP mesh {mesh} is not supported; "
+                                  "cp_cache.context_parallel(mesh, ...) takes a 1-D mesh here")
+    if s_q != s_kv:
+        raise NotImplementedError(f"cp_cache attention under CP: query length {s_q} != key length {s_kv} "
+                                  "(a KV cache, or cross-attention) is not supported")
+    world, rank, load_balance = mesh.size(), mesh.get_local_rank(), load_balance_enabled()
+    return _Sharding(mesh, positions(rank, world, s_q, load_balance), s_q * world, load_balance)
+
+
+# ---------------------------------------------------------------- documents and position ids
+
+
+class _Checked:
+    """The documents of the last (position_ids, cu_seq_lens_q, cu_seq_lens_k) read and checked.
+
+    Every layer of one forward passes the same tensors, so they are read (a host read) once per
+    forward: the cache holds them by identity and version (weak references)."""
+
+    def __init__(self):
+        self._refs: tuple = ()
+        self._key: tuple = ()
+        self._documents: Optional[tuple[int, ...]] = None
+
+    def documents(self, kwargs: dict, sharding: _Sharding) -> Optional[tuple[int, ...]]:
+        given = (kwargs.get("position_ids"), kwargs.get("cu_seq_lens_q"), kwargs.get("cu_seq_lens_k"))
+        key = (tuple(_identity(t) for t in given), sharding.seq,
+               None if sharding.held is None else tuple(sharding.held[:1].tolist() + [len(sharding.held)]),
+               sharding.load_balance, None if sharding.mesh is None else sharding.mesh.get_local_rank())
+        if key == self._key and all(ref() is t for ref, t in zip(self._refs, given) if isinstance(t, Tensor)):
+            return self._documents
+        documents = _read_documents(given[1], given[2], sharding)
+        if given[0] is not None and sharding.held is not None:
+            _check_positions(given[0], sharding, documents)
+        self._refs = tuple(weakref.ref(t) if isinstance(t, Tensor) else None for t in given)
+        self._key, self._documents = key, documents
+        return documents
+
+
+def _identity(value: Any) -> Any:
+    if isinstance(value, Tensor):
+        return ("tensor", id(value), value._version)
+    return None if value is None else ("list", tuple(int(x) for x in value))
+
+
+def _read_documents(cu_q: Any, cu_k: Any, sharding: _Sharding) -> Optional[tuple[int, ...]]:
+    if cu_q is None and cu_k is None:
+        return None
+    if cu_q is None or cu_k is None:
+        raise ValueError(f"cp_cache attention: cu_seq_lens_q={describe(cu_q)} and cu_seq_lens_k={describe(cu_k)}: "
+                         "packed documents need both")
+    q, k = ([int(x) for x in (c.tolist() if isinstance(c, Tensor) else c)] for c in (cu_q, cu_k))
+    if q != k:
+        raise NotImplementedError(f"cp_cache attention: cu_seq_lens_q={q} and cu_seq_lens_k={k} differ; only "
+                                  "self-attention within the same documents is supported")
+    if sharding.held is None:
+        raise NotImplementedError("cp_cache attention: packed documents (cu_seq_lens_q/k) with a query shorter "
+                                  "than the keys (a KV cache) are not supported")
+    if len(q) < 2 or q[0] != 0 or q[-1] != sharding.seq or any(b <= a for a, b in zip(q, q[1:])):
+        raise ValueError(f"cp_cache attention: cu_seq_lens_q={q} must be the cumulative document lengths of the "
+                         f"whole sequence: 0 first, strictly increasing, the last = {sharding.seq} (the global "
+                         "length; under CP the ranks hold its shards)")
+    return tuple(q)
+
+
+def _check_positions(position_ids: Tensor, sharding: _Sharding, documents: Optional[tuple[int, ...]]) -> None:
+    """The model's RoPE reads ``position_ids``; the mask here follows the tokens' places in the
+    sequence (and the documents): the two must agree, else a packed batch without its
+    cu_seq_lens (or an unsharded position_ids under CP) would silently get another mask."""
+    held = sharding.held
+    expected = held
+    if documents is not None:
+        ends = torch.tensor(documents[1:])
+        starts = torch.tensor(documents[:-1])
+        expected = held - starts[torch.searchsorted(ends, held, right=True)]
+    got = position_ids.detach().to("cpu", torch.int64)
+    if got.dim() != 2 or got.size(-1) != held.numel():
+        raise ValueError(f"cp_cache attention: position_ids={describe(position_ids)} must be [B, S] over the "
+                         f"{held.numel()} local tokens")
+    wrong = (got != expected).any(0).nonzero().flatten()
+    if wrong.numel():
+        at = int(wrong[0])
+        raise ValueError(
+            f"cp_cache attention: position_ids={describe(position_ids)} are not the positions of the tokens in "
+            f"their {'documents' if documents else 'sequence'}: local token {at} (global position {int(held[at])}) "
+            f"has position id {got[:, at].tolist()}, expected {int(expected[at])}. Under "
+            "cp_cache.context_parallel pass position_ids among its buffers "
+            "(sharded with input_ids); packed documents (position_ids restarting at 0) need cu_seq_lens_q/k "
+            "(DataCollatorWithFlattening(return_flash_attn_kwargs=True))")
+
+
+_CHECKED = _Checked()
+
+
+# ---------------------------------------------------------------- the op call
+
+
+def _band(mask: _Mask, device) -> dict:
+    """The op's mask arguments for causal / window attention over the whole sequence."""
+    if mask.window is not None:  # causal: keys i-w < j <= i
+        return dict(atten_mask=causal_mask(device), sparse_mode=int(SparseMode.BAND), pre_tockens=mask.window - 1,
+                    next_tockens=0)
+    if mask.causal:  # right-down: a query shorter than the keys (decoding) sits at their end
+        return dict(atten_mask=causal_mask(device), sparse_mode=int(SparseMode.RIGHT_DOWN_CAUSAL))
+    return dict(sparse_mode=int(SparseMode.MASK))  # no mask: full attention
+
+
+@functools.lru_cache(maxsize=4)
+def _document_mask(documents: tuple[int, ...], causal: bool, window: Optional[int], device) -> Tensor:
+    """[S, S] bool, True = masked out: other documents, and the causal / window rule within one."""
+    pos = torch.arange(documents[-1], device=device)
+    doc = torch.searchsorted(torch.tensor(documents[1:], device=device), pos, right=True)
+    i, j = pos[:, None], pos[None, :]
+    masked = doc[:, None] != doc[None, :]
+    if causal:
+        masked |= j > i
+    if window is not None:  # causal only
+        masked |= j <= i - window
+    return masked
+
+
+def _dense_call(query: Tensor, key: Tensor, value: Tensor, mask: _Mask, sharding: _Sharding,
+                options: dict) -> Tensor:
+    """BNSD: causal / window as the op's band, documents as an explicit [S, S] mask."""
+    if mask.documents is None:
+        mask_args = _band(mask, query.device)
+    else:
+        mask_args = dict(atten_mask=_document_mask(mask.documents, mask.causal, mask.window, query.device),
+                         sparse_mode=int(SparseMode.ALL_MASK))
+    q, k, v = (_sharded(t, sharding, 2) for t in (query, key, value))
+    out = _op()(q, k, v, query.size(1), "BNSD", **mask_args, **_given(options))[0]
+    return _local(out).transpose(1, 2)
+
+
+def _packed_call(query: Tensor, key: Tensor, value: Tensor, mask: _Mask, sharding: _Sharding,
+                 options: dict) -> Tensor:
+    """Packed documents on contiguous shards: the op's packed layout ``[T, N, D]`` with the
+    documents' cumulative ends (what the buffers hold: contiguous slices of the sequence)."""
+    ends = torch.tensor(mask.documents[1:], dtype=torch.int64)
+    mask_args = _band(_Mask(mask.causal, None, None), query.device)
+    q, k, v = (_sharded(t[0].transpose(0, 1).contiguous(), sharding, 0) for t in (query, key, value))
+    out = _op()(q, k, v, query.size(1), L.TND, **mask_args, actual_seq_qlen=ends, actual_seq_kvlen=ends,
+                **_given(options))[0]
+    return _local(out).unsqueeze(0)  # [1, S, N, Dv]
+
+
+def _given(options: dict) -> dict:
+    return {name: value for name, value in options.items() if value is not None}
+
+
+def _sharded(t: Tensor, sharding: _Sharding, seq_dim: int) -> Tensor:
+    if sharding.mesh is None:
+        return t
+    from torch.distributed.tensor import DTensor, Shard
+
+    return DTensor.from_local(t, sharding.mesh, [Shard(seq_dim)], run_check=False)
+
+
+def _local(t: Tensor) -> Tensor:
+    from torch.distributed.tensor import DTensor
+
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def _op() -> Callable:
+    op = getattr(torch.ops.npu, "npu_fusion_attention_v3", None)
+    if op is None:
+        raise RuntimeError("cp_cache attention: torch.ops.npu.npu_fusion_attention_v3 does not exist; import "
+                           "torch_npu on an Ascend machine, or call cp_cache.emulator.install_npu_emulator() on CPU")
+    return op
