@@ -23,6 +23,7 @@ from typing import Optional, Sequence
 
 from . import layout as L
 from .npu_ops import INT_MAX
+from .placement import CONTIGUOUS, HEAD_TAIL
 
 __all__ = [
     "ALGORITHMS",
@@ -96,7 +97,7 @@ class CallPlan:
     load_balance: whether the local shards are head-tail (rank r holds chunks r and
         2W-1-r of 2W) rather than contiguous; for TND, whether torch's load balancing was on.
     placement: TND: where the documents are (``placement.py``: "balanced", "head_tail",
-        "contiguous"); "" otherwise.
+        "contiguous"); "" otherwise (``document_placement`` reads it).
     kernel, fused_merge: the step kernel's name and whether ring steps merge with the
         fused NPU op; "" / False when a strategy is driven directly.
     sink: whether the call has attention sinks (merged once into the strategy's result by the
@@ -137,6 +138,12 @@ class CallPlan:
     def packed(self) -> bool:
         """Packed documents (layout TND)."""
         return self.layout == L.TND
+
+    @property
+    def document_placement(self) -> str:
+        """Where the packed documents are: ``placement``, or for a plan that names none (a
+        strategy driven directly) per-document head-tail under load balancing, else contiguous."""
+        return self.placement or (HEAD_TAIL if self.load_balance else CONTIGUOUS)
 
     @property
     def uneven_allowed(self) -> bool:

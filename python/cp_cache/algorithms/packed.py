@@ -1,9 +1,9 @@
 """Ring attention over packed documents (input_layout TND).
 
-The local q/k/v are ``[T_r, N, D]``: the tokens the call's placement (``plan.placement``,
-``placement.py``) gives rank r, in increasing global position; T_r may differ between
-ranks, and every rank derives every rank's length from (documents, W, placement), so the
-ring knows the size of each block it receives. Attention never crosses a document, so
+The local q/k/v are ``[T_r, N, D]``: the tokens the call's placement
+(``plan.document_placement``, ``placement.py``) gives rank r, in increasing global
+position; T_r may differ between ranks, and every rank derives every rank's length from
+(documents, W, placement), so the ring knows the size of each block it receives. Attention never crosses a document, so
 each ring step computes, per document, what that document's pieces on the two ranks allow:
 
 * step 0: causal over the document's local rows (its pieces on a rank are in increasing
@@ -163,8 +163,8 @@ def _check_inputs(q: Tensor, k: Tensor, v: Tensor, plan: CallPlan, cu: Sequence[
     if nkv <= 0 or plan.head_num % nkv:
         raise ValueError(f"head_num={plan.head_num} is not a multiple of the K/V head count {nkv}")
     L.check_value(k, v, L.TND, nkv)  # V's head size may differ (MLA), nothing else
-    check_documents(cu, cu[-1], plan.world_size, plan.placement, name="actual_seq_qlen")
-    check_local_length(cu, plan.world_size, plan.placement, plan.rank, q.size(0))
+    check_documents(cu, cu[-1], plan.world_size, plan.document_placement, name="actual_seq_qlen")
+    check_local_length(cu, plan.world_size, plan.document_placement, plan.rank, q.size(0))
     check_keep_prob(plan)
     return nkv
 
@@ -238,12 +238,12 @@ def _add_rows(acc: Tensor, index: Optional[Tensor], value: Tensor) -> None:
 
 
 def _plan_step(plan: CallPlan, cu, index: int) -> VarlenStep:
-    return plan_varlen_step(cu, plan.rank, index, plan.world_size, plan.causal, plan.placement)
+    return plan_varlen_step(cu, plan.rank, index, plan.world_size, plan.causal, plan.document_placement)
 
 
 def _ring_lengths(plan: CallPlan, cu) -> list[tuple[int, int]]:
     """Every rank's (query, K/V) length: what its placement gives it (each rank checked its own)."""
-    return [(n, n) for n in local_lengths(cu, plan.world_size, plan.placement)]
+    return [(n, n) for n in local_lengths(cu, plan.world_size, plan.document_placement)]
 
 
 def _check_records(steps: list[RingStep], plan: CallPlan, cu) -> list[VarlenStep]:

@@ -219,7 +219,7 @@ def signature(*, direction: str, plan: CallPlan, q: Tensor, k: Tensor, v: Tensor
            q.dtype, k.dtype, v.dtype, int(plan.head_num), int(kv_heads), mask, int(plan.mask.pre_tockens),
            int(plan.mask.next_tockens), bool(plan.load_balance), _float_bits(plan.scale),
            _float_bits(plan.keep_prob), None if mask_rows is None else tuple(mask_rows.shape), int(steps),
-           _check_code(error), seq_dim, plan.documents, plan.placement)
+           _check_code(error), seq_dim, plan.documents, plan.document_placement if plan.packed else "")
     with _lock:
         sig = _built.get(key)
         if sig is not None:

@@ -98,18 +98,19 @@ def check_packed_tokens(plan: CallPlan, total: int) -> None:
     """The global T against the plan's documents and placement when known (ValueError naming
     them), else from the shapes alone: contiguous slices need T divisible by W."""
     if plan.documents:
-        check_documents(plan.documents, total, plan.world_size, plan.placement, name="actual_seq_qlen")
-    elif plan.placement == CONTIGUOUS and total % plan.world_size:
+        check_documents(plan.documents, total, plan.world_size, plan.document_placement, name="actual_seq_qlen")
+    elif plan.document_placement == CONTIGUOUS and total % plan.world_size:
         raise ValueError(f"input_layout='TND' without load balancing cuts the global sequence into W="
                          f"{plan.world_size} equal slices: its T={total} tokens do not divide by W")
 
 
 def check_local_tokens(plan: CallPlan, local_rows: int) -> None:
     """This rank's local length against what the plan's placement gives it (ValueError naming both)."""
-    if plan.placement != BALANCED:  # even shards: T = W * local rows
+    if plan.document_placement != BALANCED:  # even shards: T = W * local rows
         check_packed_tokens(plan, local_rows * plan.world_size)
-    check_documents(plan.documents, plan.documents[-1], plan.world_size, plan.placement, name="actual_seq_qlen")
-    check_local_length(plan.documents, plan.world_size, plan.placement, plan.rank, local_rows)
+    placement = plan.document_placement
+    check_documents(plan.documents, plan.documents[-1], plan.world_size, placement, name="actual_seq_qlen")
+    check_local_length(plan.documents, plan.world_size, placement, plan.rank, local_rows)
 
 
 def read_documents(plan: CallPlan, qlen: Optional[Tensor], kvlen: Optional[Tensor], local_rows: int) -> CallPlan:
