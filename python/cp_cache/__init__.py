@@ -16,7 +16,7 @@ from . import _C
 from ._C import StepCache, StepCacheStore
 from .config import CPConfig
 from .dispatch import active_config, active_mesh, call_stats, context_parallel, disable, enable, enabled
-from .packing import pad_documents, shard_documents, unshard_documents
+from .packing import document_layout, pad_documents, shard_documents, unshard_documents
 from .sharding import shard_sequence, unshard_sequence
 
 __all__ = [
@@ -29,6 +29,7 @@ __all__ = [
     "context_parallel",
     "current_graph_task_id",
     "disable",
+    "document_layout",
     "enable",
     "enabled",
     "pad_documents",

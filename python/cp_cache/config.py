@@ -10,6 +10,7 @@ import os
 from dataclasses import dataclass
 
 from .kernels import KERNEL_NAMES
+from .placement import BALANCED, CONTIGUOUS, HEAD_TAIL
 from .plan import ALGORITHMS, EXCHANGES
 from .step_cache import HANDLE_POLICY, POLICIES, STACK_POLICY
 
@@ -24,9 +25,13 @@ __all__ = [
     "ALGORITHM_ENV",
     "EXCHANGES",
     "EXCHANGE_ENV",
+    "DOCUMENT_PLACEMENTS",
+    "DOCUMENTS_ENV",
     "CPConfig",
     "resolve_config",
     "load_balance_enabled",
+    "document_placement",
+    "documents_from_env",
 ]
 
 POLICY_ENV = "CP_CACHE_POLICY"
@@ -34,6 +39,8 @@ FUSED_MERGE_ENV = "CP_CACHE_FUSED_MERGE"
 KERNELS = KERNEL_NAMES
 ALGORITHM_ENV = "CP_CACHE_ALGORITHM"
 EXCHANGE_ENV = "CP_CACHE_EXCHANGE"
+DOCUMENT_PLACEMENTS = (BALANCED, HEAD_TAIL)  # under load balancing; without it, contiguous
+DOCUMENTS_ENV = "CP_CACHE_DOCUMENTS"
 
 
 @dataclass(frozen=True)
@@ -50,6 +57,9 @@ class CPConfig:
         (else, or when False, the float32 merge in plain torch).
     exchange: how the ring's K/V travel: "direct" (each rank sends each other rank only the
         rows that rank's queries may attend to) or "ring" (whole blocks relayed round the ring).
+    documents: where packed documents (TND) go under load balancing: "balanced" (whole
+        documents where the balance allows, long ones head-tail over as few ranks as needed)
+        or "head_tail" (every document over all ranks); without load balancing, contiguous.
     """
 
     policy: str = HANDLE_POLICY
@@ -57,6 +67,7 @@ class CPConfig:
     algorithm: str = "ring"
     fused_merge: bool = True
     exchange: str = "direct"
+    documents: str = BALANCED
 
     def __post_init__(self) -> None:
         _check_choice("exchange", self.exchange, EXCHANGES)
@@ -64,30 +75,26 @@ class CPConfig:
         if self.kernel is not None:
             _check_choice("kernel", self.kernel, KERNELS)
         _check_choice("algorithm", self.algorithm, ALGORITHMS)
+        _check_choice("documents", self.documents, DOCUMENT_PLACEMENTS, "document placement")
 
 
-def _check_choice(name: str, value, choices: tuple) -> None:
+def _check_choice(name: str, value, choices: tuple, what: str = "") -> None:
     if value not in choices:
-        raise ValueError(f"{name}={value!r} is not a cp_cache {name}; use one of {choices}")
+        raise ValueError(f"{name}={value!r} is not a cp_cache {what or name}; use one of {choices}")
 
 
 def resolve_config(policy: str | None = None, *, kernel: str | None = None,
                    fused_merge: bool | None = None, algorithm: str | None = None,
-                   exchange: str | None = None) -> CPConfig:
+                   exchange: str | None = None, documents: str | None = None) -> CPConfig:
     """A CPConfig from explicit arguments, falling back on the environment (CP_CACHE_POLICY,
-    CP_CACHE_FUSED_MERGE: "0" turns the fused merge off, CP_CACHE_ALGORITHM, CP_CACHE_EXCHANGE)."""
+    CP_CACHE_FUSED_MERGE: "0" turns the fused merge off, CP_CACHE_ALGORITHM, CP_CACHE_EXCHANGE,
+    CP_CACHE_DOCUMENTS)."""
     if exchange is None:
-        exchange = os.environ.get(EXCHANGE_ENV, "direct").strip() or "direct"
-        if exchange not in EXCHANGES:
-            raise ValueError(f"environment variable {EXCHANGE_ENV}={exchange!r} is not a cp_cache exchange; "
-                             f"use one of {EXCHANGES}")
+        exchange = _from_env(EXCHANGE_ENV, "direct", EXCHANGES, "exchange")
     if algorithm is None:
-        algorithm = os.environ.get(ALGORITHM_ENV, "ring").strip() or "ring"
-        if algorithm not in ALGORITHMS:
-            raise ValueError(
-                f"environment variable {ALGORITHM_ENV}={algorithm!r} is not a cp_cache algorithm; "
-                f"use one of {ALGORITHMS}"
-            )
+        algorithm = _from_env(ALGORITHM_ENV, "ring", ALGORITHMS, "algorithm")
+    if documents is None:
+        documents = documents_from_env()
     if policy is None:
         policy = os.environ.get(POLICY_ENV, HANDLE_POLICY)
         if policy not in POLICIES:
@@ -99,7 +106,20 @@ def resolve_config(policy: str | None = None, *, kernel: str | None = None,
         if value not in ("0", "1"):
             raise ValueError(f"environment variable {FUSED_MERGE_ENV}={value!r}: use 0 or 1")
         fused_merge = value == "1"
-    return CPConfig(policy=policy, kernel=kernel, fused_merge=fused_merge, algorithm=algorithm, exchange=exchange)
+    return CPConfig(policy=policy, kernel=kernel, fused_merge=fused_merge, algorithm=algorithm, exchange=exchange,
+                    documents=documents)
+
+
+def documents_from_env() -> str:
+    """CP_CACHE_DOCUMENTS, default "balanced"."""
+    return _from_env(DOCUMENTS_ENV, BALANCED, DOCUMENT_PLACEMENTS, "document placement")
+
+
+def _from_env(name: str, default: str, choices: tuple, what: str) -> str:
+    value = os.environ.get(name, default).strip() or default
+    if value not in choices:
+        raise ValueError(f"environment variable {name}={value!r} is not a cp_cache {what}; use one of {choices}")
+    return value
 
 
 def load_balance_enabled() -> bool:
@@ -108,3 +128,11 @@ def load_balance_enabled() -> bool:
     from torch.distributed.tensor.experimental._context_parallel._attention import _cp_options
 
     return bool(_cp_options.enable_load_balance)
+
+
+def document_placement(configured: str, load_balance: bool | None = None) -> str:
+    """Where packed documents go: the ``configured`` placement under load balancing (``load_balance``,
+    None: torch's ``_cp_options.enable_load_balance``), contiguous without."""
+    if load_balance is None:
+        load_balance = load_balance_enabled()
+    return configured if load_balance else CONTIGUOUS

@@ -171,7 +171,7 @@ _active_meshes: list = []
 
 
 def enable(policy: str | None = None, *, kernel: str | None = None, fused_merge: bool | None = None,
-           algorithm: str | None = None, exchange: str | None = None) -> None:
+           algorithm: str | None = None, exchange: str | None = None, documents: str | None = None) -> None:
     """Register the CP handlers for the NPU attention ops (idempotent; a new configuration
     replaces the handlers).
 
@@ -182,12 +182,15 @@ def enable(policy: str | None = None, *, kernel: str | None = None, fused_merge:
     ``algorithm``: "ring" (default), "ulysses", "hybrid" or "auto"; None reads CP_CACHE_ALGORITHM.
     ``exchange``: how the ring's K/V travel, "direct" (default: only the rows each rank's queries
     may attend to, straight to it) or "ring" (whole blocks relayed); None reads CP_CACHE_EXCHANGE.
+    ``documents``: where packed documents (TND) go under load balancing, "balanced" (default)
+    or "head_tail"; None reads CP_CACHE_DOCUMENTS (``cp_cache.document_layout``).
 
     Call it after ``import torch_npu``: torch_npu's import replaces torch's CP dispatcher
     switches and its handler table, and cp_cache wraps what it finds.
     """
     global _registered
-    config = resolve_config(policy, kernel=kernel, fused_merge=fused_merge, algorithm=algorithm, exchange=exchange)
+    config = resolve_config(policy, kernel=kernel, fused_merge=fused_merge, algorithm=algorithm, exchange=exchange,
+                            documents=documents)
     handlers = AttentionHandlers(config, _call_log)
     if not handlers.table():
         raise RuntimeError(
@@ -301,7 +304,8 @@ def context_parallel(
             log.warning("cp_cache: torch's CP dispatcher switches were replaced after cp_cache.enable() "
                         "(torch_npu imported late?); enabling again on top of them")
         enable(outer_config.policy, kernel=outer_config.kernel, fused_merge=outer_config.fused_merge,
-               algorithm=algorithm or outer_config.algorithm, exchange=outer_config.exchange)
+               algorithm=algorithm or outer_config.algorithm, exchange=outer_config.exchange,
+               documents=outer_config.documents)
     _active_meshes.append(mesh)
     try:
         if buffers:
@@ -324,4 +328,5 @@ def context_parallel(
             disable()
         elif _registered is not None and _registered.handlers.config != outer_config:
             enable(outer_config.policy, kernel=outer_config.kernel, fused_merge=outer_config.fused_merge,
-                   algorithm=outer_config.algorithm, exchange=outer_config.exchange)
+                   algorithm=outer_config.algorithm, exchange=outer_config.exchange,
+                   documents=outer_config.documents)

@@ -2,17 +2,13 @@
 per-document sharding layout, and the user helpers (docs/documents.md).
 
 A packed sequence of T tokens holds documents given by their cumulative end offsets
-``cu_seqlens`` (``actual_seq_qlen`` of the op: strictly increasing, the last = T). Over W
-ranks:
+``cu_seqlens`` (``actual_seq_qlen`` of the op: strictly increasing, the last = T). Which
+rank holds which tokens is the placement's (``placement.py``: "balanced", "head_tail",
+"contiguous"); every rank holds its tokens in increasing global position.
 
-* load balancing on (per-document head-tail): each document of length L is cut into 2W
-  chunks of L/(2W); rank r holds, for each document in turn, its chunk r then its chunk
-  2W-1-r. Every rank then holds T/W tokens and the same share of every document's causal
-  work. Every L must divide by 2W (``pad_documents`` pads them up);
-* load balancing off: contiguous T/W slices; documents may cross rank boundaries.
-
-``document_positions`` is the one rule; the ring's per-step plan (``varlen``) and the
-user helpers ``shard_documents`` / ``unshard_documents`` (``packing``) follow it.
+``document_pieces`` / ``document_positions`` are the one rule; the ring's per-step plan
+(``algorithms/packed.py``) and the user helpers ``document_layout``, ``shard_documents`` /
+``unshard_documents`` (``packing``) follow it.
 """
 
 from __future__ import annotations
@@ -22,12 +18,17 @@ from typing import Any, Sequence
 import torch
 from torch import Tensor
 
+from .placement import PLACEMENTS, check_placeable, placement_pieces
+
 __all__ = [
     "cumulative_lengths",
     "check_lengths_tensor",
     "check_documents",
     "document_pieces",
     "document_positions",
+    "placement_positions",
+    "local_lengths",
+    "check_local_length",
 ]
 
 
@@ -63,56 +64,45 @@ def check_lengths_tensor(value: Tensor, name: str = "cu_seqlens") -> None:
         raise ValueError(f"{name} is empty; it needs the cumulative end of every document (the last = T)")
 
 
-def check_documents(cu: Sequence[int], total: int, world_size: int, load_balance: bool,
+def check_documents(cu: Sequence[int], total: int, world_size: int, placement: str,
                     name: str = "cu_seqlens") -> None:
-    """ValueError unless the documents ``cu`` fill ``total`` tokens and (load balancing) every
-    document length divides by 2W."""
+    """ValueError unless the documents ``cu`` fill ``total`` tokens and ``placement`` can lay
+    them out over ``world_size`` ranks (head-tail: every length divides by 2W; contiguous: T by W)."""
     if cu[-1] != total:
         raise ValueError(f"{name}={list(cu)}: the document lengths sum to {cu[-1]}, but the global sequence has "
                          f"T={total} tokens")
-    if load_balance:
-        start = 0
-        for doc, end in enumerate(cu):
-            if (end - start) % (2 * world_size):
-                raise ValueError(
-                    f"document {doc} of {name} has length {end - start}, not divisible by 2*W = "
-                    f"{2 * world_size}: per-document load balancing cuts every document into 2W equal chunks "
-                    f"(cp_cache.pad_documents pads each document up to a multiple of {2 * world_size})")
-            start = end
-    elif total % world_size:
-        raise ValueError(f"{name}={list(cu)}: the global sequence of T={total} tokens does not divide into "
-                         f"W={world_size} contiguous slices")
+    check_placeable(cu, world_size, placement, name)
 
 
 def document_pieces(cu: Sequence[int], rank: int, world_size: int,
-                    load_balance: bool) -> list[tuple[int, int, int, int]]:
-    """The pieces of documents ``rank`` holds, in local order: (document, local start,
-    global start, length). Under load balancing two pieces per document (chunks r and
-    2W-1-r); without, the documents' overlaps with the contiguous slice r."""
-    pieces = []
-    if load_balance:
-        local = start = 0
-        for doc, end in enumerate(cu):
-            c = (end - start) // (2 * world_size)
-            pieces.append((doc, local, start + rank * c, c))
-            pieces.append((doc, local + c, start + (2 * world_size - 1 - rank) * c, c))
-            local += 2 * c
-            start = end
-        return pieces
-    per_rank = cu[-1] // world_size
-    lo, hi = rank * per_rank, (rank + 1) * per_rank
-    start = 0
-    for doc, end in enumerate(cu):
-        a, b = max(start, lo), min(end, hi)
-        if a < b:
-            pieces.append((doc, a - lo, a, b - a))
-        start = end
-    return pieces
+                    placement: str) -> list[tuple[int, int, int, int]]:
+    """The pieces of documents ``rank`` holds under ``placement``, in local order (increasing
+    global position): (document, local start, global start, length)."""
+    if not isinstance(placement, str):
+        raise TypeError(f"placement={placement!r}: give a placement name, one of {PLACEMENTS}")
+    return [(p.document, p.local, p.start, p.length) for p in placement_pieces(cu, world_size, placement)[rank]]
 
 
-def document_positions(cu: Sequence[int], rank: int, world_size: int, load_balance: bool) -> Tensor:
+def document_positions(cu: Sequence[int], rank: int, world_size: int, placement: str) -> Tensor:
     """The global token positions ``rank`` holds, in local order (int64)."""
-    pieces = document_pieces(cu, rank, world_size, load_balance)
-    if not pieces:
-        return torch.zeros(0, dtype=torch.int64)
-    return torch.cat([torch.arange(g, g + n) for _, _, g, n in pieces])
+    return torch.cat([torch.arange(g, g + n) for _, _, g, n in document_pieces(cu, rank, world_size, placement)])
+
+
+def placement_positions(cu: Sequence[int], world_size: int, placement: str) -> list[Tensor]:
+    """Every rank's global token positions in local order (int64), under ``placement``."""
+    return [document_positions(cu, rank, world_size, placement) for rank in range(world_size)]
+
+
+def check_local_length(cu: Sequence[int], world_size: int, placement: str, rank: int, local_rows: int,
+                       name: str = "actual_seq_qlen") -> None:
+    """ValueError, naming both, unless ``rank`` holds the ``local_rows`` tokens ``placement`` gives it."""
+    held = local_lengths(cu, world_size, placement)[rank]
+    if local_rows != held:
+        raise ValueError(f"rank {rank} holds {local_rows} local tokens, but placement {placement!r} of "
+                         f"{name}={list(cu)} over W={world_size} ranks gives it {held} "
+                         "(cp_cache.document_layout; cp_cache.shard_documents lays a tensor out by it)")
+
+
+def local_lengths(cu: Sequence[int], world_size: int, placement: str) -> list[int]:
+    """How many tokens each rank holds under ``placement``."""
+    return [sum(p.length for p in pieces) for pieces in placement_pieces(cu, world_size, placement)]

@@ -1,7 +1,11 @@
-"""The user helpers for packed documents under CP (docs/documents.md):
-``shard_documents`` / ``unshard_documents`` lay out and gather back the per-document
-head-tail (or contiguous) layout of ``documents.document_positions``; ``pad_documents``
-pads every document up to a multiple of 2W. Exported as ``cp_cache.shard_documents`` etc.
+"""The user helpers for packed documents under CP (docs/documents.md): ``document_layout``
+(every rank's global token positions), ``shard_documents`` / ``unshard_documents`` (lay
+out and gather back a packed tensor by it) and ``pad_documents``. Exported as
+``cp_cache.document_layout`` etc.
+
+The placement is the configured one (``cp_cache.enable(documents=...)``, else
+CP_CACHE_DOCUMENTS, default "balanced") under torch's load balancing, contiguous without:
+the rule the TND handlers follow (``config.document_placement``).
 """
 
 from __future__ import annotations
@@ -11,10 +15,12 @@ from typing import Any, Optional
 import torch
 from torch import Tensor
 
-from .config import load_balance_enabled
-from .documents import check_documents, cumulative_lengths, document_positions
+from .config import document_placement, documents_from_env
+from .dispatch import active_config
+from .documents import check_documents, cumulative_lengths, document_positions, local_lengths, placement_positions
+from .placement import check_placement
 
-__all__ = ["shard_documents", "unshard_documents", "pad_documents"]
+__all__ = ["document_layout", "shard_documents", "unshard_documents", "pad_documents"]
 
 
 def _mesh_coordinates(mesh) -> tuple[int, int]:
@@ -23,60 +29,88 @@ def _mesh_coordinates(mesh) -> tuple[int, int]:
     return mesh.get_local_rank(), mesh.size()
 
 
-def _load_balance(load_balance: Optional[bool]) -> bool:
-    return load_balance_enabled() if load_balance is None else bool(load_balance)
+def _placement(placement: Optional[str], load_balance: Optional[bool]) -> str:
+    """``placement`` when given, else the configured one under load balancing (``load_balance``,
+    None: torch's option), contiguous without."""
+    if placement is not None:
+        return check_placement(placement)
+    config = active_config()
+    return document_placement(config.documents if config is not None else documents_from_env(), load_balance)
+
+
+def document_layout(cu_seqlens: Any, world: int, *, placement: Optional[str] = None,
+                    load_balance: Optional[bool] = None) -> list[Tensor]:
+    """For each of ``world`` ranks, the int64 tensor of the global token positions it holds, in
+    local order, for the documents ending at ``cu_seqlens`` (global cumulative ends, last = T).
+    ``placement``: "balanced", "head_tail" or "contiguous"; None: as the TND handlers place
+    them (the configured placement under load balancing, contiguous without). The same on
+    every rank: a function of the ends, W and the placement only."""
+    cu = cumulative_lengths(cu_seqlens)
+    chosen = _placement(placement, load_balance)
+    check_documents(cu, cu[-1], int(world), chosen)
+    return placement_positions(cu, int(world), chosen)
 
 
 def shard_documents(tensor: Tensor, cu_seqlens: Any, mesh, dim: int = 0, *,
-                    load_balance: Optional[bool] = None) -> Tensor:
-    """This rank's shard of a packed full-sequence ``tensor`` (documents along ``dim``), in
-    the layout the CP handlers expect: per-document head-tail under load balancing, else
-    contiguous. ``load_balance`` defaults to torch's ``_cp_options.enable_load_balance``.
-    Returns a plain tensor; ``DTensor.from_local(shard, mesh, [Shard(dim)])`` makes the
-    op's input."""
+                    load_balance: Optional[bool] = None, placement: Optional[str] = None) -> Tensor:
+    """This rank's shard of a packed full-sequence ``tensor`` (documents along ``dim``): its
+    positions of ``document_layout`` (same ``placement`` / ``load_balance``). Returns a plain
+    tensor; local lengths may differ between ranks, so make the op's input with
+    ``DTensor.from_local(shard, mesh, [Shard(dim)], shape=tensor.shape, stride=tensor.stride())``."""
     cu = cumulative_lengths(cu_seqlens)
     rank, world = _mesh_coordinates(mesh)
-    lb = _load_balance(load_balance)
-    check_documents(cu, tensor.size(dim), world, lb)
-    return tensor.index_select(dim, document_positions(cu, rank, world, lb).to(tensor.device))
+    chosen = _placement(placement, load_balance)
+    check_documents(cu, tensor.size(dim), world, chosen)
+    return tensor.index_select(dim, document_positions(cu, rank, world, chosen).to(tensor.device))
 
 
 def unshard_documents(local: Tensor, cu_seqlens: Any, mesh, dim: int = 0, *,
-                      load_balance: Optional[bool] = None) -> Tensor:
+                      load_balance: Optional[bool] = None, placement: Optional[str] = None) -> Tensor:
     """The full packed sequence from every rank's shard (``shard_documents``'s layout): an
-    all-gather on the mesh's group, then each rank's tokens put back at their positions.
-    A DTensor ``local`` is taken by its local tensor."""
-    import torch.distributed as dist
+    all-gather on the mesh's group (shards padded to the longest), then each rank's tokens put
+    back at their positions. A DTensor ``local`` is taken by its local tensor."""
     from torch.distributed.tensor import DTensor
 
     if isinstance(local, DTensor):
         local = local.to_local()
     cu = cumulative_lengths(cu_seqlens)
     rank, world = _mesh_coordinates(mesh)
-    lb = _load_balance(load_balance)
-    check_documents(cu, cu[-1], world, lb)
-    if local.size(dim) * world != cu[-1]:
-        raise ValueError(f"unshard_documents: the local shard has {local.size(dim)} tokens along dim {dim}; "
-                         f"W={world} shards of it make {local.size(dim) * world}, but cu_seqlens ends at {cu[-1]}")
-    if world == 1:
-        shards = [local]
-    else:
-        shards = [torch.empty_like(local, memory_format=torch.contiguous_format) for _ in range(world)]
-        dist.all_gather(shards, local.contiguous(), group=mesh.get_group())
+    chosen = _placement(placement, load_balance)
+    check_documents(cu, cu[-1], world, chosen)
+    held = local_lengths(cu, world, chosen)
+    if local.size(dim) != held[rank]:
+        raise ValueError(f"unshard_documents: the local shard has {local.size(dim)} tokens along dim {dim}, but "
+                         f"placement {chosen!r} of cu_seqlens={list(cu)} gives rank {rank} {held[rank]} tokens")
+    shards = _all_gather_uneven(local, dim, held, mesh)
     shape = list(local.shape)
     shape[dim] = cu[-1]
     full = local.new_empty(shape)
-    for r, shard in enumerate(shards):
-        full.index_copy_(dim, document_positions(cu, r, world, lb).to(local.device), shard)
+    for shard, positions in zip(shards, placement_positions(cu, world, chosen)):
+        full.index_copy_(dim, positions.to(local.device), shard)
     return full
+
+
+def _all_gather_uneven(local: Tensor, dim: int, held: list[int], mesh) -> list[Tensor]:
+    """Every rank's shard (``held[r]`` tokens along ``dim``), through one all-gather of shards
+    padded to the longest."""
+    import torch.distributed as dist
+
+    if len(held) == 1:
+        return [local]
+    longest = max(held)
+    padded = local.new_zeros(list(local.shape[:dim]) + [longest] + list(local.shape[dim + 1:]))
+    padded.narrow(dim, 0, local.size(dim)).copy_(local)
+    gathered = [torch.empty_like(padded) for _ in held]
+    dist.all_gather(gathered, padded, group=mesh.get_group())
+    return [g.narrow(dim, 0, n) for g, n in zip(gathered, held)]
 
 
 def pad_documents(tensor: Tensor, cu_seqlens: Any, multiple: int, dim: int = 0,
                   value: float = 0) -> tuple[Tensor, Tensor, Tensor]:
     """Pad every document of a packed ``tensor`` at its end up to a multiple of ``multiple``
-    (2W for per-document load balancing over W ranks). Returns ``(padded, cu_padded, real)``:
-    the padded tensor, its cumulative ends (int64), and a bool mask over the padded tokens
-    (True = an original token) to drop the padding from a loss.
+    (2W for placement "head_tail" over W ranks; placement "balanced" needs none). Returns
+    ``(padded, cu_padded, real)``: the padded tensor, its cumulative ends (int64), and a bool
+    mask over the padded tokens (True = an original token) to drop the padding from a loss.
 
     The padding sits at each document's end, so under causal attention no original token
     sees it; under full (non-causal) attention it would, so pad there only if that is

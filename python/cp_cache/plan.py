@@ -23,6 +23,7 @@ from typing import Optional, Sequence
 
 from . import layout as L
 from .npu_ops import INT_MAX
+from .placement import CONTIGUOUS, HEAD_TAIL
 
 __all__ = [
     "ALGORITHMS",
@@ -96,7 +97,9 @@ class CallPlan:
     layout: the op's input_layout (TND: packed documents, ``documents`` their global
         cumulative ends); head_num: the local query heads.
     load_balance: whether the local shards are head-tail (rank r holds chunks r and
-        2W-1-r of 2W; per document for TND) rather than contiguous.
+        2W-1-r of 2W) rather than contiguous; for TND, whether torch's load balancing was on.
+    placement: TND: where the documents are (``placement.py``: "balanced", "head_tail",
+        "contiguous"); "" otherwise (``document_placement`` reads it).
     kernel, fused_merge: the step kernel's name and whether ring steps merge with the
         fused NPU op; "" / False when a strategy is driven directly.
     exchange: how the ring's K/V reach the ranks: "direct" (each rank sends each other rank
@@ -117,6 +120,7 @@ class CallPlan:
     algorithm: str = "ring"
     cp_sizes: tuple[int, ...] = ()
     documents: tuple[int, ...] = ()
+    placement: str = ""
     kernel: str = ""
     fused_merge: bool = False
     exchange: str = "direct"
@@ -144,14 +148,23 @@ class CallPlan:
         return self.layout == L.TND
 
     @property
+    def document_placement(self) -> str:
+        """Where the packed documents are: ``placement``, or for a plan that names none (a
+        strategy driven directly) per-document head-tail under load balancing, else contiguous."""
+        return self.placement or (HEAD_TAIL if self.load_balance else CONTIGUOUS)
+
+    @property
     def uneven_allowed(self) -> bool:
         """Whether the ranks may hold local sequences of different lengths: the ring alone (not
         Ulysses' all-to-alls, nor a hybrid's ring on their results), for full attention or causal
         attention on contiguous shards (each block is then wholly before, on, or after the
         diagonal whatever the lengths); windows, masks and head-tail shards are positional.
-        Packed documents are cut into equal slices."""
-        if self.algorithm != "ring" or self.packed:
+        Packed documents: always (the placement gives each rank's tokens; the strategy checks
+        every rank's local length against it)."""
+        if self.algorithm != "ring":
             return False
+        if self.packed:
+            return True
         return not (self.mask.window or self.mask.given or (self.mask.causal and self.load_balance))
 
     def ring_part(self, ring_size: int, ring_rank: int, head_num: int) -> "CallPlan":
@@ -174,7 +187,7 @@ class CallPlan:
         """Why a backward whose arguments give ``called`` cannot use this recorded forward plan,
         or None. The grad op repeats the forward's arguments; the mesh must be the same; with a
         given mask, so must the algorithm and the load balancing that picked the mask's rows."""
-        keys = ("layout", "head_num", "scale", "keep_prob", "mask", "documents", "sink")
+        keys = ("layout", "head_num", "scale", "keep_prob", "mask", "documents", "placement", "sink")
         keys += ("algorithm",) if self.mask.given else ()
         mine, theirs = ({k: getattr(p, k) for k in keys} for p in (self, called))
         if mine != theirs:

@@ -171,7 +171,8 @@ def _run_case(case: Case, rank: int, world: int) -> dict:
 
     from cp_cache.npu_ops import lse_from_stats
 
-    cp_cache.enable(algorithm=case.algorithm, kernel=case.kernel, fused_merge=case.merge == "fused")
+    cp_cache.enable(algorithm=case.algorithm, kernel=case.kernel, fused_merge=case.merge == "fused",
+                    documents="head_tail")  # TND: per-document head-tail, even shards
     _cp_options.enable_load_balance = case.load_balance
     where = _Sharding(case, world, rank)
     full = _full(case, world)
@@ -216,7 +217,7 @@ def _dropout_check(rank: int, world: int) -> list[tuple[float, float]]:
     from cp_cache.testing.reference import directional_derivative_check
 
     case = Case("ring", "BSND", "causal_lb")
-    cp_cache.enable(algorithm="ring")
+    cp_cache.enable(algorithm="ring", documents="head_tail")
     _cp_options.enable_load_balance = True
     where = _Sharding(case, world, rank)
     params = [where.local(t).requires_grad_() for t in _full(case, world)[:3]]

@@ -108,7 +108,7 @@ def _positions(case: SinkCase, world: int, rank: int) -> torch.Tensor:
     from cp_cache.documents import document_positions
 
     if case.layout == "TND":
-        return document_positions(_documents(world), rank, world, case.lb)
+        return document_positions(_documents(world), rank, world, "head_tail" if case.lb else "contiguous")
     return rank_positions(world, rank, S_LOCAL, case.lb)
 
 
@@ -292,7 +292,7 @@ def _ranks(rank: int, world: int) -> dict:
     for case in CASES:
         if not case.runs_at(world):
             continue
-        cp_cache.enable("handle")
+        cp_cache.enable("handle", documents="head_tail")  # TND: per-document head-tail, even shards
         mesh = _mesh(case, world, meshes)
         tensors = _inputs(case, world)
         with cp_cache.context_parallel(mesh, algorithm=case.algorithm):
@@ -300,7 +300,7 @@ def _ranks(rank: int, world: int) -> dict:
         results[case.name] = dict(errors=_errors(case, world, rank, got, tensors),
                                   partial=got.get("sink_grad_partial"), live=cp_cache.stats()["live_entries"])
     ring_mesh = _mesh(SinkCase("ring"), world, meshes)
-    cp_cache.enable("handle")
+    cp_cache.enable("handle", documents="head_tail")
     with cp_cache.context_parallel(ring_mesh):
         results["dropout"] = _dropout_check(world, rank, ring_mesh)
         if world == 4:
@@ -310,7 +310,7 @@ def _ranks(rank: int, world: int) -> dict:
         tensors = _inputs(base, world)
         for kind, policy, run in (("checkpoint", "handle", "checkpoint"), ("stack", "stack", "eager"),
                                   ("compile", "handle", "compile")):
-            cp_cache.enable(policy)
+            cp_cache.enable(policy, documents="head_tail")
             with cp_cache.context_parallel(ring_mesh):
                 got = _cp_call(base, world, rank, ring_mesh, tensors, run=run)
             results[kind] = dict(errors=_errors(base, world, rank, got, tensors), live=cp_cache.stats()["live_entries"])

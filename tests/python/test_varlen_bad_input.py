@@ -26,6 +26,7 @@ def _rank_errors(rank: int, world: int) -> dict:
     install_npu_emulator(route_sdpa=False)
     mesh = init_device_mesh("cpu", (world,))
     with cp_cache.context_parallel(mesh):
+        cp_cache.enable(documents="head_tail")  # equal local lengths; the balanced placement's refusals at the end
         T = 16 * world
         g = torch.Generator().manual_seed(3)
         local = [torch.randn(T // world, N, D, generator=g) for _ in range(3)]
@@ -63,6 +64,10 @@ def _rank_errors(rank: int, world: int) -> dict:
         del res
         _cp_options.enable_load_balance = False
         errors["contiguous_odd_ok"] = capture(call([3, 10, T]))  # any lengths without load balancing
+        _cp_options.enable_load_balance = True
+        cp_cache.enable(documents="balanced")
+        # T/W local tokens on every rank, but the balanced placement of these documents is uneven
+        errors["balanced_local_length"] = capture(call([T - 3, T]))
     return errors
 
 
@@ -89,6 +94,10 @@ EXPECTED = [
     ("backward_other_documents", "RuntimeError",
      r"backward called with .*'documents': \({4W}, {T}\).* but its forward ran with .*'documents': \({8W}, {T}\)"),
     ("contiguous_odd_ok", "no error", r""),
+    # a rank whose shard is wrong raises its ValueError; one whose shard is right, the RuntimeError naming it
+    ("balanced_local_length", "ValueError|RuntimeError",
+     r"rank \d holds {Tw} local tokens, but placement 'balanced' of actual_seq_qlen=\[{Tm3}, {T}\] over W=\d "
+     r"ranks gives it \d+"),
 ]
 
 
@@ -96,10 +105,10 @@ EXPECTED = [
 @pytest.mark.parametrize("label, kind, pattern", EXPECTED, ids=[e[0] for e in EXPECTED])
 def test_refused_on_every_rank(world, label, kind, pattern):
     T = 16 * world
-    pattern = pattern.replace("{2W}", str(2 * world)).replace("{4W}", str(4 * world)).replace("{8W}", str(8 * world)).replace("{Tm}", str(T - 2 * world)).replace("{T}", str(T))
+    pattern = pattern.replace("{2W}", str(2 * world)).replace("{4W}", str(4 * world)).replace("{8W}", str(8 * world)).replace("{Tm}", str(T - 2 * world)).replace("{T}", str(T)).replace("{Tw}", str(T // world)).replace("{Tm3}", str(T - 3))
     for rank, errors in enumerate(_errors(world)):
         got_kind, message = errors[label]
-        assert got_kind == kind, (label, rank, got_kind, message)
+        assert re.fullmatch(kind, got_kind), (label, rank, got_kind, message)
         assert re.search(pattern, message, re.S), (label, rank, message)
 
 
@@ -127,20 +136,20 @@ def test_shard_documents_is_per_document_head_tail():
 
     cu = [8, 24]  # documents of 8 and 16 tokens, W = 2: chunks of 2 and 4
     x = torch.arange(24)
-    assert cp_cache.shard_documents(x, cu, _Mesh(0, 2), load_balance=True).tolist() == \
+    assert cp_cache.shard_documents(x, cu, _Mesh(0, 2), placement="head_tail").tolist() == \
         [0, 1, 6, 7, 8, 9, 10, 11, 20, 21, 22, 23]
-    assert cp_cache.shard_documents(x, cu, _Mesh(1, 2), load_balance=True).tolist() == \
+    assert cp_cache.shard_documents(x, cu, _Mesh(1, 2), placement="head_tail").tolist() == \
         [2, 3, 4, 5, 12, 13, 14, 15, 16, 17, 18, 19]
     assert cp_cache.shard_documents(x, cu, _Mesh(1, 2), load_balance=False).tolist() == list(range(12, 24))
     with pytest.raises(ValueError, match=r"document 0 of cu_seqlens has length 6, not divisible by 2\*W = 4"):
-        cp_cache.shard_documents(torch.arange(12), [6, 12], _Mesh(0, 2), load_balance=True)
+        cp_cache.shard_documents(torch.arange(12), [6, 12], _Mesh(0, 2), placement="head_tail")
 
 
 def test_positions_partition_the_sequence():
     cu = [8, 32, 40, 64]
     for world in (1, 2, 4):
-        for lb in (True, False):
-            allpos = torch.cat([document_positions(cu, r, world, lb) for r in range(world)])
+        for placement in ("balanced", "head_tail", "contiguous"):
+            allpos = torch.cat([document_positions(cu, r, world, placement) for r in range(world)])
             assert sorted(allpos.tolist()) == list(range(64))
 
 
@@ -172,9 +181,9 @@ def _round_trip(rank: int, world: int) -> bool:
     cu = [8 * world, 24 * world, 32 * world]
     x = torch.randn(32 * world, 3, generator=torch.Generator().manual_seed(1))
     ok = True
-    for lb in (True, False):
-        local = cp_cache.shard_documents(x, cu, mesh, load_balance=lb)
-        ok &= torch.equal(cp_cache.unshard_documents(local, cu, mesh, load_balance=lb), x)
+    for placement in ("balanced", "head_tail", "contiguous"):
+        local = cp_cache.shard_documents(x, cu, mesh, placement=placement)
+        ok &= torch.equal(cp_cache.unshard_documents(local, cu, mesh, placement=placement), x)
     return ok
 
 

@@ -1,7 +1,8 @@
 """Packed documents (TND) through the ring: the per-step plan covers exactly the
-block-diagonal (causal) pairs, and the DTensor handlers match a dense float64
-block-diagonal reference at W = 1, 2, 4 (load balancing on and off, causal and full, GQA,
-bf16, dropout, both step-cache policies, checkpointing)."""
+block-diagonal (causal) pairs under every placement, and the DTensor handlers match a dense
+float64 block-diagonal reference at W = 1, 2, 4 (per-document head-tail and contiguous,
+causal and full, GQA, bf16, dropout, both step-cache policies, checkpointing; the balanced
+placement's uneven shards: test_document_layout.py)."""
 
 from __future__ import annotations
 
@@ -24,17 +25,17 @@ WORLDS = (1, 2, 4)
 # ---------------------------------------------------------------- the plan, without processes
 
 
-def _covered(cu, world, causal, lb):
+def _covered(cu, world, causal, placement):
     """Every (query, key) global pair the ring's steps compute, counted, and pairs per rank."""
     T = cu[-1]
     count = torch.zeros(T, T, dtype=torch.int64)
     per_rank = []
     for rank in range(world):
-        qpos = document_positions(cu, rank, world, lb)
+        qpos = document_positions(cu, rank, world, placement)
         pairs = 0
         for index in range(world):
-            step = plan_varlen_step(cu, rank, index, world, causal, lb)
-            kpos = document_positions(cu, (rank - index) % world, world, lb)
+            step = plan_varlen_step(cu, rank, index, world, causal, placement)
+            kpos = document_positions(cu, (rank - index) % world, world, placement)
             for s in step.segments:
                 qi = qpos[s.q_start:s.q_start + s.q_len]
                 ki = kpos[s.kv_start:s.kv_start + s.kv_len]
@@ -51,20 +52,21 @@ PLAN_DOCS = {"mixed": [8, 32, 40, 64], "one": [64], "many_short": list(range(8, 
              "odd": [3, 8, 9, 30, 37, 64]}
 
 
-# odd lengths only with contiguous sharding (load balancing refuses them: test_varlen_bad_input.py)
-PLAN_CASES = [(docs, lb) for docs in PLAN_DOCS for lb in (True, False) if not (lb and docs == "odd")]
+# odd lengths not per-document head-tail (it refuses them: test_varlen_bad_input.py)
+PLACEMENTS = ("balanced", "head_tail", "contiguous")
+PLAN_CASES = [(docs, p) for docs in PLAN_DOCS for p in PLACEMENTS if not (p == "head_tail" and docs == "odd")]
 
 
 @pytest.mark.parametrize("world", (1, 2, 4))
-@pytest.mark.parametrize("docs, lb", PLAN_CASES, ids=[f"{d}-{'lb' if lb else 'contiguous'}" for d, lb in PLAN_CASES])
+@pytest.mark.parametrize("docs, placement", PLAN_CASES, ids=[f"{d}-{p}" for d, p in PLAN_CASES])
 @pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
-def test_plan_covers_the_block_diagonal_exactly_once(world, docs, lb, causal):
+def test_plan_covers_the_block_diagonal_exactly_once(world, docs, placement, causal):
     cu = PLAN_DOCS[docs]
-    count, per_rank = _covered(cu, world, causal, lb)
+    count, per_rank = _covered(cu, world, causal, placement)
     allowed = ~document_masked(cu, cu, "left_up" if causal else "full")
     assert torch.equal(count, allowed.long())  # every pair once, nothing outside
     assert sum(per_rank) == int(allowed.sum())  # FLOPs counted from the segments = the block-diagonal minimum
-    if lb:  # per-document head-tail: every rank computes the same number of pairs
+    if placement == "head_tail":  # every rank computes the same number of pairs
         assert len(set(per_rank)) == 1, per_rank
 
 
@@ -73,7 +75,7 @@ def test_steps_without_work_make_no_kernel_call():
     cu = [16, 32, 48, 64]  # one document per rank at W = 4
     for rank in range(4):
         for index in range(1, 4):
-            step = plan_varlen_step(cu, rank, index, 4, True, False)
+            step = plan_varlen_step(cu, rank, index, 4, True, "contiguous")
             assert step.part == "skip" and step.segments == ()
 
 
@@ -205,7 +207,7 @@ def _checkpoint_and_stack(mesh) -> dict:
     low = dense_tnd_attention(*full, case.cu, case.cu, "left_up", dtype=torch.float32)
     out = {"dense_dq": rel_err(low["dq"].double(), ref["dq"])}  # dense torch in float32: the bound's reference
     for policy in ("handle", "stack"):
-        cp_cache.enable(policy)
+        cp_cache.enable(policy, documents="head_tail")
         local = [cp_cache.shard_documents(t, case.cu, mesh).float() for t in full]
         qd, kd, vd = (DTensor.from_local(t.clone(), mesh, [Shard(0)]).requires_grad_() for t in local[:3])
 
@@ -220,7 +222,7 @@ def _checkpoint_and_stack(mesh) -> dict:
         out[policy] = dict(live_between=between["live_entries"], stack_between=between["stack_depth"],
                            live_after=after["live_entries"], stack_after=after["stack_depth"],
                            dq=rel_err(dq, ref["dq"]))
-    cp_cache.enable("handle")
+    cp_cache.enable("handle", documents="head_tail")
     return out
 
 
@@ -233,13 +235,14 @@ def _ranks(rank: int, world: int) -> dict:
     install_npu_emulator(route_sdpa=False)
     mesh = init_device_mesh("cpu", (world,))
     with cp_cache.context_parallel(mesh):
+        cp_cache.enable(documents="head_tail")  # the cases' lb: per-document head-tail
         results = {case.name: _run_case(case, mesh) for case in CASES}
         if world > 1:
             results["dropout"] = {lb: _dropout_check(mesh, rank, lb) for lb in (True, False)}
         results["checkpoint"] = _checkpoint_and_stack(mesh)
         # the plain-torch step kernel has no TND: the ring calls it once per segment (BSND, batch 1);
         # with the float32 merge in plain torch (the cases above merge with the fused op)
-        cp_cache.enable(kernel="reference", fused_merge=False)
+        cp_cache.enable(kernel="reference", fused_merge=False, documents="head_tail")
         results["reference_kernel"] = {case.name: _run_case(case, mesh) for case in REFERENCE_KERNEL_CASES}
     return results
 
@@ -358,8 +361,10 @@ def _training_step(rank: int, world: int) -> dict:
     single_loss = _model_loss(single, tokens, labels, real.float(), one_process, real.sum())
     single_loss.backward()
 
-    def context_parallel(q, k, v):
-        q, k, v = (DTensor.from_local(t, mesh, [Shard(0)]) for t in (q, k, v))
+    def context_parallel(q, k, v):  # the balanced placement: local lengths may differ, give the global shape
+        shape = (int(cu[-1]), *q.shape[1:])
+        q, k, v = (DTensor.from_local(t, mesh, [Shard(0)], shape=shape, stride=(shape[1] * shape[2], shape[2], 1))
+                   for t in (q, k, v))
         return torch.ops.npu.npu_fusion_attention_v3(q, k, v, 2, "TND", **kw)[0].to_local()
 
     params = _tiny_model()

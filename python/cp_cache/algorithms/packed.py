@@ -1,16 +1,19 @@
 """Ring attention over packed documents (input_layout TND).
 
-The local q/k/v are ``[T/W, N, D]`` in the layout of ``documents`` (per-document head-tail
-under load balancing, contiguous slices without). Attention never crosses a document, so
-each ring step computes, per document, the part the ring's rules give for that document
-alone:
+The local q/k/v are ``[T_r, N, D]``: the tokens the call's placement
+(``plan.document_placement``, ``placement.py``) gives rank r, in increasing global
+position; T_r may differ between ranks, and every rank derives every rank's length from
+(documents, W, placement), so the ring knows the size of each block it receives. Attention never crosses a document, so
+each ring step computes, per document, what that document's pieces on the two ranks allow:
 
-* load balancing (each rank holds chunks r and 2W-1-r of every document): step 0 causal
-  over the document's local block; a block from a lower rank: all the document's local
-  queries against the head half of its keys ("kv_head"); from a higher rank: the tail
-  half of its queries against all its keys ("q_tail");
-* contiguous: step 0 causal over the document's rows in the slice; a lower rank's slice:
-  full for every document the two slices share; a higher rank's: nothing;
+* step 0: causal over the document's local rows (its pieces on a rank are in increasing
+  position, so causal in local order is causal globally);
+* causal, a block from another rank: the local queries that see some of its keys against
+  the keys they see: a document split head-tail over k ranks gives, for a lower rank in
+  its group, all its local queries against that rank's head chunk ("kv_head"), for a
+  higher rank, the tail chunk's queries against all that rank's keys ("q_tail"); with
+  contiguous slices, a lower rank's keys in full and a higher rank's not at all; a
+  document held whole by one rank makes no work on another rank's block;
 * non-causal: full for every document both blocks hold.
 
 A step's documents become the segments of ONE kernel call in TND (its
@@ -32,7 +35,7 @@ import torch
 from torch import Tensor
 
 from .. import layout as L
-from ..documents import check_documents, cumulative_lengths, document_pieces
+from ..documents import check_documents, check_local_length, cumulative_lengths, document_pieces, local_lengths
 from ..engine.agreement import agreed_checks
 from ..engine.checks import check_backward_operands, check_keep_prob
 from ..engine.loop import BackwardResult, ForwardResult, RingStep, backward_ring, empty_outputs, forward_ring
@@ -40,6 +43,7 @@ from ..engine.merge import merge_into
 from ..engine.needs import exchange_plan
 from ..engine.transport import group_info, own_group
 from ..kernels.base import StepForward, StepKernel, StepMask
+from ..placement import CONTIGUOUS
 from ..plan import CallPlan
 
 __all__ = ["Segment", "VarlenStep", "plan_varlen_step", "step_pairs", "PackedDocuments", "PACKED"]
@@ -74,41 +78,60 @@ class VarlenStep:
     segments: tuple[Segment, ...]
 
 
-def _doc_blocks(cu: Sequence[int], rank: int, world_size: int, load_balance: bool) -> dict[int, tuple[int, int]]:
-    """{document: (local start, local length)} of the documents ``rank`` holds."""
-    blocks: dict[int, tuple[int, int]] = {}
-    for doc, local, _, length in document_pieces(cu, rank, world_size, load_balance):
-        start, held = blocks.get(doc, (local, 0))
-        blocks[doc] = (start, held + length)  # a document's pieces on one rank are adjacent
-    return blocks
+def _doc_pieces(cu: Sequence[int], rank: int, world_size: int, placement: str) -> dict[int, list[tuple[int, int, int]]]:
+    """{document: [(local start, global start, length), ...]} of the pieces ``rank`` holds, in
+    increasing position (a document's pieces on one rank are adjacent locally)."""
+    pieces: dict[int, list[tuple[int, int, int]]] = {}
+    for doc, local, start, length in document_pieces(cu, rank, world_size, placement):
+        pieces.setdefault(doc, []).append((local, start, length))
+    return pieces
+
+
+def _span(pieces: list[tuple[int, int, int]]) -> tuple[int, int]:
+    """(local start, length) of adjacent pieces."""
+    return pieces[0][0], sum(n for _, _, n in pieces)
+
+
+def _earlier_keys(doc: int, mine: list[tuple[int, int, int]], theirs: list[tuple[int, int, int]]) -> Optional[Segment]:
+    """Causal, a block from another rank: my pieces that see some of theirs (a suffix of mine)
+    against their pieces that some of mine see (a prefix of theirs). Pieces of one document on
+    two ranks are disjoint, so a key piece is wholly before or after a query piece; the placements
+    make every chosen key piece come before every chosen query piece (one full rectangle)."""
+    queries = [p for p in mine if p[1] > theirs[0][1]]
+    keys = [p for p in theirs if p[1] < mine[-1][1]]
+    if not queries or not keys:
+        return None
+    if keys[-1][1] > queries[0][1]:
+        raise RuntimeError(f"document {doc}: pieces {mine} and {theirs} do not meet in one rectangle; the "
+                           "placement cannot run on the ring")
+    (q_start, q_len), (kv_start, kv_len) = _span(queries), _span(keys)
+    return Segment(doc, q_start, q_len, kv_start, kv_len)
 
 
 def plan_varlen_step(cu: Sequence[int], rank: int, index: int, world_size: int, causal: bool,
-                     load_balance: bool) -> VarlenStep:
+                     placement: str) -> VarlenStep:
     """What step ``index`` on ``rank`` computes for each document (see the module docstring)."""
     source = (rank - index) % world_size
-    mine = _doc_blocks(cu, rank, world_size, load_balance)
-    theirs = mine if source == rank else _doc_blocks(cu, source, world_size, load_balance)
+    mine = _doc_pieces(cu, rank, world_size, placement)
+    theirs = mine if source == rank else _doc_pieces(cu, source, world_size, placement)
     if not causal:
         part, mask = "full", _FULL
     elif index == 0:
         part, mask = "causal", _CAUSAL
-    elif load_balance:
+    elif placement != CONTIGUOUS:
         part, mask = ("kv_head" if source < rank else "q_tail"), _FULL
     else:
         part, mask = ("full" if source < rank else "skip"), _FULL
     segments = []
-    if part != "skip":
-        for doc, (q_start, q_len) in mine.items():
-            if doc not in theirs:
-                continue
-            kv_start, kv_len = theirs[doc]
-            if part == "kv_head":
-                kv_len //= 2
-            elif part == "q_tail":
-                q_start, q_len = q_start + q_len // 2, q_len // 2
-            if q_len and kv_len:
-                segments.append(Segment(doc, q_start, q_len, kv_start, kv_len))
+    for doc, pieces in mine.items():
+        if doc not in theirs or part == "skip":
+            continue
+        if part in ("full", "causal"):
+            segments.append(Segment(doc, *_span(pieces), *_span(theirs[doc])))
+        else:
+            segment = _earlier_keys(doc, pieces, theirs[doc])
+            if segment is not None:
+                segments.append(segment)
     if not segments:
         part = "skip"
     return VarlenStep(part, mask, tuple(segments))
@@ -141,8 +164,8 @@ def _check_inputs(q: Tensor, k: Tensor, v: Tensor, plan: CallPlan, cu: Sequence[
     if nkv <= 0 or plan.head_num % nkv:
         raise ValueError(f"head_num={plan.head_num} is not a multiple of the K/V head count {nkv}")
     L.check_value(k, v, L.TND, nkv)  # V's head size may differ (MLA), nothing else
-    check_documents(cu, q.size(0) * plan.world_size, plan.world_size, plan.load_balance,
-                    name="actual_seq_qlen")
+    check_documents(cu, cu[-1], plan.world_size, plan.document_placement, name="actual_seq_qlen")
+    check_local_length(cu, plan.world_size, plan.document_placement, plan.rank, q.size(0))
     check_keep_prob(plan)
     return nkv
 
@@ -216,7 +239,12 @@ def _add_rows(acc: Tensor, index: Optional[Tensor], value: Tensor) -> None:
 
 
 def _plan_step(plan: CallPlan, cu, index: int) -> VarlenStep:
-    return plan_varlen_step(cu, plan.rank, index, plan.world_size, plan.causal, plan.load_balance)
+    return plan_varlen_step(cu, plan.rank, index, plan.world_size, plan.causal, plan.document_placement)
+
+
+def _ring_lengths(plan: CallPlan, cu) -> list[tuple[int, int]]:
+    """Every rank's (query, K/V) length: what its placement gives it (each rank checked its own)."""
+    return [(n, n) for n in local_lengths(cu, plan.world_size, plan.document_placement)]
 
 
 def _check_records(steps: list[RingStep], plan: CallPlan, cu) -> list[VarlenStep]:
@@ -256,8 +284,9 @@ class PackedDocuments:
         sent."""
         size, rank, group = group_info(plan.world_size, plan.rank, own_group(groups))
         cu = _documents(plan)
-        _, lengths = agreed_checks("forward", lambda: _check_inputs(q, k, v, plan, cu), plan, q, k, v, size=size,
-                                   group=group, kernel=kernel)
+        agreed_checks("forward", lambda: _check_inputs(q, k, v, plan, cu), plan, q, k, v, size=size, group=group,
+                      kernel=kernel)
+        lengths = _ring_lengths(plan, cu)
         rows = q.size(0)
         acc_out = torch.zeros(L.output_shape(q, k, v, L.TND, plan.head_num), dtype=torch.float32, device=q.device)
         acc_lse = torch.full((rows, plan.head_num), float("-inf"), dtype=torch.float32, device=q.device)
@@ -295,8 +324,9 @@ class PackedDocuments:
             check_backward_operands(plan, dout, q, k, v, out, lse)
             return _check_records(steps, plan, cu)
 
-        planned, lengths = agreed_checks("backward", check, plan, q, k, v, size=size, group=group, kernel=kernel,
-                                         steps=len(steps))
+        planned, _ = agreed_checks("backward", check, plan, q, k, v, size=size, group=group, kernel=kernel,
+                                   steps=len(steps))
+        lengths = _ring_lengths(plan, cu)
         rows, lse = q.size(0), lse.float()
         dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
 

@@ -112,15 +112,15 @@ class Progress:
 
 
 @contextlib.contextmanager
-def cp_session(mesh, policy: str = "handle"):
-    """cp_cache enabled for one bench section, inside a CP region on ``mesh`` (cp_cache takes
-    the calls made in one); on exit disabled again, and torch's CP load-balancing option
-    (which sections change between calls) as it was on entry."""
+def cp_session(mesh, policy: str = "handle", **config):
+    """cp_cache enabled for one bench section (``config``: more of ``enable``'s arguments), inside
+    a CP region on ``mesh`` (cp_cache takes the calls made in one); on exit disabled again, and
+    torch's CP load-balancing option (which sections change between calls) as it was on entry."""
     import cp_cache
     from torch.distributed.tensor.experimental._context_parallel._attention import _cp_options
 
     load_balance_before = _cp_options.enable_load_balance
-    cp_cache.enable(policy=policy)
+    cp_cache.enable(policy=policy, **config)
     try:
         with cp_cache.context_parallel(mesh):
             yield

@@ -34,6 +34,10 @@ Sections (``--only`` picks some):
 * ``varlen``: packed documents (TND): work per rank (max/mean) and FLOPs against the
   block-diagonal minimum for per-document head-tail, contiguous and whole-sequence
   head-tail sharding, and time per call (``cli/bench_varlen.py``);
+* ``placement``: where packed documents go, computed without ranks: per placement (balanced,
+  per-document head-tail, contiguous) and W = 2 to 64, tokens and causal work per rank
+  (max/mean) and the K/V rows each rank needs from the others (``cli/bench_placement.py``;
+  also ``bench_placement.png``);
 * ``algorithms``: ring, Ulysses and hybrid (2 x 2 CP mesh at W = 4) on one causal call,
   MHA and GQA: bytes sent per rank, time per call, fp32 error against dense float64, and
   what ``algorithm="auto"`` picks (``cli/bench_algorithms.py``; also ``bench_algorithms.png``);
@@ -63,7 +67,8 @@ NAME = "bench"
 HELP = "memory, overhead, traffic and accuracy benchmarks; JSON and a PNG plot under --out"
 
 SECTIONS = ("memory", "overhead", "traffic", "accuracy", "windows", "floor", "overlap", "agreement", "varlen",
-            "algorithms", "models", "store")
+            "placement", "algorithms", "models", "store")
+_WITHOUT_RANKS = ("placement", "store")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -84,6 +89,7 @@ def _plan(quick: bool, worlds: list[int] | None) -> dict:
             store=dict(number=2000, repeat=2),
             agreement=dict(calls=50), traffic=dict(batch=1, heads=4, head_dim=16, seq=128),
             varlen=dict(tokens=256, heads=2, head_dim=16), varlen_balance=dict(tokens=4096, worlds=[2, 4]),
+            placement=dict(worlds=[2, 4]),
             algorithms=dict(batch=1, heads=4, kv_heads=[4, 2], seq=64, head_dim=16),
             models=dict(batch=1, heads=4, kv_heads=2, seq=64, head_dim=16, window=8),
         )
@@ -97,6 +103,7 @@ def _plan(quick: bool, worlds: list[int] | None) -> dict:
         store=dict(number=100_000, repeat=5),
         agreement=dict(calls=500), traffic=dict(batch=1, heads=4, head_dim=16, seq=128),
         varlen=dict(tokens=2048, heads=4, head_dim=32), varlen_balance=dict(tokens=65536, worlds=[2, 4, 8]),
+        placement=dict(worlds=[2, 4, 8, 16, 32, 64]),
         algorithms=dict(batch=1, heads=8, kv_heads=[8, 2], seq=1024, head_dim=64),
         # gpt-oss: 64/8 heads of 64, a 128-token window; here 8/1 heads at S=1024 so the window is 1/8 of S
         models=dict(batch=1, heads=8, kv_heads=1, seq=1024, head_dim=64, window=128),
@@ -608,10 +615,15 @@ def run(args: argparse.Namespace) -> int:
     sections = list(args.only or SECTIONS)
     plan = _plan(args.quick, args.worlds)
     started = time.perf_counter()
-    per_world = _run_ranks(plan, [s for s in sections if s != "store"])
+    per_world = _run_ranks(plan, [s for s in sections if s not in _WITHOUT_RANKS])
     if per_world is None:
         return 0  # torchrun rank > 0
     report = _report(args, plan, sections, per_world)
+    if "placement" in sections:
+        from .bench_placement import placement_rows
+
+        print("bench: placement of packed documents ...", flush=True)
+        report["placement"] = placement_rows(plan["placement"]["worlds"])
     if "store" in sections:
         print("bench: store micro-benchmark ...", flush=True)
         report["store"] = _store_bench(plan)
@@ -701,6 +713,13 @@ def _publish(report: dict, out: Path) -> None:
         traffic_png = out / "bench_traffic.png"
         if plot_traffic(report["traffic"], traffic_png):
             print(f"written: {traffic_png}")
+    if report.get("placement"):
+        from .bench_placement import plot_placement, print_placement
+
+        print_placement(report["placement"])
+        placement_png = out / "bench_placement.png"
+        if plot_placement(report["placement"], placement_png):
+            print(f"written: {placement_png}")
     if report.get("models"):
         from .bench_models import print_summary as print_models
 

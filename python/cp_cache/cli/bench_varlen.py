@@ -5,8 +5,9 @@ lengths drawn so that most tokens sit in long documents, the attention work each
 kernels compute -- (query, key) pairs counted from the per-step segments; FLOPs are
 4 * pairs * N * D forward -- as max/mean over ranks, for three ways of sharding:
 
-* ``per_document``: per-document head-tail (cp_cache under load balancing; every document
-  padded up to a multiple of 2W with ``pad_documents``, the padding counted as work);
+* ``per_document``: per-document head-tail (placement "head_tail"; every document padded up
+  to a multiple of 2W with ``pad_documents``, the padding counted as work);
+* ``balanced``: the balanced placement (cp_cache's default under load balancing; no padding);
 * ``contiguous``: contiguous T/W slices (cp_cache without load balancing; no padding);
 * ``whole_sequence``: head-tail over the whole sequence (chunks r and 2W-1-r of 2W, the
   documents ignored) with the block-diagonal mask given explicitly: a (query chunk, key
@@ -59,10 +60,10 @@ def _cumulative(lengths: Sequence[int]) -> list[int]:
     return out
 
 
-def _ring_pairs(cu: Sequence[int], world: int, load_balance: bool) -> list[int]:
+def _ring_pairs(cu: Sequence[int], world: int, placement: str) -> list[int]:
     from ..algorithms.packed import plan_varlen_step, step_pairs
 
-    return [sum(step_pairs(plan_varlen_step(cu, rank, i, world, True, load_balance)) for i in range(world))
+    return [sum(step_pairs(plan_varlen_step(cu, rank, i, world, True, placement)) for i in range(world))
             for rank in range(world)]
 
 
@@ -123,10 +124,11 @@ def balance_rows(total: int, worlds: Sequence[int], seed: int = 0) -> dict:
     for world in worlds:
         _, cu_padded, _ = pad_documents(torch.zeros(total), cu, 2 * world)
         cu_padded = cu_padded.tolist()
-        per_doc = _ring_pairs(cu_padded, world, True)
-        contiguous = _ring_pairs(cu, world, False) if total % world == 0 else None
+        per_doc = _ring_pairs(cu_padded, world, "head_tail")
+        contiguous = _ring_pairs(cu, world, "contiguous") if total % world == 0 else None
         whole, whole_needed = _whole_sequence_pairs(cu, world) if total % (2 * world) == 0 else (None, None)
-        for scheme, pairs, padded in (("per_document", per_doc, cu_padded[-1] - total),
+        balanced = _ring_pairs(cu, world, "balanced")
+        for scheme, pairs, padded in (("per_document", per_doc, cu_padded[-1] - total), ("balanced", balanced, 0),
                                       ("contiguous", contiguous, 0), ("whole_sequence", whole, 0)):
             if pairs is None:
                 continue
@@ -144,13 +146,11 @@ def balance_rows(total: int, worlds: Sequence[int], seed: int = 0) -> dict:
 
 def varlen_rank(shape: dict, repeats: int, warmup: int, rank: int, world_size: int, mesh) -> list[dict]:
     """Time per TND call (forward, backward) through the handlers on this rank, and the
-    error against a dense float64 block-diagonal reference, both shardings."""
+    error against a dense float64 block-diagonal reference, per placement."""
     import torch
-    from torch.distributed.tensor import DTensor, Shard
     from torch.distributed.tensor.experimental._context_parallel._attention import _cp_options
 
     import cp_cache
-    from .. import layout as L
     from ..npu_ops import causal_mask
     from ..testing.varlen_reference import dense_tnd_attention
 
@@ -165,29 +165,50 @@ def varlen_rank(shape: dict, repeats: int, warmup: int, rank: int, world_size: i
     kw = dict(scale=1.0 / math.sqrt(d), atten_mask=causal_mask("cpu"), sparse_mode=3,
               actual_seq_qlen=torch.tensor(cu), actual_seq_kvlen=torch.tensor(cu))
     rows = []
-    with cp_session(mesh, policy="handle"):
-        for load_balance in (True, False):
+    for placement, load_balance in (("head_tail", True), ("balanced", True), ("contiguous", False)):
+        with cp_session(mesh, policy="handle", documents="head_tail" if placement == "contiguous" else placement):
             _cp_options.enable_load_balance = load_balance
-            local = [cp_cache.shard_documents(t, cu, mesh) for t in full]
-            times = {"forward": [], "backward": []}
-            for i in range(warmup + repeats):
-                q, k, v = (DTensor.from_local(t.clone(), mesh, [Shard(0)]).requires_grad_() for t in local[:3])
-                out = torch.ops.npu.npu_fusion_attention_v3(q, k, v, n, L.TND, **kw)[0]
-                out.backward(DTensor.from_local(local[3], mesh, [Shard(0)]))
-                calls = cp_cache.call_stats()
-                if i >= warmup:
-                    for direction in times:
-                        times[direction].append(calls[direction]["handler_seconds"])
-            got = cp_cache.unshard_documents(out.to_local().detach(), cu, mesh).double()
-            dq = cp_cache.unshard_documents(q.grad.to_local(), cu, mesh).double()
-            rows.append(dict(
-                world_size=world_size, rank=rank, load_balance=load_balance, tokens=cu[-1], documents=len(cu),
-                heads=n, head_dim=d,
-                fwd_ms_median=statistics.median(times["forward"]) * 1e3,
-                bwd_ms_median=statistics.median(times["backward"]) * 1e3,
-                out_max_abs=float((got - ref["out"]).abs().max()), dq_max_abs=float((dq - ref["dq"]).abs().max()),
-            ))
+            times, got, dq = _timed_calls(full, cu, kw, n, repeats, warmup, mesh)
+        rows.append(dict(
+            world_size=world_size, rank=rank, placement=placement, load_balance=load_balance, tokens=cu[-1],
+            documents=len(cu), heads=n, head_dim=d, local_tokens=int(got[1]),
+            fwd_ms_median=statistics.median(times["forward"]) * 1e3,
+            bwd_ms_median=statistics.median(times["backward"]) * 1e3,
+            out_max_abs=float((got[0] - ref["out"]).abs().max()), dq_max_abs=float((dq - ref["dq"]).abs().max()),
+        ))
     return rows
+
+
+def _timed_calls(full: list, cu: list[int], kw: dict, heads: int, repeats: int, warmup: int, mesh):
+    """Handler seconds per call (forward, backward) of the TND call on the placement in force;
+    ((the output gathered, the local length), dq gathered)."""
+    import torch
+    from torch.distributed.tensor import DTensor, Shard
+
+    import cp_cache
+    from .. import layout as L
+
+    local = [cp_cache.shard_documents(t, cu, mesh) for t in full]
+
+    def dtensor(t, whole):  # local lengths may differ between ranks
+        return DTensor.from_local(t, mesh, [Shard(0)], shape=whole.shape, stride=whole.stride())
+
+    times = {"forward": [], "backward": []}
+    for i in range(warmup + repeats):
+        q, k, v = (dtensor(t.clone(), w).requires_grad_() for t, w in zip(local[:3], full[:3]))
+        out = torch.ops.npu.npu_fusion_attention_v3(q, k, v, heads, L.TND, **kw)[0]
+        out.backward(dtensor(local[3], full[3]))
+        calls = cp_cache.call_stats()
+        if i >= warmup:
+            for direction in times:
+                times[direction].append(calls[direction]["handler_seconds"])
+    got = cp_cache.unshard_documents(out.to_local().detach(), cu, mesh).double()
+    dq = cp_cache.unshard_documents(q.grad.to_local(), cu, mesh).double()
+    return times, (got, local[0].size(0)), dq
+
+
+def _placement_of(row: dict) -> str:
+    return row.get("placement") or ("head_tail" if row["load_balance"] else "contiguous")  # older reports
 
 
 def print_varlen(report: dict) -> None:
@@ -210,9 +231,9 @@ def print_varlen(report: dict) -> None:
 
         def worst(r, key):
             return max(x[key] for x in all_timed
-                       if (x["world_size"], x["load_balance"]) == (r["world_size"], r["load_balance"]))
+                       if (x["world_size"], _placement_of(x)) == (r["world_size"], _placement_of(r)))
 
-        rows = [[r["world_size"], "per-document head-tail" if r["load_balance"] else "contiguous", r["tokens"],
+        rows = [[r["world_size"], _placement_of(r), r["tokens"],
                  r["documents"], f"{worst(r, 'fwd_ms_median'):.1f}", f"{worst(r, 'bwd_ms_median'):.1f}",
                  f"{worst(r, 'out_max_abs'):.1e}", f"{worst(r, 'dq_max_abs'):.1e}"] for r in timed]
-        print(table(["W", "sharding", "T", "docs", "fwd ms", "bwd ms", "out err", "dq err"], rows))
+        print(table(["W", "placement", "T", "docs", "fwd ms", "bwd ms", "out err", "dq err"], rows))

@@ -204,8 +204,8 @@ class Problem:
 
 
 def _documents(world: int, lb: bool) -> tuple:
-    """Document ends over S_LOCAL * W tokens: lengths multiples of 2W (load balanced), or
-    documents across shard boundaries (contiguous)."""
+    """Document ends over S_LOCAL * W tokens: lengths multiples of 2W (load balanced: per-document
+    head-tail takes them too), or documents across shard boundaries (contiguous)."""
     lengths = (2, 6, 4, 4) if lb else (3, 6, 2, 5)  # in sixteenths of the sequence
     return tuple(itertools.accumulate(n * world * S_LOCAL // 16 for n in lengths))
 
@@ -296,8 +296,9 @@ def shard(prob: Problem, env: Env, x):
 
     case, mesh = prob.case, env.mesh(prob.case)
     full = _to_layout(x, case.layout).to(env.device)
-    if case.layout == "TND":
-        return DTensor.from_local(cp_cache.shard_documents(full, prob.cu, mesh), mesh, [Shard(0)])
+    if case.layout == "TND":  # the placement's local lengths may differ between ranks: the global shape is given
+        return DTensor.from_local(cp_cache.shard_documents(full, prob.cu, mesh), mesh, [Shard(0)], shape=full.shape,
+                                  stride=full.stride())
     return cp_cache.shard_sequence(full, mesh, L.seq_dim(case.layout))
 
 
@@ -431,7 +432,8 @@ def kv_lower_bound(prob: Problem) -> int:
     """The least forward K/V traffic of the case's layout, summed over the ranks: rank r must
     receive the rows {j not held by r : some query i held by r may attend to j}, K and V, at
     the K/V heads, float32."""
-    from ..documents import document_positions
+    import cp_cache
+
     from ..testing.reference import rank_positions
 
     case, world = prob.case, prob.world
@@ -439,7 +441,7 @@ def kv_lower_bound(prob: Problem) -> int:
     rows = 0
     for r in range(world):
         if case.layout == "TND":
-            held = document_positions(prob.cu, r, world, case.lb)
+            held = cp_cache.document_layout(prob.cu, world, load_balance=case.lb)[r]
         else:
             held = rank_positions(world, r, prob.seq // world, case.lb)
         need = allowed.index_select(0, held).any(0)
@@ -510,13 +512,15 @@ def check_dropout(prob: Problem, env: Env, row: Row) -> None:
     row.ms, row.sent = run["ms"], run["sent"]
     shards = [shard(prob, env, t) for t in (prob.q, prob.k, prob.v)]
     mesh, placements = shards[0].device_mesh, shards[0].placements
+    whole = [(s.shape, s.stride()) for s in shards]  # uneven shards (packed documents): the global shapes
     params = [s.to_local().detach().clone().requires_grad_() for s in shards]
     g = torch.Generator().manual_seed(7 + env.rank)
     proj = torch.randn(params[0].shape, generator=g).to(env.device)
 
     def loss():
         torch.manual_seed(99)
-        out = cp_forward(prob, env, *(DTensor.from_local(t, mesh, placements) for t in params))[0]
+        out = cp_forward(prob, env, *(DTensor.from_local(t, mesh, placements, shape=shape, stride=stride)
+                                      for t, (shape, stride) in zip(params, whole)))[0]
         return (out.to_local() * proj).sum()
 
     checks = directional_derivative_check(loss, params, directions=2, eps=5e-2,

@@ -3,7 +3,7 @@
 Every rank builds a fixed-size int64 signature of everything the K/V exchange and the
 result depend on (local q/k/v/mask shapes, dtypes, layout, heads, mask kind and tockens,
 load balancing, scale and keep_prob as float64 bit patterns, kernel, algorithm, direction, recorded ring steps, the packed documents of a TND call (count and a digest of
-the cumulative ends), and whether this rank's own argument checks passed).
+the cumulative ends) and their placement, and whether this rank's own argument checks passed).
 The signatures are all-gathered before any K/V moves (``agreed_checks``: a strategy's
 argument checks, then the agreement), over the CPU side group of the strategy's CP group
 (``transport.side_group``): the CP group itself carries only payload tensors. If they differ,
@@ -13,7 +13,8 @@ the refusing ranks' messages are gathered (a second, rare collective) so that ev
 names them.
 
 Uneven shards: where the ring supports local lengths that differ between ranks (full
-or causal attention without load balancing), the signature leaves the sequence dimension
+or causal attention without load balancing; packed documents, whose placement gives each
+rank's length), the signature leaves the sequence dimension
 out of the compared shapes and carries each rank's query and K/V lengths in fields that
 are gathered but not compared; ``agree`` returns them.
 
@@ -43,6 +44,7 @@ from torch import Tensor
 
 from .. import layout as L
 from ..kernels import KERNEL_NAMES
+from ..placement import PLACEMENTS
 from ..plan import ALGORITHMS, CallPlan
 from .transport import side_group
 
@@ -57,6 +59,7 @@ _KERNELS = ("",) + KERNEL_NAMES  # "": a strategy driven without a named kernel
 _DIRECTIONS = ("forward", "backward")
 _CHECKS = ("passed", "ValueError", "NotImplementedError", "TypeError", "RuntimeError", "failed")
 _MASK_BITS = (("causal", 1), ("window", 2), ("given", 4))
+_PLACEMENTS = ("",) + PLACEMENTS  # "": not packed documents
 
 
 def _code(table: Sequence, value) -> int:
@@ -144,6 +147,7 @@ FIELDS: tuple[tuple[str, int, Callable[[list[int]], str]], ...] = (
     ("local mask rows shape", _SHAPE_DIMS, _shape),
     ("ring steps recorded", 1, _steps),
     ("packed documents", 2, _documents),
+    ("document placement", 1, _name(_PLACEMENTS)),
     ("argument checks", 1, _name(_CHECKS)),
     ("local query length", 1, _int),
     ("local K/V length", 1, _int),
@@ -215,7 +219,7 @@ def signature(*, direction: str, plan: CallPlan, q: Tensor, k: Tensor, v: Tensor
            q.dtype, k.dtype, v.dtype, int(plan.head_num), int(kv_heads), mask, int(plan.mask.pre_tockens),
            int(plan.mask.next_tockens), bool(plan.load_balance), _float_bits(plan.scale),
            _float_bits(plan.keep_prob), None if mask_rows is None else tuple(mask_rows.shape), int(steps),
-           _check_code(error), seq_dim, plan.documents)
+           _check_code(error), seq_dim, plan.documents, plan.document_placement if plan.packed else "")
     with _lock:
         sig = _built.get(key)
         if sig is not None:
@@ -224,7 +228,7 @@ def signature(*, direction: str, plan: CallPlan, q: Tensor, k: Tensor, v: Tensor
               _code(L.ALL_LAYOUTS, key[3]),
               *_pad(key[4], seq_dim), *_pad(key[5], seq_dim), *_pad(key[6], seq_dim),
               _code(_DTYPES, key[7]), _code(_DTYPES, key[8]), _code(_DTYPES, key[9]),
-              *key[10:18], *_pad(key[18]), key[19], *_documents_code(key[22]), key[20],
+              *key[10:18], *_pad(key[18]), key[19], *_documents_code(key[22]), _code(_PLACEMENTS, key[23]), key[20],
               _length(q, plan.layout), _length(k, plan.layout)]
     sig = torch.tensor(values, dtype=torch.int64)
     assert sig.numel() == SIGNATURE_LEN
@@ -296,7 +300,7 @@ def lengths(signatures: list[list[int]]) -> list[tuple[int, int]]:
 
 
 _UNEVEN_RULE = ("ranks may hold shards of different lengths only for full or causal attention without "
-                "load balancing")
+                "load balancing, and for packed documents as their placement gives them")
 
 
 def agree(sig: Tensor, group, world_size: int, error: Optional[BaseException] = None) -> list[list[int]]:

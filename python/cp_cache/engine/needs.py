@@ -71,7 +71,7 @@ def rank_positions(plan: CallPlan, lengths: list) -> list[tuple[Tensor, Tensor]]
     are wholly before, on or after the diagonal whatever the query lengths)."""
     world = plan.world_size
     if plan.packed:
-        held = [document_positions(plan.documents, p, world, plan.load_balance) for p in range(world)]
+        held = [document_positions(plan.documents, p, world, plan.document_placement) for p in range(world)]
         return [(pos, pos) for pos in held]
     if len({q for q, _ in lengths}) == 1 and len({kv for _, kv in lengths}) == 1:
         keys = [positions(p, world, kv, plan.load_balance) for p, (_, kv) in enumerate(lengths)]
@@ -184,4 +184,5 @@ def _positional_key(plan: CallPlan) -> CallPlan:
     """The plan with only what the need sets depend on (so calls differing in anything else,
     heads, scale, kernel, share one cache entry)."""
     return CallPlan(world_size=plan.world_size, rank=plan.rank, layout=plan.layout, head_num=1, scale=1.0,
-                    keep_prob=1.0, mask=plan.mask, load_balance=plan.load_balance, documents=plan.documents)
+                    keep_prob=1.0, mask=plan.mask, load_balance=plan.load_balance, documents=plan.documents,
+                    placement=plan.placement)

@@ -19,7 +19,7 @@ from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 
 from .. import layout as L
 from ..arguments import bind_arguments
-from ..config import CPConfig, load_balance_enabled
+from ..config import CPConfig, document_placement, load_balance_enabled
 from ..engine import agreement
 from ..engine.merge import fused_merge_available
 from ..engine.steps import positions
@@ -130,9 +130,11 @@ def _prepare_packed(a: dict[str, Any], cp: CPConfig, scale: float) -> Call:
     documents, lengths = packed_documents(a)
     sharding = packed_sharding({n: a[n] for n in _QKV})
     sink = local_sink(a["sink"], int(a["head_num"]), sharding.mesh, sharding.head_shards)
+    load_balance = load_balance_enabled()
     plan = CallPlan(world_size=sharding.size, rank=sharding.rank, layout=L.TND, head_num=int(a["head_num"]),
-                    scale=scale, keep_prob=float(a["keep_prob"]), mask=spec, load_balance=load_balance_enabled(),
-                    algorithm="ring", cp_sizes=tuple(sharding.cp_sizes), documents=documents, sink=sink is not None,
+                    scale=scale, keep_prob=float(a["keep_prob"]), mask=spec, load_balance=load_balance,
+                    algorithm="ring", cp_sizes=tuple(sharding.cp_sizes), documents=documents,
+                    placement=document_placement(cp.documents, load_balance), sink=sink is not None,
                     **_execution(cp))
     # on global lengths, the same on every rank: every rank refuses together
     check_packed_tokens(plan, a["query"].size(0))

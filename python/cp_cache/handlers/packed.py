@@ -2,10 +2,11 @@
 ``actual_seq_qlen`` / ``actual_seq_kvlen``.
 
 q/k/v are DTensors ``Shard(0)`` on a 1-D mesh; the lengths are the GLOBAL cumulative
-document ends, the same on every rank (a plain tensor or list). The layout of the local
-shards follows torch's ``_cp_options.enable_load_balance`` (per-document head-tail when on,
-contiguous when off), for causal and full attention alike: the documents decide which
-local rows belong together. A backward whose lengths differ from its forward's is refused.
+document ends, the same on every rank (a plain tensor or list). The local shards hold the
+positions of the call's placement (``config.document_placement``: the configured one,
+"balanced" or "head_tail", under torch's ``_cp_options.enable_load_balance``, contiguous
+without), for causal and full attention alike; local lengths may differ between ranks. A
+backward whose lengths or placement differ from its forward's is refused.
 
 Lengths given as tensors (the op's schema) are checked here from their shapes alone and
 travel to the custom op (``handlers/ops.py``), whose kernel reads and checks their values
@@ -25,13 +26,14 @@ from torch import Tensor
 from torch.distributed.tensor import DTensor, Shard
 
 from ..arguments import describe
-from ..documents import check_documents, check_lengths_tensor, cumulative_lengths
+from ..documents import check_documents, check_lengths_tensor, check_local_length, cumulative_lengths
 from ..npu_ops import CAUSAL_MODES, SparseMode, is_compressed_mask
+from ..placement import BALANCED, CONTIGUOUS
 from ..plan import CallPlan, MaskSpec
 from .cp_mesh import CPSharding
 
-__all__ = ["packed_mask", "packed_documents", "same_documents", "check_packed_tokens", "read_documents",
-           "packed_sharding"]
+__all__ = ["packed_mask", "packed_documents", "same_documents", "check_packed_tokens", "check_local_tokens",
+           "read_documents", "packed_sharding"]
 
 _UNSUPPORTED_WHEN_SET = ("pse", "padding_mask", "prefix")
 _TND_PLACEMENTS = (Shard(0),)
@@ -93,13 +95,22 @@ def same_documents(qlen: Any, kvlen: Any) -> tuple[int, ...]:
 
 
 def check_packed_tokens(plan: CallPlan, total: int) -> None:
-    """The global T against the plan's documents when known (ValueError naming them), else from
-    the shapes alone: the ranks hold equal slices of T/W tokens."""
+    """The global T against the plan's documents and placement when known (ValueError naming
+    them), else from the shapes alone: contiguous slices need T divisible by W."""
     if plan.documents:
-        check_documents(plan.documents, total, plan.world_size, plan.load_balance, name="actual_seq_qlen")
-    elif total % plan.world_size:
-        raise ValueError(f"input_layout='TND' cuts the global sequence into W={plan.world_size} equal slices: "
-                         f"its T={total} tokens do not divide by W")
+        check_documents(plan.documents, total, plan.world_size, plan.document_placement, name="actual_seq_qlen")
+    elif plan.document_placement == CONTIGUOUS and total % plan.world_size:
+        raise ValueError(f"input_layout='TND' without load balancing cuts the global sequence into W="
+                         f"{plan.world_size} equal slices: its T={total} tokens do not divide by W")
+
+
+def check_local_tokens(plan: CallPlan, local_rows: int) -> None:
+    """This rank's local length against what the plan's placement gives it (ValueError naming both)."""
+    if plan.document_placement != BALANCED:  # even shards: T = W * local rows
+        check_packed_tokens(plan, local_rows * plan.world_size)
+    placement = plan.document_placement
+    check_documents(plan.documents, plan.documents[-1], plan.world_size, placement, name="actual_seq_qlen")
+    check_local_length(plan.documents, plan.world_size, placement, plan.rank, local_rows)
 
 
 def read_documents(plan: CallPlan, qlen: Optional[Tensor], kvlen: Optional[Tensor], local_rows: int) -> CallPlan:
@@ -109,9 +120,8 @@ def read_documents(plan: CallPlan, qlen: Optional[Tensor], kvlen: Optional[Tenso
     no device sync), and a graph records the op, not the values."""
     if qlen is None and kvlen is None:
         return plan
-    documents = same_documents(qlen, kvlen)
-    plan = replace(plan, documents=documents)
-    check_packed_tokens(plan, local_rows * plan.world_size)  # equal slices: T = W * local rows
+    plan = replace(plan, documents=same_documents(qlen, kvlen))
+    check_local_tokens(plan, local_rows)
     return plan
 
 
