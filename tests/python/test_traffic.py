@@ -6,8 +6,8 @@ the torch.distributed level, against the lower bound computed here from the mask
 One spawned group of W = 4 ranks (N = 4, D = 16, S = 128, float32) runs every case with both
 exchanges: causal (contiguous and head-tail), full, windows (head-tail and contiguous, a band
 both ways), given masks (a block-diagonal mask of 4 documents on contiguous shards, a random
-mask under head-tail, ``sparse_mode=0`` with a band), packed documents (TND, head-tail and
-contiguous) and the ring inside hybrid (2 x 2: causal, a window).
+mask under head-tail, ``sparse_mode=0`` with a band), packed documents (TND, head-tail,
+contiguous, and the balanced placement's uneven local lengths) and the ring inside hybrid (2 x 2: causal, a window).
 
 The lower bound of rank r: the rows j it does not hold such that some query it holds may
 attend to j (the mask's [S, S] matrix at the rank's positions, laid out here independently of
@@ -48,6 +48,7 @@ CASES = {
     "given-band-lb": ("given", dict(window=True, pre_tockens=9, next_tockens=2, load_balance=True)),
     "tnd-causal-lb": ("tnd", dict(causal=True, load_balance=True)),
     "tnd-full-contig": ("tnd", dict(causal=False, load_balance=False)),
+    "tnd-causal-balanced": ("tnd", dict(causal=True, load_balance=True, placement="balanced")),
     "hybrid-causal": ("hybrid", dict(causal=True)),
     "hybrid-window12": ("hybrid", dict(window=True, pre_tockens=11, next_tockens=0)),
 }
@@ -102,6 +103,10 @@ def _given(name: str) -> torch.Tensor:
 
 def _positions(name: str, rank: int) -> torch.Tensor:
     kind, f = CASES[name]
+    if f.get("placement") == "balanced":  # whole documents where the balance allows: uneven local lengths
+        from cp_cache.documents import document_positions
+
+        return document_positions(TND_DOCS, rank, WORLD, "balanced")
     if kind == "tnd":
         return _held_tnd(rank, f["load_balance"])
     return _held(rank, f.get("load_balance", False))

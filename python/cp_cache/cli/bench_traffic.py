@@ -46,8 +46,9 @@ def _held(kind: str, fields: dict, rank: int, world: int, seq: int):
     from ..documents import document_positions
     from ..testing.reference import rank_positions
 
-    if kind == "tnd":
-        return document_positions(_scaled(TND_DOCS, seq), rank, world, fields["load_balance"])
+    if kind == "tnd":  # per-document head-tail under load balancing, else contiguous (the plan's default)
+        placement = "head_tail" if fields["load_balance"] else "contiguous"
+        return document_positions(_scaled(TND_DOCS, seq), rank, world, placement)
     return rank_positions(world, rank, seq // world, fields["load_balance"])
 
 
