@@ -1,6 +1,6 @@
 """Tiny transformers models trained with attn_implementation="cp_cache" under
-cp_cache.context_parallel (rank side) and with "eager" in one process (the reference):
-shared by test_transformers_cp.py and test_transformers_sinks_mla.py.
+cp_cache.context_parallel (rank side) and with "eager" in one process (the reference), for
+test_transformers_cp.py.
 
 A case: a random-init model (hidden 32, 2 layers, vocab 128), a batch of S = 32 tokens
 (B = 2; packed cases: B = 1, documents from DataCollatorWithFlattening), 2 AdamW steps,
