@@ -27,7 +27,7 @@ from torch import Tensor
 from .. import layout as L
 from .needs import ExchangePlan
 from .steps import PARTS
-from .transport import TAG_DKV, TAG_KV, Rotation, Transfer
+from .transport import TAG_DKV, TAG_KV, Rotation, Transfer, join_once
 
 __all__ = ["RingStep", "ForwardResult", "BackwardResult", "Traffic", "forward_ring", "backward_ring", "check_steps",
            "with_length", "empty_outputs"]
@@ -175,6 +175,8 @@ class _KVDirect:
 
     def __init__(self, k: Tensor, v: Tensor, lengths: list, layout: str, exchange: ExchangePlan, *, group,
                  rank: int, size: int):
+        if size > 1:
+            join_once(group, k.device)
         self._own = [k.contiguous(), v.contiguous()]
         self.current = self._own
         self._plan = exchange.on(k.device)

@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-__all__ = ["own_group", "group_info", "Exchange", "Transfer", "Rotation", "TAG_KV", "TAG_DKV", "exchange_heads", "own_storage",
+__all__ = ["own_group", "group_info", "Exchange", "Transfer", "join_once", "Rotation", "TAG_KV", "TAG_DKV", "exchange_heads", "own_storage",
            "SideGroup", "side_group"]
 
 
@@ -75,6 +75,26 @@ class Exchange:
         self._works = None  # drop every reference to the sent and received buffers
         recv, self.recv = self.recv, None
         return recv
+
+
+_JOINED: set = set()  # names of the CP groups whose every rank took part in one collective here
+_JOINED_LOCK = threading.Lock()
+
+
+def join_once(group, device: torch.device) -> None:
+    """Before the direct exchange's first stage on ``group``, once per process: one collective
+    every rank of the group takes part in (a one-element all_reduce on the payload device; no
+    host read). NCCL wants every rank of a group in its first batched point-to-point call, and
+    the direct exchange's stages post only the operations a rank has; after one collective,
+    calls among some of the ranks are allowed. Every rank of the group runs the same plan, so
+    every rank reaches this call."""
+    group = dist.group.WORLD if group is None else group
+    name = group.group_name
+    with _JOINED_LOCK:
+        if name in _JOINED:
+            return
+        _JOINED.add(name)
+    dist.all_reduce(torch.zeros(1, device=device), group=group)
 
 
 class Transfer:
