@@ -23,7 +23,7 @@ $(PY):
 # torch first and pinned, so that nothing later pulls another (CUDA) build.
 $(DEPS_STAMP): | $(PY)
 	$(PY) -m pip install --quiet "torch==$(TORCH_VERSION)"
-	$(PY) -m pip install --quiet "torch==$(TORCH_VERSION)" pybind11 ninja pytest cmake numpy matplotlib transformers
+	$(PY) -m pip install --quiet "torch==$(TORCH_VERSION)" pybind11 ninja pytest cmake numpy matplotlib "transformers==5.24.0"
 	@if ! dpkg -s libgtest-dev >/dev/null 2>&1; then \
 		echo "installing libgtest-dev"; \
 		SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
