@@ -16,6 +16,8 @@ cp_cache's sharding code), times the bytes of a K row and a V row.
 
 from __future__ import annotations
 
+import collections
+
 import functools
 import math
 
@@ -212,11 +214,22 @@ def _ranks(rank: int, world: int) -> dict:
     groups = dict(flat=[flat.get_group()], grid=[grid.get_group(0), grid.get_group(1)])
     full = _inputs()
     out = {}
-    for name in CASES:
-        masked = _masked(name)
-        ref, low = (dense_attention(*full, causal=False, masked=masked, dtype=dt) for dt in (torch.float64,
-                                                                                                torch.float32))
-        out[name] = _check_case(name, rank, groups, full, ref, low)
+    joins, all_reduce = [], torch.distributed.all_reduce
+
+    def recording_all_reduce(tensor, *args, group=None, **kwargs):
+        joins.append((group or torch.distributed.group.WORLD).group_name)
+        return all_reduce(tensor, *args, group=group, **kwargs)
+
+    torch.distributed.all_reduce = recording_all_reduce
+    try:
+        for name in CASES:
+            masked = _masked(name)
+            ref, low = (dense_attention(*full, causal=False, masked=masked, dtype=dt) for dt in (torch.float64,
+                                                                                                    torch.float32))
+            out[name] = _check_case(name, rank, groups, full, ref, low)
+    finally:
+        torch.distributed.all_reduce = all_reduce
+    out["joins"] = dict(flat=flat.get_group().group_name, counts=collections.Counter(joins))
     return out
 
 
@@ -226,6 +239,16 @@ def _results() -> tuple:
 
 
 # ---------------------------------------------------------------- the tests
+
+
+def test_every_rank_joins_each_cp_group_once_before_the_direct_exchange():
+    """NCCL wants every rank of a group in its first batched point-to-point call, and a stage of the
+    direct exchange posts only what a rank has: one all_reduce per CP group first, on every rank,
+    and none after (many calls ran on each group here)."""
+    for rank, res in enumerate(_results()):
+        counts = res["joins"]["counts"]
+        assert res["joins"]["flat"] in counts, (rank, counts)
+        assert set(counts.values()) == {1}, (rank, counts)
 
 
 @pytest.mark.parametrize("name", list(CASES))
