@@ -74,6 +74,18 @@ def launch(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float =
         dist.destroy_process_group()
 
 
+def pyplot():
+    """matplotlib's pyplot on the file-only Agg backend; None when matplotlib is missing."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    return plt
+
+
 def fmt_bytes(n: float) -> str:
     n = float(n)
     for unit in ("B", "KiB", "MiB", "GiB"):

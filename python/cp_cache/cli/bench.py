@@ -61,7 +61,7 @@ import statistics
 import time
 from pathlib import Path
 
-from ._common import cp_session, fmt_bytes, launch, table
+from ._common import cp_session, fmt_bytes, launch, pyplot, table
 
 NAME = "bench"
 HELP = "memory, overhead, traffic and accuracy benchmarks; JSON and a PNG plot under --out"
@@ -691,6 +691,19 @@ def _report(args: argparse.Namespace, plan: dict, sections: list[str], per_world
     return report
 
 
+def _section_outputs() -> dict:
+    """{report key: (its summary printer, its plotter or None, the plot's file name)} of the sections
+    that live in modules of their own, in the order they print."""
+    from . import bench_algorithms, bench_models, bench_placement, bench_traffic
+
+    return {
+        "algorithms": (bench_algorithms.print_summary, bench_algorithms.plot, "bench_algorithms.png"),
+        "traffic": (bench_traffic.print_summary, bench_traffic.plot, "bench_traffic.png"),
+        "placement": (bench_placement.print_placement, bench_placement.plot_placement, "bench_placement.png"),
+        "models": (bench_models.print_summary, None, None),
+    }
+
+
 def _publish(report: dict, out: Path) -> None:
     """Write bench.json and the plots under ``out`` and print the summary."""
     out.mkdir(parents=True, exist_ok=True)
@@ -699,31 +712,11 @@ def _publish(report: dict, out: Path) -> None:
     _print_summary(report)
     png_path = out / "bench.png"
     plotted = _plot(report, png_path)
-    if report.get("algorithms"):
-        from .bench_algorithms import plot as plot_algorithms, print_summary as print_algorithms
-
-        print_algorithms(report["algorithms"])
-        algorithms_png = out / "bench_algorithms.png"
-        if plot_algorithms(report["algorithms"], algorithms_png):
-            print(f"written: {algorithms_png}")
-    if report.get("traffic"):
-        from .bench_traffic import plot as plot_traffic, print_summary as print_traffic
-
-        print_traffic(report["traffic"])
-        traffic_png = out / "bench_traffic.png"
-        if plot_traffic(report["traffic"], traffic_png):
-            print(f"written: {traffic_png}")
-    if report.get("placement"):
-        from .bench_placement import plot_placement, print_placement
-
-        print_placement(report["placement"])
-        placement_png = out / "bench_placement.png"
-        if plot_placement(report["placement"], placement_png):
-            print(f"written: {placement_png}")
-    if report.get("models"):
-        from .bench_models import print_summary as print_models
-
-        print_models(report["models"])
+    for key, (summarize, draw, png_name) in _section_outputs().items():
+        if report.get(key):
+            summarize(report[key])
+            if draw is not None and draw(report[key], out / png_name):
+                print(f"written: {out / png_name}")
     if report.get("windows"):
         windows_png = out / "bench_windows.png"
         if _plot_windows(report, windows_png):
@@ -734,12 +727,8 @@ def _publish(report: dict, out: Path) -> None:
 
 
 def _plot(report: dict, path: Path) -> bool:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
+    plt = pyplot()
+    if plt is None:
         return False
     fig, axes = plt.subplots(2, 2, figsize=(12, 9))
     (ax_mem, ax_over), (ax_traffic, ax_acc) = axes
@@ -825,12 +814,8 @@ def _plot_accuracy(ax, acc: list[dict]) -> None:
 
 
 def _plot_windows(report: dict, path: Path) -> bool:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
+    plt = pyplot()
+    if plt is None:
         return False
     rows = [r for r in report["windows"] if r["rank"] == 0]
     fig, (ax_bytes, ax_time) = plt.subplots(1, 2, figsize=(11, 4.2))

@@ -12,7 +12,7 @@ from __future__ import annotations
 import math
 import statistics
 
-from ._common import cp_session, fmt_bytes, table
+from ._common import cp_session, fmt_bytes, pyplot, table
 
 __all__ = ["algorithms_rank", "print_summary", "plot"]
 
@@ -111,12 +111,8 @@ def print_summary(rows: list[dict]) -> None:
 
 
 def plot(rows: list[dict], path) -> bool:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
+    plt = pyplot()
+    if plt is None:
         return False
     rows = [r for r in rows if r["rank"] == 0 and "skipped" not in r]
     if not rows:

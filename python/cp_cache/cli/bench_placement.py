@@ -17,7 +17,7 @@ import itertools
 import time
 from typing import Sequence
 
-from ._common import table
+from ._common import pyplot, table
 
 __all__ = ["MIXES", "placement_rows", "print_placement", "plot_placement"]
 
@@ -82,13 +82,10 @@ def print_placement(report: dict) -> None:
 
 def plot_placement(report: dict, path) -> bool:
     """Rows needed (total) and the worse of tokens/work max/mean against W, per mix and placement."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
+    plt = pyplot()
+    if plt is None:
         return False
+    from matplotlib.ticker import NullFormatter, ScalarFormatter
     mixes = [m["mix"] for m in report["mixes"]]
     fig, axes = plt.subplots(2, len(mixes), figsize=(6 * len(mixes), 8), squeeze=False)
     for column, mix in enumerate(mixes):
@@ -106,8 +103,8 @@ def plot_placement(report: dict, path) -> bool:
         for ax in axes[:, column]:
             ax.set_xscale("log", base=2)
             ax.set_xticks(sorted({r["world_size"] for r in report["rows"]}))
-            ax.xaxis.set_major_formatter(matplotlib.ticker.ScalarFormatter())
-            ax.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
+            ax.xaxis.set_major_formatter(ScalarFormatter())
+            ax.xaxis.set_minor_formatter(NullFormatter())
             ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=110)

@@ -16,7 +16,7 @@ from __future__ import annotations
 import math
 import statistics
 
-from ._common import table
+from ._common import pyplot, table
 
 __all__ = ["CASES", "traffic_rank", "summary", "print_summary", "plot"]
 
@@ -193,12 +193,8 @@ def print_summary(rows: list[dict]) -> None:
 
 
 def plot(rows: list[dict], path) -> bool:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
+    plt = pyplot()
+    if plt is None:
         return False
     cells = summary(rows)
     if not cells:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
+from .._common import pyplot
 from .catalogue import CASES, DROPOUT_CASE, DROPOUT_OK_BELOW, DROPOUT_ONLY, SHORT
 
 MIB = 1 << 20
@@ -13,12 +14,8 @@ MIB = 1 << 20
 
 def plot(report: dict, path: Path) -> bool:
     """Draw the report into ``path``; False (nothing written) without matplotlib."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
+    plt = pyplot()
+    if plt is None:
         return False
     fig, axes = plt.subplots(2, 3, figsize=(19, 10))
     (ax_acc, ax_kept, ax_peak), (ax_time, ax_sent, ax_drop) = axes
