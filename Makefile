@@ -1,19 +1,37 @@
 # make test: set up .venv, build the extension and the gtest binary, run pytest and ctest.
 # make demo: same set-up, then the main job (python -m cp_cache demo).
+# make test TORCH_VERSION=2.13.0: the same on another supported torch, in its own virtualenv.
+# make matrix: the fast subset of the suite on every supported torch (MATRIX_VERSIONS).
 SHELL := /bin/bash
+# The default pairs with torch-npu 2.14.0 (which requires torch 2.14), the stack a new Ascend user installs.
+DEFAULT_TORCH_VERSION := 2.14.1
+TORCH_VERSION ?= $(DEFAULT_TORCH_VERSION)
+ACCELERATE_VERSION := 1.15.0
+MATRIX_VERSIONS ?= 2.13.0 2.14.1 2.15.0
+# Each torch has its own virtualenv and gtest build; the default keeps the plain .venv.
+ifeq ($(TORCH_VERSION),$(DEFAULT_TORCH_VERSION))
 VENV ?= .venv
+else
+VENV ?= .venv-torch-$(TORCH_VERSION)
+endif
 PY := $(VENV)/bin/python
 DEPS_STAMP := $(VENV)/.cp_cache-deps
-EXT_STAMP := build/.extension-built
-GTEST_BIN := build/cpp/cp_cache_tests
+# The extension is built in place under python/ (one file for every virtualenv): the stamp names
+# the virtualenv it was built for, and building for another removes the others' stamps.
+EXT_STAMP := build/.extension-built-$(subst /,_,$(VENV))
+GTEST_DIR := build/cpp/torch-$(TORCH_VERSION)
+GTEST_BIN := $(GTEST_DIR)/cp_cache_tests
 NATIVE_SOURCES := $(wildcard csrc/*.cpp csrc/*.h)
 WHEELS_STAMP := .cache/torch_npu/.fetched
 GTEST_SOURCES := $(wildcard tests/cpp/*.cpp) CMakeLists.txt
-TORCH_VERSION ?= 2.13.0
+# A release past this machine's pip cap (torch<=2.14.1 where /etc/xdg/pip says so) is asked for by
+# an exact pin: the virtualenv's pip reads an empty constraints file instead of the cap.
+NO_CONSTRAINTS := build/no-constraints.txt
+VENV_PIP := PIP_CONSTRAINT=$(CURDIR)/$(NO_CONSTRAINTS) $(PY) -m pip
 # The demo/bench flags: make demo DEMO_ARGS="--steps 10"
 DEMO_ARGS ?=
 
-.PHONY: all build test pytest ctest demo bench compare doctor clean torch-npu-wheels
+.PHONY: all build test pytest ctest demo bench compare doctor clean torch-npu-wheels matrix fast-test
 
 all: test
 
@@ -21,9 +39,12 @@ $(PY):
 	python3 -m venv $(VENV)
 
 # torch first and pinned, so that nothing later pulls another (CUDA) build.
-$(DEPS_STAMP): | $(PY)
-	$(PY) -m pip install --quiet "torch==$(TORCH_VERSION)"
-	$(PY) -m pip install --quiet "torch==$(TORCH_VERSION)" pybind11 ninja pytest cmake numpy matplotlib "transformers==5.24.0"
+$(NO_CONSTRAINTS):
+	@mkdir -p $(dir $@) && touch $@
+
+$(DEPS_STAMP): | $(PY) $(NO_CONSTRAINTS)
+	$(VENV_PIP) install --quiet "torch==$(TORCH_VERSION)"
+	$(VENV_PIP) install --quiet "torch==$(TORCH_VERSION)" pybind11 ninja pytest cmake numpy matplotlib "transformers==5.24.0" "accelerate==$(ACCELERATE_VERSION)"
 	@if ! dpkg -s libgtest-dev >/dev/null 2>&1; then \
 		echo "installing libgtest-dev"; \
 		SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
@@ -32,8 +53,9 @@ $(DEPS_STAMP): | $(PY)
 	touch $@
 
 # The package, installed editable into .venv (its extension built in place under python/).
-$(EXT_STAMP): $(DEPS_STAMP) $(NATIVE_SOURCES) csrc/sources.txt setup.py pyproject.toml
-	$(PY) -m pip install --quiet --no-build-isolation --no-deps -e .
+$(EXT_STAMP): $(DEPS_STAMP) $(NATIVE_SOURCES) csrc/sources.txt setup.py pyproject.toml build_backend.py
+	@rm -f build/.extension-built-*
+	$(VENV_PIP) install --quiet --no-build-isolation --no-deps -e .
 	@mkdir -p build && touch $@
 
 # torch_npu's Python files (its CP handlers, op schemas, meta functions), fetched once from
@@ -44,10 +66,10 @@ $(WHEELS_STAMP): $(EXT_STAMP)
 	@touch $@
 
 $(GTEST_BIN): $(DEPS_STAMP) $(NATIVE_SOURCES) $(GTEST_SOURCES)
-	$(VENV)/bin/cmake -S . -B build/cpp -G Ninja \
+	$(VENV)/bin/cmake -S . -B $(GTEST_DIR) -G Ninja \
 		-DCMAKE_MAKE_PROGRAM=$(CURDIR)/$(VENV)/bin/ninja \
-		-DCMAKE_PREFIX_PATH="$$($(PY) -c 'import torch; print(torch.utils.cmake_prefix_path)')" >/dev/null
-	$(VENV)/bin/cmake --build build/cpp
+		-DPython_EXECUTABLE=$(CURDIR)/$(PY) >/dev/null
+	$(VENV)/bin/cmake --build $(GTEST_DIR)
 
 build: $(EXT_STAMP) $(GTEST_BIN)
 
@@ -57,7 +79,7 @@ pytest: $(EXT_STAMP) $(WHEELS_STAMP)
 	$(PY) -m pytest tests/python
 
 ctest: $(GTEST_BIN)
-	$(VENV)/bin/ctest --test-dir build/cpp --output-on-failure --timeout 300
+	$(VENV)/bin/ctest --test-dir $(GTEST_DIR) --output-on-failure --timeout 300
 
 test: build
 	$(MAKE) --no-print-directory pytest
@@ -75,5 +97,19 @@ compare: $(EXT_STAMP) $(WHEELS_STAMP)
 doctor: $(EXT_STAMP)
 	$(PY) -m cp_cache doctor
 
+# The fast subset on every supported torch, one virtualenv each; a summary line per version.
+matrix:
+	@failed=""; for v in $(MATRIX_VERSIONS); do \
+		echo "== torch $$v"; \
+		if $(MAKE) --no-print-directory TORCH_VERSION=$$v fast-test; then echo "== torch $$v: passed"; \
+		else echo "== torch $$v: FAILED"; failed="$$failed $$v"; fi; \
+	done; \
+	if [ -n "$$failed" ]; then echo "matrix failed on:$$failed"; exit 1; fi; echo "matrix passed on: $(MATRIX_VERSIONS)"
+
+# The fast subset: every test not marked slow, and the gtest binary.
+fast-test: build $(WHEELS_STAMP)
+	$(PY) -m pytest tests/python -m "not slow" -q
+	$(MAKE) --no-print-directory ctest
+
 clean:
-	rm -rf build python/cp_cache/_C*.so python/*.egg-info
+	rm -rf build python/cp_cache/_C*.so python/cp_cache/native-build.txt python/*.egg-info

@@ -12,7 +12,9 @@ import importlib
 
 import torch  # noqa: F401  (loads libtorch before the extension)
 
-from . import _C
+from . import native
+
+_C = native.load()  # refuses an extension built against another torch, naming both versions
 from ._C import StepCache, StepCacheStore
 from .config import CPConfig
 from .dispatch import active_config, active_mesh, call_stats, context_parallel, disable, enable, enabled
