@@ -1,0 +1,138 @@
+"""cp_cache's context parallelism in Hugging Face's ``Trainer``: docs/transformers.md.
+
+``ContextParallelTrainer`` is ``transformers.Trainer`` with ``ContextParallelMixin`` in front of it
+(mix it into any Trainer subclass, TRL's ``SFTTrainer`` for one). Each training and evaluation
+step then runs inside ``cp_cache.context_parallel(mesh, buffers=[...])``: the batch's
+``input_ids``, ``labels``, ``shift_labels`` (made from the labels before sharding, as Trainer's
+own CP does) and ``position_ids`` are sharded over the CP ranks; packed batches keep their
+``cu_seq_lens_q/k`` (``DataCollatorWithFlattening(return_flash_attn_kwargs=True)``), and the
+model's attention implementation "cp_cache" follows them, its sliding windows and its sinks.
+
+Where the CP mesh comes from:
+
+* ``TrainingArguments(parallelism_config=ParallelismConfig(cp_size=N))`` (accelerate; FSDP2 or
+  one process per accelerator): accelerate's "cp" mesh dimension, its data loading (every rank of
+  a CP group gets the same batches) and its gradient reduction; cp_cache takes the place of
+  accelerate's torch-ring preparation (which refuses sliding-window models and drops masks).
+* ``ContextParallelTrainer(..., cp_size=N)`` where accelerate has no CP (DDP, CPU processes):
+  cp_cache builds a ``("dp_replicate", "cp")`` mesh over the processes and gives it to
+  accelerate, whose data loaders then give each CP group the same batches; DDP averages the
+  gradients over every process, and Trainer normalizes the loss by ``get_cp_size()``.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, Callable, Optional
+
+import torch
+from transformers import Trainer
+
+from .. import context_parallel
+from . import transformers as attention
+
+__all__ = ["ContextParallelMixin", "ContextParallelTrainer"]
+
+# the batch entries sharded on their sequence dimension (1), in this order
+SHARDED = ("input_ids", "labels", "shift_labels", "position_ids")
+IGNORE_INDEX = -100
+
+
+class ContextParallelMixin:
+    """Runs each Trainer step under ``cp_cache.context_parallel`` (see the module's docstring)."""
+
+    def __init__(self, *args: Any, cp_size: Optional[int] = None, **kwargs: Any) -> None:
+        if cp_size is not None and (not isinstance(cp_size, int) or cp_size < 1):
+            raise ValueError(f"cp_size={cp_size!r} must be a positive integer")
+        attention.register()
+        self.cp_size_requested = cp_size
+        self.cp_mesh = None
+        super().__init__(*args, **kwargs)
+
+    def create_accelerator_and_postprocess(self) -> None:
+        super().create_accelerator_and_postprocess()
+        self.cp_mesh = self._cp_mesh()
+
+    def get_cp_size(self) -> int:
+        return self.cp_mesh.size() if self.cp_mesh is not None else super().get_cp_size()
+
+    def _cp_mesh(self):
+        """The 1-D CP mesh: accelerate's "cp" dimension, or one cp_cache builds over the processes."""
+        accelerator = self.accelerator
+        config = getattr(accelerator, "parallelism_config", None)
+        if config is not None and config.cp_enabled:
+            if self.cp_size_requested not in (None, config.cp_size):
+                raise ValueError(f"cp_size={self.cp_size_requested} disagrees with the parallelism_config's "
+                                 f"cp_size={config.cp_size}; give one of them")
+            accelerator._prepare_cp = functools.partial(_prepare_cp, accelerator)
+            return accelerator.torch_device_mesh["cp"]
+        if self.cp_size_requested is None:
+            raise ValueError("ContextParallelTrainer needs the CP size: cp_size=N, or "
+                             "TrainingArguments(parallelism_config=ParallelismConfig(cp_size=N))")
+        return _standalone_mesh(accelerator, self.cp_size_requested)
+
+    def _prepare_context_parallel_inputs(self, model: torch.nn.Module,
+                                         inputs: dict) -> tuple[Callable, dict]:
+        """(the step's CP context, the inputs it shards): Trainer enters the context around the
+        forward and backward of the step."""
+        if self.cp_mesh is None:
+            return super()._prepare_context_parallel_inputs(model, inputs)
+        _check_attention(model)
+        _drop_all_true_mask(inputs)
+        if "labels" in inputs and "shift_labels" not in inputs:  # shifted on the whole sequence
+            labels = torch.nn.functional.pad(inputs["labels"], (0, 1), value=IGNORE_INDEX)
+            inputs["shift_labels"] = labels[:, 1:].contiguous()
+        if inputs.get("position_ids") is None:
+            ids = inputs["input_ids"]
+            inputs["position_ids"] = torch.arange(ids.size(1), device=ids.device).repeat(ids.size(0), 1)
+        buffers = [inputs[name] for name in SHARDED if inputs.get(name) is not None]
+        return functools.partial(context_parallel, self.cp_mesh, buffers=buffers,
+                                 buffer_seq_dims=[1] * len(buffers), no_restore_buffers=set(buffers)), inputs
+
+
+class ContextParallelTrainer(ContextParallelMixin, Trainer):
+    """``transformers.Trainer`` whose steps run under cp_cache's context parallelism."""
+
+
+def _prepare_cp(accelerator, *args):
+    """Takes the place of accelerate's ``Accelerator._prepare_cp`` (torch's ring): the region is
+    cp_cache's, and the model keeps its masks (no hooks, no refusal of sliding windows)."""
+    accelerator._cp_context = functools.partial(context_parallel, mesh=accelerator.torch_device_mesh["cp"])
+    return args
+
+
+def _standalone_mesh(accelerator, cp_size: int):
+    from torch.distributed.device_mesh import init_device_mesh
+
+    world = accelerator.num_processes
+    if world % cp_size:
+        raise ValueError(f"cp_size={cp_size} must divide the number of processes ({world})")
+    if accelerator.torch_device_mesh is not None:
+        raise NotImplementedError(
+            f"cp_size={cp_size} with accelerate's device mesh {accelerator.torch_device_mesh} (FSDP2, TP): give "
+            "the CP size to accelerate instead, TrainingArguments(parallelism_config=ParallelismConfig(cp_size=N))")
+    mesh = init_device_mesh(accelerator.device.type, (world // cp_size, cp_size),
+                            mesh_dim_names=("dp_replicate", "cp"))
+    accelerator.state.device_mesh = mesh  # accelerate's data loaders: one batch stream per CP group
+    return mesh["cp"]
+
+
+def _check_attention(model: torch.nn.Module) -> None:
+    config = getattr(getattr(model, "module", model), "config", None)
+    implementation = getattr(config, "_attn_implementation", None)
+    if config is not None and implementation != attention.NAME:
+        raise ValueError(f"ContextParallelTrainer: the model's attention implementation is {implementation!r}; "
+                         f"make it with attn_implementation={attention.NAME!r} (or call "
+                         f"model.set_attn_implementation({attention.NAME!r})) so that its attention runs under CP")
+
+
+def _drop_all_true_mask(inputs: dict) -> None:
+    """A 2-D attention mask that masks nothing is dropped (one host read per step); padding is refused."""
+    mask = inputs.get("attention_mask")
+    if mask is None:
+        return
+    if mask.dim() != 2 or not bool(mask.all()):
+        raise NotImplementedError(
+            "ContextParallelTrainer: a batch with padding (attention_mask with zeros) is not supported under CP; "
+            "pack the batch instead: DataCollatorWithFlattening(return_flash_attn_kwargs=True)")
+    del inputs["attention_mask"]
