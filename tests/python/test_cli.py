@@ -101,6 +101,7 @@ def test_doctor_reports_versions_extension_and_ops():
     text = proc.stdout
     for expected in ("python", "torch", "torch_npu", "native extension", "policy", "attention ops"):
         assert expected in text, text
+    assert f"built against torch {torch.__version__}" in text, text
     assert "all good" in text
 
 

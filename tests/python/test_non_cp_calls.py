@@ -9,7 +9,7 @@ emulated op alone, has no sharding strategy and raises). Checked here:
 * the same results (``torch.equal``) or the same error, with and without ``enable()``: the
   cases of torch_npu's ``test_attention_ops`` for the v3 op (BNSD forward and backward for five
   sparse modes, BSND, BSH; every placement those tests use) at W = 2 and 4, without and with
-  torch-npu 2.13.0's files loaded, outside and inside a CP region; and in LocalTensor mode
+  torch-npu 2.14.0's files loaded, outside and inside a CP region; and in LocalTensor mode
   (ranks simulated in one process: symbolic ranks and sizes);
 * with torch_npu loaded and cp_cache enabled, every torch_npu case agrees with the op on the
   whole tensors (bounded by that op's own float32 error, measured in the same run);
@@ -32,15 +32,15 @@ import pytest
 import torch
 
 from cp_cache.testing.multiprocess import capture, run_ranks
-from cp_cache.testing.torch_npu_wheel import fetch
+from cp_cache.testing.torch_npu_wheel import NEWEST, fetch
 
 WORLD = 4  # the rank group; W = 2 runs on its pairs
 WORLDS = (2, 4)
 B, N, S, D = 4, 4, 8, 8  # B and N divisible by W: batch and head shards are even
 SCALE = 0.08838  # torch_npu's tests'
 MASK = 2048
-VERSION = "2.13.0"
-MODES = ("plain", "torch_npu")  # the emulator alone; torch-npu 2.13.0's files loaded over it
+VERSION = NEWEST  # torch-npu 2.14.0
+MODES = ("plain", "torch_npu")  # the emulator alone; torch-npu 2.14.0's files loaded over it
 SPARSE = ((0, 128, 128), (1, 65536, 65536), (2, 65536, 0), (3, 65536, 0), (4, 128, 128))
 RUN_TIMEOUT_S = 540
 PG_TIMEOUT_S = 90

@@ -1,4 +1,4 @@
-"""The emulator against torch_npu 2.13.0's own files: the four op schemas equal the wheel's
+"""The emulator against torch_npu 2.14.0's own files: the four op schemas equal the wheel's
 ``npu_native_functions_by_codegen.yaml``, and the emulator's fake (meta) outputs equal the
 wheel's meta functions in shape and dtype for every layout the emulator accepts, on meta
 tensors and under FakeTensorMode (TND included: from shapes alone, the lengths unread), with
@@ -13,9 +13,9 @@ import torch
 
 from cp_cache.npu_ops import SCHEMAS
 from cp_cache.testing import install_npu_emulator
-from cp_cache.testing.torch_npu_wheel import fetch, wheel_meta_functions
+from cp_cache.testing.torch_npu_wheel import NEWEST, fetch, wheel_meta_functions
 
-VERSION = "2.13.0"
+VERSION = NEWEST  # torch-npu 2.14.0
 OPS = ("npu_fusion_attention_v3", "npu_fusion_attention_grad_v3", "npu_fusion_attention", "npu_fusion_attention_grad")
 EMULATED_LAYOUTS = ("BNSD", "BSND", "BSH", "SBH")
 

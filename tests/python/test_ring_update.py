@@ -1,7 +1,7 @@
 """``npu_ring_attention_update`` (the fused merge) and the ring's merge (``cp_cache.engine.merge``).
 
 * the emulated op against a float64 merge, SBH and TND, fp32/bf16/fp16, fully masked rows;
-* its schema equals torch-npu 2.13.0's yaml, its fake outputs the wheel's meta function;
+* its schema equals torch-npu 2.14.0's yaml, its fake outputs the wheel's meta function;
 * ``merge_into(..., fused=True)`` equals the float32 path for the four layouts, with
   narrowed accumulators and rows that saw no key;
 * ``torch.library.opcheck`` of the emulated op.
@@ -20,9 +20,9 @@ from cp_cache.engine.merge import fused_merge_available, merge_into
 from cp_cache.npu_ops import RING_UPDATE, SCHEMAS, STATS_WIDTH
 from cp_cache.testing import install_npu_emulator
 from cp_cache.testing.reference import eps, error_bound
-from cp_cache.testing.torch_npu_wheel import fetch, wheel_meta_functions
+from cp_cache.testing.torch_npu_wheel import NEWEST, fetch, wheel_meta_functions
 
-VERSION = "2.13.0"
+VERSION = NEWEST  # torch-npu 2.14.0
 OP = "npu_ring_attention_update"
 LOWEST = float(torch.finfo(torch.float32).min)
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)

@@ -121,6 +121,21 @@ def test_versions_load_one_after_the_other():
     assert len(set(seen)) == len(VERSIONS)
 
 
+def test_what_differs_between_the_versions():
+    """What docs/ascend.md says was checked: torch-npu 2.14.0's kept files (CP handlers, op schemas,
+    meta functions) equal 2.13.0's but for version.py; 2.12.0's CP handlers differ (its stack)."""
+    def files(version):
+        root = _root(version)
+        return {p.relative_to(root).as_posix(): p.read_bytes() for p in sorted(root.rglob("*"))
+                if p.is_file() and p.name != ".cp_cache-extracted"}
+
+    newest, previous, oldest = (files(v) for v in ("2.14.0", "2.13.0", "2.12.0"))
+    assert set(newest) == set(previous)
+    assert [name for name in newest if newest[name] != previous[name]] == ["torch_npu/version.py"]
+    handlers = "torch_npu/distributed/tensor/experimental/_context_parallel/_npu_attention.py"
+    assert oldest[handlers] != previous[handlers]
+
+
 @pytest.mark.parametrize("version", VERSIONS)
 def test_meta_functions_of_the_wheel(version):
     _root(version)

@@ -1,5 +1,5 @@
 """The emulator's input_layout="TND" (packed documents) against a dense float64
-block-diagonal reference, and its fake shapes against torch_npu 2.13.0's meta functions."""
+block-diagonal reference, and its fake shapes against torch_npu 2.14.0's meta functions."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ import torch
 from cp_cache.npu_ops import causal_mask, lse_from_stats
 from cp_cache.testing import dropout_keep_mask, install_npu_emulator
 from cp_cache.testing.reference import eps, error_bound, rel_err
+from cp_cache.testing.torch_npu_wheel import NEWEST
 from cp_cache.testing.varlen_reference import dense_tnd_attention
 
 D = 8
@@ -122,7 +123,7 @@ def test_explicit_mask_with_tnd_is_not_implemented():
 
 # ---------------------------------------------------------------- fake kernels vs torch_npu's meta
 
-VERSION = "2.13.0"
+VERSION = NEWEST  # torch-npu 2.14.0
 
 
 @pytest.mark.parametrize("dtype", (torch.float16, torch.bfloat16, torch.float32), ids=str)

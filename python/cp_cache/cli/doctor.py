@@ -50,9 +50,13 @@ def _torch_check(todo: list[str]):
     try:
         import torch
     except Exception as e:  # noqa: BLE001
-        _check("torch", False, f"not importable: {e}", todo, "run make build (it installs torch==2.13.0 in .venv)")
+        _check("torch", False, f"not importable: {e}", todo, "run make build (it installs torch in .venv)")
         return None
-    _check("torch", True, torch.__version__, todo)
+    from cp_cache.native import SUPPORTED_TORCH, torch_supported
+
+    supported = f"supported: {', '.join(SUPPORTED_TORCH)}"
+    _check("torch", torch_supported(), f"{torch.__version__} ({supported})", todo,
+           f"install a supported torch ({supported}), then rebuild cp_cache against it")
     return torch
 
 
@@ -81,15 +85,18 @@ def _torch_npu_check(torch, todo: list[str]) -> None:
 
 
 def _extension_check(todo: list[str]) -> bool:
-    """Whether the native extension cp_cache._C loads."""
+    """Whether the native extension cp_cache._C loads, and the torch it was built against."""
     try:
         from cp_cache import _C
+        from cp_cache.native import built_with_torch
 
-        _check("native extension", True, f"loaded from {_C.__file__}", todo)
+        built = built_with_torch() or "an unrecorded torch"
+        _check("native extension", True, f"built against torch {built}, loaded from {_C.__file__}", todo)
         return True
     except Exception as e:  # noqa: BLE001
         _check("native extension", False, f"cp_cache._C does not load: {type(e).__name__}: {e}", todo,
-               "run make build (builds cp_cache._C in place)")
+               "run make build in a checkout, or pip install --no-build-isolation --force-reinstall --no-deps . "
+               "in cp_cache's source")
         return False
 
 
@@ -121,7 +128,7 @@ def _attention_ops_check(todo: list[str]) -> None:
                    "(cp_cache.emulator.install_npu_emulator())", todo)
         except Exception as e:  # noqa: BLE001
             _check("attention ops", False, f"neither the real ops nor the emulator: {e}", todo,
-                   "import torch_npu on Ascend, or check the torch version (2.13 expected)")
+                   "import torch_npu on Ascend, or check the torch version (2.13 to 2.15 supported)")
 
 
 def _optional_packages_check(todo: list[str]) -> None:
@@ -137,7 +144,7 @@ def _optional_packages_check(todo: list[str]) -> None:
 
         _check("matplotlib", True, f"{matplotlib.__version__} (bench plots)", todo)
     except ImportError:
-        _check("matplotlib", False, "missing (bench writes JSON only)", todo, "run make build")
+        _check("matplotlib", None, "not installed (optional: bench writes JSON only, no plots)", todo)
 
 
 def _merge_check(todo: list[str]) -> None:

@@ -19,7 +19,7 @@ This module
   does (``torch_npu.distributed.tensor`` imports its ``_attention`` module, then
   ``experimental._context_parallel``, whose ``_attention`` module patches torch's
   CP dispatcher functions). It records every change the import makes to torch
-  and undoes all of them on exit, so 2.13.0 and 2.12.0 can be loaded one after
+  and undoes all of them on exit, so 2.14.0, 2.13.0 and 2.12.0 can be loaded one after
   the other in one process;
 * ``wheel_meta_functions(version)``: the wheel's fake/meta functions of the four
   fused-attention ops as plain callables (without registering them anywhere).
@@ -51,6 +51,7 @@ __all__ = [
     "CACHE_DIR",
     "CACHE_ENV",
     "VERSIONS",
+    "NEWEST",
     "FETCH_COMMAND",
     "LoadedTorchNpuCP",
     "TorchChange",
@@ -65,7 +66,8 @@ log = logging.getLogger("cp_cache")
 CACHE_ENV = "CP_CACHE_TORCH_NPU_CACHE"
 _REPO = Path(__file__).resolve().parents[3]
 CACHE_DIR = Path(os.environ.get(CACHE_ENV) or (_REPO / ".cache" / "torch_npu"))
-VERSIONS = ("2.13.0", "2.12.0")
+VERSIONS = ("2.14.0", "2.13.0", "2.12.0")  # newest first
+NEWEST = VERSIONS[0]
 FETCH_COMMAND = "make torch-npu-wheels  (or: python -m cp_cache.testing.torch_npu_wheel fetch --version {version})"
 
 # pip: seconds per network operation, retries, and a bound on the whole download
@@ -207,7 +209,7 @@ def fetch(version: str, cache_dir: Optional[os.PathLike] = None) -> Path:
         if missing:
             raise RuntimeError(
                 f"torch-npu {version}: the wheel {wheels[0].name} lacks the CP files {missing}; "
-                "this loader knows the layout of torch-npu 2.12/2.13"
+                "this loader knows the layout of torch-npu 2.12 to 2.14"
             )
         (staging / _COMPLETE_MARKER).write_text(f"{wheels[0].name}\n{kept} files\n")
         if root.exists():

@@ -6,7 +6,8 @@ Systems:
 
 * ``cp_cache`` (handle policy) and ``cp_cache-stack`` (stack policy): the v3 op on DTensors
   inside ``cp_cache.context_parallel(mesh)``;
-* ``torch_npu 2.13.0`` and ``torch_npu 2.12.0``: torch_npu's own CP handlers, loaded from
+* ``torch_npu 2.14.0``, ``torch_npu 2.13.0`` and ``torch_npu 2.12.0``: torch_npu's own CP handlers
+  (2.14.0's CP files equal 2.13.0's but for ``version.py``), loaded from
   the wheels' Python files over the emulator (``cp_cache.testing.torch_npu_wheel``), called
   the same way inside torch's CP dispatcher;
 * ``torch_npu 2.13.0 (guard lifted)``: 2.13.0 with its dropout refusal lifted *for this
@@ -51,6 +52,7 @@ from .catalogue import (
     NPU_212,
     NPU_213,
     NPU_213_LIFTED,
+    NPU_214,
     SYSTEMS,
     TORCH_A2A,
     TORCH_AG,
@@ -61,10 +63,10 @@ from .rank import compare_rank
 from .report import build_report, publish
 
 __all__ = ["NAME", "HELP", "add_arguments", "run", "SYSTEMS", "CASES", "DROPOUT_CASE", "DROPOUT_ONLY", "CP_CACHE",
-           "CP_CACHE_STACK", "NPU_213", "NPU_213_LIFTED", "NPU_212", "TORCH_AG", "TORCH_A2A"]
+           "CP_CACHE_STACK", "NPU_214", "NPU_213", "NPU_213_LIFTED", "NPU_212", "TORCH_AG", "TORCH_A2A"]
 
 NAME = "compare"
-HELP = "cp_cache vs torch_npu 2.13.0 / 2.12.0 vs torch's ring: correctness, memory, time, traffic (JSON + PNG)"
+HELP = "cp_cache vs torch_npu 2.14.0 / 2.13.0 / 2.12.0 vs torch's ring: correctness, memory, time, traffic (JSON + PNG)"
 
 # ---------------------------------------------------------------- command line
 

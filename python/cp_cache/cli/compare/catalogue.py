@@ -2,14 +2,17 @@
 
 CP_CACHE = "cp_cache"
 CP_CACHE_STACK = "cp_cache-stack"
+NPU_214 = "torch_npu 2.14.0"
 NPU_213 = "torch_npu 2.13.0"
 NPU_213_LIFTED = "torch_npu 2.13.0 (guard lifted)"
 NPU_212 = "torch_npu 2.12.0"
 TORCH_AG = "torch ring (all-gather)"
 TORCH_A2A = "torch ring (all-to-all)"
-SYSTEMS = (CP_CACHE, CP_CACHE_STACK, NPU_213, NPU_213_LIFTED, NPU_212, TORCH_AG, TORCH_A2A)
-SHORT = {CP_CACHE: "cp_cache", CP_CACHE_STACK: "cp_cache-stack", NPU_213: "npu-2.13", NPU_213_LIFTED: "npu-2.13-lifted",
-         NPU_212: "npu-2.12", TORCH_AG: "torch-AG", TORCH_A2A: "torch-A2A"}
+SYSTEMS = (CP_CACHE, CP_CACHE_STACK, NPU_214, NPU_213, NPU_213_LIFTED, NPU_212, TORCH_AG, TORCH_A2A)
+SHORT = {CP_CACHE: "cp_cache", CP_CACHE_STACK: "cp_cache-stack", NPU_214: "npu-2.14", NPU_213: "npu-2.13",
+         NPU_213_LIFTED: "npu-2.13-lifted", NPU_212: "npu-2.12", TORCH_AG: "torch-AG", TORCH_A2A: "torch-A2A"}
+# the torch-npu release each torch_npu system loads (2.14.0's CP files equal 2.13.0's but for version.py)
+TORCH_NPU_RELEASES = {NPU_214: "2.14.0", NPU_213: "2.13.0", NPU_213_LIFTED: "2.13.0", NPU_212: "2.12.0"}
 # the lifted variant differs from 2.13.0 only under dropout: it runs the dropout check only
 DROPOUT_ONLY = (NPU_213_LIFTED,)
 

@@ -1,7 +1,7 @@
 """The compared systems, one adapter family per module, each run on one rank:
 
 * ``cp_cache``: cp_cache, handle or stack policy;
-* ``torch_npu``: torch_npu 2.13.0 (also with its dropout guard lifted) and 2.12.0;
+* ``torch_npu``: torch_npu 2.14.0, 2.13.0 (also with its dropout guard lifted) and 2.12.0;
 * ``torch_ring``: torch's templated ring, all-gather or all-to-all rotation.
 
 Each system has a ``session()`` (a context manager that makes it the one in use), and
@@ -11,7 +11,7 @@ it has no way to express.
 
 from __future__ import annotations
 
-from ..catalogue import CP_CACHE, CP_CACHE_STACK, NPU_212, NPU_213, NPU_213_LIFTED, TORCH_A2A, TORCH_AG
+from ..catalogue import CP_CACHE, CP_CACHE_STACK, NPU_213_LIFTED, TORCH_A2A, TORCH_AG, TORCH_NPU_RELEASES
 from .base import System, Unsupported, op_kwargs
 from .cp_cache import CpCacheSystem
 from .torch_npu import TorchNpuSystem
@@ -27,12 +27,8 @@ def make_system(name: str, mesh) -> System:
         return CpCacheSystem(mesh, "handle")
     if name == CP_CACHE_STACK:
         return CpCacheSystem(mesh, "stack")
-    if name == NPU_213:
-        return TorchNpuSystem(mesh, "2.13.0")
-    if name == NPU_213_LIFTED:
-        return TorchNpuSystem(mesh, "2.13.0", lifted=True)
-    if name == NPU_212:
-        return TorchNpuSystem(mesh, "2.12.0")
+    if name in TORCH_NPU_RELEASES:
+        return TorchNpuSystem(mesh, name, lifted=name == NPU_213_LIFTED)
     if name == TORCH_AG:
         return TorchRingSystem(mesh, "allgather")
     if name == TORCH_A2A:

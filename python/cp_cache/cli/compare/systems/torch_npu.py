@@ -1,4 +1,4 @@
-"""torch_npu 2.13.0 / 2.12.0: their own CP handlers, loaded from the wheels' Python files over
+"""torch_npu 2.14.0 / 2.13.0 / 2.12.0: their own CP handlers, loaded from the wheels' Python files over
 the emulator (``cp_cache.testing.torch_npu_wheel``), called inside torch's CP dispatcher."""
 
 from __future__ import annotations
@@ -6,16 +6,15 @@ from __future__ import annotations
 import contextlib
 
 from ..._measure import tensors_in
-from ..catalogue import NPU_212, NPU_213, NPU_213_LIFTED
+from ..catalogue import TORCH_NPU_RELEASES
 from ..patches import lift_dropout_guard
 from .base import DTensorSystem
 
 
 class TorchNpuSystem(DTensorSystem):
-    def __init__(self, mesh, version: str, lifted: bool = False):
+    def __init__(self, mesh, name: str, lifted: bool = False):
         super().__init__(mesh)
-        self.version, self.lifted = version, lifted
-        self.name = NPU_213_LIFTED if lifted else (NPU_213 if version == "2.13.0" else NPU_212)
+        self.name, self.version, self.lifted = name, TORCH_NPU_RELEASES[name], lifted
         self.loaded = None
 
     @contextlib.contextmanager
