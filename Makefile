@@ -31,7 +31,7 @@ VENV_PIP := PIP_CONSTRAINT=$(CURDIR)/$(NO_CONSTRAINTS) $(PY) -m pip
 # The demo/bench flags: make demo DEMO_ARGS="--steps 10"
 DEMO_ARGS ?=
 
-.PHONY: all build test pytest ctest demo bench compare doctor clean torch-npu-wheels matrix fast-test
+.PHONY: all build test pytest ctest demo bench compare doctor clean torch-npu-wheels matrix fast-test pip-install-check
 
 all: test
 
@@ -110,6 +110,17 @@ matrix:
 fast-test: build $(WHEELS_STAMP)
 	$(PY) -m pytest tests/python -m "not slow" -q
 	$(MAKE) --no-print-directory ctest
+
+# `pip install .` as a user types it: a copy of the tracked sources installed into a fresh
+# virtualenv that has torch (and nothing of cp_cache's set-up), then the selftest there.
+PIP_CHECK := build/pip-install-check
+pip-install-check: $(NO_CONSTRAINTS)
+	rm -rf $(PIP_CHECK) && mkdir -p $(PIP_CHECK)/src
+	git ls-files -z | xargs -0 cp --parents -t $(PIP_CHECK)/src
+	python3 -m venv $(PIP_CHECK)/venv
+	PIP_CONSTRAINT=$(CURDIR)/$(NO_CONSTRAINTS) $(PIP_CHECK)/venv/bin/pip install --quiet "torch==$(TORCH_VERSION)"
+	cd $(PIP_CHECK) && PIP_CONSTRAINT=$(CURDIR)/$(NO_CONSTRAINTS) venv/bin/pip install --quiet ./src
+	cd $(PIP_CHECK) && venv/bin/cp-cache doctor && venv/bin/cp-cache selftest
 
 clean:
 	rm -rf build python/cp_cache/_C*.so python/cp_cache/native-build.txt python/*.egg-info
