@@ -11,6 +11,8 @@ import torch
 from cp_cache.testing.reference import dense_attention, error_bound
 from demo_reference import demo_rounding
 
+pytestmark = pytest.mark.slow  # exhaustive sweeps: left out of make matrix's fast subset
+
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 

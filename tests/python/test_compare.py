@@ -12,6 +12,8 @@ from cp_cache.cli import _measure, compare
 from cp_cache.cli.compare.inputs import case_spec, full_inputs
 from cp_cache.testing.reference import dense_attention, dense_errors, error_bound
 
+pytestmark = pytest.mark.slow  # exhaustive sweeps: left out of make matrix's fast subset
+
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 WHEELS = os.path.join(REPO, ".cache", "torch_npu")
 
@@ -25,6 +27,16 @@ def _wheels_present() -> bool:
     except FileNotFoundError:
         return False
     return True
+
+
+def _breaks_here(name: str) -> bool:
+    """torch_npu systems whose own CP sharding strategy fails on this torch (torch-npu 2.13/2.14 on torch
+    2.14+, torch_npu_wheel.CP_STRATEGY_TYPE_ERROR): compare reports them refused, and what they would
+    measure is checked on the torch that runs them (make test TORCH_VERSION=2.13.0)."""
+    from cp_cache.cli.compare.catalogue import TORCH_NPU_RELEASES
+    from cp_cache.testing.torch_npu_wheel import cp_strategy_breaks_on_this_torch
+
+    return name in TORCH_NPU_RELEASES and cp_strategy_breaks_on_this_torch(TORCH_NPU_RELEASES[name])
 
 
 # ---------------------------------------------------------------- in process, fast
@@ -97,6 +109,12 @@ def test_quick_run_covers_every_system_and_world(quick_report):
     assert list(report["results"]) == ["2"]
     for name in compare.SYSTEMS:
         row = report["results"]["2"][name]
+        if _breaks_here(name):
+            from cp_cache.testing.torch_npu_wheel import CP_STRATEGY_TYPE_ERROR
+
+            error = row.get("session_error") or row["dropout"]  # the dropout-only variant runs that case alone
+            assert (error["error_type"], error["message"]) == ("TypeError", CP_STRATEGY_TYPE_ERROR), (name, error)
+            continue
         assert "session_error" not in row, (name, row.get("session_error"))
         assert "dropout" in row
         if name not in compare.DROPOUT_ONLY:
@@ -150,15 +168,19 @@ def test_cp_cache_is_right_and_its_dropout_gradients_pass(quick_report):
 def test_torch_npu_dropout_refused_or_wrong(quick_report):
     report, _, _ = quick_report
     res = report["results"]["2"]
-    refused = res[compare.NPU_213]["dropout"]
-    assert refused["status"] == "refused" and "redistributed" in refused["message"], refused
+    running = [name for name in (compare.NPU_214, compare.NPU_213, compare.NPU_213_LIFTED, compare.NPU_212)
+               if not _breaks_here(name)]
+    assert compare.NPU_212 in running
+    for name in {compare.NPU_214, compare.NPU_213} & set(running):
+        refused = res[name]["dropout"]
+        assert refused["status"] == "refused" and "redistributed" in refused["message"], (name, refused)
     threshold = _dropout_threshold(report)
-    for name in (compare.NPU_213_LIFTED, compare.NPU_212):  # negative controls of the dropout check
+    for name in {compare.NPU_213_LIFTED, compare.NPU_212} & set(running):  # negative controls of the check
         drop = res[name]["dropout"]
         assert drop["status"] == "accepted" and not drop["ok"] and drop["max_error"] > threshold, (name, drop)
     # sparse_mode 1 with an all-False mask is full attention; torch_npu computes causal
     bound = _case_bounds(report)["sparse1_all_false_mask"]
-    for name in (compare.NPU_213, compare.NPU_212):
+    for name in {compare.NPU_214, compare.NPU_213, compare.NPU_212} & set(running):
         c = res[name]["cases"]["sparse1_all_false_mask"]
         assert c["status"] == "accepted" and c["silently_wrong"] and c["max_error"] > bound, (c, bound)
 
@@ -174,7 +196,9 @@ def test_memory_kept_between_forward_and_backward(quick_report):
     # torch_npu 2.13.0: output + softmax_max/sum saved by autograd; cp_cache: the floor,
     # output + LSE (its statistics are stride-0 views of the LSE) + the handle's cache
     lse = r["batch"] * r["heads"] * s_local * 4
-    assert out + stats <= mem[compare.NPU_213]["no_checkpoint"]["total_bytes"] <= out + stats + 1024, mem[compare.NPU_213]
+    for name in (compare.NPU_214, compare.NPU_213):
+        if not _breaks_here(name):
+            assert out + stats <= mem[name]["no_checkpoint"]["total_bytes"] <= out + stats + 1024, mem[name]
     kept = mem[compare.CP_CACHE]["no_checkpoint"]["total_bytes"]
     assert out + lse <= kept <= out + lse + 1024, mem[compare.CP_CACHE]
     # 2.12.0 additionally keeps the merged LSE and a clone of max/sum per ring step
@@ -202,5 +226,6 @@ def test_traffic_counts_agree_with_cp_cache_and_the_ring(quick_report):
     # causal head-tail at W=2: rank 1's queries end in chunk 2, so of rank 0's block (chunks 0 and
     # 3) cp_cache sends it chunk 0 alone; the other systems relay the whole block
     assert traffic["forward_bytes"] == kv // 2, traffic
-    for name in (compare.NPU_213, compare.TORCH_AG, compare.TORCH_A2A):
-        assert res[name]["traffic"]["forward_bytes"] == kv, (name, res[name]["traffic"])
+    for name in (compare.NPU_214, compare.NPU_213, compare.NPU_212, compare.TORCH_AG, compare.TORCH_A2A):
+        if not _breaks_here(name):
+            assert res[name]["traffic"]["forward_bytes"] == kv, (name, res[name]["traffic"])

@@ -20,6 +20,8 @@ from cp_cache.testing.multiprocess import run_ranks
 from cp_cache.testing.reference import error_bound, rel_err
 from cp_cache.testing.varlen_reference import dense_tnd_attention
 
+pytestmark = pytest.mark.slow  # exhaustive sweeps: left out of make matrix's fast subset
+
 PLACEMENTS = ("balanced", "head_tail", "contiguous")
 D = 8
 

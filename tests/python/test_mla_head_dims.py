@@ -20,6 +20,8 @@ from cp_cache import layout as L
 from cp_cache.testing.multiprocess import run_ranks
 from cp_cache.testing.reference import band_masked, dense_attention, error_bound, rel_err
 
+pytestmark = pytest.mark.slow  # exhaustive sweeps: left out of make matrix's fast subset
+
 B, D, DV, S_LOCAL = 1, 12, 8, 4  # batch, Q/K head dim, V head dim, tokens per rank
 PRE = 5  # the window: query i sees keys i-5 .. i
 MASK = 2048

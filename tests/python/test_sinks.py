@@ -28,6 +28,8 @@ from cp_cache.testing.multiprocess import run_ranks
 from cp_cache.testing.reference import dense_attention, error_bound, rank_positions, rel_err
 from cp_cache.testing.varlen_reference import dense_tnd_attention
 
+pytestmark = pytest.mark.slow  # exhaustive sweeps: left out of make matrix's fast subset
+
 WORLDS = (2, 4, 8)
 B, N, D, S_LOCAL = 1, 8, 8, 4  # N = 8: Ulysses over 8 ranks
 NKV_GQA = 2

@@ -17,6 +17,8 @@ import torch
 import lifetime_harness as H
 from cp_cache.testing.multiprocess import run_ranks
 
+pytestmark = pytest.mark.slow  # exhaustive sweeps: left out of make matrix's fast subset
+
 STEPS = 300
 WARMUP = 60
 RSS_TOLERANCE_KIB = 12 * 1024

@@ -20,7 +20,9 @@ from cp_cache.testing import install_npu_emulator
 from cp_cache.testing.multiprocess import run_ranks
 from cp_cache.testing.reference import dense_attention, error_bound, rank_positions
 from cp_cache.testing.torch_npu_wheel import (
+    CP_STRATEGY_TYPE_ERROR,
     VERSIONS,
+    cp_strategy_breaks_on_this_torch,
     fetch,
     load_torch_npu_cp,
     wheel_meta_functions,
@@ -170,6 +172,22 @@ def _full_inputs(world: int):
     return [torch.randn(B, N, S_LOCAL * world, D, generator=g, dtype=torch.float64) for _ in range(4)]
 
 
+def _sharded_call(rank: int, world: int, mesh, lb: bool) -> dict:
+    """Causal attention on this rank's shards through whatever handles the op, forward and backward."""
+    from torch.distributed.tensor import DTensor, Shard
+
+    pos = rank_positions(world, rank, S_LOCAL, lb)
+    q, k, v, dout = (t.index_select(2, pos).float() for t in _full_inputs(world))
+    qd, kd, vd = (DTensor.from_local(t, mesh, [Shard(2)]).requires_grad_() for t in (q, k, v))
+    mask = torch.ones(MASK, MASK, dtype=torch.bool).triu(1)
+    o = torch.ops.npu.npu_fusion_attention_v3(qd, kd, vd, N, "BNSD", atten_mask=mask, scale=1.0 / math.sqrt(D),
+                                              keep_prob=1.0, next_tockens=0, sparse_mode=2)[0]
+    o.backward(DTensor.from_local(dout, mesh, [Shard(2)]) if isinstance(o, DTensor) else dout)
+    local = o.to_local() if isinstance(o, DTensor) else o
+    return {"type": type(o).__name__, "pos": pos, "out": local.detach().double(),
+            **{n: t.grad.to_local().double() for n, t in zip("qkv", (qd, kd, vd))}}
+
+
 def _cp_rank(rank: int, world: int, version: str) -> dict:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor, Shard
@@ -191,19 +209,11 @@ def _cp_rank(rank: int, world: int, version: str) -> dict:
                 table = DTensor._op_dispatcher._custom_op_handlers
                 res[f"entered_{lb}"] = (table.get(v3) is loaded.forward_handler,
                                         table.get(g3) is loaded.backward_handler)
-                pos = rank_positions(world, rank, S_LOCAL, lb)
-                q, k, v, dout = (t.index_select(2, pos).float() for t in _full_inputs(world))
-                qd, kd, vd = (DTensor.from_local(t, mesh, [Shard(2)]).requires_grad_() for t in (q, k, v))
-                mask = torch.ones(MASK, MASK, dtype=torch.bool).triu(1)
-                out = torch.ops.npu.npu_fusion_attention_v3(
-                    qd, kd, vd, N, "BNSD", atten_mask=mask, scale=1.0 / math.sqrt(D),
-                    keep_prob=1.0, next_tockens=0, sparse_mode=2)
-                o = out[0]
-                res[f"out_type_{lb}"] = type(o).__name__
-                o.backward(DTensor.from_local(dout, mesh, [Shard(2)]) if isinstance(o, DTensor) else dout)
-                local = o.to_local() if isinstance(o, DTensor) else o
-                res[f"run_{lb}"] = {"pos": pos, "out": local.detach().double(),
-                                    **{n: t.grad.to_local().double() for n, t in zip("qkv", (qd, kd, vd))}}
+                try:
+                    res[f"run_{lb}"] = _sharded_call(rank, world, mesh, lb)
+                    res[f"out_type_{lb}"] = res[f"run_{lb}"].pop("type")
+                except TypeError as error:  # torch-npu 2.13/2.14 on torch 2.14+: CP_STRATEGY_TYPE_ERROR
+                    res[f"error_{lb}"] = str(error)
                 res[f"stack_{lb}"] = None if loaded.step_cache_stack is None else len(loaded.step_cache_stack)
             finally:
                 att._disable_context_parallel_dispatcher_impl()
@@ -240,6 +250,9 @@ def test_context_parallel_entry_installs_torch_npu_handlers_and_exit_removes_the
 @pytest.mark.parametrize("load_balance", (True, False), ids=("lb", "contiguous"))
 def test_torch_npu_cp_matches_dense(version, load_balance):
     runs = _runs(version)
+    if cp_strategy_breaks_on_this_torch(version):  # on torch 2.14+: refused by its own sharding strategy
+        assert all(res.get(f"error_{load_balance}") == CP_STRATEGY_TYPE_ERROR for res in runs), runs
+        return
     q, k, v, dout = _full_inputs(WORLD)
     dense = dense_attention(q, k, v, dout, causal=True)
     ref = {"out": dense["out"], "q": dense["dq"], "k": dense["dk"], "v": dense["dv"]}

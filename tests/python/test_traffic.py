@@ -28,6 +28,8 @@ from cp_cache.testing.multiprocess import run_ranks
 from cp_cache.testing.reference import band_masked, dense_attention, error_bound, rel_err
 from cp_cache.testing.varlen_reference import document_masked
 
+pytestmark = pytest.mark.slow  # exhaustive sweeps: left out of make matrix's fast subset
+
 WORLD, B, N, D, S = 4, 1, 4, 16, 128
 S_LOCAL = S // WORLD
 DOCS = (20, 64, 100, 128)  # four documents crossing the contiguous shards

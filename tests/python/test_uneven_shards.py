@@ -25,6 +25,8 @@ from cp_cache.testing.reference import ring_plan
 from cp_cache.testing.multiprocess import capture, run_ranks
 from cp_cache.testing.reference import dense_attention
 
+pytestmark = pytest.mark.slow  # exhaustive sweeps: left out of make matrix's fast subset
+
 B, N, D = 1, 4, 8
 PG_TIMEOUT = 20.0
 

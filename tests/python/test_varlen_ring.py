@@ -18,6 +18,8 @@ from cp_cache.testing.reference import error_bound, rel_err
 from cp_cache.testing.varlen_reference import dense_tnd_attention, document_masked
 from cp_cache.algorithms.packed import plan_varlen_step, step_pairs
 
+pytestmark = pytest.mark.slow  # exhaustive sweeps: left out of make matrix's fast subset
+
 D = 8
 WORLDS = (1, 2, 4)
 

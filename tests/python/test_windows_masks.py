@@ -22,6 +22,8 @@ from cp_cache.testing import install_npu_emulator
 from cp_cache.testing.multiprocess import run_ranks
 from cp_cache.testing.reference import band_masked, dense_attention, error_bound, exchanged_rows, rank_positions
 
+pytestmark = pytest.mark.slow  # exhaustive sweeps: left out of make matrix's fast subset
+
 WORLDS = (1, 2, 4)
 B, N, D, S_LOCAL = 2, 4, 8, 8
 

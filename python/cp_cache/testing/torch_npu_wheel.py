@@ -52,6 +52,8 @@ __all__ = [
     "CACHE_ENV",
     "VERSIONS",
     "NEWEST",
+    "CP_STRATEGY_TYPE_ERROR",
+    "cp_strategy_breaks_on_this_torch",
     "FETCH_COMMAND",
     "LoadedTorchNpuCP",
     "TorchChange",
@@ -217,6 +219,23 @@ def fetch(version: str, cache_dir: Optional[os.PathLike] = None) -> Path:
         staging.rename(root)
     log.info("torch-npu %s: %d files kept in %s", version, kept, root)
     return root
+
+
+# What torch_npu's CP does on torch 2.14+ (measured with the wheels' files over the emulator):
+# torch-npu 2.13.0 and 2.14.0 register their CP sharding strategy through torch's
+# `_single_dim_strategy_context` where torch has one (from 2.14), which calls a single-dim strategy
+# as f(op, args_meta, kwargs_meta), while theirs takes one OpSchema: their first sequence-sharded
+# call raises this TypeError. torch-npu 2.12.0 does not register one and runs.
+CP_STRATEGY_TYPE_ERROR = "_npu_fa_v3_cp_strategy() takes 1 positional argument but 3 were given"
+
+
+def cp_strategy_breaks_on_this_torch(version: str, cache_dir: Optional[os.PathLike] = None) -> bool:
+    """Whether torch-npu ``version``'s CP handlers raise CP_STRATEGY_TYPE_ERROR under the running torch."""
+    from torch.distributed.tensor.experimental._context_parallel import _sharding_rules
+
+    source = (wheel_root(version, cache_dir) / _REQUIRED_FILES[-1]).read_text()
+    return (hasattr(_sharding_rules, "_single_dim_strategy_context") and "_single_dim_strategy_context" in source
+            and "def _npu_fa_v3_cp_strategy(op_schema)" in source)
 
 
 # ---------------------------------------------------------------------------
