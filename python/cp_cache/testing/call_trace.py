@@ -1,0 +1,55 @@
+"""Which product modules one attention call walks through, traced at run time.
+
+``trace_modules(fn)`` runs ``fn`` under ``sys.setprofile`` and records, in order, the module of
+every Python function entered whose module is cp_cache's product (the emulator, the tools and
+these helpers excluded). A call that reads top-down enters few modules and rarely comes back to
+one it has left: ``CallPath.modules`` counts the distinct modules, ``CallPath.returns`` how many
+times the path re-entered a module it had already left.
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass
+from typing import Callable
+
+__all__ = ["CallPath", "trace_modules"]
+
+_EXCLUDED = ("cp_cache.emulator", "cp_cache.testing", "cp_cache.cli")
+
+
+@dataclass(frozen=True)
+class CallPath:
+    order: tuple[str, ...]  # the modules entered, consecutive repeats collapsed
+
+    @property
+    def modules(self) -> int:
+        return len(set(self.order))
+
+    @property
+    def returns(self) -> int:
+        return len(self.order) - self.modules
+
+    def names(self) -> list[str]:
+        return sorted(set(self.order))
+
+
+def trace_modules(fn: Callable[[], object]) -> CallPath:
+    """The product modules ``fn()`` enters on this thread (run autograd's backward with
+    ``torch.autograd.set_multithreading_enabled(False)`` to keep it on this thread)."""
+    order: list[str] = []
+
+    def profile(frame, event, arg):
+        if event != "call":
+            return
+        module = frame.f_globals.get("__name__", "")
+        if module.startswith("cp_cache") and not module.startswith(_EXCLUDED) and (not order or order[-1] != module):
+            order.append(module)
+
+    previous = sys.getprofile()
+    sys.setprofile(profile)
+    try:
+        fn()
+    finally:
+        sys.setprofile(previous)
+    return CallPath(tuple(order))
