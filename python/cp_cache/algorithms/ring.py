@@ -1,9 +1,10 @@
 """Ring attention over a 1-D process group, forward and backward, on any step kernel.
 
-Each rank keeps its query block; the K/V blocks travel around the ring (rank r
-sends to r+1 and receives from r-1). Step i on rank r uses the block of group
-rank ``(r - i) % W``. The next block's transfer is posted before the current
-block is computed and waited after, so at most two K/V blocks are alive.
+Each rank keeps its query block. Step i on rank r computes against the K/V of group rank
+``(r - i) % W``. By default (``exchange="direct"``) each rank sends straight to rank r+i only
+the rows of its block that rank needs (``engine/needs.py``: the mask's lower bound); with
+``exchange="ring"`` the whole blocks travel around the ring (rank r sends to r+1, receives from
+r-1). The next step's transfer is posted before the current step is computed and waited after.
 Step results are merged in float32 with the log-sum-exp rule.
 
 Causal rules (torch's ``_templated_ring_attention``):
@@ -15,12 +16,12 @@ Causal rules (torch's ``_templated_ring_attention``):
   all local queries through its first half ("kv_head"), a block from a higher
   rank is seen fully by the second half of the local queries ("q_tail").
 
-Band (sliding window) and explicit masks are planned per block in ``ring_plan``;
-with a band and contiguous sharding the rotation stops after the last hop any rank
-needs.
+Band (sliding window) and explicit masks are planned per block in ``engine/steps.py``
+(``plan_step``); with a band and contiguous sharding the steps stop after the last hop any
+rank needs.
 
-Backward sends the K/V around again; the float32 dK/dV accumulators travel
-with their block and go back to its owner after the last step. The loops, the transport
+Backward receives the K/V rows again; the float32 dK/dV partials go straight back to their
+owner (direct exchange), or travel with their block and go back after the last step (ring). The loops, the transport
 and the merge are the engine's (``engine/``); this module says what each step computes.
 """
 
