@@ -18,7 +18,7 @@ from typing import Any, Sequence
 import torch
 from torch import Tensor
 
-from .placement import PLACEMENTS, check_placeable, placement_pieces
+from .placement import PLACEMENTS, Piece, check_placeable, placement_pieces, sequence_pieces
 
 __all__ = [
     "cumulative_lengths",
@@ -26,6 +26,8 @@ __all__ = [
     "check_documents",
     "document_pieces",
     "document_positions",
+    "sequence_positions",
+    "sequence_order",
     "placement_positions",
     "local_lengths",
     "check_local_length",
@@ -85,7 +87,24 @@ def document_pieces(cu: Sequence[int], rank: int, world_size: int,
 
 def document_positions(cu: Sequence[int], rank: int, world_size: int, placement: str) -> Tensor:
     """The global token positions ``rank`` holds, in local order (int64)."""
-    return torch.cat([torch.arange(g, g + n) for _, _, g, n in document_pieces(cu, rank, world_size, placement)])
+    return _positions(placement_pieces(cu, world_size, placement)[rank])
+
+
+def sequence_positions(rank: int, world_size: int, local_length: int, load_balance: bool) -> Tensor:
+    """The global positions ``rank`` holds of one sequence of ``world_size`` x ``local_length``
+    tokens, in local order (int64): ``placement.sequence_pieces``, the dense shards' one rule."""
+    return _positions(sequence_pieces(rank, world_size, local_length, load_balance))
+
+
+def sequence_order(world_size: int, local_length: int, load_balance: bool) -> Tensor:
+    """The global position of each row of the ranks' shards laid end to end in rank order."""
+    return torch.cat([sequence_positions(r, world_size, local_length, load_balance) for r in range(world_size)])
+
+
+def _positions(pieces: Sequence[Piece]) -> Tensor:
+    if not pieces:
+        return torch.empty(0, dtype=torch.int64)
+    return torch.cat([torch.arange(p.start, p.start + p.length) for p in pieces])
 
 
 def placement_positions(cu: Sequence[int], world_size: int, placement: str) -> list[Tensor]:

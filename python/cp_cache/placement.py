@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from typing import Sequence
 
 __all__ = ["PLACEMENTS", "BALANCED", "HEAD_TAIL", "CONTIGUOUS", "BALANCE_TOLERANCE", "Piece", "check_placement",
-           "check_placeable", "placement_pieces", "causal_pairs", "PlacementCost", "placement_cost"]
+           "check_placeable", "placement_pieces", "sequence_pieces", "causal_pairs", "PlacementCost", "placement_cost"]
 
 BALANCED, HEAD_TAIL, CONTIGUOUS = "balanced", "head_tail", "contiguous"
 PLACEMENTS = (BALANCED, HEAD_TAIL, CONTIGUOUS)
@@ -86,6 +86,15 @@ def placement_pieces(cu: Sequence[int], world: int, placement: str) -> tuple[tup
     cu = tuple(int(x) for x in cu)
     check_placeable(cu, world, placement)
     return _pieces(cu, world, placement)
+
+
+def sequence_pieces(rank: int, world: int, local_length: int, load_balance: bool) -> tuple[Piece, ...]:
+    """The one-document case: the pieces ``rank`` holds of one sequence of ``world`` x
+    ``local_length`` tokens (a dense call's shards): head-tail under load balancing (chunks r and
+    2W-1-r of 2W), else contiguous. Every dense position rule asks this."""
+    if local_length == 0:
+        return ()
+    return _pieces((world * local_length,), world, HEAD_TAIL if load_balance else CONTIGUOUS)[rank]
 
 
 @functools.lru_cache(maxsize=64)  # the same documents in every layer of a step

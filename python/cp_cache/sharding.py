@@ -17,7 +17,7 @@ from torch import Tensor
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
 from .config import load_balance_enabled
-from .engine.steps import positions
+from .documents import sequence_order
 
 __all__ = ["shard_sequence", "unshard_sequence"]
 
@@ -40,7 +40,7 @@ def _order(seq: int, world: int, load_balance: bool, cp_dims: tuple) -> Optional
         )
     if seq % (2 * world):
         raise ValueError(f"load balancing needs the sequence length {seq} divisible by 2*W = {2 * world}")
-    return torch.cat([positions(r, world, seq // world, True) for r in range(world)])
+    return sequence_order(world, seq // world, True)
 
 
 def shard_sequence(x: Tensor, mesh, seq_dim: int, *, cp_dims: Optional[Sequence[int]] = None,

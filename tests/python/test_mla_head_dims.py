@@ -133,7 +133,7 @@ class _Sharding:
     """This rank's pieces of full [B, N, S, D] tensors as DTensors of the case's layout, and back."""
 
     def __init__(self, case: Case, world: int, rank: int):
-        from cp_cache.engine.steps import positions
+        from cp_cache.documents import sequence_positions as positions
 
         self.case, self.world, self.mesh = case, world, _mesh(case, world)
         self.cu = _documents(world)

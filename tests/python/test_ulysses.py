@@ -169,7 +169,7 @@ def _full(case: Case, data_index: int) -> list[torch.Tensor]:
 
 
 def _seq_positions(case: Case, sizes, coords) -> torch.Tensor:
-    from cp_cache.engine.steps import positions
+    from cp_cache.documents import sequence_positions as positions
 
     c, count = _nested(case, sizes, coords, "seq")
     return positions(c, count, case.S // count, case.load_balance)
@@ -505,7 +505,7 @@ def _memory_floor(rank: int, world: int) -> dict:
 def _sharding_helpers(rank: int, world: int) -> dict:
     """cp_cache.shard_sequence / unshard_sequence: head-tail on one CP dim, nested contiguous
     chunks on two (hybrid)."""
-    from cp_cache.engine.steps import positions
+    from cp_cache.documents import sequence_positions as positions
 
     x = torch.arange(2 * 16 * 3, dtype=torch.float32).view(2, 16, 3)  # [B, S, H]
     got = {}

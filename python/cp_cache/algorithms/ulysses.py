@@ -45,7 +45,7 @@ from .. import layout as L
 from ..engine.agreement import agreed_checks
 from ..engine.checks import check_backward_operands, check_qkv
 from ..engine.loop import BackwardResult, ForwardResult, RingStep, empty_outputs
-from ..engine.steps import positions
+from ..documents import sequence_order
 from ..engine.transport import exchange_heads, own_group, own_storage
 from ..kernels.base import StepKernel, StepMask
 from ..plan import CallPlan, HeadPlan, head_plan
@@ -66,7 +66,7 @@ def _sequence_order(plan: CallPlan, local_seq: int) -> Optional[Tensor]:
     if not plan.load_balance:
         return None
     world = plan.ulysses_size
-    return torch.cat([positions(r, world, local_seq, True) for r in range(world)])
+    return sequence_order(world, local_seq, True)
 
 
 def _to_global(x: Tensor, order: Optional[Tensor]) -> Tensor:

@@ -28,9 +28,9 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from ..documents import document_positions
+from ..documents import document_positions, sequence_positions
 from ..plan import CallPlan, MaskSpec
-from .steps import given_columns, positions
+from .steps import given_columns
 from .transport import side_group
 
 __all__ = ["needed_keys", "rank_positions", "StageRows", "ExchangePlan", "exchange_plan"]
@@ -74,8 +74,8 @@ def rank_positions(plan: CallPlan, lengths: list) -> list[tuple[Tensor, Tensor]]
         held = [document_positions(plan.documents, p, world, plan.document_placement) for p in range(world)]
         return [(pos, pos) for pos in held]
     if len({q for q, _ in lengths}) == 1 and len({kv for _, kv in lengths}) == 1:
-        keys = [positions(p, world, kv, plan.load_balance) for p, (_, kv) in enumerate(lengths)]
-        queries = [positions(p, world, q, plan.load_balance) for p, (q, _) in enumerate(lengths)]
+        keys = [sequence_positions(p, world, kv, plan.load_balance) for p, (_, kv) in enumerate(lengths)]
+        queries = [sequence_positions(p, world, q, plan.load_balance) for p, (q, _) in enumerate(lengths)]
     else:
         keys = _contiguous([kv for _, kv in lengths])
         queries = _contiguous([q for q, _ in lengths])

@@ -29,9 +29,10 @@ from torch import Tensor
 
 from ..kernels.base import StepMask
 from ..npu_ops import INT_MAX
+from ..placement import sequence_pieces
 from ..plan import MaskSpec
 
-__all__ = ["BlockTask", "step_part", "plan_step", "hops_needed", "chunks", "positions", "given_columns", "PARTS"]
+__all__ = ["BlockTask", "step_part", "plan_step", "hops_needed", "chunks", "given_columns", "PARTS"]
 
 PARTS = ("causal", "full", "q_tail", "kv_head", "band", "masked", "skip")
 
@@ -61,16 +62,8 @@ def step_part(rank: int, index: int, world_size: int, causal: bool, load_balance
 
 
 def chunks(rank: int, world_size: int, length: int, load_balance: bool) -> list[tuple[int, int, int]]:
-    """(local start, global start, length) of the chunks a rank holds."""
-    if load_balance:
-        c = length // 2
-        return [(0, rank * c, c), (c, (2 * world_size - 1 - rank) * c, c)]
-    return [(0, rank * length, length)]
-
-
-def positions(rank: int, world_size: int, length: int, load_balance: bool) -> Tensor:
-    """The global sequence positions a rank holds, in local order (``chunks`` laid end to end)."""
-    return torch.cat([torch.arange(g, g + n) for _, g, n in chunks(rank, world_size, length, load_balance)])
+    """(local start, global start, length) of the chunks a rank holds (``placement.sequence_pieces``)."""
+    return [(p.local, p.start, p.length) for p in sequence_pieces(rank, world_size, length, load_balance)]
 
 
 def _causal_tasks(part: str, q_len: int, kv_len: int) -> list[BlockTask]:

@@ -20,9 +20,9 @@ from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 from .. import layout as L
 from ..arguments import bind_arguments
 from ..config import CPConfig, document_placement, load_balance_enabled
+from ..documents import sequence_positions
 from ..engine import agreement
 from ..engine.merge import fused_merge_available
-from ..engine.steps import positions
 from ..kernels import get_kernel
 from ..npu_ops import stats_views_from_lse
 from ..plan import CallPlan, MaskSpec
@@ -169,7 +169,7 @@ def _mask_rows(a: dict[str, Any], plan: CallPlan) -> Optional[Tensor]:
     if plan.algorithm != "ring":
         return whole_mask(a["atten_mask"], a["query"], plan.layout)
     local_len = a["query"].to_local().size(L.seq_dim(plan.layout))
-    rows = positions(plan.rank, plan.world_size, local_len, plan.load_balance)
+    rows = sequence_positions(plan.rank, plan.world_size, local_len, plan.load_balance)
     return local_mask_rows(a["atten_mask"], a["query"], plan.layout, rows)
 
 

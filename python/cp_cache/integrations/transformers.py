@@ -33,7 +33,7 @@ from ..arguments import describe
 from ..config import load_balance_enabled
 from ..dispatch import active_mesh, in_cp_region
 from ..engine.agreement import refusal_shared
-from ..engine.steps import positions
+from ..documents import sequence_positions
 from ..npu_ops import SparseMode, causal_mask
 
 __all__ = ["NAME", "register", "attention_forward", "mask_hook"]
@@ -182,7 +182,7 @@ def _sharding(mesh, query: Tensor, key: Tensor) -> _Sharding:
         raise NotImplementedError(f"cp_cache attention under CP: query length {s_q} != key length {s_kv} "
                                   "(a KV cache, or cross-attention) is not supported")
     world, rank, load_balance = mesh.size(), mesh.get_local_rank(), load_balance_enabled()
-    return _Sharding(mesh, positions(rank, world, s_q, load_balance), s_q * world, load_balance)
+    return _Sharding(mesh, sequence_positions(rank, world, s_q, load_balance), s_q * world, load_balance)
 
 
 # ---------------------------------------------------------------- documents and position ids

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import torch
 
 from .. import layout as L
-from ..engine.steps import positions
+from ..documents import sequence_order, sequence_positions
 from ..npu_ops import INT_MAX
 from ..plan import CallPlan, MaskSpec
 
@@ -80,13 +80,13 @@ def rank_positions(world: int, rank: int, s_local: int, load_balance: bool) -> t
     With load balancing: the head-tail chunks ``rank`` and ``2W-1-rank`` of length s_local/2;
     without: the contiguous block ``rank``.
     """
-    return positions(rank, world, s_local, load_balance)
+    return sequence_positions(rank, world, s_local, load_balance)
 
 
 def head_tail_positions(seq: int, world: int) -> torch.Tensor:
     """Global positions in the order head-tail sharding lays them out over ``world`` ranks
     (rank 0's positions, then rank 1's, ...): the permutation ``context_parallel`` applies."""
-    return torch.cat([rank_positions(world, r, seq // world, load_balance=True) for r in range(world)])
+    return sequence_order(world, seq // world, True)
 
 
 def case_positions(case: AttentionCase, world: int, rank: int) -> torch.Tensor:
