@@ -1,36 +1,8 @@
-"""torch_npu's own context-parallel (CP) Python code, run on CPU over the NPU emulator.
-
-Why: users on Ascend run torch_npu's CP handlers today, so cp_cache is measured
-against them and must coexist with them. The torch-npu wheels on PyPI cannot be
-imported here: ``import torch_npu`` loads a native library that needs Ascend
-CANN. Their CP files are plain Python, though, and only need
-``torch.ops.npu.npu_fusion_attention*`` -- which the emulator
-(``cp_cache.emulator.install_npu_emulator``) provides on CPU.
-
-This module
-
-* fetches a wheel with pip (``fetch``), keeps only the few Python/YAML files the
-  CP path and the reports need, under ``CACHE_DIR/<version>/`` (the wheel itself
-  is deleted);
-* ``load_torch_npu_cp(version)``: a context manager that puts stub package
-  modules (``torch_npu``, ``torch_npu.distributed``, ...) into ``sys.modules``
-  with ``__path__`` pointing into the extracted files, gives the ``torch_npu``
-  stub the emulator's ops, and imports the CP modules the way ``import torch_npu``
-  does (``torch_npu.distributed.tensor`` imports its ``_attention`` module, then
-  ``experimental._context_parallel``, whose ``_attention`` module patches torch's
-  CP dispatcher functions). It records every change the import makes to torch
-  and undoes all of them on exit, so 2.14.0, 2.13.0 and 2.12.0 can be loaded one after
-  the other in one process;
-* ``wheel_meta_functions(version)``: the wheel's fake/meta functions of the four
-  fused-attention ops as plain callables (without registering them anywhere).
-
-Command line: ``python -m cp_cache.testing.torch_npu_wheel fetch [--version V ...]``.
-"""
+"""Loading torch_npu's CP modules from the extracted files over the emulator, recording and undoing
+every change their import makes to torch; what their CP does on the running torch."""
 
 from __future__ import annotations
 
-import argparse
-import ast
 import contextlib
 import dataclasses
 import functools
@@ -38,44 +10,14 @@ import importlib
 import importlib.machinery
 import logging
 import os
-import shutil
-import subprocess
 import sys
-import tempfile
 import types
-import zipfile
 from pathlib import Path
-from typing import Any, Callable, Iterator, Optional, Sequence
+from typing import Any, Callable, Iterator, Optional
 
-__all__ = [
-    "CACHE_DIR",
-    "CACHE_ENV",
-    "VERSIONS",
-    "NEWEST",
-    "CP_STRATEGY_TYPE_ERROR",
-    "cp_strategy_breaks_on_this_torch",
-    "FETCH_COMMAND",
-    "LoadedTorchNpuCP",
-    "TorchChange",
-    "fetch",
-    "wheel_root",
-    "load_torch_npu_cp",
-    "wheel_meta_functions",
-]
+from .fetch import _REQUIRED_FILES, wheel_root
 
 log = logging.getLogger("cp_cache")
-
-CACHE_ENV = "CP_CACHE_TORCH_NPU_CACHE"
-_REPO = Path(__file__).resolve().parents[3]
-CACHE_DIR = Path(os.environ.get(CACHE_ENV) or (_REPO / ".cache" / "torch_npu"))
-VERSIONS = ("2.14.0", "2.13.0", "2.12.0")  # newest first
-NEWEST = VERSIONS[0]
-FETCH_COMMAND = "make torch-npu-wheels  (or: python -m cp_cache.testing.torch_npu_wheel fetch --version {version})"
-
-# pip: seconds per network operation, retries, and a bound on the whole download
-PIP_SOCKET_TIMEOUT_S = 60
-PIP_RETRIES = 2
-PIP_TOTAL_TIMEOUT_S = 900
 
 # the four fused-attention ops the stub exposes as torch_npu.<name>
 OP_NAMES = (
@@ -84,28 +26,6 @@ OP_NAMES = (
     "npu_fusion_attention_grad",
     "npu_fusion_attention_grad_v3",
 )
-
-# what is kept from a wheel (paths inside it; a trailing "/" keeps a folder's .py files recursively)
-_KEEP_TREES = ("torch_npu/distributed/tensor/",)
-_KEEP_FILES = (
-    "torch_npu/__init__.py",
-    "torch_npu/version.py",
-    "torch_npu/distributed/__init__.py",
-    "torch_npu/_init/core/module_loader.py",
-    "torch_npu/op_plugin/meta/__init__.py",
-    "torch_npu/op_plugin/meta/_meta_registrations.py",
-    "torch_npu/op_plugin/meta/_fake_registrations.py",
-    "torch_npu/csrc/aten/npu_native_functions_by_codegen.yaml",
-)
-# without these the CP path cannot be loaded
-_REQUIRED_FILES = (
-    "torch_npu/distributed/tensor/_attention.py",
-    "torch_npu/distributed/tensor/_common.py",
-    "torch_npu/distributed/tensor/experimental/_context_parallel/__init__.py",
-    "torch_npu/distributed/tensor/experimental/_context_parallel/_attention.py",
-    "torch_npu/distributed/tensor/experimental/_context_parallel/_npu_attention.py",
-)
-_COMPLETE_MARKER = ".cp_cache-extracted"
 
 # stub packages (no __init__ code runs) and the modules imported, in import_torch_npu's order
 _STUB_PACKAGES = (
@@ -120,105 +40,6 @@ _CP_PATCH_MODULE = _CP_PACKAGE + "._attention"
 _CP_HANDLER_MODULE = _CP_PACKAGE + "._npu_attention"
 _TORCH_CP_MODULE = "torch.distributed.tensor.experimental._context_parallel._attention"
 
-
-# ---------------------------------------------------------------------------
-# fetching
-# ---------------------------------------------------------------------------
-
-
-def _cache_dir(cache_dir: Optional[os.PathLike]) -> Path:
-    return Path(cache_dir) if cache_dir is not None else CACHE_DIR
-
-
-def _is_extracted(root: Path) -> bool:
-    return (root / _COMPLETE_MARKER).is_file() and all((root / f).is_file() for f in _REQUIRED_FILES)
-
-
-def wheel_root(version: str, cache_dir: Optional[os.PathLike] = None) -> Path:
-    """The folder holding the extracted ``torch_npu/`` of ``version``; FileNotFoundError if not fetched."""
-    root = _cache_dir(cache_dir) / version
-    if not _is_extracted(root):
-        raise FileNotFoundError(
-            f"torch-npu {version}: its Python files are not in {root} (not fetched yet). "
-            f"Fetch them with: {FETCH_COMMAND.format(version=version)}"
-            + (f"; the cache folder is set by {CACHE_ENV}" if cache_dir is None else "")
-        )
-    return root
-
-
-def _keep(name: str) -> bool:
-    if name in _KEEP_FILES:
-        return True
-    return name.endswith(".py") and any(name.startswith(t) for t in _KEEP_TREES)
-
-
-def _pip_download(version: str, dest: Path, extra: Sequence[str]) -> subprocess.CompletedProcess:
-    cmd = [
-        sys.executable, "-m", "pip", "download", "--no-deps", "--no-cache-dir",
-        "--disable-pip-version-check", "--timeout", str(PIP_SOCKET_TIMEOUT_S),
-        "--retries", str(PIP_RETRIES), "-d", str(dest), f"torch-npu=={version}", *extra,
-    ]
-    log.info("fetching torch-npu %s: %s", version, " ".join(cmd))
-    try:
-        return subprocess.run(cmd, capture_output=True, text=True, timeout=PIP_TOTAL_TIMEOUT_S)
-    except subprocess.TimeoutExpired as e:
-        return subprocess.CompletedProcess(cmd, 124, e.stdout or "", f"pip timed out after {PIP_TOTAL_TIMEOUT_S} s")
-
-
-def fetch(version: str, cache_dir: Optional[os.PathLike] = None) -> Path:
-    """Download torch-npu ``version`` with pip, keep its CP-related Python/YAML files; the extracted root.
-
-    Does nothing when they are already there. Any wheel of that version will do (only
-    Python and YAML files are kept): first the one for this interpreter and platform, then
-    the CPython 3.11 manylinux x86_64 / aarch64 builds. Raises RuntimeError with pip's
-    output when no wheel could be downloaded.
-    """
-    base = _cache_dir(cache_dir)
-    root = base / version
-    if _is_extracted(root):
-        return root
-    base.mkdir(parents=True, exist_ok=True)
-    attempts: list[list[str]] = [["--only-binary=:all:"]]
-    for plat in ("manylinux_2_28_x86_64", "manylinux_2_28_aarch64"):
-        attempts.append(["--only-binary=:all:", "--python-version", "3.11", "--implementation", "cp",
-                         "--abi", "cp311", "--platform", plat])
-    failures = []
-    with tempfile.TemporaryDirectory(prefix=f"torch_npu-{version}-", dir=base) as tmp:
-        tmp_path = Path(tmp)
-        wheels: list[Path] = []
-        for extra in attempts:
-            proc = _pip_download(version, tmp_path / "dl", extra)
-            wheels = sorted((tmp_path / "dl").glob("torch_npu-*.whl"))
-            if proc.returncode == 0 and wheels:
-                break
-            tail = (proc.stdout + proc.stderr).strip().splitlines()[-6:]
-            failures.append(f"pip download {' '.join(extra)}: exit {proc.returncode}: " + " | ".join(tail))
-        if not wheels:
-            raise RuntimeError(
-                f"torch-npu {version}: no wheel could be downloaded from the package index "
-                f"(network or index unavailable, or no such version):\n  " + "\n  ".join(failures)
-            )
-        staging = tmp_path / "extract"
-        kept = 0
-        with zipfile.ZipFile(wheels[0]) as zf:
-            for info in zf.infolist():
-                if not info.is_dir() and _keep(info.filename):
-                    zf.extract(info, staging)
-                    kept += 1
-        for w in wheels:
-            w.unlink()
-        missing = [f for f in _REQUIRED_FILES if not (staging / f).is_file()]
-        if missing:
-            raise RuntimeError(
-                f"torch-npu {version}: the wheel {wheels[0].name} lacks the CP files {missing}; "
-                "this loader knows the layout of torch-npu 2.12 to 2.14"
-            )
-        (staging / _COMPLETE_MARKER).write_text(f"{wheels[0].name}\n{kept} files\n")
-        if root.exists():
-            shutil.rmtree(root)
-        staging.rename(root)
-    log.info("torch-npu %s: %d files kept in %s", version, kept, root)
-    return root
 
 
 # What torch_npu's CP does on torch 2.14+ (measured with the wheels' files over the emulator):
@@ -238,9 +59,6 @@ def cp_strategy_breaks_on_this_torch(version: str, cache_dir: Optional[os.PathLi
             and "def _npu_fa_v3_cp_strategy(op_schema)" in source)
 
 
-# ---------------------------------------------------------------------------
-# loading
-# ---------------------------------------------------------------------------
 
 
 @dataclasses.dataclass(frozen=True)
@@ -562,104 +380,3 @@ def load_torch_npu_cp(version: str, *, cache_dir: Optional[os.PathLike] = None,
                 if name == "torch_npu" or name.startswith("torch_npu."):
                     del sys.modules[name]
             _LOADED.clear()
-
-
-# ---------------------------------------------------------------------------
-# the wheel's fake/meta functions, as plain callables
-# ---------------------------------------------------------------------------
-
-_META_FILES = ("torch_npu/op_plugin/meta/_fake_registrations.py", "torch_npu/op_plugin/meta/_meta_registrations.py")
-
-
-def _registered_op(deco: ast.expr) -> Optional[str]:
-    """The op name a registration decorator names: register_fake("npu::X") or impl(m, "X")."""
-    if not isinstance(deco, ast.Call):
-        return None
-    for arg in deco.args:
-        if isinstance(arg, ast.Constant) and isinstance(arg.value, str):
-            return arg.value.split("::", 1)[-1]
-    return None
-
-
-class _ErrCodes:
-    """Stand-in for torch_npu's ``ErrCode`` enum in the meta functions' messages: any member is ''."""
-
-    def __getattr__(self, name: str) -> str:
-        return ""
-
-
-_ERR_CODES = _ErrCodes()
-
-
-def wheel_meta_functions(version: str, ops: Sequence[str] = OP_NAMES,
-                         cache_dir: Optional[os.PathLike] = None) -> dict:
-    """The wheel's fake (meta) functions of ``ops`` as plain callables: {op: (function, "file:line")}.
-
-    Each function is compiled alone from the wheel's source, without its registration
-    decorator (importing those files would register them with torch.library, which clashes
-    with the emulator's own fake kernels, and needs the native part). Their globals are
-    ``torch``, ``math`` and no-op stand-ins for the warning and error-code helpers they call
-    (``_warn*``, ``ops_error``, ``ErrCode``), so a failed check raises torch's RuntimeError.
-    """
-    import math
-
-    import torch
-
-    root = wheel_root(version, cache_dir)
-    found: dict = {}
-    for rel in _META_FILES:
-        path = root / rel
-        if not path.is_file():
-            continue
-        tree = ast.parse(path.read_text(), filename=str(path))
-        for node in tree.body:
-            if not isinstance(node, ast.FunctionDef):
-                continue
-            names = {_registered_op(d) for d in node.decorator_list} - {None}
-            for op in names & set(ops):
-                if op in found:
-                    continue
-                fn_node = ast.FunctionDef(**{f: getattr(node, f) for f in node._fields})
-                fn_node.decorator_list = []
-                module = ast.Module(body=[fn_node], type_ignores=[])
-                ast.copy_location(fn_node, node)
-                ast.fix_missing_locations(module)
-                namespace: dict = {"torch": torch, "math": math, "__name__": f"torch_npu_wheel_meta_{version}"}
-                for ref in {n.id for n in ast.walk(node) if isinstance(n, ast.Name)}:
-                    if ref.startswith("_warn"):
-                        namespace[ref] = lambda *a, **k: None
-                    elif ref == "ops_error":  # error-code suffix of a failed torch._check's message
-                        namespace[ref] = lambda *a, **k: ""
-                    elif ref == "ErrCode":
-                        namespace[ref] = _ERR_CODES
-                exec(compile(module, str(path), "exec"), namespace)  # noqa: S102 - the wheel's own function
-                found[op] = (namespace[node.name], f"{rel}:{node.lineno}")
-    return found
-
-
-# ---------------------------------------------------------------------------
-# command line
-# ---------------------------------------------------------------------------
-
-
-def main(argv: Optional[Sequence[str]] = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m cp_cache.testing.torch_npu_wheel",
-                                     description="Fetch torch-npu wheels' CP Python files for the CPU loader.")
-    sub = parser.add_subparsers(dest="cmd", required=True)
-    p_fetch = sub.add_parser("fetch", help="download and extract (default: every supported version)")
-    p_fetch.add_argument("--version", action="append", dest="versions", metavar="V",
-                         help=f"a torch-npu version (repeatable; default {' '.join(VERSIONS)})")
-    p_fetch.add_argument("--cache-dir", default=None, help=f"default {CACHE_DIR} (env {CACHE_ENV})")
-    args = parser.parse_args(argv)
-    status = 0
-    for version in args.versions or VERSIONS:
-        try:
-            print(f"torch-npu {version}: {fetch(version, args.cache_dir)}")
-        except (RuntimeError, OSError) as e:
-            print(f"torch-npu {version}: FAILED: {e}", file=sys.stderr)
-            status = 1
-    return status
-
-
-if __name__ == "__main__":
-    sys.exit(main())
