@@ -63,7 +63,7 @@ def plan_of(cache) -> CallPlan:
     return CallPlan.decode(cache.meta(_PLAN_KEY))
 
 
-def steps_of(cache, plan: CallPlan) -> list[RingStep]:
+def steps_of(cache) -> list[RingStep]:
     """The forward's ring steps, in order."""
     steps = []
     for index, (part, tensors) in enumerate(cache.steps):
@@ -73,8 +73,7 @@ def steps_of(cache, plan: CallPlan) -> list[RingStep]:
                 "holds a seed and an offset per kernel call, or nothing"
             )
         rng = tuple(zip(tensors[0::2], tensors[1::2]))
-        source = (plan.rank - index) % plan.world_size
-        steps.append(RingStep(index=index, source_rank=source, part=part, rng=rng))
+        steps.append(RingStep(index=index, part=part, rng=rng))
     return steps
 
 

@@ -152,7 +152,7 @@ def _run_cases(rank: int, world: int, cases: list[Case], group) -> dict:
             out=fwd.out, lse=fwd.lse, dq=bwd.dq, dk=bwd.dk, dv=bwd.dv,
             fwd_bytes=fwd.bytes_sent, bwd_bytes=bwd.bytes_sent,
             block_bytes=kl.nbytes + vl.nbytes,
-            steps=[(s.index, s.source_rank, s.part, None if s.seed is None else int(s.seed[0]),
+            steps=[(s.index, s.source_rank(rank, world), s.part, None if s.seed is None else int(s.seed[0]),
                     None if s.offset is None else int(s.offset[0])) for s in fwd.steps],
             max_alive=max(max_alive_fwd, kernel.max_alive),
             blocks_seen=(seen_fwd, len(kernel.refs)),
@@ -342,7 +342,7 @@ def test_steps_world_mismatch():
     q, k, v = _small()
     cfg = _cfg()
     fwd = RING.forward(cfg, q, k, v, groups=[None], kernel=ReferenceKernel())
-    extra = fwd.steps + [RingStep(1, 0, "full")]
+    extra = fwd.steps + [RingStep(1, "full")]
     with pytest.raises(RuntimeError, match="2 ring steps where its forward makes 1"):
         RING.backward(cfg, q, q, k, v, fwd.out, fwd.lse, extra, groups=[None], kernel=ReferenceKernel())
     with pytest.raises(ValueError, match="world_size=2"):

@@ -38,7 +38,8 @@ from .. import layout as L
 from ..documents import check_documents, check_local_length, cumulative_lengths, document_pieces, local_lengths
 from ..engine.agreement import agreed_checks
 from ..engine.checks import check_backward_operands, check_keep_prob
-from ..engine.loop import BackwardResult, ForwardResult, RingStep, backward_ring, empty_outputs, forward_ring
+from ..engine.loop import (BackwardResult, ForwardResult, RingStep, backward_ring, check_step, check_steps, empty_outputs,
+                           forward_ring)
 from ..engine.merge import merge_into
 from ..engine.needs import exchange_plan
 from ..engine.transport import group_info, own_group
@@ -73,7 +74,7 @@ class Segment:
 
 @dataclass(frozen=True)
 class VarlenStep:
-    part: str  # one of ring_plan.PARTS
+    part: str  # one of engine.steps.PARTS
     mask: StepMask  # the same for every segment of the step: "causal" (step 0) or "none"
     segments: tuple[Segment, ...]
 
@@ -248,20 +249,10 @@ def _ring_lengths(plan: CallPlan, cu) -> list[tuple[int, int]]:
 
 
 def _check_records(steps: list[RingStep], plan: CallPlan, cu) -> list[VarlenStep]:
-    rank, size = plan.rank, plan.world_size
-    if len(steps) != size:
-        raise RuntimeError(f"backward got {len(steps)} ring steps where its forward makes {size} (world size {size})")
-    planned = []
-    for i, st in enumerate(steps):
-        step = _plan_step(plan, cu, i)
-        calls = 1 if step.segments else 0
-        if st.index != i or st.source_rank != (rank - i) % size or st.part != step.part or \
-                (st.rng and len(st.rng) != calls):
-            raise RuntimeError(
-                f"ring step record {i} (index={st.index}, source_rank={st.source_rank}, part={st.part!r}, "
-                f"{len(st.rng)} kernel calls) does not match rank {rank}'s plan ({step.part!r}, {calls} calls): "
-                "the backward's documents or configuration differ from the forward's")
-        planned.append(step)
+    check_steps(steps, plan.rank, plan.world_size, plan.world_size)
+    planned = [_plan_step(plan, cu, i) for i in range(len(steps))]
+    for st, step in zip(steps, planned):
+        check_step(st, plan.rank, step.part, 1 if step.segments else 0)
     return planned
 
 

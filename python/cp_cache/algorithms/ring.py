@@ -41,6 +41,7 @@ from ..engine.loop import (
     ForwardResult,
     RingStep,
     backward_ring,
+    check_step,
     check_steps,
     empty_outputs,
     forward_ring,
@@ -103,12 +104,7 @@ def _kernel_args(plan: CallPlan) -> dict:
 def _recorded_tasks(step: RingStep, plan: CallPlan, q_len: int, kv_len: int, mask_rows):
     """The step's kernel calls, planned again, each with the (seed, offset) its forward drew."""
     part, tasks = _plan_step(plan, step.index, q_len, kv_len, mask_rows)
-    if part != step.part or (step.rng and len(step.rng) != len(tasks)):
-        raise RuntimeError(
-            f"ring step {step.index} on rank {plan.rank} recorded part {step.part!r} with {len(step.rng)} "
-            f"kernel calls; its plan now gives {part!r} with {len(tasks)}: the backward's inputs "
-            "(mask, lengths, configuration) differ from the forward's"
-        )
+    check_step(step, plan.rank, part, len(tasks))
     return zip(tasks, step.rng or [(None, None)] * len(tasks))
 
 

@@ -255,7 +255,7 @@ class Ulysses:
             res = kernel.forward(qh, kh, vh, layout=_BNSD, head_num=heads.local_nq, scale=plan.scale,
                                  keep_prob=plan.keep_prob, mask=step_mask)
             rng = ((res.seed, res.offset),) if res.seed is not None else ()
-            return _Local(res.out, res.lse, [RingStep(index=0, source_rank=plan.rank, part=part, rng=rng)])
+            return _Local(res.out, res.lse, [RingStep(index=0, part=part, rng=rng)])
         ring = self.inner.forward(plan.ring_part(where.ring_size, where.ring_rank, heads.local_nq), qh, kh, vh,
                                   groups=groups[:-1], kernel=kernel,
                                   mask=_ring_mask_rows(plan, where, mask, qh.size(2) * where.ring_size))
@@ -316,8 +316,7 @@ class Ulysses:
                                     seed=seed, offset=offset)
             return list(grads), (0, 0), 0.0
         ring_plan = plan.ring_part(where.ring_size, where.ring_rank, heads.local_nq)
-        ring_steps = [replace(st, source_rank=(ring_plan.rank - st.index) % ring_plan.world_size) for st in steps]
-        ring = self.inner.backward(ring_plan, douth, qh, kh, vh, outh, lseh, ring_steps, groups=groups[:-1],
+        ring = self.inner.backward(ring_plan, douth, qh, kh, vh, outh, lseh, steps, groups=groups[:-1],
                                    kernel=kernel, mask=_ring_mask_rows(plan, where, mask, qh.size(2) * where.ring_size))
         return [ring.dq, ring.dk, ring.dv], (ring.bytes_sent, ring.bytes_received), ring.wait_seconds
 

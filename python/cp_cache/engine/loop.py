@@ -26,19 +26,21 @@ from torch import Tensor
 
 from .. import layout as L
 from .needs import ExchangePlan
-from .steps import PARTS
 from .transport import TAG_DKV, TAG_KV, Rotation, Transfer, join_once
 
-__all__ = ["RingStep", "ForwardResult", "BackwardResult", "Traffic", "forward_ring", "backward_ring", "check_steps",
+__all__ = ["RingStep", "ForwardResult", "BackwardResult", "Traffic", "forward_ring", "backward_ring", "check_steps", "check_step",
            "with_length", "empty_outputs"]
 
 
 @dataclass
 class RingStep:
     index: int  # 0..W-1
-    source_rank: int  # group rank whose K/V block this step used: (rank - index) % W
     part: str  # one of engine.steps.PARTS
     rng: tuple = ()  # per kernel call of the step: (seed, offset) tensors, or () without
+
+    def source_rank(self, rank: int, size: int) -> int:
+        """The group rank whose K/V block this step used on ``rank`` of ``size``."""
+        return (rank - self.index) % size
 
     @property
     def seed(self) -> Optional[Tensor]:
@@ -273,7 +275,7 @@ def forward_ring(k: Tensor, v: Tensor, lengths: list, layout: str, last: int, co
             traffic.sent += kv.post_next(i, last)
             started = time.perf_counter()
             part, rng = compute(i, cur_k, cur_v)
-            steps.append(RingStep(index=i, source_rank=(rank - i) % size, part=part, rng=tuple(rng)))
+            steps.append(RingStep(index=i, part=part, rng=tuple(rng)))
             compute_s += time.perf_counter() - started
             del cur_k, cur_v
             wait_s += kv.advance()
@@ -451,16 +453,25 @@ def backward_ring(k: Tensor, v: Tensor, lengths: list, layout: str, last: int, c
 
 
 def check_steps(steps: list[RingStep], rank: int, size: int, expected: int) -> None:
+    """The forward's step records fit this backward: ``expected`` of them, in order."""
     if len(steps) != expected:
         raise RuntimeError(
             f"backward got {len(steps)} ring steps where its forward makes {expected} (world size {size})"
         )
     for i, st in enumerate(steps):
-        if st.index != i or st.source_rank != (rank - i) % size or st.part not in PARTS:
-            raise RuntimeError(
-                f"ring step record {i} (index={st.index}, source_rank={st.source_rank}, part={st.part!r}) "
-                f"does not belong to rank {rank} of {size}"
-            )
+        if st.index != i:
+            raise RuntimeError(f"ring step record {i} has index {st.index}: the records of rank {rank} of {size} "
+                               "are out of order")
+
+
+def check_step(step: RingStep, rank: int, part: str, calls: int) -> None:
+    """One record against what its step plans now (``part``, ``calls`` kernel calls): the one check
+    of the ring's and the packed ring's backward that their inputs are the forward's."""
+    if step.part != part or (step.rng and len(step.rng) != calls):
+        raise RuntimeError(
+            f"ring step {step.index} on rank {rank} recorded part {step.part!r} with {len(step.rng)} kernel calls; "
+            f"its plan now gives {part!r} with {calls}: the backward's inputs (mask, lengths, documents, "
+            "configuration) differ from the forward's")
 
 
 def empty_outputs(plan, q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:

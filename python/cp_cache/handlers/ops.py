@@ -132,7 +132,7 @@ def ring_backward(dy: Tensor, query: Tensor, key: Tensor, value: Tensor, out: Te
         mismatch = recorded.backward_mismatch(called)
         if mismatch:
             raise RuntimeError(f"cp_cache: {mismatch} (cache {cache.id})")
-        steps = step_cache.steps_of(cache, recorded)
+        steps = step_cache.steps_of(cache)
         del cache
     ring_started = time.perf_counter()
     dsink = (torch.zeros((), dtype=torch.float32, device=query.device) if sink is None
