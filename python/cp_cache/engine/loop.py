@@ -82,6 +82,7 @@ class BackwardResult:
     bytes_received: int = 0
     bytes_lower_bound: Optional[int] = None  # as in ForwardResult: K/V rows again and dK/dV rows back
     bytes_received_lower_bound: Optional[int] = None
+    dsink: Optional[Tensor] = None  # the attention sink's gradient over this rank's rows (algorithms/sinks.py)
 
 
 @dataclass

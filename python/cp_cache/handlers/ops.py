@@ -25,8 +25,9 @@ travel as tensors (``actual_seq_qlen/kvlen``): the kernels read their values
 (``packed.read_documents``), the fakes only their shapes, so the plan a graph records holds
 no document values and each compiled call runs with its own lengths. An attention sink
 travels as a tensor too (this rank's heads): ``ring_forward`` merges it once into the
-strategy's result (``merge.merge_sink``) and returns the LSE with it, so the backward's
-statistics include it; ``ring_backward`` returns its gradient over this rank's rows.
+strategy's result (``algorithms/sinks.WithSink`` around the strategy) and returns the LSE with
+it, so the backward's statistics include it; ``ring_backward`` returns its gradient over this
+rank's rows.
 Whatever the ops refuse before their first exchange (a seed that is no live handle, a
 backward that does not match its forward) they refuse together with the other ranks
 (``agreement.refusal_shared``).
@@ -44,7 +45,6 @@ from .. import step_cache
 from ..algorithms import strategy_for
 from ..arguments import describe
 from ..engine import agreement
-from ..engine.merge import merge_sink, sink_grad
 from ..kernels import get_kernel
 from ..plan import CallPlan
 from .calls import CALL_LOG
@@ -84,15 +84,12 @@ def ring_forward(query: Tensor, key: Tensor, value: Tensor, mask_rows: Optional[
     with agreement.refusal_shared("forward", lambda: agreement.first_agreement(process_groups)):
         call = read_documents(CallPlan.decode(plan), actual_seq_qlen, actual_seq_kvlen, query.size(0))
         _check_sink(call, sink)
-    result = strategy_for(call).forward(call, query, key, value, groups=process_groups,
-                                        kernel=get_kernel(call.kernel), mask=mask_rows)
-    out, lse = result.out, result.lse
-    if sink is not None:
-        out, lse = merge_sink(out, lse, sink, call.layout, call.head_num)
+    result = strategy_for(call, sink).forward(call, query, key, value, groups=process_groups,
+                                              kernel=get_kernel(call.kernel), mask=mask_rows)
     ring_seconds = time.perf_counter() - started
     seed = step_cache.seed_slot(policy, call, result.steps)
     CALL_LOG.record("forward", result, started, ring_seconds, fused_merge=call.fused_merge)
-    return out, lse, seed
+    return result.out, result.lse, seed
 
 
 def _check_sink(call: CallPlan, sink: Optional[Tensor]) -> None:
@@ -135,11 +132,12 @@ def ring_backward(dy: Tensor, query: Tensor, key: Tensor, value: Tensor, out: Te
         steps = step_cache.steps_of(cache)
         del cache
     ring_started = time.perf_counter()
-    dsink = (torch.zeros((), dtype=torch.float32, device=query.device) if sink is None
-             else sink_grad(dy, out, lse, sink, recorded.layout, recorded.head_num))
-    result = strategy_for(recorded).backward(recorded, dy, query, key, value, out, lse, steps, groups=process_groups,
-                                             kernel=get_kernel(recorded.kernel), mask=mask_rows)
+    result = strategy_for(recorded, sink).backward(recorded, dy, query, key, value, out, lse, steps,
+                                                   groups=process_groups, kernel=get_kernel(recorded.kernel),
+                                                   mask=mask_rows)
     CALL_LOG.record("backward", result, started, time.perf_counter() - ring_started)
+    # without a sink: a float32 0-d zero, as the op's meta
+    dsink = torch.zeros((), dtype=torch.float32, device=query.device) if result.dsink is None else result.dsink
     return result.dq.contiguous(), result.dk.contiguous(), result.dv.contiguous(), dsink
 
 

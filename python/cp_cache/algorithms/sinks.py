@@ -1,0 +1,39 @@
+"""Attention sinks around any strategy (as Ulysses goes around the ring): the inner strategy
+computes the call without the sink, and the sink's logit joins every row's softmax once, on the
+merged result (``engine/merge.merge_sink``: LSE' = logaddexp(LSE, sink[h]), out scaled by
+exp(LSE - LSE')). The backward gives the inner strategy the merged LSE' (the statistics the
+forward returned) and the sink its gradient over this rank's rows (``engine/merge.sink_grad``).
+docs/sinks.md."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from torch import Tensor
+
+from ..engine.loop import BackwardResult, ForwardResult
+from ..engine.merge import merge_sink, sink_grad
+from ..plan import CallPlan
+
+__all__ = ["WithSink"]
+
+
+class WithSink:
+    """``inner`` with the attention sink ``sink`` (this rank's heads [N], float32)."""
+
+    def __init__(self, inner, sink: Tensor):
+        self.inner, self.sink = inner, sink
+
+    def fake(self, plan: CallPlan, q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+        return self.inner.fake(plan, q, k, v)
+
+    def forward(self, plan: CallPlan, q: Tensor, k: Tensor, v: Tensor, **where) -> ForwardResult:
+        result = self.inner.forward(plan, q, k, v, **where)
+        out, lse = merge_sink(result.out, result.lse, self.sink, plan.layout, plan.head_num)
+        return replace(result, out=out, lse=lse)
+
+    def backward(self, plan: CallPlan, dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
+                 steps, **where) -> BackwardResult:
+        dsink = sink_grad(dout, out, lse, self.sink, plan.layout, plan.head_num)
+        result = self.inner.backward(plan, dout, q, k, v, out, lse, steps, **where)
+        return replace(result, dsink=dsink)
