@@ -59,16 +59,16 @@ import math
 import platform
 import statistics
 import time
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, Callable, Optional
 
 from ._common import cp_session, fmt_bytes, launch, pyplot, table
 
 NAME = "bench"
 HELP = "memory, overhead, traffic and accuracy benchmarks; JSON and a PNG plot under --out"
 
-SECTIONS = ("memory", "overhead", "traffic", "accuracy", "windows", "floor", "overlap", "agreement", "varlen",
-            "placement", "algorithms", "models", "store")
-_WITHOUT_RANKS = ("placement", "store")
+_WITHOUT_RANKS = ("placement", "store")  # computed in this process, after the rank sections
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -433,36 +433,9 @@ def bench_rank(rank: int, world_size: int, plan: dict, sections: list[str]) -> d
     device = rank_device(rank)
     mesh = init_device_mesh(device.type, (world_size,))
     out = dict(rank=rank, world_size=world_size, ops=ops, torch=torch.__version__)
-    if "memory" in sections:
-        out["memory"] = _memory(plan, rank, world_size, mesh)
-    if "overhead" in sections:
-        out["calls"] = _overhead_traffic(plan, rank, world_size, mesh)
-    if "traffic" in sections and world_size == max(plan["worlds"]) and world_size > 1:
-        from .bench_traffic import traffic_rank
-
-        out["traffic"] = traffic_rank(plan, rank, world_size)
-    if "accuracy" in sections:
-        out["accuracy"] = _accuracy(plan, rank, world_size, mesh)
-    if "floor" in sections:
-        out["floor"] = _floor(plan, rank, world_size, mesh)
-    if "overlap" in sections and world_size > 1:
-        out["overlap"] = _overlap(plan, rank, world_size, mesh)
-    if "windows" in sections and world_size == max(plan["worlds"]) and world_size > 1:
-        out["windows"] = _windows(plan, rank, world_size, mesh)
-    if "agreement" in sections and world_size > 1:
-        out["agreement"] = _agreement(plan, rank, world_size, mesh)
-    if "varlen" in sections:
-        from .bench_varlen import varlen_rank
-
-        out["varlen"] = varlen_rank(plan["varlen"], plan["repeats"], plan["warmup"], rank, world_size, mesh)
-    if "algorithms" in sections:
-        from .bench_algorithms import algorithms_rank
-
-        out["algorithms"] = algorithms_rank(plan, rank, world_size)
-    if "models" in sections:
-        from .bench_models import models_rank
-
-        out["models"] = models_rank(plan, rank, world_size, mesh)
+    for section in RANK_SECTIONS:
+        if section.name in sections and section.runs_at(plan, world_size):
+            out[section.key] = section.run(plan, rank, world_size, mesh)
     return out
 
 
@@ -491,6 +464,81 @@ def _collect(per_world: list[list[dict]], key: str, all_ranks: bool = False) -> 
         for r in results if all_ranks else results[:1]:
             rows.extend(r.get(key, []))
     return rows
+
+
+@dataclass(frozen=True)
+class RankSection:
+    """A bench section measured on ranks: ``run(plan, rank, W, mesh)`` gives its rows at each W
+    where ``runs_at(plan, W)``; the report keeps them under ``key`` (rank 0's or, ``all_ranks``,
+    every rank's) with what ``derived(plan, rows)`` adds beside them."""
+
+    name: str
+    key: str
+    run: Callable[[dict, int, int, Any], list]
+    runs_at: Callable[[dict, int], bool] = lambda plan, world: True
+    all_ranks: bool = True
+    derived: Optional[Callable[[dict, list], dict]] = None
+
+
+def _largest_world_only(plan: dict, world: int) -> bool:
+    return world == max(plan["worlds"]) and world > 1
+
+
+def _several_ranks(plan: dict, world: int) -> bool:
+    return world > 1
+
+
+def _traffic_rank(plan, rank, world, mesh):
+    from .bench_traffic import traffic_rank
+
+    return traffic_rank(plan, rank, world)
+
+
+def _traffic_summary(plan, rows):
+    from .bench_traffic import summary
+
+    return {"traffic_summary": summary(rows)}
+
+
+def _varlen_rank(plan, rank, world, mesh):
+    from .bench_varlen import varlen_rank
+
+    return varlen_rank(plan["varlen"], plan["repeats"], plan["warmup"], rank, world, mesh)
+
+
+def _varlen_balance(plan, rows):
+    from .bench_varlen import balance_rows
+
+    return {"varlen_balance": balance_rows(plan["varlen_balance"]["tokens"], plan["varlen_balance"]["worlds"])}
+
+
+def _algorithms_rank(plan, rank, world, mesh):
+    from .bench_algorithms import algorithms_rank
+
+    return algorithms_rank(plan, rank, world)
+
+
+def _models_rank(plan, rank, world, mesh):
+    from .bench_models import models_rank
+
+    return models_rank(plan, rank, world, mesh)
+
+
+RANK_SECTIONS = (
+    RankSection("memory", "memory", _memory, all_ranks=False),
+    RankSection("overhead", "calls", _overhead_traffic),
+    RankSection("traffic", "traffic", _traffic_rank, _largest_world_only, derived=_traffic_summary),
+    RankSection("accuracy", "accuracy", _accuracy, all_ranks=False),
+    RankSection("windows", "windows", _windows, _largest_world_only),
+    RankSection("floor", "floor", _floor, all_ranks=False),
+    RankSection("overlap", "overlap", _overlap, _several_ranks,
+                derived=lambda plan, rows: {"exposed_fraction": _exposed_fraction(rows)}),
+    RankSection("agreement", "agreement", _agreement, _several_ranks),
+    RankSection("varlen", "varlen", _varlen_rank, derived=_varlen_balance),
+    RankSection("algorithms", "algorithms", _algorithms_rank),
+    RankSection("models", "models", _models_rank),
+)
+SECTIONS = tuple(section.name for section in RANK_SECTIONS) + _WITHOUT_RANKS
 
 
 def _print_summary(report: dict) -> None:
@@ -659,35 +707,11 @@ def _report(args: argparse.Namespace, plan: dict, sections: list[str], per_world
         torch_npu_formula=FORMULA,
         torch_npu_reference_shapes=_reference_shapes(),
     )
-    if "memory" in sections:
-        report["memory"] = _collect(per_world, "memory")
-    if "overhead" in sections:
-        report["calls"] = _collect(per_world, "calls", all_ranks=True)
-    if "traffic" in sections:
-        from .bench_traffic import summary
-
-        report["traffic"] = _collect(per_world, "traffic", all_ranks=True)
-        report["traffic_summary"] = summary(report["traffic"])
-    if "accuracy" in sections:
-        report["accuracy"] = _collect(per_world, "accuracy")
-    if "windows" in sections:
-        report["windows"] = _collect(per_world, "windows", all_ranks=True)
-    if "floor" in sections:
-        report["floor"] = _collect(per_world, "floor")
-    if "overlap" in sections:
-        report["overlap"] = _collect(per_world, "overlap", all_ranks=True)
-        report["exposed_fraction"] = _exposed_fraction(report["overlap"])
-    if "agreement" in sections:
-        report["agreement"] = _collect(per_world, "agreement", all_ranks=True)
-    if "varlen" in sections:
-        from .bench_varlen import balance_rows
-
-        report["varlen"] = _collect(per_world, "varlen", all_ranks=True)
-        report["varlen_balance"] = balance_rows(plan["varlen_balance"]["tokens"], plan["varlen_balance"]["worlds"])
-    if "algorithms" in sections:
-        report["algorithms"] = _collect(per_world, "algorithms", all_ranks=True)
-    if "models" in sections:
-        report["models"] = _collect(per_world, "models", all_ranks=True)
+    for section in RANK_SECTIONS:
+        if section.name in sections:
+            report[section.key] = _collect(per_world, section.key, all_ranks=section.all_ranks)
+            if section.derived is not None:
+                report.update(section.derived(plan, report[section.key]))
     return report
 
 
