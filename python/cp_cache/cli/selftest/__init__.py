@@ -1,0 +1,96 @@
+"""Check every CP algorithm and feature on this machine's devices against one-device attention.
+
+The first command to run on a new cluster. Launched by torchrun it runs in the launched
+processes on whatever they find: NPUs with torch_npu (hccl), CUDA GPUs with the plain-torch
+step kernel (nccl), else CPUs with the emulator (gloo). Not launched, it spawns ``--ranks`` CPU
+ranks (default 2) with the emulator, gloo on loopback.
+
+Every case runs through the public API (``cp_cache.enable(algorithm=...)``,
+``torch.ops.npu.npu_fusion_attention_v3`` on DTensors laid out by ``shard_sequence`` /
+``shard_documents``) at the launched world size, forward and backward. Its output, LSE and
+gradients, gathered back on the full sequence, are compared with dense attention in float64;
+the bound is 20x the error of the same attention on one device in float32 (the op on plain
+tensors; on CUDA dense torch), measured in the same run, plus 32 eps. Dropout is checked by
+directional derivatives, and its output must differ from the dropout-free one. Each row also reports the time per call (forward + backward) and the
+forward's bytes sent against the least K/V traffic of the layout. Exit status 1 on any failure.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import time
+from datetime import timedelta
+
+from .._common import under_torchrun
+from .cases import Case, cases, hybrid_sizes
+from .checks import Row, selftest_rank
+from .environment import pick_device
+from .problems import kv_lower_bound, make_problem
+from .report import LEGEND, report, verdict
+
+__all__ = ["NAME", "HELP", "add_arguments", "run", "Case", "Row", "cases", "hybrid_sizes", "make_problem",
+           "kv_lower_bound", "verdict", "report"]
+
+NAME = "selftest"
+HELP = "check every algorithm and feature on this machine's devices against one-device attention; exit 1 on failure"
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--ranks", type=int, default=2, help="CPU ranks spawned with the emulator when not launched "
+                   "by torchrun (default 2; 4 or more also runs hybrid)")
+    p.add_argument("--repeats", type=int, default=3, help="timed calls per case after the checked one (default 3)")
+    p.add_argument("--cases", default="", metavar="TEXT",
+                   help="run only the cases whose name contains TEXT (default: all)")
+    p.add_argument("--inject-error", action="store_true", help=argparse.SUPPRESS)  # the failing verdict's test
+
+
+def _launched(fn, kind: str, opts: dict) -> list | None:
+    """Run ``fn`` in this torchrun process: hccl on NPUs, nccl on CUDA, gloo on CPUs; every
+    rank's result on rank 0, None elsewhere."""
+    import torch
+    import torch.distributed as dist
+
+    backend = {"npu": "hccl", "cuda": "nccl"}.get(kind, "gloo")
+    local = int(os.environ.get("LOCAL_RANK", 0))
+    if kind == "npu":
+        import torch_npu  # noqa: F401
+
+        torch.npu.set_device(local)
+    elif kind == "cuda":
+        torch.cuda.set_device(local)
+    dist.init_process_group(backend, timeout=timedelta(seconds=600))
+    try:
+        rank, size = dist.get_rank(), dist.get_world_size()
+        value = fn(rank, size, kind, opts)
+        gathered = [None] * size if rank == 0 else None
+        dist.gather_object(value, gathered, dst=0)
+        return gathered
+    finally:
+        dist.destroy_process_group()
+
+
+def run(args: argparse.Namespace) -> int:
+    from ...testing.multiprocess import run_ranks
+
+    launched = under_torchrun()
+    opts = dict(inject=args.inject_error, repeats=args.repeats, cases=args.cases)
+    started = time.perf_counter()
+    if launched:
+        results = _launched(selftest_rank, pick_device(True), opts)
+        if results is None:
+            return 0
+    else:
+        os.environ.setdefault("TORCH_DEVICE_BACKEND_AUTOLOAD", "0")  # spawned CPU ranks: no torch_npu
+        results = run_ranks(selftest_rank, args.ranks, "cpu", opts, timeout=900.0)
+    info, world = results[0], len(results)
+    rows = info["rows"]
+    how = "torchrun" if launched else "spawned, gloo on loopback"
+    print(f"cp_cache selftest: {world} ranks on {info['device']} ({info['ops']} attention ops, "
+          f"{info['kernel']} step kernel, torch {info['torch']}, {how})")
+    print(LEGEND)
+    print(report(rows))
+    ok, text = verdict(rows, world, info)
+    print(f"\nverdict: {text}")
+    print(f"total {time.perf_counter() - started:.1f} s")
+    return 0 if ok else 1
