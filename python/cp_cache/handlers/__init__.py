@@ -8,6 +8,6 @@
 """
 
 from .attention import AttentionHandlers
-from .calls import CallLog, CallRecord
+from .call_log import CallLog, CallRecord
 
 __all__ = ["AttentionHandlers", "CallLog", "CallRecord"]

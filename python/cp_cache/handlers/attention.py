@@ -29,7 +29,7 @@ from ..config import CPConfig
 from ..npu_ops import lse_from_stats
 from . import ops
 from .call import prepare, refusal_shared
-from .calls import CallLog
+from .call_log import CallLog
 from .checks import local_tensor, sharded_like, sink_grad_like
 from .cp_mesh import sequence_sharded
 

@@ -47,7 +47,7 @@ from ..arguments import describe
 from ..engine import agreement
 from ..kernels import get_kernel
 from ..plan import CallPlan
-from .calls import CALL_LOG
+from .call_log import CALL_LOG
 from .packed import read_documents
 
 __all__ = ["ring_forward", "ring_backward", "group_names", "check_seed"]
