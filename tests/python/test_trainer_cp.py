@@ -160,6 +160,9 @@ def _cp(rank: int, world: int) -> dict:
         out[case.name] = _train(ContextParallelTrainer, case, tc.make_model(case, "cp_cache"), cp_size=world)
         out[case.name].update(live=stats()["live_entries"], calls=call_stats()["forward"]["calls"] - calls)
     out["dropout"] = _dropout_check(tc.Case("llama", "llama"))
+    shared = _arguments(tc.Case("llama", "llama"))  # two trainers on one accelerator state: one mesh
+    out["meshes"] = [ContextParallelTrainer(model=tc.make_model(tc.Case("llama", "llama"), "cp_cache"), args=shared,
+                                            cp_size=world).cp_mesh.size() for _ in range(2)]
     plain = tc.make_model(tc.Case("llama", "llama"))
     out["refusal"] = capture(lambda: _train(ContextParallelTrainer, tc.Case("llama", "llama"), plain, cp_size=world))
     return out
@@ -205,6 +208,7 @@ def test_dropout_and_checkpointing_gradients():
 
 def test_a_model_without_cp_cache_attention_is_refused():
     for res in _results("cp"):
+        assert res["meshes"] == [WORLD, WORLD], res["meshes"]
         kind, message = res["refusal"]
         assert kind == "ValueError" and "attn_implementation='cp_cache'" in message, (kind, message)
 

@@ -36,6 +36,7 @@ __all__ = ["ContextParallelMixin", "ContextParallelTrainer"]
 # the batch entries sharded on their sequence dimension (1), in this order
 SHARDED = ("input_ids", "labels", "shift_labels", "position_ids")
 IGNORE_INDEX = -100
+_MESH_DIMS = ("dp_replicate", "cp")  # the mesh cp_size= builds: accelerate's names for its data-loader rule
 
 
 class ContextParallelMixin:
@@ -107,12 +108,14 @@ def _standalone_mesh(accelerator, cp_size: int):
     world = accelerator.num_processes
     if world % cp_size:
         raise ValueError(f"cp_size={cp_size} must divide the number of processes ({world})")
-    if accelerator.torch_device_mesh is not None:
+    existing = accelerator.torch_device_mesh
+    if existing is not None and existing.mesh_dim_names == _MESH_DIMS and existing["cp"].size() == cp_size:
+        return existing["cp"]  # ours, from an earlier trainer on the same accelerator state
+    if existing is not None:
         raise NotImplementedError(
             f"cp_size={cp_size} with accelerate's device mesh {accelerator.torch_device_mesh} (FSDP2, TP): give "
             "the CP size to accelerate instead, TrainingArguments(parallelism_config=ParallelismConfig(cp_size=N))")
-    mesh = init_device_mesh(accelerator.device.type, (world // cp_size, cp_size),
-                            mesh_dim_names=("dp_replicate", "cp"))
+    mesh = init_device_mesh(accelerator.device.type, (world // cp_size, cp_size), mesh_dim_names=_MESH_DIMS)
     accelerator.state.device_mesh = mesh  # accelerate's data loaders: one batch stream per CP group
     return mesh["cp"]
 
