@@ -144,6 +144,21 @@ def causal_mask(device: torch.device | str) -> Tensor:
     return mask
 
 
+def causal_arguments(device: torch.device | str, *, right_down: bool = False) -> dict:
+    """The op's mask arguments for causal attention: the compressed mask, ``sparse_mode`` 2
+    (left-up) or, ``right_down``, 3 (a query shorter than its keys sits at their end; packed
+    documents: causal in each), ``next_tockens`` 0."""
+    mode = SparseMode.RIGHT_DOWN_CAUSAL if right_down else SparseMode.LEFT_UP_CAUSAL
+    return dict(atten_mask=causal_mask(device), sparse_mode=int(mode), next_tockens=0)
+
+
+def band_arguments(device: torch.device | str, pre_tockens: int, next_tockens: int = 0) -> dict:
+    """The op's mask arguments for a band (``sparse_mode`` 4 with the compressed mask): query i
+    sees keys i - ``pre_tockens`` .. i + ``next_tockens``; a causal window of w keys is (w - 1, 0)."""
+    return dict(atten_mask=causal_mask(device), sparse_mode=int(SparseMode.BAND), pre_tockens=pre_tockens,
+                next_tockens=next_tockens)
+
+
 def is_compressed_mask(mask: Tensor) -> bool:
     """Whether ``mask`` has the compressed shape: [..., 2048, 2048] with every leading dim 1."""
     shape = tuple(mask.shape)

@@ -159,7 +159,7 @@ def _attention_call(plan_attn: dict, kv_heads: int, dtype, mesh, world_size: int
     import torch
     from torch.distributed.tensor import Shard, distribute_tensor
 
-    from ..npu_ops import causal_mask
+    from ..npu_ops import causal_arguments
     from ..testing.reference import head_tail_positions
 
     a = plan_attn
@@ -173,10 +173,8 @@ def _attention_call(plan_attn: dict, kv_heads: int, dtype, mesh, world_size: int
     inverse = torch.argsort(order)
     dist_ = [distribute_tensor(t.index_select(2, order).to(dtype), mesh, [Shard(2)]) for t in (q, k, v, dy)]
     qd, kd, vd = (t.requires_grad_() for t in dist_[:3])
-    out = torch.ops.npu.npu_fusion_attention_v3(
-        qd, kd, vd, n, "BNSD", atten_mask=causal_mask(torch.device("cpu")), scale=1.0 / math.sqrt(d),
-        sparse_mode=2, next_tockens=0,
-    )[0]
+    out = torch.ops.npu.npu_fusion_attention_v3(qd, kd, vd, n, "BNSD", scale=1.0 / math.sqrt(d),
+                                                **causal_arguments("cpu"))[0]
     out.backward(dist_[3])
     gathered = [t.detach().full_tensor().index_select(2, inverse) for t in (out, qd.grad, kd.grad, vd.grad)]
     return gathered, (q, k, v, dy)
@@ -251,7 +249,7 @@ def _windows(plan: dict, rank: int, world_size: int, mesh) -> list[dict]:
     from torch.distributed.tensor.experimental._context_parallel._attention import _cp_options
 
     import cp_cache
-    from ..npu_ops import causal_mask
+    from ..npu_ops import band_arguments, causal_arguments
     from ..engine.steps import plan_step
     from ..plan import MaskSpec
 
@@ -267,19 +265,18 @@ def _windows(plan: dict, rank: int, world_size: int, mesh) -> list[dict]:
             _cp_options.enable_load_balance = load_balance
             for window in windows + [None]:  # None: the full-causal ring (sparse_mode 2)
                 if window is None:
-                    spec, mask = MaskSpec(causal=True), dict(sparse_mode=2, next_tockens=0)
+                    spec, mask = MaskSpec(causal=True), causal_arguments("cpu")
                 else:
                     # what the handler runs: a window over the whole sequence is causal
                     spec = MaskSpec(window=True, pre_tockens=window - 1, next_tockens=0).simplified(s)
-                    mask = dict(sparse_mode=4, pre_tockens=window - 1, next_tockens=0)
+                    mask = band_arguments("cpu", window - 1)
                 tasks = [plan_step(rank, i, world_size, load_balance, spec, s_local, s_local)[1]
                          for i in range(world_size)]
                 times = {"fwd": [], "bwd": []}
                 for i in range(plan["warmup"] + plan["repeats"]):
                     q, k, v = (DTensor.from_local(t.clone(), mesh, [Shard(2)]).requires_grad_() for t in local[:3])
-                    out = torch.ops.npu.npu_fusion_attention_v3(
-                        q, k, v, n, "BNSD", atten_mask=causal_mask(torch.device("cpu")),
-                        scale=1.0 / math.sqrt(d), **mask)[0]
+                    out = torch.ops.npu.npu_fusion_attention_v3(q, k, v, n, "BNSD", scale=1.0 / math.sqrt(d),
+                                                                **mask)[0]
                     out.backward(DTensor.from_local(local[3], mesh, [Shard(2)]))
                     calls = cp_cache.call_stats()
                     if i >= plan["warmup"]:

@@ -21,8 +21,9 @@ __all__ = ["models_rank", "print_summary"]
 
 def _layer_kinds(window: int) -> dict:
     """The op's mask arguments of each layer kind."""
-    return {"full causal": dict(sparse_mode=2, next_tockens=0),
-            f"window {window}": dict(sparse_mode=4, pre_tockens=window - 1, next_tockens=0)}
+    from ..npu_ops import band_arguments, causal_arguments
+
+    return {"full causal": causal_arguments("cpu"), f"window {window}": band_arguments("cpu", window - 1)}
 
 
 def _inputs(shape: dict, world_size: int):
@@ -48,7 +49,6 @@ def _one_kind(mask: dict, full: tuple, pos, mesh, shape: dict, plan: dict) -> di
     from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
     import cp_cache
-    from ..npu_ops import causal_mask
     from ..testing.reference import band_masked, dense_attention, rel_err
 
     q, k, v, dy, sink = full
@@ -58,8 +58,8 @@ def _one_kind(mask: dict, full: tuple, pos, mesh, shape: dict, plan: dict) -> di
     for i in range(plan["warmup"] + plan["repeats"]):
         leaves = [DTensor.from_local(t.clone(), mesh, [Shard(2)]).requires_grad_() for t in local[:3]]
         sink_leaf = distribute_tensor(sink.float(), mesh, [Replicate()]).requires_grad_()
-        out = torch.ops.npu.npu_fusion_attention_v3(*leaves, n, "BNSD", atten_mask=causal_mask(torch.device("cpu")),
-                                                    scale=1.0 / math.sqrt(d), sink=sink_leaf, **mask)[0]
+        out = torch.ops.npu.npu_fusion_attention_v3(*leaves, n, "BNSD", scale=1.0 / math.sqrt(d), sink=sink_leaf,
+                                                    **mask)[0]
         out.backward(DTensor.from_local(local[3], mesh, [Shard(2)]))
         calls = cp_cache.call_stats()
         if i >= plan["warmup"]:

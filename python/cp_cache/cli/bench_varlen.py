@@ -151,7 +151,7 @@ def varlen_rank(shape: dict, repeats: int, warmup: int, rank: int, world_size: i
     from torch.distributed.tensor.experimental._context_parallel._attention import _cp_options
 
     import cp_cache
-    from ..npu_ops import causal_mask
+    from ..npu_ops import causal_arguments
     from ..testing.varlen_reference import dense_tnd_attention
 
     total, n, d = shape["tokens"], shape["heads"], shape["head_dim"]
@@ -162,8 +162,8 @@ def varlen_rank(shape: dict, repeats: int, warmup: int, rank: int, world_size: i
     g = torch.Generator().manual_seed(5)
     full = [torch.randn(cu[-1], n, d, generator=g) for _ in range(4)]
     ref = dense_tnd_attention(*(t.double() for t in full), cu, cu, "left_up")
-    kw = dict(scale=1.0 / math.sqrt(d), atten_mask=causal_mask("cpu"), sparse_mode=3,
-              actual_seq_qlen=torch.tensor(cu), actual_seq_kvlen=torch.tensor(cu))
+    kw = dict(scale=1.0 / math.sqrt(d), actual_seq_qlen=torch.tensor(cu), actual_seq_kvlen=torch.tensor(cu),
+              **causal_arguments("cpu", right_down=True))
     rows = []
     for placement, load_balance in (("head_tail", True), ("balanced", True), ("contiguous", False)):
         with cp_session(mesh, policy="handle", documents="head_tail" if placement == "contiguous" else placement):

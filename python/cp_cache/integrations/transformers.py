@@ -34,7 +34,7 @@ from ..config import load_balance_enabled
 from ..dispatch import active_mesh, in_cp_region
 from ..engine.agreement import refusal_shared
 from ..documents import sequence_positions
-from ..npu_ops import SparseMode, causal_mask
+from ..npu_ops import SparseMode, band_arguments, causal_arguments
 
 __all__ = ["NAME", "register", "attention_forward", "mask_hook"]
 
@@ -275,10 +275,9 @@ _CHECKED = _Checked()
 def _band(mask: _Mask, device) -> dict:
     """The op's mask arguments for causal / window attention over the whole sequence."""
     if mask.window is not None:  # causal: keys i-w < j <= i
-        return dict(atten_mask=causal_mask(device), sparse_mode=int(SparseMode.BAND), pre_tockens=mask.window - 1,
-                    next_tockens=0)
+        return band_arguments(device, mask.window - 1)
     if mask.causal:  # right-down: a query shorter than the keys (decoding) sits at their end
-        return dict(atten_mask=causal_mask(device), sparse_mode=int(SparseMode.RIGHT_DOWN_CAUSAL))
+        return causal_arguments(device, right_down=True)
     return dict(sparse_mode=int(SparseMode.MASK))  # no mask: full attention
 
 

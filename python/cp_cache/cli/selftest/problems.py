@@ -88,18 +88,18 @@ def op_kwargs(prob: Problem, device) -> dict:
     """The op's keyword arguments for the case (the same for the CP call and the one-device call)."""
     import torch
 
-    from ...npu_ops import causal_mask
+    from ...npu_ops import band_arguments, causal_arguments
 
     case = prob.case
     kw = dict(scale=1.0 / math.sqrt(D), keep_prob=case.keep_prob)
     if case.layout == "TND":
         kw.update(actual_seq_qlen=torch.tensor(prob.cu), actual_seq_kvlen=torch.tensor(prob.cu))
         if case.mask == "causal":
-            kw.update(atten_mask=causal_mask(device), sparse_mode=3, next_tockens=0)
+            kw.update(causal_arguments(device, right_down=True))
     elif case.mask == "causal":
-        kw.update(atten_mask=causal_mask(device), sparse_mode=2, next_tockens=0)
+        kw.update(causal_arguments(device))
     elif case.mask == "band":
-        kw.update(atten_mask=causal_mask(device), sparse_mode=4, pre_tockens=prob.window, next_tockens=0)
+        kw.update(band_arguments(device, prob.window))
     elif case.mask == "given":
         kw.update(atten_mask=prob.given.to(device), sparse_mode=1)
     elif case.mask == "given_band":
