@@ -303,7 +303,7 @@ def _causal_call(shape: dict, mesh, world_size: int, rank: int, seed: int = 0):
     import torch
     from torch.distributed.tensor import DTensor, Shard
 
-    from ..npu_ops import causal_mask
+    from ..npu_ops import causal_arguments
 
     b, n, s, d = shape["batch"], shape["heads"], shape["seq"], shape["head_dim"]
     dv = shape.get("v_head_dim", d)
@@ -311,13 +311,12 @@ def _causal_call(shape: dict, mesh, world_size: int, rank: int, seed: int = 0):
     local = [torch.randn(b, n, s // world_size, dim, generator=g) for dim in (d, d, dv, dv)]
     q, k, v = (DTensor.from_local(t, mesh, [Shard(2)]).requires_grad_() for t in local[:3])
     dy = DTensor.from_local(local[3], mesh, [Shard(2)])
-    mask = causal_mask(torch.device("cpu"))
+    causal = causal_arguments("cpu")
 
     def call():
-        return torch.ops.npu.npu_fusion_attention_v3(
-            q, k, v, n, "BNSD", atten_mask=mask, scale=1.0 / math.sqrt(d), sparse_mode=2, next_tockens=0)[0]
+        return torch.ops.npu.npu_fusion_attention_v3(q, k, v, n, "BNSD", scale=1.0 / math.sqrt(d), **causal)[0]
 
-    return (q, k, v, dy, mask), call
+    return (q, k, v, dy, causal["atten_mask"]), call
 
 
 def _floor(plan: dict, rank: int, world_size: int, mesh) -> list[dict]:

@@ -34,7 +34,7 @@ def _one(algorithm: str, mesh, shape: dict, kv_heads: int, plan: dict, rank: int
     from torch.distributed.tensor import Shard, distribute_tensor
 
     import cp_cache
-    from ..npu_ops import causal_mask
+    from ..npu_ops import causal_arguments
     from ..testing.reference import dense_attention
 
     b, n, s, d = shape["batch"], shape["heads"], shape["seq"], shape["head_dim"]
@@ -44,12 +44,11 @@ def _one(algorithm: str, mesh, shape: dict, kv_heads: int, plan: dict, rank: int
     placements = [Shard(2)] * mesh.ndim
     dq_, dk_, dv_, ddy = (distribute_tensor(t.float(), mesh, placements) for t in (q, k, v, dy))
     cp_cache.enable(policy="handle", algorithm=algorithm)
-    mask = causal_mask(torch.device("cpu"))
+    causal = causal_arguments("cpu")
     times, sent = [], {}
     for i in range(plan["warmup"] + plan["repeats"]):
         leaves = [t.detach().requires_grad_() for t in (dq_, dk_, dv_)]
-        out = torch.ops.npu.npu_fusion_attention_v3(*leaves, n, "BNSD", atten_mask=mask, scale=1.0 / math.sqrt(d),
-                                                    sparse_mode=2, next_tockens=0)[0]
+        out = torch.ops.npu.npu_fusion_attention_v3(*leaves, n, "BNSD", scale=1.0 / math.sqrt(d), **causal)[0]
         out.backward(ddy)
         calls = cp_cache.call_stats()
         if i >= plan["warmup"]:
