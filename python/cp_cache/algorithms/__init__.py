@@ -15,11 +15,11 @@ share is the engine (``cp_cache.engine``).
 
 from __future__ import annotations
 
-from ..plan import CallPlan
 from typing import Optional
 
 from torch import Tensor
 
+from ..plan import CallPlan
 from .packed import PACKED, PackedDocuments
 from .ring import RING, Ring
 from .sinks import WithSink

@@ -42,10 +42,10 @@ import torch.distributed as dist
 from torch import Tensor
 
 from .. import layout as L
+from ..documents import sequence_order
 from ..engine.agreement import agreed_checks
 from ..engine.checks import check_backward_operands, check_qkv
 from ..engine.loop import BackwardResult, ForwardResult, RingStep, empty_outputs
-from ..documents import sequence_order
 from ..engine.transport import exchange_heads, own_group, own_storage
 from ..kernels.base import StepKernel, StepMask
 from ..plan import CallPlan, HeadPlan, head_plan

@@ -28,8 +28,8 @@ from .. import layout as L
 from .needs import ExchangePlan
 from .transport import TAG_DKV, TAG_KV, Rotation, Transfer, join_once
 
-__all__ = ["RingStep", "ForwardResult", "BackwardResult", "Traffic", "forward_ring", "backward_ring", "check_steps", "check_step",
-           "with_length", "empty_outputs"]
+__all__ = ["RingStep", "ForwardResult", "BackwardResult", "Traffic", "forward_ring", "backward_ring", "check_steps",
+           "check_step", "with_length", "empty_outputs"]
 
 
 @dataclass
