@@ -15,10 +15,13 @@ from __future__ import annotations
 
 from typing import Any, Sequence
 
+from dataclasses import replace
+from typing import Optional
+
 import torch
 from torch import Tensor
 
-from .placement import PLACEMENTS, Piece, check_placeable, placement_pieces, sequence_pieces
+from .placement import BALANCED, CONTIGUOUS, PLACEMENTS, Piece, check_placeable, placement_pieces, sequence_pieces
 
 __all__ = [
     "cumulative_lengths",
@@ -31,6 +34,9 @@ __all__ = [
     "placement_positions",
     "local_lengths",
     "check_local_length",
+    "same_documents",
+    "check_packed_tokens",
+    "read_documents",
 ]
 
 
@@ -125,3 +131,39 @@ def check_local_length(cu: Sequence[int], world_size: int, placement: str, rank:
 def local_lengths(cu: Sequence[int], world_size: int, placement: str) -> list[int]:
     """How many tokens each rank holds under ``placement``."""
     return [sum(p.length for p in pieces) for pieces in placement_pieces(cu, world_size, placement)]
+
+
+# ---------------------------------------------------------------- the op's documents
+
+
+def same_documents(qlen: Any, kvlen: Any) -> tuple[int, ...]:
+    """The documents of ``actual_seq_qlen`` (reads its values), the same as ``actual_seq_kvlen``'s."""
+    cu_q = cumulative_lengths(qlen, "actual_seq_qlen")
+    cu_kv = cumulative_lengths(kvlen, "actual_seq_kvlen")
+    if cu_q != cu_kv:
+        raise ValueError(f"actual_seq_qlen={list(cu_q)} and actual_seq_kvlen={list(cu_kv)} differ; packed "
+                         "self-attention under CP needs the same documents for queries and keys")
+    return cu_q
+
+
+def check_packed_tokens(plan, total: int) -> None:
+    """The global T against a CallPlan's documents and placement when known (ValueError naming
+    them), else from the shapes alone: contiguous slices need T divisible by W."""
+    if plan.documents:
+        check_documents(plan.documents, total, plan.world_size, plan.document_placement, name="actual_seq_qlen")
+    elif plan.document_placement == CONTIGUOUS and total % plan.world_size:
+        raise ValueError(f"input_layout='TND' without load balancing cuts the global sequence into W="
+                         f"{plan.world_size} equal slices: its T={total} tokens do not divide by W")
+
+
+def read_documents(plan, qlen: Optional[Tensor], kvlen: Optional[Tensor], local_rows: int):
+    """The CallPlan ``plan`` with the documents of the lengths tensors the handler left to the
+    custom op, read on the host and checked against this rank's ``local_rows``. Run by the op's kernel, never while tracing: the lengths are host data
+    (a CPU tensor: no device sync), and a graph records the op, not the values."""
+    plan = replace(plan, documents=same_documents(qlen, kvlen))
+    placement = plan.document_placement
+    if placement != BALANCED:  # even shards: T = W * local rows
+        check_packed_tokens(plan, local_rows * plan.world_size)
+    check_documents(plan.documents, plan.documents[-1], plan.world_size, placement, name="actual_seq_qlen")
+    check_local_length(plan.documents, plan.world_size, placement, plan.rank, local_rows)
+    return plan

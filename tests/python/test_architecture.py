@@ -139,13 +139,13 @@ def test_no_function_over_60_lines():
 def test_the_rules_can_fail():
     """The checker sees a violation where there is one: a product module that imported a
     tool, a private name and a floor above would be reported."""
-    tree = ast.parse("from ..cli import demo\nfrom .ring import _private\nfrom ..handlers import call\n")
+    tree = ast.parse("from ..cli import demo\nfrom .ring import _private\nfrom ..handlers import spec\n")
     path, _ = _modules()["cp_cache.algorithms.ulysses"]
     _modules()["cp_cache.algorithms.ulysses_probe"] = (path.with_name("ulysses_probe.py"), tree)
     try:
         found = _imports("cp_cache.algorithms.ulysses_probe")
         assert ("cp_cache.cli.demo", "") in found
         assert ("cp_cache.algorithms.ring", "_private") in found
-        assert _floor_of("cp_cache.handlers.call") < _floor_of("cp_cache.algorithms.ulysses_probe")
+        assert _floor_of("cp_cache.handlers.spec") < _floor_of("cp_cache.algorithms.ulysses_probe")
     finally:
         del _modules()["cp_cache.algorithms.ulysses_probe"]

@@ -13,7 +13,7 @@ import torch
 
 from cp_cache import layout as L
 from cp_cache.kernels import ReferenceKernel
-from cp_cache.algorithms import RING
+from cp_cache.algorithms import RING, run_backward, run_forward
 from cp_cache.testing.reference import ring_plan
 from cp_cache.testing.multiprocess import run_ranks
 from cp_cache.testing.reference import dense_attention, rank_positions
@@ -91,25 +91,25 @@ def _agreement_rank(rank: int, world: int) -> dict:
         cfg = dict(base, **(cfg_change if rank == last else {}))
         (q, k, v, _), _, _ = _inputs(rank, world, **(in_change if rank == last else {}))
         config = ring_plan(world_size=world, rank=rank, **cfg)
-        results[name] = _outcome(lambda: RING.forward(config, q, k, v, groups=[group], kernel=ker))
+        results[name] = _outcome(lambda: run_forward(RING, config, q, k, v, groups=[group], kernel=ker))
 
     # a backward that disagrees (scale) after an agreeing forward
     (q, k, v, dout), full, pos = _inputs(rank, world)
     config = ring_plan(world_size=world, rank=rank, **BASE)
-    fwd = RING.forward(config, q, k, v, groups=[group], kernel=ker)
+    fwd = run_forward(RING, config, q, k, v, groups=[group], kernel=ker)
     bad = ring_plan(world_size=world, rank=rank, **dict(BASE, scale=0.25 if rank == last else 0.3))
-    results["backward_scale"] = _outcome(lambda: RING.backward(bad, dout, q, k, v, fwd.out, fwd.lse, fwd.steps, groups=[group], kernel=ker))
+    results["backward_scale"] = _outcome(lambda: run_backward(RING, bad, dout, q, k, v, fwd.out, fwd.lse, fwd.steps, groups=[group], kernel=ker))
 
     # the same bad argument on every rank: the same check fails on every rank
     invalid = ring_plan(world_size=world, rank=rank, **dict(BASE, keep_prob=2.0))
-    results["all_invalid"] = _outcome(lambda: RING.forward(invalid, q, k, v, groups=[group], kernel=ker))
+    results["all_invalid"] = _outcome(lambda: run_forward(RING, invalid, q, k, v, groups=[group], kernel=ker))
 
     # agreeing calls: right answer against dense float64; one all_gather per call on the CPU side
     # group, none on the CP group, signature built once
     from cp_cache.engine.transport import SideGroup
 
     gathers, on_cp_group = [], []
-    real_all_gather, real_side_gather = dist.all_gather, SideGroup.all_gather
+    real_all_gather, real_side_gather = dist.all_gather, SideGroup.all_gather_async
 
     def counting_all_gather(*a, **kw):
         on_cp_group.append(1)
@@ -119,23 +119,23 @@ def _agreement_rank(rank: int, world: int) -> dict:
         gathers.append(1)
         return real_side_gather(self, tensor)
 
-    dist.all_gather, SideGroup.all_gather = counting_all_gather, counting_side_gather
+    dist.all_gather, SideGroup.all_gather_async = counting_all_gather, counting_side_gather
     try:
         before = agreement.counters()
-        fwd = RING.forward(config, q, k, v, groups=[group], kernel=ker)
-        bwd = RING.backward(config, dout, q, k, v, fwd.out, fwd.lse, fwd.steps, groups=[group], kernel=ker)
+        fwd = run_forward(RING, config, q, k, v, groups=[group], kernel=ker)
+        bwd = run_backward(RING, config, dout, q, k, v, fwd.out, fwd.lse, fwd.steps, groups=[group], kernel=ker)
         first = agreement.counters()
         for _ in range(3):
-            RING.forward(config, q, k, v, groups=[group], kernel=ker)
+            run_forward(RING, config, q, k, v, groups=[group], kernel=ker)
         steady = agreement.counters()
     finally:
-        dist.all_gather, SideGroup.all_gather = real_all_gather, real_side_gather
+        dist.all_gather, SideGroup.all_gather_async = real_all_gather, real_side_gather
     results["agree"] = dict(counters=(before, first, steady), all_gathers=len(gathers),
                             cp_group_gathers=len(on_cp_group))
     ref = dense_attention(*full, causal=True)  # scale 1/sqrt(D)
     config_ref = ring_plan(world_size=world, rank=rank, **dict(BASE, scale=1 / D ** 0.5))
-    fwd = RING.forward(config_ref, q, k, v, groups=[group], kernel=ker)
-    bwd = RING.backward(config_ref, dout, q, k, v, fwd.out, fwd.lse, fwd.steps, groups=[group], kernel=ker)
+    fwd = run_forward(RING, config_ref, q, k, v, groups=[group], kernel=ker)
+    bwd = run_backward(RING, config_ref, dout, q, k, v, fwd.out, fwd.lse, fwd.steps, groups=[group], kernel=ker)
     results["agree"]["errors"] = {
         name: float((got.double() - ref[name].index_select(2, pos)).abs().max())
         for name, got in (("out", fwd.out), ("dq", bwd.dq), ("dk", bwd.dk), ("dv", bwd.dv))
@@ -143,11 +143,11 @@ def _agreement_rank(rank: int, world: int) -> dict:
 
     # last: a rank raises an ordinary exception inside the ring; the others raise too, in time
     kernel = _RaisingKernel() if rank == last else ker
-    fwd = RING.forward(config, q, k, v, groups=[group], kernel=ker)
+    fwd = run_forward(RING, config, q, k, v, groups=[group], kernel=ker)
     started = time.monotonic()
-    outcome = _outcome(lambda: RING.backward(config, dout, q, k, v, fwd.out, fwd.lse, fwd.steps, groups=[group], kernel=kernel))
+    outcome = _outcome(lambda: run_backward(RING, config, dout, q, k, v, fwd.out, fwd.lse, fwd.steps, groups=[group], kernel=kernel))
     if outcome[0] == "ok":  # this rank's ring finished: its next communication must fail in time
-        outcome = _outcome(lambda: RING.forward(config, q, k, v, groups=[group], kernel=ker))
+        outcome = _outcome(lambda: run_forward(RING, config, q, k, v, groups=[group], kernel=ker))
     seconds = time.monotonic() - started
     if rank == last:  # stay alive (connections open), so the others fail by the group's timeout
         time.sleep(PG_TIMEOUT + 2.0)

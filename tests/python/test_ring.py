@@ -27,7 +27,7 @@ from cp_cache.testing.reference import (
 )
 from cp_cache import layout as L
 from cp_cache.kernels import NpuKernel, ReferenceKernel, get_kernel
-from cp_cache.algorithms import RING
+from cp_cache.algorithms import RING, run_backward, run_forward
 from cp_cache.engine.loop import RingStep
 from cp_cache.engine.steps import step_part
 from cp_cache.plan import CallPlan
@@ -144,10 +144,10 @@ def _run_cases(rank: int, world: int, cases: list[Case], group) -> dict:
         cfg = _config(case, world, rank)
         kernel = _Watch(get_kernel(case.kernel))
         torch.manual_seed(1234 + rank)
-        fwd = RING.forward(cfg, ql, kl, vl, groups=[group], kernel=kernel)
+        fwd = run_forward(RING, cfg, ql, kl, vl, groups=[group], kernel=kernel)
         max_alive_fwd, seen_fwd = kernel.max_alive, len(kernel.refs)
         kernel = _Watch(get_kernel(case.kernel))
-        bwd = RING.backward(cfg, dl, ql, kl, vl, fwd.out, fwd.lse, fwd.steps, groups=[group], kernel=kernel)
+        bwd = run_backward(RING, cfg, dl, ql, kl, vl, fwd.out, fwd.lse, fwd.steps, groups=[group], kernel=kernel)
         results[case.name] = dict(
             out=fwd.out, lse=fwd.lse, dq=bwd.dq, dk=bwd.dk, dv=bwd.dv,
             fwd_bytes=fwd.bytes_sent, bwd_bytes=bwd.bytes_sent,
@@ -333,35 +333,35 @@ def _cfg(**kw):
 def test_odd_local_length_with_load_balance():
     q, k, v = _small(s=5)
     with pytest.raises(ValueError, match="even local sequence length.*5"):
-        RING.forward(_cfg(), q, k, v, groups=[None], kernel=ReferenceKernel())
+        run_forward(RING, _cfg(), q, k, v, groups=[None], kernel=ReferenceKernel())
     # fine without load balancing
-    RING.forward(_cfg(load_balance=False), q, k, v, groups=[None], kernel=ReferenceKernel())
+    run_forward(RING, _cfg(load_balance=False), q, k, v, groups=[None], kernel=ReferenceKernel())
 
 
 def test_steps_world_mismatch():
     q, k, v = _small()
     cfg = _cfg()
-    fwd = RING.forward(cfg, q, k, v, groups=[None], kernel=ReferenceKernel())
+    fwd = run_forward(RING, cfg, q, k, v, groups=[None], kernel=ReferenceKernel())
     extra = fwd.steps + [RingStep(1, "full")]
     with pytest.raises(RuntimeError, match="2 ring steps where its forward makes 1"):
-        RING.backward(cfg, q, q, k, v, fwd.out, fwd.lse, extra, groups=[None], kernel=ReferenceKernel())
+        run_backward(RING, cfg, q, q, k, v, fwd.out, fwd.lse, extra, groups=[None], kernel=ReferenceKernel())
     with pytest.raises(ValueError, match="world_size=2"):
-        RING.forward(_cfg(world_size=2, rank=1), q, k, v, groups=[None], kernel=ReferenceKernel())
+        run_forward(RING, _cfg(world_size=2, rank=1), q, k, v, groups=[None], kernel=ReferenceKernel())
 
 
 def test_bad_inputs():
     q, k, v = _small()
     ker = ReferenceKernel()
     with pytest.raises(ValueError, match=r"key .* and value .* disagree"):
-        RING.forward(_cfg(), q, k, v[:, :, :4], groups=[None], kernel=ker)
+        run_forward(RING, _cfg(), q, k, v[:, :, :4], groups=[None], kernel=ker)
     with pytest.raises(NotImplementedError, match="input_layout='TND'"):
-        RING.forward(_cfg(layout="TND"), q, k, v, groups=[None], kernel=ker)
+        run_forward(RING, _cfg(layout="TND"), q, k, v, groups=[None], kernel=ker)
     with pytest.raises(ValueError, match="'XYZ'"):
-        RING.forward(_cfg(layout="XYZ"), q, k, v, groups=[None], kernel=ker)
+        run_forward(RING, _cfg(layout="XYZ"), q, k, v, groups=[None], kernel=ker)
     with pytest.raises(ValueError, match="head_num=2"):
-        RING.forward(_cfg(), q, k[:, :1].repeat(1, 3, 1, 1), v[:, :1].repeat(1, 3, 1, 1), groups=[None], kernel=ker)
+        run_forward(RING, _cfg(), q, k[:, :1].repeat(1, 3, 1, 1), v[:, :1].repeat(1, 3, 1, 1), groups=[None], kernel=ker)
     with pytest.raises(NotImplementedError, match="keep_prob"):
-        RING.forward(_cfg(keep_prob=0.9), q, k, v, groups=[None], kernel=ker)
+        run_forward(RING, _cfg(keep_prob=0.9), q, k, v, groups=[None], kernel=ker)
 
 
 def test_get_kernel():

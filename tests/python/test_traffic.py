@@ -168,7 +168,7 @@ def _local(name: str, rank: int, full: list[torch.Tensor]) -> list[torch.Tensor]
 
 
 def _run(name: str, rank: int, exchange: str, groups, full) -> dict:
-    from cp_cache.algorithms import strategy_for
+    from cp_cache.algorithms import run_backward, run_forward, strategy_for
     from cp_cache.cli.compare.patches import SentCounter
     from cp_cache.kernels import get_kernel
 
@@ -180,9 +180,9 @@ def _run(name: str, rank: int, exchange: str, groups, full) -> dict:
     groups = groups["grid" if kind == "hybrid" else "flat"]
     with SentCounter() as counter:
         counter.phase = "forward"
-        fwd = strategy.forward(plan, q, k, v, groups=groups, kernel=kernel, mask=mask)
+        fwd = run_forward(strategy, plan, q, k, v, groups=groups, kernel=kernel, mask=mask)
         counter.phase = "backward"
-        bwd = strategy.backward(plan, dout, q, k, v, fwd.out, fwd.lse, fwd.steps, groups=groups, kernel=kernel,
+        bwd = run_backward(strategy, plan, dout, q, k, v, fwd.out, fwd.lse, fwd.steps, groups=groups, kernel=kernel,
                                 mask=mask)
     results = dict(out=fwd.out, dq=bwd.dq, dk=bwd.dk, dv=bwd.dv)
     if kind == "tnd":

@@ -20,7 +20,7 @@ import torch
 
 from cp_cache import layout as L
 from cp_cache.kernels import ReferenceKernel
-from cp_cache.algorithms import RING
+from cp_cache.algorithms import RING, run_backward, run_forward
 from cp_cache.testing.reference import ring_plan
 from cp_cache.testing.multiprocess import capture, run_ranks
 from cp_cache.testing.reference import dense_attention
@@ -53,8 +53,8 @@ def _ring_case(rank: int, world: int, lengths: tuple, causal: bool, layout: str,
     config = ring_plan(world_size=world, rank=rank, causal=causal, load_balance=False, layout=layout,
                        head_num=N, scale=1 / math.sqrt(D), keep_prob=1.0)
     ker, group = ReferenceKernel(), dist.group.WORLD
-    fwd = RING.forward(config, *local[:3], groups=[group], kernel=ker)
-    bwd = RING.backward(config, local[3], *local[:3], fwd.out, fwd.lse, fwd.steps, groups=[group], kernel=ker)
+    fwd = run_forward(RING, config, *local[:3], groups=[group], kernel=ker)
+    bwd = run_backward(RING, config, local[3], *local[:3], fwd.out, fwd.lse, fwd.steps, groups=[group], kernel=ker)
     ref = dense_attention(*full, causal=causal)
     errors = {name: _rel(L.to_bnsd(got, layout, N if name in ("out", "dq") else nkv),
                          ref[name].narrow(2, start, lengths[rank]))
@@ -73,7 +73,7 @@ def _refused_in_ring(rank: int, world: int, **change) -> tuple:
         q, k, v = (t.narrow(2, 0, lengths[rank] - 1) for t in (q, k, v))
     config = ring_plan(**dict(dict(world_size=world, rank=rank, causal=True, load_balance=False, layout="BNSD",
                                    head_num=N, scale=0.3, keep_prob=1.0), **change))
-    return capture(lambda: RING.forward(config, q, k, v, groups=[dist.group.WORLD], kernel=ReferenceKernel()))
+    return capture(lambda: run_forward(RING, config, q, k, v, groups=[dist.group.WORLD], kernel=ReferenceKernel()))
 
 
 def _dtensor_case(rank: int, world: int, mesh, causal: bool) -> dict:

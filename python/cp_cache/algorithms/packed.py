@@ -36,14 +36,12 @@ from torch import Tensor
 
 from .. import layout as L
 from ..documents import check_documents, check_local_length, cumulative_lengths, document_pieces, local_lengths
-from ..engine.agreement import agreed_checks
-from ..engine.checks import check_backward_operands, check_keep_prob
-from ..engine.loop import (BackwardResult, ForwardResult, RingStep, backward_ring, check_step, check_steps, empty_outputs,
-                           forward_ring)
+from ..engine.loop import (BackwardResult, ForwardResult, RingStep, backward_ring, check_backward_operands,
+                           check_keep_prob, check_step, check_steps, empty_outputs, forward_ring)
+from ..engine.steps import exchange_plan
 from ..engine.merge import merge_into
-from ..engine.needs import exchange_plan
 from ..engine.transport import group_info, own_group
-from ..kernels.base import StepForward, StepKernel, StepMask
+from ..kernels import StepForward, StepKernel, StepMask
 from ..placement import CONTIGUOUS
 from ..plan import CallPlan
 
@@ -248,6 +246,16 @@ def _ring_lengths(plan: CallPlan, cu) -> list[tuple[int, int]]:
     return [(n, n) for n in local_lengths(cu, plan.world_size, plan.document_placement)]
 
 
+def _ready(plan: CallPlan, cu, agreement):
+    """The loop's ``ready``: once the ranks agree, their lengths (the placement's) and the direct
+    exchange's plan."""
+    def ready():
+        agreement.lengths()
+        lengths = _ring_lengths(plan, cu)
+        return lengths, exchange_plan(plan, lengths)
+    return ready
+
+
 def _check_records(steps: list[RingStep], plan: CallPlan, cu) -> list[VarlenStep]:
     check_steps(steps, plan.rank, plan.world_size, plan.world_size)
     planned = [_plan_step(plan, cu, i) for i in range(len(steps))]
@@ -267,17 +275,26 @@ class PackedDocuments:
         """Empty (out, lse [T/W, Nq]) of the shapes ``forward`` returns: from shapes only."""
         return empty_outputs(plan, q, k, v)
 
+    def check_forward(self, plan: CallPlan, q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor] = None) -> None:
+        """This rank's inputs of a forward against the plan's documents and placement."""
+        _check_inputs(q, k, v, plan, _documents(plan))
+
+    def check_backward(self, plan: CallPlan, dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
+                       steps: list[RingStep], mask: Optional[Tensor] = None) -> list[VarlenStep]:
+        """This rank's inputs of a backward, and the forward's step records: the steps planned again."""
+        cu = _documents(plan)
+        _check_inputs(q, k, v, plan, cu)
+        check_backward_operands(plan, dout, q, k, v, out, lse)
+        return _check_records(steps, plan, cu)
+
     def forward(self, plan: CallPlan, q: Tensor, k: Tensor, v: Tensor, *, groups: Sequence = (),
-                kernel: StepKernel, mask: Optional[Tensor] = None) -> ForwardResult:
+                kernel: StepKernel, mask: Optional[Tensor] = None, checked=None, agreement) -> ForwardResult:
         """Ring attention of the local packed queries ``[T/W, Nq, D]`` against every rank's K/V,
-        within documents (``plan.documents``); ``mask`` is unused (None). Returns the merged
-        output (query dtype), the float32 LSE ``[T/W, Nq]``, the per-step records and the bytes
-        sent."""
+        within documents (``plan.documents``); ``mask`` is unused (None); ``checked``,
+        ``agreement`` as for the ring. Returns the merged output (query dtype), the float32 LSE
+        ``[T/W, Nq]``, the per-step records and the bytes sent."""
         size, rank, group = group_info(plan.world_size, plan.rank, own_group(groups))
         cu = _documents(plan)
-        agreed_checks("forward", lambda: _check_inputs(q, k, v, plan, cu), plan, q, k, v, size=size, group=group,
-                      kernel=kernel)
-        lengths = _ring_lengths(plan, cu)
         rows = q.size(0)
         acc_out = torch.zeros(L.output_shape(q, k, v, L.TND, plan.head_num), dtype=torch.float32, device=q.device)
         acc_lse = torch.full((rows, plan.head_num), float("-inf"), dtype=torch.float32, device=q.device)
@@ -296,28 +313,20 @@ class PackedDocuments:
                 del res
             return step.part, rng
 
-        steps, traffic, compute_s, wait_s = forward_ring(k, v, lengths, L.TND, size - 1, compute, group=group,
-                                                         rank=rank, size=size, exchange=exchange_plan(plan, lengths),
-                                                         direct=plan.exchange == "direct")
+        steps, traffic, compute_s, wait_s, _ = forward_ring(k, v, L.TND, size - 1, compute, _ready(plan, cu, agreement),
+                                                            group=group, rank=rank, size=size,
+                                                            direct=plan.exchange == "direct")
         log.debug("packed documents forward rank %d/%d: parts %s, %s", rank, size, [s.part for s in steps], traffic)
         return ForwardResult(out=acc_out.to(q.dtype), lse=acc_lse, steps=steps, compute_seconds=compute_s,
                              wait_seconds=wait_s, **traffic.fields())
 
     def backward(self, plan: CallPlan, dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
                  steps: list[RingStep], *, groups: Sequence = (), kernel: StepKernel,
-                 mask: Optional[Tensor] = None) -> BackwardResult:
-        """Gradients of the local packed q and of this rank's own K/V block (``lse``: [T/W, Nq])."""
+                 mask: Optional[Tensor] = None, checked: list[VarlenStep], agreement) -> BackwardResult:
+        """Gradients of the local packed q and of this rank's own K/V block (``lse``: [T/W, Nq]);
+        ``checked``: the steps ``check_backward`` planned."""
         size, rank, group = group_info(plan.world_size, plan.rank, own_group(groups))
-        cu = _documents(plan)
-
-        def check() -> list[VarlenStep]:
-            _check_inputs(q, k, v, plan, cu)
-            check_backward_operands(plan, dout, q, k, v, out, lse)
-            return _check_records(steps, plan, cu)
-
-        planned, _ = agreed_checks("backward", check, plan, q, k, v, size=size, group=group, kernel=kernel,
-                                   steps=len(steps))
-        lengths = _ring_lengths(plan, cu)
+        cu, planned = _documents(plan), checked
         rows, lse = q.size(0), lse.float()
         dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
 
@@ -334,10 +343,9 @@ class PackedDocuments:
             _add_rows(dq, qi, grads[0])
             return [(ops.kv_index, grads[1], grads[2])]
 
-        dk, dv, traffic, compute_s, wait_s = backward_ring(k, v, lengths, L.TND, size - 1, compute, _add_rows,
-                                                           group=group, rank=rank, size=size,
-                                                           exchange=exchange_plan(plan, lengths),
-                                                           direct=plan.exchange == "direct")
+        dk, dv, traffic, compute_s, wait_s, _ = backward_ring(k, v, L.TND, size - 1, compute, _add_rows,
+                                                              _ready(plan, cu, agreement), group=group, rank=rank,
+                                                              size=size, direct=plan.exchange == "direct")
         return BackwardResult(dq=dq.to(q.dtype), dk=dk.to(k.dtype), dv=dv.to(v.dtype), compute_seconds=compute_s,
                               wait_seconds=wait_s, **traffic.fields())
 

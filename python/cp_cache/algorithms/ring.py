@@ -2,7 +2,7 @@
 
 Each rank keeps its query block. Step i on rank r computes against the K/V of group rank
 ``(r - i) % W``. By default (``exchange="direct"``) each rank sends straight to rank r+i only
-the rows of its block that rank needs (``engine/needs.py``: the mask's lower bound); with
+the rows of its block that rank needs (``engine/steps.py``: the mask's lower bound); with
 ``exchange="ring"`` the whole blocks travel around the ring (rank r sends to r+1, receives from
 r-1). The next step's transfer is posted before the current step is computed and waited after.
 Step results are merged in float32 with the log-sum-exp rule.
@@ -34,23 +34,22 @@ import torch
 from torch import Tensor
 
 from .. import layout as L
-from ..engine.agreement import agreed_checks
-from ..engine.checks import check_backward_operands, check_qkv
 from ..engine.loop import (
     BackwardResult,
     ForwardResult,
     RingStep,
     backward_ring,
+    check_backward_operands,
+    check_qkv,
     check_step,
     check_steps,
     empty_outputs,
     forward_ring,
 )
 from ..engine.merge import merge_into
-from ..engine.needs import exchange_plan
-from ..engine.steps import BlockTask, hops_needed, plan_step
+from ..engine.steps import BlockTask, exchange_plan, hops_needed, plan_step
 from ..engine.transport import group_info, own_group
-from ..kernels.base import StepKernel
+from ..kernels import StepKernel
 from ..plan import CallPlan
 
 __all__ = ["Ring", "RING"]
@@ -76,15 +75,6 @@ def _check_inputs(plan: CallPlan, q: Tensor, k: Tensor, v: Tensor, mask_rows: Op
     return qd
 
 
-def _rows(x: Tensor, layout: str, rows: tuple[int, int]) -> Tensor:
-    """The sequence rows ``rows`` of ``x`` in ``layout`` (or its 4-D view): a view."""
-    return L.narrow_seq(x, layout, *rows)
-
-
-def _lse_rows(lse: Tensor, rows: tuple[int, int]) -> Tensor:
-    return lse.narrow(2, *rows)  # lse is [B, N, S]
-
-
 def _plan_step(plan: CallPlan, index: int, q_len: int, kv_len: int, mask_rows: Optional[Tensor]):
     return plan_step(plan.rank, index, plan.world_size, plan.load_balance, plan.mask, q_len, kv_len, mask_rows)
 
@@ -93,8 +83,9 @@ def _last_step(plan: CallPlan, kv_len: int) -> int:
     return hops_needed(plan.world_size, plan.load_balance, plan.mask, kv_len)
 
 
-def _task_operands(task: BlockTask, layout: str, q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-    return _rows(q, layout, task.q_rows), _rows(k, layout, task.kv_rows), _rows(v, layout, task.kv_rows)
+def _task_operands(task: BlockTask, seq_dim: int, q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """The task's query rows and K/V rows: views."""
+    return q.narrow(seq_dim, *task.q_rows), k.narrow(seq_dim, *task.kv_rows), v.narrow(seq_dim, *task.kv_rows)
 
 
 def _kernel_args(plan: CallPlan) -> dict:
@@ -111,82 +102,84 @@ def _recorded_tasks(step: RingStep, plan: CallPlan, q_len: int, kv_len: int, mas
 class Ring:
     """Ring attention over the innermost of the given process groups, on any step kernel."""
 
+    def check_forward(self, plan: CallPlan, q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor] = None) -> L.Dims:
+        """This rank's inputs of a forward (ValueError/NotImplementedError naming them)."""
+        return _check_inputs(plan, q, k, v, mask)
+
+    def check_backward(self, plan: CallPlan, dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
+                       steps: list[RingStep], mask: Optional[Tensor] = None) -> L.Dims:
+        """This rank's inputs of a backward, and the forward's step records against them."""
+        qd = _check_inputs(plan, q, k, v, mask)
+        check_steps(steps, plan.rank, plan.world_size, _last_step(plan, k.size(L.seq_dim(plan.layout))) + 1)
+        check_backward_operands(plan, dout, q, k, v, out, lse)
+        return qd
+
     def forward(self, plan: CallPlan, q: Tensor, k: Tensor, v: Tensor, *, groups: Sequence = (),
-                kernel: StepKernel, mask: Optional[Tensor] = None) -> ForwardResult:
+                kernel: StepKernel, mask: Optional[Tensor] = None, checked: L.Dims, agreement) -> ForwardResult:
         """Ring attention of the local queries against every rank's K/V block.
 
         ``mask``: with a given mask (``plan.mask.given``), its rows of the local queries over
-        the whole sequence (True = masked out). Returns the merged output (query dtype, input
-        layout), the float32 LSE [B, Nq, Sq], the per-step records (for backward) and the bytes
-        sent.
+        the whole sequence (True = masked out). ``checked``: what ``check_forward`` returned;
+        ``agreement``: the ranks' (``engine/agreement.Agreement``), waited for after step 0.
+        Returns the merged output (query dtype, input layout), the float32 LSE [B, Nq, Sq], the
+        per-step records (for backward) and the bytes sent.
         """
         size, rank, group = group_info(plan.world_size, plan.rank, own_group(groups))
-        qd, lengths = agreed_checks("forward", lambda: _check_inputs(plan, q, k, v, mask), plan, q, k, v,
-                                    size=size, group=group, kernel=kernel, mask_rows=mask)
-        lay, seq_dim = plan.layout, L.seq_dim(plan.layout)
+        lay, seq_dim, qd = plan.layout, L.seq_dim(plan.layout), checked
         acc_out = torch.zeros(L.output_shape(q, k, v, lay, plan.head_num), dtype=torch.float32, device=q.device)
         acc_lse = torch.full((qd.batch, plan.head_num, qd.seq), float("-inf"), dtype=torch.float32, device=q.device)
+        kernel_args = _kernel_args(plan)
 
         def compute(i: int, cur_k: Tensor, cur_v: Tensor) -> tuple[str, list]:
             part, tasks = _plan_step(plan, i, qd.seq, cur_k.size(seq_dim), mask)
             rng = []
             for task in tasks:
-                res = kernel.forward(*_task_operands(task, lay, q, cur_k, cur_v), mask=task.mask,
-                                     **_kernel_args(plan))
+                res = kernel.forward(*_task_operands(task, seq_dim, q, cur_k, cur_v), mask=task.mask, **kernel_args)
                 if res.seed is not None:
                     rng.append((res.seed, res.offset))
-                merge_into(_rows(acc_out, lay, task.q_rows), _lse_rows(acc_lse, task.q_rows), res.out, res.lse,
+                merge_into(acc_out.narrow(seq_dim, *task.q_rows), acc_lse.narrow(2, *task.q_rows), res.out, res.lse,
                            lay, plan.head_num, fused=plan.fused_merge)
                 del res
             return part, rng
 
-        rows = exchange_plan(plan, lengths, group=group, mask_rows=mask)
-        steps, traffic, compute_s, wait_s = forward_ring(k, v, lengths, lay, _last_step(plan, k.size(seq_dim)),
-                                                         compute, group=group, rank=rank, size=size, exchange=rows,
-                                                         direct=plan.exchange == "direct")
+        steps, traffic, compute_s, wait_s, lengths = forward_ring(
+            k, v, lay, _last_step(plan, k.size(seq_dim)), compute, _ready(plan, agreement, group, mask), group=group,
+            rank=rank, size=size, direct=plan.exchange == "direct")
         log.debug("ring forward rank %d/%d: parts %s, %s", rank, size, [s.part for s in steps], traffic)
         return ForwardResult(out=acc_out.to(q.dtype), lse=acc_lse, steps=steps, compute_seconds=compute_s,
                              wait_seconds=wait_s, lengths=lengths, **traffic.fields())
 
     def backward(self, plan: CallPlan, dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
                  steps: list[RingStep], *, groups: Sequence = (), kernel: StepKernel,
-                 mask: Optional[Tensor] = None) -> BackwardResult:
+                 mask: Optional[Tensor] = None, checked: L.Dims, agreement) -> BackwardResult:
         """Gradients of the local q and of this rank's own K/V block; ``out``/``lse`` are the
-        forward's merged results, ``steps`` its records (parts and seeds reused as recorded)."""
+        forward's merged results, ``steps`` its records (parts and seeds reused as recorded);
+        ``checked``, ``agreement`` as in ``forward`` (from ``check_backward``)."""
         size, rank, group = group_info(plan.world_size, plan.rank, own_group(groups))
-        seq_dim = L.seq_dim(plan.layout)
-
-        def check() -> L.Dims:
-            qd = _check_inputs(plan, q, k, v, mask)
-            check_steps(steps, rank, size, _last_step(plan, k.size(seq_dim)) + 1)
-            check_backward_operands(plan, dout, q, k, v, out, lse)
-            return qd
-
-        qd, lengths = agreed_checks("backward", check, plan, q, k, v, size=size, group=group, kernel=kernel,
-                                    mask_rows=mask, steps=len(steps))
-        lay, lse = plan.layout, lse.float()
+        lay, seq_dim, qd, lse = plan.layout, L.seq_dim(plan.layout), checked, lse.float()
         dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+        kernel_args = _kernel_args(plan)
 
         def compute(i: int, cur_k: Tensor, cur_v: Tensor) -> list:
             kv_grads = []
             for task, (seed, offset) in _recorded_tasks(steps[i], plan, qd.seq, cur_k.size(seq_dim), mask):
+                rows = task.q_rows
                 grads = kernel.backward(
-                    *_task_operands(task, lay, q, cur_k, cur_v),
-                    _rows(dout, lay, task.q_rows), _rows(out, lay, task.q_rows), _lse_rows(lse, task.q_rows),
-                    mask=task.mask, seed=seed, offset=offset, **_kernel_args(plan),
+                    *_task_operands(task, seq_dim, q, cur_k, cur_v),
+                    dout.narrow(seq_dim, *rows), out.narrow(seq_dim, *rows), lse.narrow(2, *rows),
+                    mask=task.mask, seed=seed, offset=offset, **kernel_args,
                 )
-                _rows(dq, lay, task.q_rows).add_(grads[0])
+                dq.narrow(seq_dim, *rows).add_(grads[0])
                 kv_grads.append((task.kv_rows, grads[1], grads[2]))
                 del grads
             return kv_grads
 
         def add_rows(acc: Tensor, kv_rows: tuple[int, int], grad: Tensor) -> None:
-            _rows(acc, lay, kv_rows).add_(grad)
+            acc.narrow(seq_dim, *kv_rows).add_(grad)
 
-        rows = exchange_plan(plan, lengths, group=group, mask_rows=mask)
-        dk, dv, traffic, compute_s, wait_s = backward_ring(k, v, lengths, lay, _last_step(plan, k.size(seq_dim)),
-                                                           compute, add_rows, group=group, rank=rank, size=size,
-                                                           exchange=rows, direct=plan.exchange == "direct")
+        dk, dv, traffic, compute_s, wait_s, lengths = backward_ring(
+            k, v, lay, _last_step(plan, k.size(seq_dim)), compute, add_rows, _ready(plan, agreement, group, mask),
+            group=group, rank=rank, size=size, direct=plan.exchange == "direct")
         log.debug("ring backward rank %d/%d: %s", rank, size, traffic)
         return BackwardResult(dq=dq.to(q.dtype), dk=dk.to(k.dtype), dv=dv.to(v.dtype), compute_seconds=compute_s,
                               wait_seconds=wait_s, lengths=lengths, **traffic.fields())
@@ -194,6 +187,14 @@ class Ring:
     def fake(self, plan: CallPlan, q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
         """Empty (out, lse) of the shapes ``forward`` returns: for tracing with fake tensors."""
         return empty_outputs(plan, q, k, v)
+
+
+def _ready(plan: CallPlan, agreement, group, mask: Optional[Tensor]):
+    """The loop's ``ready``: the ranks' lengths once they agree, and the direct exchange's plan."""
+    def ready():
+        lengths = agreement.lengths()
+        return lengths, exchange_plan(plan, lengths, group=group, mask_rows=mask)
+    return ready
 
 
 RING = Ring()

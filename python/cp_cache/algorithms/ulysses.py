@@ -43,11 +43,10 @@ from torch import Tensor
 
 from .. import layout as L
 from ..documents import sequence_order
-from ..engine.agreement import agreed_checks
-from ..engine.checks import check_backward_operands, check_qkv
-from ..engine.loop import BackwardResult, ForwardResult, RingStep, empty_outputs
+from ..engine.agreement import Agreement
+from ..engine.loop import BackwardResult, ForwardResult, RingStep, check_backward_operands, check_qkv, empty_outputs
 from ..engine.transport import exchange_heads, own_group, own_storage
-from ..kernels.base import StepKernel, StepMask
+from ..kernels import StepKernel, StepMask
 from ..plan import CallPlan, HeadPlan, head_plan
 
 __all__ = ["Ulysses", "ULYSSES"]
@@ -210,8 +209,22 @@ class Ulysses:
 
     # ------------------------------------------------------------ forward
 
+    def check_forward(self, plan: CallPlan, q: Tensor, k: Tensor, v: Tensor,
+                      mask: Optional[Tensor] = None) -> HeadPlan:
+        """This rank's inputs of a forward; the head split."""
+        return _check(q, k, v, plan, mask)
+
+    def check_backward(self, plan: CallPlan, dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
+                       steps: list[RingStep], mask: Optional[Tensor] = None) -> HeadPlan:
+        """This rank's inputs of a backward and the forward's records; the head split."""
+        split = _check(q, k, v, plan, mask)
+        check_backward_operands(plan, dout, q, k, v, out, lse)
+        if plan.ulysses_size == plan.world_size and len(steps) != 1:
+            raise RuntimeError(f"a Ulysses backward needs the forward's 1 attention record, got {len(steps)}")
+        return split
+
     def forward(self, plan: CallPlan, q: Tensor, k: Tensor, v: Tensor, *, groups: Sequence, kernel: StepKernel,
-                mask: Optional[Tensor] = None) -> ForwardResult:
+                mask: Optional[Tensor] = None, checked: HeadPlan, agreement) -> ForwardResult:
         """Ulysses (``plan.ulysses_size == plan.world_size``) or hybrid attention of the local
         sequence shards; returns, like the ring, the output (input layout and dtype), the float32
         LSE [B, Nq, s], the records of the attention calls (one step for Ulysses, the ring's
@@ -256,29 +269,23 @@ class Ulysses:
                                  keep_prob=plan.keep_prob, mask=step_mask)
             rng = ((res.seed, res.offset),) if res.seed is not None else ()
             return _Local(res.out, res.lse, [RingStep(index=0, part=part, rng=rng)])
-        ring = self.inner.forward(plan.ring_part(where.ring_size, where.ring_rank, heads.local_nq), qh, kh, vh,
-                                  groups=groups[:-1], kernel=kernel,
-                                  mask=_ring_mask_rows(plan, where, mask, qh.size(2) * where.ring_size))
+        ring_plan = plan.ring_part(where.ring_size, where.ring_rank, heads.local_nq)
+        ring_mask = _ring_mask_rows(plan, where, mask, qh.size(2) * where.ring_size)
+        ring = self.inner.forward(ring_plan, qh, kh, vh, groups=groups[:-1], kernel=kernel, mask=ring_mask,
+                                  checked=self.inner.check_forward(ring_plan, qh, kh, vh, ring_mask),
+                                  agreement=_ring_agreed(qh, kh, where))
         return _Local(ring.out, ring.lse, ring.steps, ring.bytes_sent, ring.wait_seconds, ring.bytes_received)
 
     # ------------------------------------------------------------ backward
 
     def backward(self, plan: CallPlan, dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
                  steps: list[RingStep], *, groups: Sequence, kernel: StepKernel,
-                 mask: Optional[Tensor] = None) -> BackwardResult:
-        """Gradients of the local q, k, v shards; ``steps`` and ``mask`` as in the forward."""
+                 mask: Optional[Tensor] = None, checked: HeadPlan, agreement) -> BackwardResult:
+        """Gradients of the local q, k, v shards; ``steps``, ``mask``, ``checked`` (from
+        ``check_backward``) and ``agreement`` as in the forward."""
         where = _groups(plan, groups)
-        u = plan.ulysses_size
-
-        def check() -> HeadPlan:
-            split = _check(q, k, v, plan, mask)
-            check_backward_operands(plan, dout, q, k, v, out, lse)
-            if where.ring_size == 1 and len(steps) != 1:
-                raise RuntimeError(f"a Ulysses backward needs the forward's 1 attention record, got {len(steps)}")
-            return split
-
-        heads, _ = agreed_checks("backward", check, plan, q, k, v, size=u, group=own_group(groups), kernel=kernel,
-                                 mask_rows=mask, steps=len(steps))
+        u, heads = plan.ulysses_size, checked
+        agreement.lengths()
         started = time.perf_counter()
         lay, local_seq = plan.layout, q.size(L.seq_dim(plan.layout))
         tensors = [_bnsd(q, lay, heads.nq), _kv_bnsd(k, plan, heads), _kv_bnsd(v, plan, heads),
@@ -316,9 +323,19 @@ class Ulysses:
                                     seed=seed, offset=offset)
             return list(grads), (0, 0), 0.0
         ring_plan = plan.ring_part(where.ring_size, where.ring_rank, heads.local_nq)
+        ring_mask = _ring_mask_rows(plan, where, mask, qh.size(2) * where.ring_size)
         ring = self.inner.backward(ring_plan, douth, qh, kh, vh, outh, lseh, steps, groups=groups[:-1],
-                                   kernel=kernel, mask=_ring_mask_rows(plan, where, mask, qh.size(2) * where.ring_size))
+                                   kernel=kernel, mask=ring_mask,
+                                   checked=self.inner.check_backward(ring_plan, douth, qh, kh, vh, outh, lseh, steps,
+                                                                     ring_mask),
+                                   agreement=_ring_agreed(qh, kh, where))
         return [ring.dq, ring.dk, ring.dv], (ring.bytes_sent, ring.bytes_received), ring.wait_seconds
+
+
+def _ring_agreed(qh: Tensor, kh: Tensor, where: _Groups) -> Agreement:
+    """The inner ring's agreement: reached with the call's (on every CP group, before the
+    all-to-all); its ranks hold equal lengths."""
+    return Agreement.reached([(qh.size(2), kh.size(2))] * where.ring_size)
 
 
 class _OwnDropoutDraws:

@@ -100,7 +100,7 @@ def _one(kind: str, fields: dict, exchange: str, rank: int, world: int, shape: d
 
     import torch.distributed as dist
 
-    from ..algorithms import strategy_for
+    from ..algorithms import run_backward, run_forward, strategy_for
     from ..kernels import get_kernel
     from .compare.patches import SentCounter
 
@@ -114,9 +114,9 @@ def _one(kind: str, fields: dict, exchange: str, rank: int, world: int, shape: d
         dist.barrier()
         with SentCounter() as counter:
             counter.phase, started = "forward", time.perf_counter()
-            fwd = strategy.forward(call, q, k, v, groups=groups, kernel=kernel, mask=mask)
+            fwd = run_forward(strategy, call, q, k, v, groups=groups, kernel=kernel, mask=mask)
             counter.phase, between = "backward", time.perf_counter()
-            bwd = strategy.backward(call, dout, q, k, v, fwd.out, fwd.lse, fwd.steps, groups=groups, kernel=kernel,
+            bwd = run_backward(strategy, call, dout, q, k, v, fwd.out, fwd.lse, fwd.steps, groups=groups, kernel=kernel,
                                     mask=mask)
             finished = time.perf_counter()
         if i >= plan["warmup"]:

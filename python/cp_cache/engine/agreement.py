@@ -1,33 +1,39 @@
-"""Agreement of the ranks before a ring exchange: one small collective per ring call.
+"""Agreement of the ranks on each call before any payload moves: one small collective per
+call and CP process group, started early and waited for late.
 
-Every rank builds a fixed-size int64 signature of everything the K/V exchange and the
-result depend on (local q/k/v/mask shapes, dtypes, layout, heads, mask kind and tockens,
-load balancing, scale and keep_prob as float64 bit patterns, kernel, algorithm, direction, recorded ring steps, the packed documents of a TND call (count and a digest of
-the cumulative ends) and their placement, and whether this rank's own argument checks passed).
-The signatures are all-gathered before any K/V moves (``agreed_checks``: a strategy's
-argument checks, then the agreement), over the CPU side group of the strategy's CP group
-(``transport.side_group``): the CP group itself carries only payload tensors. If they differ,
-every rank raises the same ``RuntimeError`` naming each differing field and each rank's
-value; a rank whose own argument check failed chains its local error as the cause, and
-the refusing ranks' messages are gathered (a second, rare collective) so that every rank
-names them.
+Every rank builds a fixed-size int64 signature of everything the exchange and the result
+depend on (local q/k/v/mask shapes, dtypes, layout, heads, mask kind and tockens, load
+balancing, scale and keep_prob as float64 bit patterns, kernel, algorithm, direction, recorded
+ring steps, the packed documents of a TND call (count and a digest of the cumulative ends) and
+their placement, and whether this rank's own checks passed). The custom op that runs the call
+checks this rank's inputs and starts the agreement once (``open_agreement`` /
+``start_agreement``): the signature is all-gathered over the CPU side group of each of the
+call's CP groups (``transport.side_group``: the CP groups themselves carry only payload
+tensors), in the background. The strategy waits for it (``Agreement.lengths()``) where it
+first exchanges payload: the ring after computing step 0 on its own block, Ulysses before its
+first all-to-all. If the signatures differ, every rank raises the same ``RuntimeError`` naming
+each differing field and each rank's value, before any payload moved; a rank whose own check
+failed chains its local error as the cause, and the refusing ranks' messages are gathered (a
+second, rare collective) so that every rank names them. A refusal in the DTensor handler,
+before the op, joins the same agreement (``refusal_shared``).
 
 Uneven shards: where the ring supports local lengths that differ between ranks (full
 or causal attention without load balancing; packed documents, whose placement gives each
 rank's length), the signature leaves the sequence dimension
 out of the compared shapes and carries each rank's query and K/V lengths in fields that
-are gathered but not compared; ``agree`` returns them.
+are gathered but not compared; ``Agreement.lengths()`` returns them.
 
-Why the exchange happens on every call (no skipping in the steady state): whether this
+Why the collective is made on every call (no skipping in the steady state): whether this
 rank may skip depends on the other ranks' signatures of *this* call, which it cannot know
 without communicating. If ranks cached "already agreed" by their local signature, a rank
 whose signature changed would enter the all_gather while an unchanged rank skipped straight
 to the K/V send: the changed rank would wait for a contribution that never comes and the
 other for a block that never comes, until the process group's timeout, with an error that
-names neither cause. Any rule that lets a rank skip on local knowledge alone has this case,
-so the collective is made on every call; what is cached per distinct local configuration is
-only the signature's construction. The cost (one all_gather of W x ``SIGNATURE_LEN`` int64)
-is measured by ``python -m cp_cache bench --only agreement``.
+names neither cause. So every rank makes the same collectives in the same order; what keeps
+it off the host's critical path is that nothing waits for it until the first exchange (whose
+receive would wait for the slowest rank anyway), and what is cached per distinct local
+configuration is the signature's construction. The cost (one all_gather of W x
+``SIGNATURE_LEN`` int64) is measured by ``python -m cp_cache bench --only agreement``.
 """
 
 from __future__ import annotations
@@ -49,7 +55,8 @@ from ..plan import ALGORITHMS, CallPlan
 from .transport import side_group
 
 __all__ = ["SIGNATURE_LEN", "FIELDS", "signature", "refusal_signature", "refusal_shared", "agree", "counters",
-           "reset_counters", "describe", "lengths", "agreed_checks", "first_agreement"]
+           "reset_counters", "describe", "lengths", "Agreement", "open_agreement", "start_agreement",
+           "CHECK_ERRORS"]
 
 _SHAPE_DIMS = 4  # q/k/v shapes padded with -1 to this many dims (the layouts have 3 or 4)
 
@@ -251,23 +258,66 @@ def refusal_signature(direction: str, error: BaseException) -> Tensor:
     return torch.tensor(values, dtype=torch.int64)
 
 
-_CHECK_ERRORS = (ValueError, NotImplementedError, TypeError, RuntimeError)
+CHECK_ERRORS = (ValueError, NotImplementedError, TypeError, RuntimeError)
 
 
-@contextlib.contextmanager
-def refusal_shared(direction: str, first_agreement: Callable[[], Optional[tuple]]):
-    """Checks made before a call's first exchange: a refusal on this rank joins the ranks'
-    agreement (as a refusal signature, on the group ``first_agreement()`` names, or nowhere
-    when it returns None or a group of one) before it is raised, so the other ranks, already
-    waiting in that agreement, raise too instead of waiting for a call this rank will not make."""
-    try:
-        yield
-    except _CHECK_ERRORS as error:
-        found = first_agreement()
-        if found is None or found[1] == 1:
-            raise
-        agree(refusal_signature(direction, error), *found, error)
-        raise  # every rank refused the same way: each raises its own error
+class Agreement:
+    """The ranks' agreement on one call: this rank's signature all-gathered on the side group of
+    each of the call's CP process groups, started at once without waiting; ``lengths()`` waits
+    for them (where the strategy first exchanges payload) and compares them. Every rank makes
+    the same collectives in the same order whatever its signature says, so a rank never waits
+    for a contribution that will not come: ranks that disagree raise the same error, before
+    any payload moves."""
+
+    def __init__(self, sig: Tensor, groups: Sequence, error: Optional[BaseException] = None,
+                 alone: Optional[list[tuple[int, int]]] = None):
+        self._error = error
+        self._pending = [(side, side.all_gather_async(sig)) for side in (side_group(g) for g in groups)
+                         if side.size > 1]
+        # with no other rank: this rank's own lengths, nothing to wait for
+        self._lengths = None if self._pending or error is not None else alone
+
+    @classmethod
+    def reached(cls, lengths: list[tuple[int, int]]) -> "Agreement":
+        """An agreement already reached (by the call that drives this strategy), with these lengths."""
+        agreement = cls.__new__(cls)
+        agreement._error, agreement._pending, agreement._lengths = None, [], lengths
+        return agreement
+
+    def lengths(self) -> list[tuple[int, int]]:
+        """Every rank's (query length, K/V length) on the innermost group, once all agree (the
+        same RuntimeError on every rank otherwise; this rank's own refusal chained)."""
+        if self._lengths is None:
+            gathered = [_checked(side, work(), self._error) for side, work in self._pending]
+            if self._error is not None:
+                raise self._error  # every rank refused the same way: each raises its own error
+            found = lengths(gathered[-1]) if gathered else []
+            if any(length < 1 for pair in found for length in pair):
+                raise ValueError(f"every rank needs at least one query and one key; local (query, K/V) "
+                                 f"lengths by rank: {found}")  # the same on every rank: they all see them
+            self._lengths = found
+        return self._lengths
+
+
+def refusal_shared(direction: str, groups: Callable[[], Sequence]):
+    """Checks made before a call's agreement: a refusal on this rank joins the agreement on the
+    groups ``groups()`` names (none: no agreement, when it returns an empty list) before it is
+    raised, so the other ranks, already in that agreement, raise too instead of waiting for a
+    call this rank will not make."""
+    return _RefusalShared(direction, groups)
+
+
+class _RefusalShared(contextlib.AbstractContextManager):
+    def __init__(self, direction: str, groups: Callable[[], Sequence]):
+        self._direction, self._groups = direction, groups
+
+    def __exit__(self, kind, error, traceback):
+        if error is None or not isinstance(error, CHECK_ERRORS):
+            return False
+        groups = self._groups()
+        if groups:
+            Agreement(refusal_signature(self._direction, error), groups, error).lengths()
+        return False
 
 
 def _length(t: Tensor, layout: str) -> int:
@@ -304,12 +354,17 @@ _UNEVEN_RULE = ("ranks may hold shards of different lengths only for full or cau
 
 
 def agree(sig: Tensor, group, world_size: int, error: Optional[BaseException] = None) -> list[list[int]]:
-    """All-gather ``sig`` on ``group``; raise the same RuntimeError on every rank if the ranks
-    differ (chaining this rank's own ``error``, if any). Returns the gathered signatures."""
-    side = side_group(group)  # metadata never rides the CP group (it may be accelerator-only)
+    """All-gather ``sig`` on ``group``'s side group and wait; raise the same RuntimeError on every
+    rank if the ranks differ (chaining this rank's own ``error``, if any). Returns the gathered
+    signatures."""
+    side = side_group(group)
     if side.size != world_size:
         raise ValueError(f"world_size={world_size} but the group has {side.size} ranks")
-    gathered = side.all_gather(sig)
+    return _checked(side, side.all_gather_async(sig)(), error)
+
+
+def _checked(side, gathered: list[Tensor], error: Optional[BaseException]) -> list[list[int]]:
+    """The gathered signatures, once compared: the same RuntimeError on every rank if they differ."""
     with _lock:
         _counters["exchanges"] += 1
     signatures = [g.tolist() for g in gathered]
@@ -346,12 +401,6 @@ def _compared(sig: list[int]) -> list[int]:
     return out
 
 
-def first_agreement(groups: Sequence) -> tuple:
-    """(group, size) where a call's first agreement happens: the group of its innermost CP
-    dimension (the ring's, or Ulysses' in hybrid), the last of ``groups`` (outer first)."""
-    return groups[-1], dist.get_world_size(groups[-1])
-
-
 def _kv_heads(q: Tensor, k: Tensor, plan: CallPlan) -> int:
     """The K/V head count, or -1 when the shapes do not say (the checks will tell why)."""
     if plan.packed:
@@ -362,27 +411,32 @@ def _kv_heads(q: Tensor, k: Tensor, plan: CallPlan) -> int:
         return -1
 
 
-def agreed_checks(direction: str, check: Callable[[], Any], plan: CallPlan, q: Tensor, k: Tensor, v: Tensor, *,
-                  size: int, group, kernel, mask_rows: Optional[Tensor] = None, steps: int = -1):
-    """Run this rank's argument checks, then (W > 1) agree with the other ranks on the call's
-    signature before anything is exchanged: the ranks disagree -> the same RuntimeError on
-    every rank; they agree -> a check that failed failed on every rank, and raises there.
-    Returns (the check's result, every rank's (query length, K/V length))."""
-    if size == 1:
-        result = check()
-        seq_dim = L.seq_dim(plan.layout)
-        return result, [(q.size(seq_dim), k.size(seq_dim))]
-    error = result = None
+def start_agreement(direction: str, plan: Optional[CallPlan], q: Tensor, k: Tensor, v: Tensor, *, groups: Sequence,
+                    kernel: str = "", mask_rows: Optional[Tensor] = None, steps: int = -1,
+                    error: Optional[BaseException] = None) -> Agreement:
+    """Start the agreement on the call's CP ``groups`` (outer first) with this rank's signature of
+    it (``plan``: the call's, None where this rank's checks failed before it knew it). ``error``:
+    this rank's failed check, which joins the agreement as its refusal and is raised here once the
+    ranks have agreed on it. The strategy waits for the rest (``Agreement.lengths()``)."""
+    if plan is None:
+        sig = refusal_signature(direction, error)
+    else:
+        sig = signature(direction=direction, plan=plan, q=q, k=k, v=v, kv_heads=_kv_heads(q, k, plan), kernel=kernel,
+                        mask_rows=mask_rows, steps=steps, error=error)
+    seq_dim = L.seq_dim(plan.layout) if plan is not None else 0
+    agreement = Agreement(sig, groups, error, alone=[(q.size(seq_dim), k.size(seq_dim))])
+    if error is not None:
+        agreement.lengths()  # raises: the ranks' error, or this rank's own
+    return agreement
+
+
+def open_agreement(direction: str, check: Callable[[], Any], plan: CallPlan, q: Tensor, k: Tensor, v: Tensor,
+                   **where) -> tuple[Any, Agreement]:
+    """Run this rank's ``check`` of the call, then ``start_agreement`` (``where``: its keywords):
+    (the check's result, the agreement)."""
     try:
         result = check()
-    except _CHECK_ERRORS as exc:
-        error = exc
-    sig = signature(direction=direction, plan=plan, q=q, k=k, v=v, kv_heads=_kv_heads(q, k, plan),
-                    kernel=getattr(kernel, "name", ""), mask_rows=mask_rows, steps=steps, error=error)
-    gathered = lengths(agree(sig, group, size, error))
-    if error is not None:
-        raise error
-    if any(length < 1 for pair in gathered for length in pair):
-        raise ValueError(f"every rank needs at least one query and one key; local (query, K/V) lengths "
-                         f"by rank: {gathered}")  # the same on every rank: they all see the lengths
-    return result, gathered
+    except CHECK_ERRORS as error:
+        start_agreement(direction, plan, q, k, v, error=error, **where)  # raises, on every rank
+        raise
+    return result, start_agreement(direction, plan, q, k, v, **where)

@@ -1,12 +1,13 @@
 """The ring's loop, shared by the strategies that rotate K/V blocks (the ring, packed
 documents, the ring inside hybrid): the step records, the results, the forward and backward
-loops, per-call timing, drain on error.
+loops, per-call timing, drain on error; and the checks every strategy makes of its local
+inputs (``check_qkv``, ``check_backward_operands``, the step records against their plan).
 
 Step i on rank r uses the block of group rank ``(r - i) % W``; at most two K/V blocks are
 alive. A strategy gives the loop a ``compute`` callback for one step on the block it holds.
 Two ways for the blocks to get there:
 
-* the direct exchange (an ``ExchangePlan``, ``engine/needs.py``): at stage i rank r sends
+* the direct exchange (an ``ExchangePlan``, ``engine/steps.py``): at stage i rank r sends
   rank r+i only the rows of its own block that rank needs and receives from rank r-i the
   rows it needs, posted before the previous step's compute; the received rows are put in
   place in a block of zeros (rows none of this rank's queries may read). In backward the
@@ -25,11 +26,13 @@ import torch
 from torch import Tensor
 
 from .. import layout as L
-from .needs import ExchangePlan
+from ..plan import CallPlan
+from .steps import ExchangePlan
 from .transport import TAG_DKV, TAG_KV, Rotation, Transfer, join_once
 
 __all__ = ["RingStep", "ForwardResult", "BackwardResult", "Traffic", "forward_ring", "backward_ring", "check_steps",
-           "check_step", "with_length", "empty_outputs"]
+           "check_step", "with_length", "empty_outputs", "check_qkv",
+           "check_keep_prob", "check_backward_operands"]
 
 
 @dataclass
@@ -258,35 +261,54 @@ def _kv_blocks(k: Tensor, v: Tensor, lengths: list, layout: str, exchange: Optio
     return _KVDirect(k, v, lengths, layout, exchange, **where)
 
 
-def forward_ring(k: Tensor, v: Tensor, lengths: list, layout: str, last: int, compute, *, group, rank: int,
-                 size: int, exchange: Optional[ExchangePlan] = None,
-                 direct: bool = True) -> tuple[list[RingStep], Traffic, float, float]:
-    """Steps 0..``last`` of a forward ring: the K/V rows each step needs arrive by the direct
-    ``exchange`` (or, without one or not ``direct``, this rank's whole block travels round the
-    ring; every rank's lengths in ``lengths``) while ``compute(i, cur_k, cur_v) -> (part, rng)`` computes step i on
-    the block it holds. Returns (the step records, the traffic, compute seconds, seconds
-    blocked on a receive)."""
+def _agreed_first(compute, ready, k: Tensor, v: Tensor):
+    """Step 0 on this rank's own block, before the ranks' agreement is waited for. A step 0 that
+    fails waits for it first: ranks whose calls disagree then raise the agreement's error, the
+    same on every rank, not what their mismatched step ran into."""
+    try:
+        return compute(0, k, v)
+    except BaseException:
+        ready()
+        raise
+
+
+def forward_ring(k: Tensor, v: Tensor, layout: str, last: int, compute, ready, *, group, rank: int, size: int,
+                 direct: bool = True) -> tuple[list[RingStep], Traffic, float, float, list]:
+    """Steps 0..``last`` of a forward ring. ``compute(i, cur_k, cur_v) -> (part, rng)`` computes
+    step i on the block it holds. Step 0 is this rank's own block; then ``ready() -> (every
+    rank's (query, K/V) lengths, the direct exchange plan or None)`` waits for the ranks'
+    agreement, and from stage 1 on the K/V rows each step needs arrive by the direct exchange
+    (or, without a plan or not ``direct``, the whole blocks travel round the ring), each stage
+    posted before the previous step's compute. Returns (the step records, the traffic, compute
+    seconds, seconds blocked on a receive, the lengths)."""
     steps: list[RingStep] = []
     traffic = Traffic()
     compute_s = wait_s = 0.0
-    kv = _kv_blocks(k, v, lengths, layout, exchange if direct else None, group=group, rank=rank, size=size)
+    kv = lengths = exchange = None
     try:
         for i in range(last + 1):
-            cur_k, cur_v = kv.current
-            traffic.sent += kv.post_next(i, last)
+            cur_k, cur_v = (k, v) if kv is None else kv.current
+            if kv is not None:
+                traffic.sent += kv.post_next(i, last)
             started = time.perf_counter()
-            part, rng = compute(i, cur_k, cur_v)
+            part, rng = compute(i, cur_k, cur_v) if kv is not None else _agreed_first(compute, ready, k, v)
             steps.append(RingStep(index=i, part=part, rng=tuple(rng)))
             compute_s += time.perf_counter() - started
             del cur_k, cur_v
+            if kv is None:
+                lengths, exchange = ready()
+                kv = _kv_blocks(k, v, lengths, layout, exchange if direct else None, group=group, rank=rank,
+                                size=size)
+                traffic.sent += kv.post_next(0, last)
             wait_s += kv.advance()
     except BaseException:
-        kv.drain()
+        if kv is not None:
+            kv.drain()
         raise
     traffic.received = kv.received
     if exchange is not None:
         _bounds(traffic, exchange, k, v, layout, backward=False)
-    return steps, traffic, compute_s, wait_s
+    return steps, traffic, compute_s, wait_s, lengths
 
 
 class _GradAccumulators:
@@ -405,28 +427,34 @@ class _GradReturns:
         return self._own
 
 
-def backward_ring(k: Tensor, v: Tensor, lengths: list, layout: str, last: int, compute, add_rows, *, group,
-                  rank: int, size: int, exchange: Optional[ExchangePlan] = None,
-                  direct: bool = True) -> tuple[Tensor, Tensor, Traffic, float, float]:
-    """Steps 0..``last`` of a backward ring: the K/V rows arrive as in ``forward_ring``;
-    ``compute(i, cur_k, cur_v) -> [(where, dk, dv)]`` computes step i, whose gradients
-    ``add_rows(accumulator, where, grad)`` adds into the held block's float32 accumulators,
-    which then go back to the block's owner (the direct exchange: the rows received, straight
-    back; the ring: with their block, home after the last step). Returns (this rank's own
-    block's dK and dV accumulators, the traffic, compute seconds, seconds blocked on a receive)."""
+def backward_ring(k: Tensor, v: Tensor, layout: str, last: int, compute, add_rows, ready, *, group, rank: int,
+                  size: int, direct: bool = True) -> tuple[Tensor, Tensor, Traffic, float, float, list]:
+    """Steps 0..``last`` of a backward ring: step 0 and ``ready()`` as in ``forward_ring``, the
+    K/V rows arriving as there; ``compute(i, cur_k, cur_v) -> [(where, dk, dv)]`` computes step
+    i, whose gradients ``add_rows(accumulator, where, grad)`` adds into the held block's float32
+    accumulators, which then go back to the block's owner (the direct exchange: the rows
+    received, straight back; the ring: with their block, home after the last step). Returns
+    (this rank's own block's dK and dV accumulators, the traffic, compute seconds, seconds
+    blocked on a receive, the lengths)."""
     where = dict(group=group, rank=rank, size=size)
-    kv = _kv_blocks(k, v, lengths, layout, exchange if direct else None, **where)
-    accumulators = (_GradReturns(k, v, layout, exchange, **where) if direct and exchange is not None
-                    else _GradAccumulators(kv, **where))
+    kv = accumulators = lengths = exchange = None
     traffic = Traffic()
     compute_s = wait_s = 0.0
     try:
         for i in range(last + 1):
-            cur_k, cur_v = kv.current
-            traffic.sent += kv.post_next(i, last)
+            cur_k, cur_v = (k, v) if kv is None else kv.current
+            if kv is not None:
+                traffic.sent += kv.post_next(i, last)
             started = time.perf_counter()
-            kv_grads = compute(i, cur_k, cur_v)
+            kv_grads = compute(i, cur_k, cur_v) if kv is not None else _agreed_first(compute, ready, k, v)
             computed = time.perf_counter()
+            if kv is None:
+                lengths, exchange = ready()
+                kv = _kv_blocks(k, v, lengths, layout, exchange if direct else None, **where)
+                accumulators = (_GradReturns(k, v, layout, exchange, **where) if direct and exchange is not None
+                                else _GradAccumulators(kv, **where))
+                traffic.sent += kv.post_next(0, last)
+            ready_at = time.perf_counter()
             held = accumulators.for_block(i, cur_k, cur_v)
             received = time.perf_counter()
             for at, dk_i, dv_i in kv_grads:
@@ -436,12 +464,13 @@ def backward_ring(k: Tensor, v: Tensor, lengths: list, layout: str, last: int, c
             blocked = accumulators.pass_on(i, last, held)
             passed = time.perf_counter()
             compute_s += (computed - started) + (passed - received) - blocked
-            wait_s += (received - computed) + blocked
+            wait_s += (ready_at - computed) + (received - ready_at) + blocked
             del cur_k, cur_v, held
             wait_s += kv.advance()
     except BaseException:
-        kv.drain()
-        accumulators.drain()
+        for mover in (kv, accumulators):
+            if mover is not None:
+                mover.drain()
         raise
     homed = time.perf_counter()
     dk, dv = accumulators.home()
@@ -450,7 +479,7 @@ def backward_ring(k: Tensor, v: Tensor, lengths: list, layout: str, last: int, c
     traffic.received = kv.received + accumulators.received
     if exchange is not None:
         _bounds(traffic, exchange, k, v, layout, backward=True)
-    return dk, dv, traffic, compute_s, wait_s
+    return dk, dv, traffic, compute_s, wait_s, lengths
 
 
 def check_steps(steps: list[RingStep], rank: int, size: int, expected: int) -> None:
@@ -481,3 +510,55 @@ def empty_outputs(plan, q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor
     ``fake`` give while tracing."""
     return (q.new_empty(L.output_shape(q, k, v, plan.layout, plan.head_num)),
             q.new_empty(L.lse_shape(q, plan.layout, plan.head_num), dtype=torch.float32))
+
+
+# ---------------------------------------------------------------- the local checks every strategy makes
+
+
+def check_qkv(plan: CallPlan, q: Tensor, k: Tensor, v: Tensor) -> tuple[L.Dims, int]:
+    """(the query's dims, the K/V head count) of dense-layout q/k/v, after checking them
+    against the plan; ValueError (NotImplementedError for TND) naming what is wrong."""
+    lay = L.check_layout(plan.layout)
+    qd = L.dims(q, lay, plan.head_num)
+    nkv = L.heads_of(k, lay, qd.head_dim)
+    kd = L.dims(k, lay, nkv)
+    L.check_value(k, v, lay, nkv)  # V's head size may differ (MLA), nothing else
+    if kd.batch != qd.batch or kd.head_dim != qd.head_dim:
+        raise ValueError(
+            f"query {tuple(q.shape)} and key {tuple(k.shape)} disagree on batch or head size "
+            f"(input_layout={lay!r})"
+        )
+    if plan.head_num % nkv:
+        raise ValueError(f"head_num={plan.head_num} is not a multiple of the K/V head count {nkv}")
+    if plan.mask.positional and kd.seq != qd.seq:
+        raise ValueError(
+            f"causal, band and masked ring attention need equal local query and key lengths, got "
+            f"{qd.seq} and {kd.seq}"
+        )
+    if plan.mask.positional and plan.load_balance and qd.seq % 2:
+        raise ValueError(
+            f"load balancing needs an even local sequence length, got {qd.seq} "
+            f"(input_layout={lay!r}, world_size={plan.world_size})"
+        )
+    check_keep_prob(plan)
+    return qd, nkv
+
+
+def check_keep_prob(plan: CallPlan) -> None:
+    if not 0.0 < plan.keep_prob <= 1.0:
+        raise ValueError(f"keep_prob must be in (0, 1], got {plan.keep_prob}")
+
+
+def check_backward_operands(plan: CallPlan, dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor,
+                            lse: Tensor) -> None:
+    """The backward's incoming gradient, forward output and LSE against q/k/v: dout and out have the
+    output's shape (the query's with V's head size)."""
+    expected_out = L.output_shape(q, k, v, plan.layout, plan.head_num)
+    if tuple(dout.shape) != expected_out or tuple(out.shape) != expected_out:
+        raise ValueError(
+            f"dout {tuple(dout.shape)} and out {tuple(out.shape)} must have the output's shape {expected_out} "
+            f"(the query's {tuple(q.shape)} with the value's head size)"
+        )
+    expected = L.lse_shape(q, plan.layout, plan.head_num)
+    if tuple(lse.shape) != expected:
+        raise ValueError(f"lse has shape {tuple(lse.shape)}, expected {expected}")

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import threading
 from datetime import timedelta
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 import torch.distributed as dist
@@ -260,9 +260,18 @@ class SideGroup:
 
     def all_gather(self, tensor: Tensor) -> list[Tensor]:
         """Every member's ``tensor`` (a CPU tensor of the same shape and dtype on every rank)."""
+        return self.all_gather_async(tensor)()
+
+    def all_gather_async(self, tensor: Tensor) -> Callable[[], list[Tensor]]:
+        """``all_gather`` started in the background: call the result to wait for it."""
         gathered = [torch.empty_like(tensor) for _ in range(self.size)]
-        self._backend.allgather([gathered], [tensor]).wait()
-        return gathered
+        work = self._backend.allgather([gathered], [tensor])
+
+        def wait() -> list[Tensor]:
+            work.wait()
+            return gathered
+
+        return wait
 
     def all_gather_text(self, text: str) -> list[str]:
         """Every member's ``text``."""

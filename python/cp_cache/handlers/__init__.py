@@ -1,13 +1,12 @@
 """DTensor custom-op handlers for the NPU fused attention ops.
 
-* ``checks``: which mask arguments and shardings the handlers accept;
-* ``call``: one prepared call (its CallPlan, sharding, mask rows) and the DTensor wrapping;
-* ``ops``: the custom ops that run the strategies and the step cache;
-* ``calls``: per-call measurements;
-* ``attention``: the two handlers, bound to one ``CPConfig``.
+* ``attention``: the two handlers, bound to one ``CPConfig``: route, read, run, wrap;
+* ``spec``: one call read once (its CallSpec: mask, sharding, documents, sinks, the CallPlan)
+  and the DTensor wrapping;
+* ``ops``: the custom ops that run the strategies and the step cache, and the call log.
 """
 
 from .attention import AttentionHandlers
-from .call_log import CallLog, CallRecord
+from .ops import CallLog, CallRecord
 
 __all__ = ["AttentionHandlers", "CallLog", "CallRecord"]

@@ -1,9 +1,9 @@
 """The DTensor handlers of ``npu_fusion_attention_v3`` and its grad, bound to one CPConfig.
 
-Each handler reads top-down: bind the op's arguments and prepare the call (its one
-``CallPlan``: ``call.py``), run the plan's strategy on the local shards through the custom op
-(``ops.py``: now when eager, in the compiled graph when traced), wrap the results as
-DTensors. The forward's step cache goes out in the ``seed`` slot (a handle whose storage owns
+Each handler reads top-down: bind the op's arguments once, decide whether the call is
+cp_cache's, read it (its ``CallSpec`` and ``CallPlan``: ``spec.py``), run the plan's strategy on
+the local shards through the custom op (``ops.py``: now when eager, in the compiled graph when
+traced), wrap the results as DTensors. The forward's step cache goes out in the ``seed`` slot (a handle whose storage owns
 it, or, under the stack policy, the cache's pairing key) and autograd hands it back to the
 grad op's ``seed``.
 
@@ -16,7 +16,6 @@ threads see the table as it is.
 
 from __future__ import annotations
 
-import functools
 import time
 from typing import Any, Callable, Optional, Protocol
 
@@ -28,10 +27,8 @@ from ..arguments import bind_arguments
 from ..config import CPConfig
 from ..npu_ops import lse_from_stats
 from . import ops
-from .call import prepare, refusal_shared
-from .call_log import CallLog
-from .checks import local_tensor, sharded_like, sink_grad_like
-from .cp_mesh import sequence_sharded
+from .ops import CallLog
+from .spec import local_tensor, read_call, refusal_shared, sequence_sharded, sharded_like, sink_grad_like
 
 __all__ = ["AttentionHandlers", "Registration", "dtensor_default"]
 
@@ -73,18 +70,17 @@ class AttentionHandlers:
                 pass
         return table
 
-    def _runs(self, op_call, args, kwargs, backward: bool) -> bool:
-        """Whether this call is cp_cache's. Its query must be sharded on the sequence (a CP mesh
-        dimension) over ranks of their own (not LocalTensor's ranks simulated in one process: the
-        ring exchanges between processes). A forward then runs only inside a CP region (outside
-        one the call is served as without cp_cache, even where that is DTensor's "no sharding
-        strategy" error); a backward runs where its forward ran: cp_cache's forward gives a plain seed,
-        one served elsewhere a DTensor."""
-        query, layout = (_argument(op_call, args, kwargs, name) for name in ("query", "input_layout"))
-        if not sequence_sharded(query, layout) or _simulated_ranks(query):
+    def _runs(self, a: dict, backward: bool) -> bool:
+        """Whether the call of the bound arguments ``a`` is cp_cache's. Its query must be sharded on
+        the sequence (a CP mesh dimension) over ranks of their own (not LocalTensor's ranks
+        simulated in one process: the ring exchanges between processes). A forward then runs only
+        inside a CP region (outside one the call is served as without cp_cache, even where that is
+        DTensor's "no sharding strategy" error); a backward runs where its forward ran: cp_cache's
+        forward gives a plain seed, one served elsewhere a DTensor."""
+        if not sequence_sharded(a["query"], a["input_layout"]) or _simulated_ranks(a["query"]):
             return False
         if backward:
-            return not isinstance(_argument(op_call, args, kwargs, "seed"), DTensor)
+            return not isinstance(a["seed"], DTensor)
         return self.registration is None or self.registration.in_cp()
 
     def _pass_on(self, op_call, args, kwargs):
@@ -101,10 +97,11 @@ class AttentionHandlers:
     def forward(self, op_call, args, kwargs):
         """Handler of ``npu_fusion_attention_v3`` for DTensor inputs."""
         started = time.perf_counter()
-        if not self._runs(op_call, args, kwargs, backward=False):
+        a = bind_arguments(op_call._schema, args, kwargs)
+        if not self._runs(a, backward=False):
             return self._pass_on(op_call, args, kwargs)
-        with refusal_shared("forward", op_call, args, kwargs):
-            call = prepare(bind_arguments(op_call._schema, args, kwargs), self.config)
+        with refusal_shared("forward", a):
+            call = read_call(a, self.config)
         q, k, v = call.local("query", "key", "value")
         out, lse, seed = ops.ring_forward(q, k, v, call.mask, call.groups, call.plan.encode(), self.config.policy,
                                           *call.lengths, call.sink)
@@ -121,12 +118,12 @@ class AttentionHandlers:
     def backward(self, op_call, args, kwargs):
         """Handler of ``npu_fusion_attention_grad_v3`` for DTensor inputs."""
         started = time.perf_counter()
-        if not self._runs(op_call, args, kwargs, backward=True):
+        a = bind_arguments(op_call._schema, args, kwargs)
+        if not self._runs(a, backward=True):
             return self._pass_on(op_call, args, kwargs)
-        with refusal_shared("backward", op_call, args, kwargs):
-            a = bind_arguments(op_call._schema, args, kwargs)
+        with refusal_shared("backward", a):
             ops.check_seed(a["seed"])
-            call = prepare(a, self.config, backward=True)
+            call = read_call(a, self.config, backward=True)
             for name in ("dy", "attention_in"):
                 a[name] = sharded_like(a[name], name, call.sharding.mesh, call.sharding.placements)
             lse = lse_from_stats(*(local_tensor(a[n], n) for n in ("softmax_max", "softmax_sum")))
@@ -162,17 +159,6 @@ def dtensor_default(op_call, args, kwargs):
     op_info.output_sharding = sharding
     local_results = dispatcher._dispatch_get_local_results_slow_path(op_call, args, op_info)
     return dispatcher.wrap(local_results, sharding.output_spec)
-
-
-@functools.lru_cache(maxsize=None)
-def _positions(op_call) -> dict:
-    return {argument.name: index for index, argument in enumerate(op_call._schema.arguments)}
-
-
-def _argument(op_call, args: tuple, kwargs: dict, name: str) -> Any:
-    """One argument by schema name, as cheaply as the decision needs (None when not given)."""
-    index = _positions(op_call)[name]
-    return args[index] if index < len(args) else kwargs.get(name)
 
 
 def _simulated_ranks(query: DTensor) -> bool:

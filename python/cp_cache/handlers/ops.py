@@ -22,20 +22,25 @@ What the kernels need besides tensors travels as strings, constants of a traced
 graph: the CP process groups by name (outer first), the call's plan
 (``CallPlan.encode()``) and the step-cache policy. Packed documents given as tensors
 travel as tensors (``actual_seq_qlen/kvlen``): the kernels read their values
-(``packed.read_documents``), the fakes only their shapes, so the plan a graph records holds
+(``documents.read_documents``), the fakes only their shapes, so the plan a graph records holds
 no document values and each compiled call runs with its own lengths. An attention sink
 travels as a tensor too (this rank's heads): ``ring_forward`` merges it once into the
 strategy's result (``algorithms/sinks.WithSink`` around the strategy) and returns the LSE with
 it, so the backward's statistics include it; ``ring_backward`` returns its gradient over this
 rank's rows.
-Whatever the ops refuse before their first exchange (a seed that is no live handle, a
-backward that does not match its forward) they refuse together with the other ranks
-(``agreement.refusal_shared``).
+Each op reads the call once, top-down: decode the plan, check this rank's inputs (the
+documents' values, the sink, the strategy's own checks; backward: the seed's step cache and its
+recorded plan, which the backward runs, against the grad op's arguments), start the ranks'
+agreement once (``engine/agreement.start_agreement``: a refusal here is every rank's), run the
+strategy (which waits for the agreement before its first exchange), record the call
+(``CallLog``, read by ``cp_cache.call_stats()``).
 """
 
 from __future__ import annotations
 
+import threading
 import time
+from dataclasses import asdict, dataclass
 from typing import Any, Optional
 
 import torch
@@ -44,20 +49,16 @@ from torch import Tensor
 from .. import step_cache
 from ..algorithms import strategy_for
 from ..arguments import describe
-from ..engine import agreement
-from ..kernels import get_kernel
+from ..documents import read_documents
+from ..engine.agreement import CHECK_ERRORS, start_agreement
+from ..kernels import KERNEL_BY_NAME
 from ..plan import CallPlan
-from .call_log import CALL_LOG
-from .packed import read_documents
 
-__all__ = ["ring_forward", "ring_backward", "group_names", "check_seed"]
-
-
-def group_names(groups) -> str:
-    return ",".join(g.group_name for g in groups)
+__all__ = ["ring_forward", "ring_backward", "check_seed", "CallRecord", "CallLog", "CALL_LOG"]
 
 
 def _groups(names: str) -> list:
+    """The process groups named in ``names`` (``CallSpec.groups``: comma-separated, outer first)."""
     from torch.distributed.distributed_c10d import _resolve_process_group
 
     return [_resolve_process_group(name) for name in names.split(",")]
@@ -80,12 +81,19 @@ def ring_forward(query: Tensor, key: Tensor, value: Tensor, mask_rows: Optional[
     ``actual_seq_qlen/kvlen``: packed documents' lengths, read and checked here (``read_documents``).
     ``sink``: the attention sinks of this rank's heads [N], merged once into the result."""
     started = time.perf_counter()
-    process_groups = _groups(groups)
-    with agreement.refusal_shared("forward", lambda: agreement.first_agreement(process_groups)):
-        call = read_documents(CallPlan.decode(plan), actual_seq_qlen, actual_seq_kvlen, query.size(0))
+    process_groups, call, checked, error = _groups(groups), CallPlan.decode(plan), None, None
+    try:
+        if actual_seq_qlen is not None or actual_seq_kvlen is not None:
+            call = read_documents(call, actual_seq_qlen, actual_seq_kvlen, query.size(0))
         _check_sink(call, sink)
+        checked = strategy_for(call).check_forward(call, query, key, value, mask_rows)
+    except CHECK_ERRORS as exc:
+        error = exc
+    agreement = start_agreement("forward", call, query, key, value, groups=process_groups, kernel=call.kernel,
+                                mask_rows=mask_rows, error=error)
     result = strategy_for(call, sink).forward(call, query, key, value, groups=process_groups,
-                                              kernel=get_kernel(call.kernel), mask=mask_rows)
+                                              kernel=KERNEL_BY_NAME[call.kernel], mask=mask_rows, checked=checked,
+                                              agreement=agreement)
     ring_seconds = time.perf_counter() - started
     seed = step_cache.seed_slot(policy, call, result.steps)
     CALL_LOG.record("forward", result, started, ring_seconds, fused_merge=call.fused_merge)
@@ -115,26 +123,34 @@ def ring_backward(dy: Tensor, query: Tensor, key: Tensor, value: Tensor, out: Te
                   mask_rows: Optional[Tensor], groups: str, plan: str, policy: str,
                   actual_seq_qlen: Optional[Tensor] = None, actual_seq_kvlen: Optional[Tensor] = None,
                   sink: Optional[Tensor] = None) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """(dq, dk, dv, dsink) of the local shards, from the forward's step cache found through ``seed``;
-    ``plan``: the one the grad op's arguments give (with the documents of ``actual_seq_qlen/kvlen``),
-    checked against the forward's. ``out``/``lse``: the forward's results (with the sink merged in);
-    dsink: this rank's rows' share of the sink's gradient, a float32 0-d zero without a sink."""
+    """(dq, dk, dv, dsink) of the local shards, from the forward's step cache found through ``seed``:
+    the backward runs the plan the forward recorded there; ``plan``, what the grad op's arguments
+    give (with the documents of ``actual_seq_qlen/kvlen``), is checked against it. ``out``/``lse``:
+    the forward's results (with the sink merged in); dsink: this rank's rows' share of the sink's
+    gradient, a float32 0-d zero without a sink."""
     started = time.perf_counter()
-    process_groups = _groups(groups)
-    with agreement.refusal_shared("backward", lambda: agreement.first_agreement(process_groups)):
-        called = read_documents(CallPlan.decode(plan), actual_seq_qlen, actual_seq_kvlen, query.size(0))
+    process_groups, recorded, steps, checked, error = _groups(groups), None, [], None, None
+    try:
+        called = CallPlan.decode(plan)
+        if actual_seq_qlen is not None or actual_seq_kvlen is not None:
+            called = read_documents(called, actual_seq_qlen, actual_seq_kvlen, query.size(0))
         _check_sink(called, sink)
         cache = step_cache.claim(seed, policy)
-        recorded = step_cache.plan_of(cache)
-        mismatch = recorded.backward_mismatch(called)
+        mismatch = step_cache.plan_of(cache).backward_mismatch(called)
         if mismatch:
             raise RuntimeError(f"cp_cache: {mismatch} (cache {cache.id})")
-        steps = step_cache.steps_of(cache)
+        recorded, steps = step_cache.plan_of(cache), step_cache.steps_of(cache)
         del cache
+        checked = strategy_for(recorded).check_backward(recorded, dy, query, key, value, out, lse, steps, mask_rows)
+    except CHECK_ERRORS as exc:
+        error = exc
+    agreement = start_agreement("backward", recorded, query, key, value, groups=process_groups,
+                                kernel="" if recorded is None else recorded.kernel, mask_rows=mask_rows,
+                                steps=len(steps), error=error)
     ring_started = time.perf_counter()
     result = strategy_for(recorded, sink).backward(recorded, dy, query, key, value, out, lse, steps,
-                                                   groups=process_groups, kernel=get_kernel(recorded.kernel),
-                                                   mask=mask_rows)
+                                                   groups=process_groups, kernel=KERNEL_BY_NAME[recorded.kernel],
+                                                   mask=mask_rows, checked=checked, agreement=agreement)
     CALL_LOG.record("backward", result, started, time.perf_counter() - ring_started)
     # without a sink: a float32 0-d zero, as the op's meta
     dsink = torch.zeros((), dtype=torch.float32, device=query.device) if result.dsink is None else result.dsink
@@ -157,3 +173,84 @@ def check_seed(seed: Any) -> None:
             f"cp_cache: npu_fusion_attention_grad_v3 got seed={describe(seed)}; it needs the seed "
             "output of the CP attention forward"
         )
+
+
+# ---------------------------------------------------------------- what each call cost
+
+
+@dataclass
+class CallRecord:
+    """What the last call of one direction cost on this process."""
+
+    bytes_sent: int = 0
+    bytes_received: int = 0
+    # the least this rank must send / receive for the call's mask (the K/V rows other ranks'
+    # queries may attend to; backward: those again and their float32 dK/dV partials back);
+    # None where no ring ran alone (Ulysses, hybrid: their all-to-alls have no such bound)
+    bytes_lower_bound: Optional[int] = None
+    bytes_received_lower_bound: Optional[int] = None
+    handler_seconds: float = 0.0  # whole handler, ring included
+    ring_seconds: float = 0.0  # kernels and communication
+    compute_seconds: float = 0.0  # inside the ring: kernels, merges, accumulation
+    wait_seconds: float = 0.0  # inside the ring: blocked on receives (communication not hidden)
+    fused_merge: bool = False  # forward: steps merged by npu_ring_attention_update
+    calls: int = 0
+
+    @property
+    def overhead_seconds(self) -> float:
+        return self.handler_seconds - self.ring_seconds
+
+    @property
+    def exposed_fraction(self) -> float:
+        """The share of the ring's time spent waiting for communication."""
+        busy = self.compute_seconds + self.wait_seconds
+        return self.wait_seconds / busy if busy > 0 else 0.0
+
+
+class CallLog:
+    """The last forward and backward call's record, and how many calls each direction had."""
+
+    DIRECTIONS = ("forward", "backward")
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._records = {d: CallRecord() for d in self.DIRECTIONS}
+
+    def record(self, direction: str, result, started: float, ring_seconds: float, *, fused_merge: bool = False) -> None:
+        """Record a call of ``direction`` that began at ``started`` (time.perf_counter());
+        ``result``: the strategy's ForwardResult / BackwardResult."""
+        handler_seconds = time.perf_counter() - started
+        with self._lock:
+            record = self._records[direction]
+            record.bytes_sent = result.bytes_sent
+            record.bytes_received = result.bytes_received
+            record.bytes_lower_bound = result.bytes_lower_bound
+            record.bytes_received_lower_bound = result.bytes_received_lower_bound
+            record.handler_seconds = handler_seconds
+            record.ring_seconds = ring_seconds
+            record.compute_seconds = result.compute_seconds
+            record.wait_seconds = result.wait_seconds
+            record.fused_merge = fused_merge
+            record.calls += 1
+
+    def set_handler_seconds(self, direction: str, started: float) -> None:
+        """The whole handler's time of the last ``direction`` call, recorded by the ring op
+        inside it (a compiled graph runs the op without the handler: its own time stays)."""
+        with self._lock:
+            self._records[direction].handler_seconds = time.perf_counter() - started
+
+    def snapshot(self) -> dict[str, dict]:
+        """{"forward": {...}, "backward": {...}} with bytes_sent, bytes_received, their lower bounds
+        (bytes_lower_bound, bytes_received_lower_bound), handler_seconds, ring_seconds,
+        overhead_seconds, compute_seconds, wait_seconds, exposed_fraction, fused_merge and
+        calls of each direction."""
+        with self._lock:
+            return {
+                d: dict(asdict(r), overhead_seconds=r.overhead_seconds, exposed_fraction=r.exposed_fraction)
+                for d, r in self._records.items()
+            }
+
+
+# The process's call log: the ring ops record into it (a compiled graph runs them with no
+# handler around), the handlers and ``cp_cache.call_stats()`` read the same one.
+CALL_LOG = CallLog()

@@ -1,16 +1,19 @@
-"""Step kernels for ring attention."""
+"""Step kernels for ring attention (stateless: one shared instance per name)."""
 
 from __future__ import annotations
 
-from .base import StepForward, StepKernel
+from types import MappingProxyType
+
+from .base import StepForward, StepKernel, StepMask
 from .npu import NpuKernel
 from .npu import available as npu_available
 from .reference import ReferenceKernel
 
-__all__ = ["KERNEL_NAMES", "StepForward", "StepKernel", "NpuKernel", "ReferenceKernel", "get_kernel"]
+__all__ = ["KERNEL_NAMES", "KERNEL_BY_NAME", "StepForward", "StepKernel", "StepMask", "NpuKernel", "ReferenceKernel",
+           "get_kernel"]
 
-_KERNELS = {"npu": NpuKernel, "reference": ReferenceKernel}
-KERNEL_NAMES = tuple(_KERNELS)
+KERNEL_BY_NAME = MappingProxyType({"npu": NpuKernel(), "reference": ReferenceKernel()})
+KERNEL_NAMES = tuple(KERNEL_BY_NAME)
 
 
 def get_kernel(name: str | None = None) -> StepKernel:
@@ -19,6 +22,6 @@ def get_kernel(name: str | None = None) -> StepKernel:
     if name is None:
         name = "npu" if npu_available() else "reference"
     try:
-        return _KERNELS[name]()
+        return KERNEL_BY_NAME[name]
     except KeyError:
-        raise ValueError(f"unknown step kernel {name!r}; known: {', '.join(sorted(_KERNELS))}") from None
+        raise ValueError(f"unknown step kernel {name!r}; known: {', '.join(sorted(KERNEL_BY_NAME))}") from None

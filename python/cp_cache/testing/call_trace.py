@@ -2,7 +2,8 @@
 
 ``trace_modules(fn)`` runs ``fn`` under ``sys.setprofile`` and records, in order, the module of
 every Python function entered whose module is cp_cache's product (the emulator, the tools and
-these helpers excluded). A call that reads top-down enters few modules and rarely comes back to
+these helpers excluded; so is whatever the emulator calls while it stands in for the NPU op:
+on Ascend that is the op's own work, not the product's path). A call that reads top-down enters few modules and rarely comes back to
 one it has left: ``CallPath.modules`` counts the distinct modules, ``CallPath.returns`` how many
 times the path re-entered a module it had already left.
 """
@@ -15,7 +16,9 @@ from typing import Callable
 
 __all__ = ["CallPath", "trace_modules"]
 
-_EXCLUDED = ("cp_cache.emulator", "cp_cache.testing", "cp_cache.cli")
+_EMULATOR = "cp_cache.emulator"
+_HANDLERS = "cp_cache.handlers.attention"
+_EXCLUDED = (_EMULATOR, "cp_cache.testing", "cp_cache.cli")
 
 
 @dataclass(frozen=True)
@@ -38,12 +41,29 @@ def trace_modules(fn: Callable[[], object]) -> CallPath:
     """The product modules ``fn()`` enters on this thread (run autograd's backward with
     ``torch.autograd.set_multithreading_enabled(False)`` to keep it on this thread)."""
     order: list[str] = []
+    # (frame, emulating) where the tracing changed mode: inside an emulator frame nothing is
+    # recorded, until the emulated op's dispatch enters the handlers again (its autograd glue
+    # calls the grad op, which DTensor hands to cp_cache's backward handler)
+    modes: list = []
 
     def profile(frame, event, arg):
+        if event == "return":
+            if modes and modes[-1][0] is frame:
+                modes.pop()
+            return
         if event != "call":
             return
         module = frame.f_globals.get("__name__", "")
-        if module.startswith("cp_cache") and not module.startswith(_EXCLUDED) and (not order or order[-1] != module):
+        emulating = bool(modes) and modes[-1][1]
+        if module.startswith(_EMULATOR):
+            if not emulating:
+                modes.append((frame, True))
+            return
+        if emulating and module == _HANDLERS:
+            modes.append((frame, False))
+            emulating = False
+        if not emulating and module.startswith("cp_cache") and not module.startswith(_EXCLUDED) and (
+                not order or order[-1] != module):
             order.append(module)
 
     previous = sys.getprofile()

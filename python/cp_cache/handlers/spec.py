@@ -1,0 +1,564 @@
+"""One call of the attention op (or its grad), read once: the ``CallSpec``.
+
+``read_call`` is the one path from the op's bound arguments to what the custom op runs, for
+the forward and the backward alike: the mask the arguments ask for, the CP sharding of q/k/v
+(the mesh dimensions sharded on the sequence, outer first; the others ``Replicate`` or
+``Shard(head)``), the algorithm (``auto`` resolved), the packed documents (TND), the sinks, and
+the ``CallPlan``. Every check that can refuse the call runs here, before the op, and a refusal
+is shared with the other ranks (``refusal_shared``). The spec also wraps the op's local results
+back into DTensors.
+
+The backward reads its own arguments the same way only to check them: it runs the plan its
+forward recorded (``handlers/ops.ring_backward``), so its spec resolves no ``auto`` algorithm.
+
+Packed documents (``input_layout="TND"``, docs/documents.md): q/k/v are DTensors ``Shard(0)`` on
+a 1-D mesh; the lengths are the GLOBAL cumulative document ends, the same on every rank (a
+plain tensor or list). Lengths given as tensors are checked here from their shapes alone and
+travel to the custom op, whose kernel reads their values (``documents.read_documents``): a
+traced call (fake tensors) records the op without reading them, and a compiled graph reads
+the lengths of each call. Lengths given as lists go into the plan here.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import torch
+from torch import Tensor
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
+from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
+
+from .. import layout as L
+from ..arguments import describe
+from ..config import CPConfig, document_placement, load_balance_enabled
+from ..documents import check_lengths_tensor, check_packed_tokens, cumulative_lengths, same_documents, sequence_positions
+from ..engine import agreement
+from ..engine.merge import fused_merge_available
+from ..npu_ops import CAUSAL_MODES, INT_MAX, SparseMode, is_compressed_mask, stats_views_from_lse
+from ..plan import ALGORITHM_CP_DIMS, CallPlan, MaskSpec, choose_algorithm
+
+__all__ = ["CallSpec", "CPSharding", "read_call", "refusal_shared", "sequence_sharded", "cp_sharding",
+           "resolve_algorithm", "sharded_like", "local_tensor", "sink_grad_like"]
+
+_QKV = ("query", "key", "value")
+
+
+@dataclass
+class CallSpec:
+    """A call read once: its bound arguments, its plan, the CP sharding of q/k/v, the given
+    mask's rows for this rank (ring) or whole (Ulysses), the CP groups by name, the packed
+    documents' lengths tensors (q, kv) the custom op reads (None, None)
+    when the plan holds the documents or there are none), and the attention sinks as this
+    rank's tensor (None without)."""
+
+    args: dict[str, Any]
+    plan: CallPlan
+    sharding: CPSharding
+    mask: Optional[Tensor]
+    lengths: tuple[Optional[Tensor], Optional[Tensor]] = (None, None)
+    sink: Optional[Tensor] = None
+
+    @property
+    def groups(self) -> str:
+        """The CP dimensions' process groups, outer first, as the custom ops take them."""
+        return ",".join(self.sharding.group(i).group_name for i in range(len(self.sharding.cp_dims)))
+
+    def local(self, *names: str) -> tuple[Tensor, ...]:
+        return tuple(self.args[n].to_local() for n in names)
+
+    def wrap_forward(self, out: Tensor, lse: Tensor) -> tuple[DTensor, DTensor, DTensor]:
+        """(out, softmax_max, softmax_sum) as DTensors: out sharded like the query, the statistics
+        (stride-0 views of the LSE: the memory floor) on their own sequence dim."""
+        seq_dim, stats_seq_dim = L.seq_dim(self.plan.layout), L.stats_dims(self.plan.layout)[0]
+        total = self.args["query"].size(seq_dim)
+        stats_placements = self.sharding.stats_placements(self.plan.layout)
+        return (_wrap(out, self.sharding.mesh, self.sharding.placements, seq_dim, total),
+                *(_wrap(stats, self.sharding.mesh, stats_placements, stats_seq_dim, total)
+                  for stats in stats_views_from_lse(lse)))
+
+    def wrap_grads(self, *grads: Tensor) -> tuple[DTensor, ...]:
+        """(dq, dk, dv) as DTensors sharded like (query, key, value), with their global lengths."""
+        seq_dim = L.seq_dim(self.plan.layout)
+        return tuple(_wrap(g, self.sharding.mesh, self.sharding.placements, seq_dim, self.args[n].size(seq_dim))
+                     for g, n in zip(grads, _QKV))
+
+
+def _wrap(local: Tensor, mesh, placements, seq_dim: int, total: int) -> DTensor:
+    """``local`` as a DTensor sharded on ``seq_dim`` with global length ``total`` (that of the
+    input it follows: shards may be uneven)."""
+    shape, stride = torch.distributed.tensor._utils.compute_global_tensor_info(local, mesh, placements)
+    if shape[seq_dim] != total:
+        local_len = local.size(seq_dim)  # uneven shards: the global shape is not local * W
+        shape[seq_dim] = total
+        stride = [local.stride(i) // local_len * total
+                  if i != seq_dim and local.stride(i) >= local.stride(seq_dim) else stride[i]
+                  for i in range(local.dim())]
+    spec = DTensorSpec(
+        mesh, tuple(placements), tensor_meta=TensorMeta(torch.Size(shape), tuple(stride), local.dtype)
+    )
+    return DTensor(local, spec, requires_grad=False)
+
+
+# ---------------------------------------------------------------- building the plan
+
+
+def read_call(a: dict[str, Any], cp: CPConfig, *, backward: bool = False) -> CallSpec:
+    """The call of the bound arguments ``a`` under the configuration ``cp``. ``backward``: the
+    grad op's (its scale is ``scale_value``; its plan is only checked against the one its forward
+    recorded, which it runs: a mismatch is reported by the op)."""
+    scale = float(a["scale_value" if backward else "scale"])
+    if a["input_layout"] == L.TND:
+        return _read_packed(a, cp, scale)
+    layout = L.check_layout(a["input_layout"])
+    spec = mask_spec(a)
+    sharding = cp_sharding({n: a[n] for n in _QKV}, layout)
+    global_seq = a["query"].size(L.seq_dim(layout))
+    spec = spec.simplified(global_seq)
+    algorithm = (_backward_algorithm(cp.algorithm, spec, sharding) if backward
+                 else _algorithm(a, layout, spec, sharding, cp.algorithm))
+    # positions matter for every mask but none: the local shards are head-tail when torch's
+    # CP load balancing is on
+    load_balance = spec.positional and load_balance_enabled()
+    if load_balance and global_seq % (2 * sharding.size):
+        # on the global length, the same on every rank, so every rank refuses together
+        raise ValueError(
+            f"load balancing splits the sequence into 2*W = {2 * sharding.size} chunks; the "
+            f"query sequence length {global_seq} is not divisible by {2 * sharding.size}"
+        )
+    sink = local_sink(a["sink"], int(a["head_num"]), sharding.mesh, sharding.head_shards)
+    plan = CallPlan(world_size=sharding.size, rank=sharding.rank, layout=layout,
+                    head_num=sharding.local_heads(int(a["head_num"])), scale=scale, keep_prob=float(a["keep_prob"]),
+                    mask=spec, load_balance=load_balance, algorithm=algorithm, cp_sizes=tuple(sharding.cp_sizes),
+                    sink=sink is not None, **_execution(cp))
+    return CallSpec(a, plan, sharding, _mask_rows(a, plan), sink=sink)
+
+
+def _read_packed(a: dict[str, Any], cp: CPConfig, scale: float) -> CallSpec:
+    spec = packed_mask(a)
+    documents, lengths = packed_documents(a)
+    sharding = packed_sharding({n: a[n] for n in _QKV})
+    sink = local_sink(a["sink"], int(a["head_num"]), sharding.mesh, sharding.head_shards)
+    load_balance = load_balance_enabled()
+    plan = CallPlan(world_size=sharding.size, rank=sharding.rank, layout=L.TND, head_num=int(a["head_num"]),
+                    scale=scale, keep_prob=float(a["keep_prob"]), mask=spec, load_balance=load_balance,
+                    algorithm="ring", cp_sizes=tuple(sharding.cp_sizes), documents=documents,
+                    placement=document_placement(cp.documents, load_balance), sink=sink is not None,
+                    **_execution(cp))
+    # on global lengths, the same on every rank: every rank refuses together
+    check_packed_tokens(plan, a["query"].size(0))
+    return CallSpec(a, plan, sharding, None, lengths, sink)
+
+
+def _execution(cp: CPConfig) -> dict:
+    """The step kernel, the merge and the ring's exchange this process runs with (the kernel by
+    default "npu": the handler serves that op, so it exists, real or emulated)."""
+    return dict(kernel=cp.kernel or "npu", fused_merge=cp.fused_merge and fused_merge_available(),
+                exchange=cp.exchange)
+
+
+def _backward_algorithm(configured: str, spec: MaskSpec, sharding: CPSharding) -> str:
+    """What a backward's arguments say of the algorithm: it runs what its forward recorded, and
+    only a given mask needs to know it here (the ring takes the mask's rows, Ulysses and hybrid
+    all of it). "auto" is hybrid on two CP dimensions and never Ulysses with a given mask; the
+    cost model that decides the rest is not run again."""
+    if configured != "auto":
+        return configured
+    if len(sharding.cp_dims) == 2:
+        return "hybrid"
+    return "ring" if spec.given else "auto"
+
+
+def _algorithm(a: dict[str, Any], layout: str, spec: MaskSpec, sharding: CPSharding, configured: str) -> str:
+    """The algorithm this call runs (``configured``, "auto" resolved by the local head counts)."""
+    q, k, v = (a[n].to_local() for n in _QKV)
+    nq = sharding.local_heads(int(a["head_num"]))
+    qd = L.dims(q, layout, nq)
+    nkv = L.heads_of(k, layout, qd.head_dim)
+    # from the global length, so that every rank picks the same even if local lengths differ
+    local_seq = a["query"].size(L.seq_dim(layout)) // sharding.size
+    return resolve_algorithm(configured, sharding, nq=nq, nkv=nkv, given_mask=spec.given,
+                             batch=qd.batch, local_seq=local_seq, head_dim=qd.head_dim, itemsize=q.element_size(),
+                             v_head_dim=L.value_head_dim(v, layout, nkv))
+
+
+def _mask_rows(a: dict[str, Any], plan: CallPlan) -> Optional[Tensor]:
+    """The given mask's rows of this rank's queries (the ring), or the whole mask (Ulysses,
+    hybrid); None for the other mask kinds."""
+    if not plan.mask.given:
+        return None
+    if plan.algorithm != "ring":
+        return whole_mask(a["atten_mask"], a["query"], plan.layout)
+    local_len = a["query"].to_local().size(L.seq_dim(plan.layout))
+    rows = sequence_positions(plan.rank, plan.world_size, local_len, plan.load_balance)
+    return local_mask_rows(a["atten_mask"], a["query"], plan.layout, rows)
+
+
+# ---------------------------------------------------------------- the mask
+
+
+_UNSUPPORTED_WHEN_SET = ("pse", "padding_mask", "prefix", "actual_seq_qlen", "actual_seq_kvlen")
+_GIVEN_MASK_MODES = (SparseMode.MASK, SparseMode.ALL_MASK)
+_SUPPORTED_MODES = _GIVEN_MASK_MODES + CAUSAL_MODES + (SparseMode.BAND,)
+
+
+def mask_spec(a: dict[str, Any]) -> MaskSpec:
+    """The attention mask the bound arguments ask for, on global positions; anything
+    unsupported raises NotImplementedError naming the argument and its value."""
+    for name in _UNSUPPORTED_WHEN_SET:
+        if a[name] is not None:
+            raise NotImplementedError(
+                f"cp_cache ring attention does not support {name}={describe(a[name])} yet"
+            )
+    if a["softmax_layout"]:
+        raise NotImplementedError(
+            f"cp_cache ring attention does not support softmax_layout={a['softmax_layout']!r} yet"
+        )
+    mode, mask = a["sparse_mode"], a["atten_mask"]
+    if mode not in _SUPPORTED_MODES:
+        raise NotImplementedError(
+            f"cp_cache ring attention supports sparse_mode 0, 1 (a given mask, or none: full "
+            f"attention), 2, 3 (compressed causal mask) and 4 (band), not sparse_mode={mode}"
+        )
+    if mask is None:
+        return MaskSpec()  # the op computes full attention whatever sparse_mode says
+    if mask.dtype not in (torch.bool, torch.uint8):
+        raise ValueError(f"atten_mask must be bool or uint8 (1 = masked out), got {describe(mask)}")
+    if mode in CAUSAL_MODES + (SparseMode.BAND,):
+        if not is_compressed_mask(mask):
+            raise NotImplementedError(
+                f"cp_cache ring attention with sparse_mode={mode} needs the compressed 2048x2048 "
+                f"mask, got atten_mask={describe(mask)}"
+            )
+        if mode == SparseMode.BAND:
+            return MaskSpec(window=True, pre_tockens=int(a["pre_tockens"]), next_tockens=int(a["next_tockens"]))
+        return MaskSpec(causal=True)
+    band = mode == SparseMode.MASK and (a["pre_tockens"] < INT_MAX or a["next_tockens"] < INT_MAX)
+    return MaskSpec(given=True, window=band, pre_tockens=int(a["pre_tockens"]) if band else INT_MAX,
+                    next_tockens=int(a["next_tockens"]) if band else INT_MAX)
+
+
+def local_mask_rows(mask: Any, query: DTensor, layout: str, positions: Tensor) -> Tensor:
+    """The given mask's rows of the local queries, in local order, over the whole sequence.
+
+    ``mask``: [S, S], [1, 1, S, S], [B, 1, S, S] or [B, N, S, S] for the global sequence,
+    a plain tensor or a replicated DTensor (rows picked at ``positions``), or a DTensor
+    sharded on its query dimension like the query (its local rows as they are).
+    """
+    seq = query.size(L.seq_dim(layout))
+    if mask.dim() not in (2, 4) or mask.shape[-1] != seq:
+        raise ValueError(
+            f"atten_mask for sparse_mode 0/1 must be [S, S], [1, 1, S, S], [B, 1, S, S] or [B, N, S, S] "
+            f"over the global sequence S={seq}, got {describe(mask)}"
+        )
+    if isinstance(mask, DTensor):
+        placements = tuple(mask.placements)
+        if all(isinstance(p, Replicate) for p in placements):
+            mask = mask.to_local()
+        elif placements == (Shard(mask.dim() - 2),):
+            # the local row count is checked by the ring after the ranks agree on its shape
+            # (it can differ between ranks, and a refusal must come on every rank)
+            return mask.to_local()
+        else:
+            raise NotImplementedError(
+                f"cp_cache ring attention takes atten_mask replicated or sharded on its query "
+                f"dimension (Shard({mask.dim() - 2})), got placements={placements}"
+            )
+    if mask.shape[-2] != seq:
+        raise ValueError(f"atten_mask must be square over the global sequence S={seq}, got {describe(mask)}")
+    return mask.index_select(mask.dim() - 2, positions.to(mask.device))
+
+
+# ---------------------------------------------------------------- the CP sharding
+
+
+@dataclass(frozen=True)
+class CPSharding:
+    """How q/k/v lie on their mesh: its CP dimensions (outer first) and the head split."""
+
+    mesh: Any
+    placements: tuple
+    cp_dims: tuple[int, ...]
+    head_shards: int  # product of the sizes of the Shard(head) dimensions (1: none)
+
+    @property
+    def cp_sizes(self) -> list[int]:
+        """The sizes of the CP dimensions, outer first."""
+        return [self.mesh.size(d) for d in self.cp_dims]
+
+    @property
+    def size(self) -> int:
+        """Ranks over which the sequence is split."""
+        return math.prod(self.cp_sizes)
+
+    @property
+    def rank(self) -> int:
+        """This rank's sequence chunk: nested over the CP dimensions, outer first (DTensor's order)."""
+        rank = 0
+        for d in self.cp_dims:
+            rank = rank * self.mesh.size(d) + self.mesh.get_local_rank(d)
+        return rank
+
+    def group(self, index: int):
+        """The process group of CP dimension ``index`` (0: the outer one)."""
+        return self.mesh.get_group(self.cp_dims[index])
+
+    def local_heads(self, head_num: int) -> int:
+        """The query head count on this rank (``head_num`` is the op's, over all heads)."""
+        if head_num % self.head_shards:
+            raise ValueError(
+                f"head_num={head_num} is not divisible by the {self.head_shards} tensor-parallel head "
+                f"shards of placements={self.placements}"
+            )
+        return head_num // self.head_shards
+
+    def stats_placements(self, layout: str) -> tuple:
+        seq, head = L.seq_dim(layout), L.head_dim_index(layout)
+        stats_seq, stats_head = L.stats_dims(layout)
+        out = []
+        for p in self.placements:
+            if p == Shard(seq):
+                out.append(Shard(stats_seq))
+            elif p == Shard(head):
+                out.append(Shard(stats_head))
+            else:
+                out.append(Replicate())
+        return tuple(out)
+
+
+def sequence_sharded(query: Any, layout: Any) -> bool:
+    """Whether ``query`` is a DTensor sharded on the sequence dimension of ``layout`` over some mesh
+    dimension: a CP call. False for a plain tensor, an unknown layout, or placements without
+    ``Shard(seq)`` (data or tensor parallel, replicated): calls cp_cache leaves to others."""
+    if not isinstance(query, DTensor) or layout not in L.ALL_LAYOUTS:
+        return False
+    return Shard(L.seq_dim(layout)) in tuple(query.placements)
+
+
+def cp_sharding(tensors: dict[str, Any], layout: str) -> CPSharding:
+    """The CP sharding shared by the named DTensors (same mesh, same placements)."""
+    seq, head = L.seq_dim(layout), L.head_dim_index(layout)
+    mesh = placements = None
+    for name, tensor in tensors.items():
+        if not isinstance(tensor, DTensor):
+            raise TypeError(
+                f"cp_cache ring attention needs {name} as a DTensor sharded on the sequence "
+                f"dimension {seq} of layout {layout!r}, got {type(tensor).__name__}"
+            )
+        if mesh is None:
+            mesh, placements = tensor.device_mesh, tuple(tensor.placements)
+        elif tensor.device_mesh != mesh:
+            raise ValueError(f"{name} is on mesh {tensor.device_mesh}, query on {mesh}")
+        elif tuple(tensor.placements) != placements:
+            raise NotImplementedError(
+                f"cp_cache CP attention needs q, k, v placed alike; query has {placements}, "
+                f"{name} has {tuple(tensor.placements)}"
+            )
+    cp_dims = tuple(d for d, p in enumerate(placements) if p == Shard(seq))
+    others = [p for p in placements if p != Shard(seq) and not isinstance(p, Replicate) and p != Shard(head)]
+    if not cp_dims or others:
+        raise NotImplementedError(
+            f"cp_cache ring attention needs query sharded as (Shard({seq}),) for layout {layout!r} on "
+            f"the CP mesh dimension(s), other mesh dimensions Replicate() or Shard({head}) (heads); "
+            f"got placements={placements}"
+        )
+    head_shards = math.prod(mesh.size(d) for d, p in enumerate(placements) if p == Shard(head))
+    return CPSharding(mesh, placements, cp_dims, head_shards)
+
+
+def resolve_algorithm(configured: str, sharding: CPSharding, *, nq: int, nkv: int, given_mask: bool,
+                      **shape: int) -> str:
+    """The algorithm a call runs: the configured one, or for "auto" hybrid on two CP dimensions
+    and ``plan.choose_algorithm`` on one (``shape``: batch, local_seq, head_dim, itemsize,
+    v_head_dim); NotImplementedError for one that cannot run on these CP dimensions."""
+    count = len(sharding.cp_dims)
+    if configured == "auto":
+        configured = "hybrid" if count == 2 else choose_algorithm(nq=nq, nkv=nkv, world=sharding.size,
+                                                                  given_mask=given_mask, **shape)
+    needed = ALGORITHM_CP_DIMS[configured]
+    if count != needed:
+        hint = "; use algorithm='hybrid' for two" if needed == 1 and count == 2 else ""
+        raise NotImplementedError(
+            f"cp_cache algorithm={configured!r} runs over {needed} mesh dimension(s) sharded on the "
+            f"sequence; the query is sharded on the sequence over {count} (mesh dims {sharding.cp_dims}, "
+            f"placements={sharding.placements}){hint}"
+        )
+    return configured
+
+
+def whole_mask(mask: Any, query: DTensor, layout: str):
+    """A given ``atten_mask`` over the whole sequence as a plain tensor, for Ulysses (which
+    attends every query to every key in one call): a plain tensor or a replicated DTensor."""
+    if isinstance(mask, DTensor):
+        if not all(isinstance(p, Replicate) for p in mask.placements):
+            raise NotImplementedError(
+                f"cp_cache Ulysses attention takes atten_mask as a plain tensor or replicated, got a DTensor "
+                f"with placements={tuple(mask.placements)}; use algorithm='ring' for a sharded mask"
+            )
+        mask = mask.to_local()
+    seq = query.size(L.seq_dim(layout))
+    if mask.dim() not in (2, 4) or tuple(mask.shape[-2:]) != (seq, seq):
+        raise ValueError(
+            f"atten_mask for sparse_mode 0/1 must be [S, S], [1, 1, S, S], [B, 1, S, S] or [B, N, S, S] "
+            f"over the global sequence S={seq}, got <tensor of shape {tuple(mask.shape)}>"
+        )
+    return mask
+
+
+# ---------------------------------------------------------------- packed documents
+
+
+_PACKED_UNSUPPORTED_WHEN_SET = ("pse", "padding_mask", "prefix")
+_TND_PLACEMENTS = (Shard(0),)
+_LENGTHS = ("actual_seq_qlen", "actual_seq_kvlen")
+
+
+def packed_mask(a: dict[str, Any]) -> MaskSpec:
+    """Causal per document or full; anything else unsupported raises naming it."""
+    for name in _PACKED_UNSUPPORTED_WHEN_SET:
+        if a[name] is not None:
+            raise NotImplementedError(f"cp_cache ring attention does not support {name}={describe(a[name])} yet")
+    if a["softmax_layout"]:
+        raise NotImplementedError(
+            f"cp_cache ring attention does not support softmax_layout={a['softmax_layout']!r} yet")
+    mode, mask = a["sparse_mode"], a["atten_mask"]
+    if mask is None:
+        return MaskSpec()  # the op computes full attention (per document) whatever sparse_mode says
+    if mode in CAUSAL_MODES and is_compressed_mask(mask):
+        return MaskSpec(causal=True)
+    raise NotImplementedError(
+        f"cp_cache ring attention with input_layout='TND' supports full attention (no atten_mask) and causal "
+        f"attention per document (sparse_mode {int(SparseMode.LEFT_UP_CAUSAL)} or "
+        f"{int(SparseMode.RIGHT_DOWN_CAUSAL)} with the compressed 2048x2048 mask), not sparse_mode={mode} with "
+        f"atten_mask={describe(mask)}")
+
+
+def packed_documents(a: dict[str, Any]) -> tuple[tuple[int, ...], tuple[Optional[Tensor], Optional[Tensor]]]:
+    """(documents, lengths): the global cumulative document ends given as lists, read and checked
+    now (constants of a traced graph), or the tensors given, checked from their shapes alone, for
+    the custom op to read (``read_documents``): host data whose values a traced call does not know."""
+    for name in _LENGTHS:
+        if a[name] is None:
+            raise ValueError(f"input_layout='TND' needs {name}: the global cumulative document ends (last = T)")
+        if isinstance(a[name], DTensor):
+            raise ValueError(f"{name} must be a plain tensor or list of the global cumulative ends, the same on "
+                             f"every rank, not a DTensor ({describe(a[name])})")
+    if not any(isinstance(a[name], Tensor) for name in _LENGTHS):
+        return same_documents(a["actual_seq_qlen"], a["actual_seq_kvlen"]), (None, None)
+    return (), tuple(_lengths_tensor(a[name], name) for name in _LENGTHS)
+
+
+def _lengths_tensor(value: Any, name: str) -> Tensor:
+    """``value`` as the op's lengths tensor: a tensor checked from its shape; a list (one of q/kv
+    given as a list, the other as a tensor) checked and made an int64 tensor."""
+    if isinstance(value, Tensor):
+        check_lengths_tensor(value, name)
+        return value
+    return torch.tensor(cumulative_lengths(value, name), dtype=torch.int64)
+
+
+def packed_sharding(tensors: dict[str, Any]) -> CPSharding:
+    """Every tensor a DTensor Shard(0) on the same 1-D mesh: its one CP dimension."""
+    mesh = None
+    for name, tensor in tensors.items():
+        if not isinstance(tensor, DTensor):
+            raise TypeError(f"cp_cache ring attention needs {name} as a DTensor sharded on dimension 0 (T) of "
+                            f"layout 'TND', got {type(tensor).__name__}")
+        if tensor.device_mesh.ndim != 1:
+            raise NotImplementedError(f"cp_cache ring attention needs a 1-D device mesh, {name} is on a "
+                                      f"{tensor.device_mesh.ndim}-D mesh {tensor.device_mesh}")
+        if tuple(tensor.placements) != _TND_PLACEMENTS:
+            raise NotImplementedError(f"cp_cache ring attention needs {name} sharded as (Shard(0),) for layout "
+                                      f"'TND', got placements={tuple(tensor.placements)}")
+        if mesh is None:
+            mesh = tensor.device_mesh
+        elif tensor.device_mesh != mesh:
+            raise ValueError(f"{name} is on mesh {tensor.device_mesh}, query on {mesh}")
+    return CPSharding(mesh, _TND_PLACEMENTS, cp_dims=(0,), head_shards=1)
+
+
+# ---------------------------------------------------------------- sinks and gradients
+
+
+def sharded_like(value: Any, name: str, mesh, placements) -> DTensor:
+    """``value`` as a DTensor with the query's sharding (an incoming gradient may come
+    replicated, e.g. from a sum)."""
+    if not isinstance(value, DTensor):
+        raise TypeError(f"cp_cache: npu_fusion_attention_grad_v3 needs {name} as a DTensor, got {describe(value)}")
+    if value.device_mesh != mesh:
+        raise ValueError(f"{name} is on mesh {value.device_mesh}, query on {mesh}")
+    if tuple(value.placements) != tuple(placements):
+        value = value.redistribute(mesh, placements)
+    return value
+
+
+def local_tensor(value: Any, name: str) -> Tensor:
+    """The local tensor of a DTensor argument (a plain tensor passes through)."""
+    if isinstance(value, DTensor):
+        return value.to_local()
+    if isinstance(value, Tensor):
+        return value
+    raise RuntimeError(f"cp_cache: npu_fusion_attention_grad_v3 needs {name}, got {describe(value)}")
+
+
+def local_sink(sink: Any, head_num: int, mesh, head_shards: int) -> Optional[Tensor]:
+    """The attention sinks of the call as this rank's tensor [head_num] (None without): a plain
+    floating tensor, or a DTensor replicated on the query's mesh. ``head_num``: the op's."""
+    if sink is None:
+        return None
+    if not isinstance(sink, Tensor) or not sink.dtype.is_floating_point or tuple(sink.shape) != (head_num,):
+        raise ValueError(f"sink must be a floating tensor of shape [head_num] = [{head_num}] (one logit per query "
+                         f"head), got sink={describe(sink)}")
+    if head_shards > 1:
+        raise NotImplementedError(f"cp_cache ring attention does not support sink={describe(sink)} with the heads "
+                                  f"split over {head_shards} tensor-parallel shards yet")
+    if isinstance(sink, DTensor):
+        if sink.device_mesh != mesh or not all(isinstance(p, Replicate) for p in sink.placements):
+            raise NotImplementedError(f"cp_cache ring attention takes sink as a plain tensor or a DTensor replicated "
+                                      f"on the query's mesh, got placements={tuple(sink.placements)} on "
+                                      f"{sink.device_mesh}")
+        return sink.to_local()
+    return sink
+
+
+def sink_grad_like(sink: Any, dsink: Tensor, cp_dims: tuple[int, ...]) -> Tensor:
+    """The sink's gradient as its argument came: this rank's share as it is for a plain tensor;
+    for a replicated DTensor, a DTensor ``Partial`` on the CP dimensions (the ranks' shares sum to
+    the gradient) and replicated on the others (their ranks computed the same rows)."""
+    if not isinstance(sink, DTensor):
+        return dsink
+    mesh = sink.device_mesh
+    placements = [Partial() if dim in cp_dims else Replicate() for dim in range(mesh.ndim)]
+    return DTensor.from_local(dsink, mesh, placements, shape=sink.shape, stride=sink.stride())
+
+
+# ---------------------------------------------------------------- refusals
+
+
+def _agreement_groups(a: Optional[dict[str, Any]]) -> list:
+    """The CP groups of the call's agreement (outer first), or none when the arguments do not say
+    or are traced (fake tensors: no collective while tracing)."""
+    if a is None:
+        return []
+    try:
+        tensors = {n: a[n] for n in _QKV}
+        sharding = (packed_sharding(tensors) if a["input_layout"] == L.TND
+                    else cp_sharding(tensors, L.check_layout(a["input_layout"])))
+    except Exception:  # noqa: BLE001 - the refusal itself is what gets raised
+        return []
+    if any(_traced(t.to_local()) for t in tensors.values()):
+        return []
+    return [sharding.group(i) for i in range(len(sharding.cp_dims))]
+
+
+def _traced(t: Tensor) -> bool:
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    return t.is_meta or isinstance(t, FakeTensor)
+
+
+def refusal_shared(direction: str, a: Optional[dict[str, Any]]):
+    """A context in which a refusal of this rank (of the call whose bound arguments are ``a``;
+    None: they could not be bound) joins the ranks' agreement on the call, so every rank refuses."""
+    return agreement.refusal_shared(direction, lambda: _agreement_groups(a))
