@@ -32,7 +32,7 @@ def run(args: argparse.Namespace) -> int:
     sections = by_name(args.only or [s.name for s in SECTIONS])
     plan = plan_for(args.quick, args.worlds)
     started = time.perf_counter()
-    per_world = _run_ranks(plan, [s.name for s in sections if s.on_ranks])
+    per_world = _run_ranks(plan, [s for s in sections if s.on_ranks])
     if per_world is None:
         return 0  # torchrun rank > 0
     report = _report(args, plan, per_world)
@@ -49,16 +49,18 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _run_ranks(plan: dict, names: list[str]) -> list[list[dict]] | None:
-    """Every rank's results for each W (none without rank sections); None on a torchrun rank > 0."""
+def _run_ranks(plan: dict, sections: list[Section]) -> list[list[dict]] | None:
+    """Every rank's results for each W where one of ``sections`` runs; None on a torchrun rank > 0."""
     per_world = []
-    if names:
-        for world_size in plan["worlds"]:
-            print(f"bench: W={world_size} ({', '.join(names)}) ...", flush=True)
-            results = launch(bench_rank, world_size, plan, names, timeout=900.0)
-            if results is None:
-                return None
-            per_world.append(results)
+    for world_size in plan["worlds"]:
+        names = [s.name for s in sections if s.runs_at(plan, world_size)]
+        if not names:
+            continue
+        print(f"bench: W={world_size} ({', '.join(names)}) ...", flush=True)
+        results = launch(bench_rank, world_size, plan, names, timeout=900.0)
+        if results is None:
+            return None
+        per_world.append(results)
     return per_world
 
 
