@@ -1,7 +1,7 @@
-"""The CP benchmarks (memory held between forward and backward, handler overhead,
-bytes sent, numerical error, store cost): the same as ``python -m cp_cache bench``.
+"""The CP benchmarks (memory held between forward and backward, host overhead next to
+torch's ring, bytes sent, numerical error, store cost, ...): the same as ``python -m cp_cache bench``.
 
-    python bench/bench_cp.py [--out results] [--quick] [--only memory overhead traffic accuracy store]
+    python bench/bench_cp.py [--out results] [--quick] [--only memory overhead calls traffic accuracy store]
 """
 
 from __future__ import annotations

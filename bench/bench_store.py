@@ -3,7 +3,7 @@
     python bench/bench_store.py [--number N] [--repeat R] [--out results/store_overhead.json]
 """
 
-from cp_cache.cli.bench_store import main
+from cp_cache.cli.bench.store import main
 
 if __name__ == "__main__":
     main()

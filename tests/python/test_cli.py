@@ -60,9 +60,16 @@ def test_bench_quick_writes_json_and_png(tmp_path):
     report = json.loads((tmp_path / "bench.json").read_text())
     assert (tmp_path / "bench.png").stat().st_size > 10_000
     assert f"written: {tmp_path / 'bench.json'}" in proc.stdout
-    for key in ("memory", "calls", "accuracy", "traffic", "traffic_summary", "store", "torch_npu_formula"):
+    for key in ("memory", "overhead", "calls", "accuracy", "traffic", "traffic_summary", "store", "torch_npu_formula"):
         assert key in report, key
-    assert (tmp_path / "bench_traffic.png").stat().st_size > 10_000
+    for png in ("bench_traffic.png", "bench_overhead.png"):
+        assert (tmp_path / png).stat().st_size > 10_000, png
+    # the overhead section reports (no timing is asserted): one row per W > 1 and direction, three systems
+    assert {(r["world_size"], r["direction"]) for r in report["overhead"]} == {(2, "forward"), (2, "backward")}
+    for r in report["overhead"]:
+        for key in ("cp_cache_us", "torch_ring_us", "kernels_us", "cp_cache_overhead_us", "torch_ring_overhead_us"):
+            assert isinstance(r[key], float), (key, r)
+        assert "ratio" in r, r
     handle_ckpt = [r for r in report["memory"] if r["policy"] == "handle" and r["checkpoint"] == "non_reentrant"]
     assert handle_ckpt and all(r["held_entries"] == 0 for r in handle_ckpt)
     for r in report["calls"]:

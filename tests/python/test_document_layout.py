@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import cp_cache
-from cp_cache.cli.bench_varlen import draw_documents
+from cp_cache.cli.bench.varlen import draw_documents
 from cp_cache.placement import BALANCE_TOLERANCE, placement_cost
 from cp_cache.testing.multiprocess import run_ranks
 from cp_cache.testing.reference import error_bound, rel_err

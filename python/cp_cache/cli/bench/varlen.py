@@ -27,9 +27,10 @@ import math
 import statistics
 from typing import Sequence
 
-from ._common import cp_session, table
+from .._common import cp_session, table
+from .shared import Section
 
-__all__ = ["draw_documents", "balance_rows", "varlen_rank", "print_varlen"]
+__all__ = ["SECTION", "draw_documents", "balance_rows", "varlen_rank"]
 
 _PAD_MULTIPLE = 16
 
@@ -61,7 +62,7 @@ def _cumulative(lengths: Sequence[int]) -> list[int]:
 
 
 def _ring_pairs(cu: Sequence[int], world: int, placement: str) -> list[int]:
-    from ..algorithms.packed import plan_varlen_step, step_pairs
+    from ...algorithms.packed import plan_varlen_step, step_pairs
 
     return [sum(step_pairs(plan_varlen_step(cu, rank, i, world, True, placement)) for i in range(world))
             for rank in range(world)]
@@ -111,7 +112,7 @@ def _imbalance(per_rank: Sequence[int]) -> float:
 
 def balance_rows(total: int, worlds: Sequence[int], seed: int = 0) -> dict:
     """The work-balance table for one drawn mix of ``total`` tokens, at each W."""
-    from ..packing import pad_documents
+    from ...packing import pad_documents
 
     import torch
 
@@ -144,16 +145,17 @@ def balance_rows(total: int, worlds: Sequence[int], seed: int = 0) -> dict:
                 dense_causal_pairs=dense_causal, lengths=lengths, rows=rows)
 
 
-def varlen_rank(shape: dict, repeats: int, warmup: int, rank: int, world_size: int, mesh) -> list[dict]:
+def varlen_rank(plan: dict, rank: int, world_size: int, mesh) -> list[dict]:
     """Time per TND call (forward, backward) through the handlers on this rank, and the
     error against a dense float64 block-diagonal reference, per placement."""
     import torch
     from torch.distributed.tensor.experimental._context_parallel._attention import _cp_options
 
     import cp_cache
-    from ..npu_ops import causal_arguments
-    from ..testing.varlen_reference import dense_tnd_attention
+    from ...npu_ops import causal_arguments
+    from ...testing.varlen_reference import dense_tnd_attention
 
+    shape, repeats, warmup = plan["varlen"], plan["repeats"], plan["warmup"]
     total, n, d = shape["tokens"], shape["heads"], shape["head_dim"]
     # the same documents at every W: padded to a multiple of 2 * 8 (load balancing up to W = 8)
     lengths = draw_documents(total, seed=1)
@@ -186,7 +188,7 @@ def _timed_calls(full: list, cu: list[int], kw: dict, heads: int, repeats: int, 
     from torch.distributed.tensor import DTensor, Shard
 
     import cp_cache
-    from .. import layout as L
+    from ... import layout as L
 
     local = [cp_cache.shard_documents(t, cu, mesh) for t in full]
 
@@ -237,3 +239,16 @@ def print_varlen(report: dict) -> None:
                  r["documents"], f"{worst(r, 'fwd_ms_median'):.1f}", f"{worst(r, 'bwd_ms_median'):.1f}",
                  f"{worst(r, 'out_max_abs'):.1e}", f"{worst(r, 'dq_max_abs'):.1e}"] for r in timed]
         print(table(["W", "placement", "T", "docs", "fwd ms", "bwd ms", "out err", "dq err"], rows))
+
+
+SECTION = Section(
+    name="varlen",
+    about="packed documents (TND): work per rank (max/mean) and FLOPs against the block-diagonal minimum for "
+          "per-document head-tail, contiguous and whole-sequence head-tail sharding, and time per call",
+    quick=dict(varlen=dict(tokens=256, heads=2, head_dim=16), varlen_balance=dict(tokens=4096, worlds=[2, 4])),
+    full=dict(varlen=dict(tokens=2048, heads=4, head_dim=32), varlen_balance=dict(tokens=65536, worlds=[2, 4, 8])),
+    rank=varlen_rank,
+    derived=lambda plan, rows: {"varlen_balance": balance_rows(plan["varlen_balance"]["tokens"],
+                                                               plan["varlen_balance"]["worlds"])},
+    summary=print_varlen,
+)

@@ -12,9 +12,10 @@ from __future__ import annotations
 import math
 import statistics
 
-from ._common import cp_session, fmt_bytes, pyplot, table
+from .._common import cp_session, fmt_bytes, pyplot, table
+from .shared import Section
 
-__all__ = ["algorithms_rank", "print_summary", "plot"]
+__all__ = ["SECTION", "algorithms_rank"]
 
 ALGORITHMS = ("ring", "ulysses", "hybrid")
 
@@ -34,8 +35,8 @@ def _one(algorithm: str, mesh, shape: dict, kv_heads: int, plan: dict, rank: int
     from torch.distributed.tensor import Shard, distribute_tensor
 
     import cp_cache
-    from ..npu_ops import causal_arguments
-    from ..testing.reference import dense_attention
+    from ...npu_ops import causal_arguments
+    from ...testing.reference import dense_attention
 
     b, n, s, d = shape["batch"], shape["heads"], shape["seq"], shape["head_dim"]
     g = torch.Generator().manual_seed(11)
@@ -64,10 +65,10 @@ def _one(algorithm: str, mesh, shape: dict, kv_heads: int, plan: dict, rank: int
                 fp32_rel_error=error)
 
 
-def algorithms_rank(plan: dict, rank: int, world_size: int) -> list[dict]:
+def algorithms_rank(plan: dict, rank: int, world_size: int, mesh=None) -> list[dict]:
     from torch.distributed.tensor.experimental._context_parallel._attention import _cp_options
 
-    from ..plan import choose_algorithm, head_plan
+    from ...plan import choose_algorithm, head_plan
 
     shape = plan["algorithms"]
     meshes = _meshes(world_size)
@@ -93,8 +94,8 @@ def algorithms_rank(plan: dict, rank: int, world_size: int) -> list[dict]:
     return rows
 
 
-def print_summary(rows: list[dict]) -> None:
-    rows = [r for r in rows if r["rank"] == 0 and "skipped" not in r]
+def print_summary(report: dict) -> None:
+    rows = [r for r in report["algorithms"] if r["rank"] == 0 and "skipped" not in r]
     if not rows:
         return
     r0 = rows[0]
@@ -109,11 +110,11 @@ def print_summary(rows: list[dict]) -> None:
                  "fp32 error"], body))
 
 
-def plot(rows: list[dict], path) -> bool:
+def plot(report: dict, path) -> bool:
     plt = pyplot()
     if plt is None:
         return False
-    rows = [r for r in rows if r["rank"] == 0 and "skipped" not in r]
+    rows = [r for r in report["algorithms"] if r["rank"] == 0 and "skipped" not in r]
     if not rows:
         return False
     fig, (ax_bytes, ax_time) = plt.subplots(1, 2, figsize=(11, 4.2))
@@ -143,3 +144,14 @@ def plot(rows: list[dict], path) -> bool:
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return True
+
+
+SECTION = Section(
+    name="algorithms",
+    about="ring, Ulysses and hybrid (2 x 2 CP mesh at W = 4) on one causal call, MHA and GQA: bytes sent per rank, "
+          "time per call, fp32 error against dense float64, and what algorithm=\"auto\" picks (also "
+          "bench_algorithms.png)",
+    quick=dict(algorithms=dict(batch=1, heads=4, kv_heads=[4, 2], seq=64, head_dim=16)),
+    full=dict(algorithms=dict(batch=1, heads=8, kv_heads=[8, 2], seq=1024, head_dim=64)),
+    rank=algorithms_rank, summary=print_summary, plots=(("bench_algorithms.png", plot),),
+)

@@ -16,9 +16,10 @@ from __future__ import annotations
 import math
 import statistics
 
-from ._common import pyplot, table
+from .._common import pyplot, table
+from .shared import Section, largest_world_only
 
-__all__ = ["CASES", "traffic_rank", "summary", "print_summary", "plot"]
+__all__ = ["CASES", "SECTION", "traffic_rank", "summary"]
 
 DOCS = (20, 64, 100, 128)  # documents of a given block-diagonal mask (scaled to S), crossing shards
 TND_DOCS = (24, 64, 96, 128)  # packed documents (scaled to S), lengths divisible by 2W up to W = 4
@@ -43,8 +44,8 @@ def _scaled(ends: tuple, seq: int) -> tuple:
 
 
 def _held(kind: str, fields: dict, rank: int, world: int, seq: int):
-    from ..documents import document_positions
-    from ..testing.reference import rank_positions
+    from ...documents import document_positions
+    from ...testing.reference import rank_positions
 
     if kind == "tnd":  # per-document head-tail under load balancing, else contiguous (the plan's default)
         placement = "head_tail" if fields["load_balance"] else "contiguous"
@@ -55,8 +56,8 @@ def _held(kind: str, fields: dict, rank: int, world: int, seq: int):
 def _masked(kind: str, fields: dict, seq: int):
     import torch
 
-    from ..testing.reference import band_masked
-    from ..testing.varlen_reference import document_masked
+    from ...testing.reference import band_masked
+    from ...testing.varlen_reference import document_masked
 
     if kind == "tnd":
         ends = _scaled(TND_DOCS, seq)
@@ -70,7 +71,7 @@ def _masked(kind: str, fields: dict, seq: int):
 
 
 def _plan(kind: str, fields: dict, rank: int, world: int, shape: dict, exchange: str):
-    from ..testing.reference import ring_plan
+    from ...testing.reference import ring_plan
 
     extra = dict(fields)
     if kind == "given":
@@ -100,9 +101,9 @@ def _one(kind: str, fields: dict, exchange: str, rank: int, world: int, shape: d
 
     import torch.distributed as dist
 
-    from ..algorithms import run_backward, run_forward, strategy_for
-    from ..kernels import get_kernel
-    from .compare.patches import SentCounter
+    from ...algorithms import run_backward, run_forward, strategy_for
+    from ...kernels import get_kernel
+    from ..compare.patches import SentCounter
 
     held = _held(kind, fields, rank, world, shape["seq"])
     q, k, v, dout = _inputs(kind, held, shape)
@@ -116,8 +117,8 @@ def _one(kind: str, fields: dict, exchange: str, rank: int, world: int, shape: d
             counter.phase, started = "forward", time.perf_counter()
             fwd = run_forward(strategy, call, q, k, v, groups=groups, kernel=kernel, mask=mask)
             counter.phase, between = "backward", time.perf_counter()
-            bwd = run_backward(strategy, call, dout, q, k, v, fwd.out, fwd.lse, fwd.steps, groups=groups, kernel=kernel,
-                                    mask=mask)
+            bwd = run_backward(strategy, call, dout, q, k, v, fwd.out, fwd.lse, fwd.steps, groups=groups,
+                               kernel=kernel, mask=mask)
             finished = time.perf_counter()
         if i >= plan["warmup"]:
             samples["fwd_ms"].append((between - started) * 1e3)
@@ -133,9 +134,9 @@ def _one(kind: str, fields: dict, exchange: str, rank: int, world: int, shape: d
     return row
 
 
-def traffic_rank(plan: dict, rank: int, world_size: int) -> list[dict]:
+def traffic_rank(plan: dict, rank: int, world_size: int, mesh=None) -> list[dict]:
     """Every case and exchange on this rank (``plan["traffic"]``: batch, heads, head_dim, seq)."""
-    from ..testing.reference import exchanged_rows
+    from ...testing.reference import exchanged_rows
 
     shape = plan["traffic"]
     row_bytes = 2 * shape["batch"] * shape["heads"] * shape["head_dim"] * 4  # a K row and a V row, fp32
@@ -177,7 +178,8 @@ def summary(rows: list[dict]) -> list[dict]:
     return out
 
 
-def print_summary(rows: list[dict]) -> None:
+def print_summary(report: dict) -> None:
+    rows = report["traffic"]
     cells = summary(rows)
     if not cells:
         return
@@ -192,7 +194,8 @@ def print_summary(rows: list[dict]) -> None:
                  "ms fwd/bwd"], body))
 
 
-def plot(rows: list[dict], path) -> bool:
+def plot(report: dict, path) -> bool:
+    rows = report["traffic"]
     plt = pyplot()
     if plt is None:
         return False
@@ -221,3 +224,16 @@ def plot(rows: list[dict], path) -> bool:
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return True
+
+
+SECTION = Section(
+    name="traffic",
+    about="K/V bytes each rank receives per call, forward and backward, against the mask's lower bound and "
+          "against the whole-block ring, for causal attention, windows, given masks and packed documents at the "
+          "largest W, with the exposed communication and the time per call (also bench_traffic.png)",
+    quick=dict(traffic=dict(batch=1, heads=4, head_dim=16, seq=128)),
+    full=dict(traffic=dict(batch=1, heads=4, head_dim=16, seq=128)),
+    rank=traffic_rank, runs_at=largest_world_only,
+    derived=lambda plan, rows: {"traffic_summary": summary(rows)},
+    summary=print_summary, plots=(("bench_traffic.png", plot),),
+)

@@ -14,14 +14,15 @@ from __future__ import annotations
 import math
 import statistics
 
-from ._common import cp_session, fmt_bytes, table
+from .._common import cp_session, fmt_bytes, table
+from .shared import Section
 
-__all__ = ["models_rank", "print_summary"]
+__all__ = ["SECTION", "models_rank"]
 
 
 def _layer_kinds(window: int) -> dict:
     """The op's mask arguments of each layer kind."""
-    from ..npu_ops import band_arguments, causal_arguments
+    from ...npu_ops import band_arguments, causal_arguments
 
     return {"full causal": causal_arguments("cpu"), f"window {window}": band_arguments("cpu", window - 1)}
 
@@ -49,7 +50,7 @@ def _one_kind(mask: dict, full: tuple, pos, mesh, shape: dict, plan: dict) -> di
     from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
     import cp_cache
-    from ..testing.reference import band_masked, dense_attention, rel_err
+    from ...testing.reference import band_masked, dense_attention, rel_err
 
     q, k, v, dy, sink = full
     n, d, s = shape["heads"], shape["head_dim"], shape["seq"]
@@ -80,7 +81,7 @@ def _one_kind(mask: dict, full: tuple, pos, mesh, shape: dict, plan: dict) -> di
 def models_rank(plan: dict, rank: int, world_size: int, mesh) -> list[dict]:
     from torch.distributed.tensor.experimental._context_parallel._attention import _cp_options
 
-    from ..testing.reference import rank_positions
+    from ...testing.reference import rank_positions
 
     shape = plan["models"]
     full = _inputs(shape, world_size)
@@ -95,8 +96,8 @@ def models_rank(plan: dict, rank: int, world_size: int, mesh) -> list[dict]:
     return rows
 
 
-def print_summary(rows: list[dict]) -> None:
-    rows = [r for r in rows if r["world_size"] > 1]
+def print_summary(report: dict) -> None:
+    rows = [r for r in report["models"] if r["world_size"] > 1]
     if not rows:
         return
     r0 = rows[0]
@@ -114,3 +115,14 @@ def print_summary(rows: list[dict]) -> None:
         cells += [f"{max(r['ms_median'] for r in group):.1f}", f"{max(r['fp32_rel_error'] for r in group):.1e}"]
         body.append(cells)
     print(table(["W", "layer", "fwd moved", "bwd moved", "ms/call", "fp32 error (out, grads, dsink)"], body))
+
+
+SECTION = Section(
+    name="models",
+    about="the attention of a gpt-oss-shaped model (sinks, GQA, alternating window and full causal layers under "
+          "head-tail): bytes each layer kind moves, time per call, fp32 error",
+    quick=dict(models=dict(batch=1, heads=4, kv_heads=2, seq=64, head_dim=16, window=8)),
+    # gpt-oss: 64/8 heads of 64, a 128-token window; here 8/1 heads at S=1024 so the window is 1/8 of S
+    full=dict(models=dict(batch=1, heads=8, kv_heads=1, seq=1024, head_dim=64, window=128)),
+    rank=models_rank, summary=print_summary,
+)

@@ -11,7 +11,8 @@ import json
 import timeit
 from pathlib import Path
 
-from .. import _C
+from ... import _C
+from .shared import Section
 
 
 def measure(stmt, setup_globals, number: int, repeat: int) -> float:
@@ -44,6 +45,20 @@ def run(number: int = 200_000, repeat: int = 5) -> dict:
         "baseline_ns": round(baseline, 1),
         "ns_per_call": {name: round(value, 1) for name, value in results.items()},
     }
+
+
+def print_store(report: dict) -> None:
+    print("\nstore (ns per call): " + ", ".join(f"{k} {v}" for k, v in report["store"]["ns_per_call"].items()))
+
+
+SECTION = Section(
+    name="store",
+    about="the store micro-benchmark: ns per call of the step-cache store's operations from Python",
+    quick=dict(store=dict(number=2000, repeat=2)),
+    full=dict(store=dict(number=100_000, repeat=5)),
+    local=lambda plan: run(plan["store"]["number"], plan["store"]["repeat"]),
+    summary=print_store,
+)
 
 
 def main(argv=None) -> None:

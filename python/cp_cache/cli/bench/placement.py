@@ -1,7 +1,7 @@
 """The ``placement`` section of ``python -m cp_cache bench``: where packed documents go,
 computed without ranks (``cp_cache.placement``; no kernels, no processes).
 
-For long-tailed document mixes (``bench_varlen.draw_documents``, fixed seeds) at W = 2 to 64,
+For long-tailed document mixes (``varlen.draw_documents``, fixed seeds) at W = 2 to 64,
 per placement ("balanced", "head_tail", "contiguous"): tokens and causal attention work per
 rank as max/mean, the K/V rows each rank needs from the others (keys of its documents before
 one of its queries, held elsewhere: the lower bound of a causal call's forward traffic, in
@@ -17,9 +17,10 @@ import itertools
 import time
 from typing import Sequence
 
-from ._common import pyplot, table
+from .._common import pyplot, table
+from .shared import Section
 
-__all__ = ["MIXES", "placement_rows", "print_placement", "plot_placement"]
+__all__ = ["MIXES", "SECTION", "placement_rows"]
 
 # (name, total tokens, seed, shortest, Pareto tail index): one mix whose longest documents
 # exceed T/W at W >= 4, and one of many documents of a few thousand tokens at most
@@ -28,7 +29,7 @@ PLACEMENT_ORDER = ("balanced", "head_tail", "contiguous")
 
 
 def _cost_row(name: str, cu: list[int], world: int, placement: str, padding: int) -> dict:
-    from ..placement import placement_cost, placement_pieces
+    from ...placement import placement_cost, placement_pieces
 
     started = time.perf_counter()
     pieces = placement_pieces(cu, world, placement)
@@ -49,8 +50,8 @@ def placement_rows(worlds: Sequence[int], mixes=MIXES) -> dict:
     """The placement table: one row per (mix, W, placement)."""
     import torch
 
-    from ..packing import pad_documents
-    from .bench_varlen import draw_documents
+    from ...packing import pad_documents
+    from .varlen import draw_documents
 
     rows, described = [], []
     for name, total, seed, shortest, alpha in mixes:
@@ -70,6 +71,7 @@ def placement_rows(worlds: Sequence[int], mixes=MIXES) -> dict:
 
 
 def print_placement(report: dict) -> None:
+    report = report["placement"]
     for mix in report["mixes"]:
         print(f"\nplacement of packed documents, {mix['mix']} mix: {mix['documents']} documents in {mix['tokens']} "
               f"tokens ({mix['shortest']}..{mix['longest']}), causal")
@@ -82,6 +84,7 @@ def print_placement(report: dict) -> None:
 
 def plot_placement(report: dict, path) -> bool:
     """Rows needed (total) and the worse of tokens/work max/mean against W, per mix and placement."""
+    report = report["placement"]
     plt = pyplot()
     if plt is None:
         return False
@@ -110,3 +113,15 @@ def plot_placement(report: dict, path) -> bool:
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return True
+
+
+SECTION = Section(
+    name="placement",
+    about="where packed documents go, computed without ranks: per placement (balanced, per-document head-tail, "
+          "contiguous) and W = 2 to 64, tokens and causal work per rank (max/mean) and the K/V rows each rank "
+          "needs from the others (also bench_placement.png)",
+    quick=dict(placement=dict(worlds=[2, 4])),
+    full=dict(placement=dict(worlds=[2, 4, 8, 16, 32, 64])),
+    local=lambda plan: placement_rows(plan["placement"]["worlds"]),
+    summary=print_placement, plots=(("bench_placement.png", plot_placement),),
+)

@@ -1,0 +1,233 @@
+"""The ``overhead`` section of ``python -m cp_cache bench``: host overhead per attention call,
+cp_cache next to torch's own ring, forward and backward, at tiny shapes where the kernels cost
+little and the code around them shows.
+
+Causal attention with torch's head-tail load balancing on, B=1, N=2 heads, 8 tokens per rank,
+D=8, float32, the emulator's ``npu_fusion_attention_v3`` / ``npu_fusion_attention_grad_v3`` as
+the kernel everywhere, at each W > 1 of the run. Three systems, measured in the same run on the
+same ranks, their calls interleaved:
+
+* ``cp_cache``: the v3 op on DTensors ``Shard(2)`` inside ``cp_cache.context_parallel(mesh)``
+  with ``cp_cache.enable(policy="handle")`` and ``npu_ops.causal_arguments``; backward through
+  ``out.to_local().backward(dy)`` (``to_local`` taken before the backward's clock starts);
+* ``torch_ring``: torch's ``_templated_ring_attention`` (and its backward) driving the same
+  kernel (``compare/systems/torch_ring.py``'s ``TorchRing``), ``_cp_options.enable_load_balance``
+  on, as it was afterwards;
+* ``kernels``: the kernel calls alone that a W-rank head-tail causal ring makes on this rank
+  (step 0 causal over the local block; step i <= rank all queries against the K/V head, step
+  i > rank the query tail against the whole K/V block; the backward likewise), no
+  communication and no merges.
+
+Per system and direction, the median seconds per call over ``repeats`` calls after ``warmup``,
+each direction timed after a ``torch.distributed.barrier()``, with
+``torch.autograd.set_multithreading_enabled(False)`` (the backward on the calling thread).
+``overhead`` = time per call - the kernels' time in the same direction; ``ratio`` = cp_cache's
+overhead / torch's ring's. Rank 0's figures. Also ``bench_overhead.png``.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+import time
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from .._common import cp_session, pyplot, table
+from .shared import Section, several_ranks
+
+__all__ = ["SECTION", "SYSTEMS"]
+
+SYSTEMS = ("cp_cache", "torch_ring", "kernels")
+DIRECTIONS = ("forward", "backward")
+
+
+@dataclass
+class _System:
+    """One way of running the call: ``prepare()`` (untimed) gives the forward's inputs,
+    ``forward(inputs)`` and ``backward(settled)`` are timed, ``settle(out)`` (untimed) turns the
+    forward's output into what the backward starts from."""
+
+    prepare: Callable[[], Any]
+    forward: Callable[[Any], Any]
+    settle: Callable[[Any], Any]
+    backward: Callable[[Any], None]
+
+
+def _cp_cache(local: list, dy, mesh, heads: int, scale: float) -> _System:
+    import torch
+    from torch.distributed.tensor import DTensor, Shard
+
+    from ...npu_ops import causal_arguments
+
+    causal = causal_arguments("cpu")
+
+    def prepare():
+        for t in local:
+            t.grad = None
+        return [DTensor.from_local(t, mesh, [Shard(2)]) for t in local]
+
+    def forward(inputs):
+        return torch.ops.npu.npu_fusion_attention_v3(*inputs, heads, "BNSD", scale=scale, **causal)[0]
+
+    return _System(prepare, forward, lambda out: out.to_local(), lambda out: out.backward(dy))
+
+
+def _torch_ring(local: list, dy, mesh, scale: float) -> _System:
+    from ..compare.systems.torch_ring import _torch_ring_function
+
+    ring, group = _torch_ring_function(), mesh.get_group()
+
+    def prepare():
+        for t in local:
+            t.grad = None
+        return local
+
+    return _System(prepare, lambda inputs: ring.apply(*inputs, group, True, scale), lambda out: out,
+                   lambda out: out.backward(dy))
+
+
+def _kernels(local: list, dy, rank: int, world_size: int, scale: float) -> _System:
+    """The step kernels of torch's head-tail causal ring on this rank, on views made up front."""
+    from ..compare.systems.torch_ring import _ring_step_backward, _ring_step_forward
+
+    q, k, v = (t.detach() for t in local)
+    out, lse = _ring_step_forward(q, k, v, is_causal=True, scale=scale)
+    head, tail = (lambda t: t.chunk(2, dim=2)[0]), (lambda t: t.chunk(2, dim=2)[1])
+    steps = [dict(query=q, key=k, value=v, out=out, logsumexp=lse, grad_out=dy, is_causal=True)]
+    for i in range(1, world_size):
+        if i <= rank:  # all queries against the K/V head
+            steps.append(dict(query=q, key=head(k), value=head(v), out=out, logsumexp=lse, grad_out=dy,
+                              is_causal=False))
+        else:  # the query tail against the whole K/V block
+            steps.append(dict(query=tail(q), key=k, value=v, out=tail(out), logsumexp=tail(lse).contiguous(),
+                              grad_out=tail(dy), is_causal=False))
+
+    def forward(_):
+        for s in steps:
+            _ring_step_forward(s["query"], s["key"], s["value"], is_causal=s["is_causal"], scale=scale)
+
+    def backward(_):
+        for s in steps:
+            _ring_step_backward(**s, scale=scale)
+
+    return _System(lambda: None, forward, lambda out: out, backward)
+
+
+def _timed(system: _System, barrier: Callable[[], None]) -> tuple[float, float]:
+    """Seconds of one forward and of its backward, each started after a barrier."""
+    inputs = system.prepare()
+    barrier()
+    started = time.perf_counter()
+    out = system.forward(inputs)
+    forward = time.perf_counter() - started
+    settled = system.settle(out)
+    barrier()
+    started = time.perf_counter()
+    system.backward(settled)
+    return forward, time.perf_counter() - started
+
+
+def overhead_rank(plan: dict, rank: int, world_size: int, mesh) -> list[dict]:
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.tensor.experimental._context_parallel._attention import _cp_options
+
+    o = plan["overhead"]
+    b, n, s, d = o["batch"], o["heads"], o["seq_per_rank"], o["head_dim"]
+    scale = 1.0 / math.sqrt(d)
+    g = torch.Generator().manual_seed(rank)
+    local = [torch.randn(b, n, s, d, generator=g).requires_grad_() for _ in range(3)]
+    dy = torch.randn(b, n, s, d, generator=g)
+    systems = {"cp_cache": _cp_cache(local, dy, mesh, n, scale), "torch_ring": _torch_ring(local, dy, mesh, scale),
+               "kernels": _kernels(local, dy, rank, world_size, scale)}
+    samples = {name: {direction: [] for direction in DIRECTIONS} for name in systems}
+    # cp_session restores torch's load-balancing option on exit
+    with torch.autograd.set_multithreading_enabled(False), cp_session(mesh, policy="handle"):
+        _cp_options.enable_load_balance = True
+        for i in range(o["warmup"] + o["repeats"]):
+            for name, system in systems.items():
+                times = _timed(system, dist.barrier)
+                if i >= o["warmup"]:
+                    for direction, seconds in zip(DIRECTIONS, times):
+                        samples[name][direction].append(seconds)
+    return [_row(samples, direction, world_size, rank, o) for direction in DIRECTIONS]
+
+
+def _row(samples: dict, direction: str, world_size: int, rank: int, o: dict) -> dict:
+    us = {name: statistics.median(samples[name][direction]) * 1e6 for name in SYSTEMS}
+    over = {name: us[name] - us["kernels"] for name in ("cp_cache", "torch_ring")}
+    return dict(world_size=world_size, rank=rank, direction=direction, shape=o,
+                **{f"{name}_us": us[name] for name in SYSTEMS},
+                **{f"{name}_overhead_us": over[name] for name in over},
+                ratio=over["cp_cache"] / over["torch_ring"] if over["torch_ring"] > 0 else None)
+
+
+def print_overhead(report: dict) -> None:
+    rows = report["overhead"]
+    if not rows:
+        return
+    o = rows[0]["shape"]
+    print(f"\nhost overhead per attention call (rank 0, medians of {o['repeats']}; causal head-tail, B={o['batch']}, "
+          f"N={o['heads']}, {o['seq_per_rank']} tokens per rank, D={o['head_dim']}, fp32): time per call - the "
+          "kernels' alone, µs")
+    body = [[r["world_size"], r["direction"], f"{r['cp_cache_us']:.0f}", f"{r['torch_ring_us']:.0f}",
+             f"{r['kernels_us']:.0f}", f"{r['cp_cache_overhead_us']:.0f}", f"{r['torch_ring_overhead_us']:.0f}",
+             "-" if r["ratio"] is None else f"{r['ratio']:.2f}"] for r in rows]
+    print(table(["W", "direction", "cp_cache", "torch ring", "kernels alone", "cp_cache overhead",
+                 "torch ring overhead", "ratio"], body))
+
+
+def _draw(ax, rows: list[dict], directions=DIRECTIONS) -> None:
+    """Overhead of cp_cache and of torch's ring over W, per direction."""
+    for direction, style in zip(DIRECTIONS, ("-", "--")):
+        if direction not in directions:
+            continue
+        pts = sorted((r for r in rows if r["direction"] == direction), key=lambda r: r["world_size"])
+        ws = [r["world_size"] for r in pts]
+        for name, marker, color, label in (("cp_cache", "o", "C0", "cp_cache"),
+                                           ("torch_ring", "s", "C1", "torch's ring")):
+            ax.plot(ws, [r[f"{name}_overhead_us"] for r in pts], marker + style, color=color,
+                    label=f"{label}, {direction}")
+    ax.set_xticks(sorted({r["world_size"] for r in rows}))
+    ax.set_ylim(bottom=0)
+    ax.set_xlabel("W")
+    ax.set_ylabel("µs per call: time - kernels alone (median, rank 0)")
+    ax.legend(fontsize=8)
+
+
+def overhead_panel(ax, report: dict) -> None:
+    if report["overhead"]:
+        _draw(ax, report["overhead"])
+        ax.set_title("host overhead per call, cp_cache vs torch's ring (tiny shapes)")
+
+
+def plot_overhead(report: dict, path) -> bool:
+    plt = pyplot()
+    rows = report["overhead"]
+    if plt is None or not rows:
+        return False
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
+    for ax, direction in zip(axes, DIRECTIONS):
+        _draw(ax, rows, (direction,))
+        ax.set_title(direction)
+    o = rows[0]["shape"]
+    fig.suptitle(f"host overhead per attention call: causal head-tail, B={o['batch']}, N={o['heads']}, "
+                 f"{o['seq_per_rank']} tokens per rank, D={o['head_dim']}, fp32 (CPU, emulator kernel)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return True
+
+
+SECTION = Section(
+    name="overhead",
+    about="host overhead per attention call, forward and backward, at tiny shapes (causal head-tail, B=1, N=2, "
+          "8 tokens per rank, D=8, fp32), W > 1: cp_cache (the v3 op on DTensors), torch's own ring on the same "
+          "kernel and the kernel calls alone, measured in the same run; overhead = time - kernels alone, ratio = "
+          "cp_cache's / torch's ring's (also bench_overhead.png)",
+    quick=dict(overhead=dict(batch=1, heads=2, seq_per_rank=8, head_dim=8, repeats=30, warmup=5)),
+    full=dict(overhead=dict(batch=1, heads=2, seq_per_rank=8, head_dim=8, repeats=200, warmup=20)),
+    rank=overhead_rank, runs_at=several_ranks, all_ranks=False, summary=print_overhead,
+    plots=(("bench_overhead.png", plot_overhead),), panels=(overhead_panel,),
+)
