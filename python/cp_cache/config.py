@@ -29,7 +29,6 @@ __all__ = [
     "DOCUMENTS_ENV",
     "CPConfig",
     "resolve_config",
-    "load_balance_enabled",
     "document_placement",
     "documents_from_env",
 ]
@@ -122,17 +121,6 @@ def _from_env(name: str, default: str, choices: tuple, what: str) -> str:
     return value
 
 
-def load_balance_enabled() -> bool:
-    """torch's ``_cp_options.enable_load_balance``: whether ``context_parallel(buffers=...)``
-    shards head-tail (rank r holds chunks r and 2W-1-r of 2W) rather than contiguously."""
-    from torch.distributed.tensor.experimental._context_parallel._attention import _cp_options
-
-    return bool(_cp_options.enable_load_balance)
-
-
-def document_placement(configured: str, load_balance: bool | None = None) -> str:
-    """Where packed documents go: the ``configured`` placement under load balancing (``load_balance``,
-    None: torch's ``_cp_options.enable_load_balance``), contiguous without."""
-    if load_balance is None:
-        load_balance = load_balance_enabled()
+def document_placement(configured: str, load_balance: bool) -> str:
+    """Where packed documents go: the ``configured`` placement under load balancing, contiguous without."""
     return configured if load_balance else CONTIGUOUS

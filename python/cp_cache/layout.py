@@ -43,6 +43,7 @@ __all__ = [
     "to_bnsd",
     "from_bnsd",
     "narrow_seq",
+    "load_balance_enabled",
     "lse_shape",
     "check_value",
     "value_head_dim",
@@ -246,3 +247,12 @@ def output_shape(q: Tensor, k: Tensor, v: Tensor, layout: str, head_num: int) ->
     else:
         shape[-1] = v.size(-1)
     return tuple(shape)
+
+
+def load_balance_enabled() -> bool:
+    """torch's ``_cp_options.enable_load_balance`` (the one read of it): whether the sequence lies
+    head-tail over the CP ranks (rank r holds chunks r and 2W-1-r of 2W, as
+    ``context_parallel(buffers=...)`` shards it) rather than contiguously."""
+    from torch.distributed.tensor.experimental._context_parallel._attention import _cp_options
+
+    return bool(_cp_options.enable_load_balance)

@@ -17,6 +17,7 @@ from torch import Tensor
 
 from .config import document_placement, documents_from_env
 from .dispatch import active_config
+from .layout import load_balance_enabled
 from .documents import check_documents, cumulative_lengths, document_positions, local_lengths, placement_positions
 from .placement import check_placement
 
@@ -35,7 +36,8 @@ def _placement(placement: Optional[str], load_balance: Optional[bool]) -> str:
     if placement is not None:
         return check_placement(placement)
     config = active_config()
-    return document_placement(config.documents if config is not None else documents_from_env(), load_balance)
+    return document_placement(config.documents if config is not None else documents_from_env(),
+                              load_balance_enabled() if load_balance is None else load_balance)
 
 
 def document_layout(cu_seqlens: Any, world: int, *, placement: Optional[str] = None,

@@ -1,9 +1,9 @@
 """One CP attention call, decided once: the ``CallPlan``.
 
-The forward handler builds the plan from the op's bound arguments (``handlers/call.py``),
+The forward handler builds the plan from the op's bound arguments (``handlers/spec.py``),
 the custom op carries it (``encode()``, a graph constant when compiled), the step cache
-records it, and the backward handler builds its own from the grad op's arguments to check
-against the recorded one (``backward_mismatch``). Everything a strategy needs to know
+records it, and the backward runs the recorded one, after checking the plan its grad op's
+arguments give against it (``backward_mismatch``). Everything a strategy needs to know
 about the call is here: the layout, the mask on global positions, the CP topology (W,
 this rank's chunk, the Ulysses degree), the algorithm, the packed documents, the step
 kernel and the merge. The step-cache policy is not: it is the step cache's business
@@ -22,7 +22,7 @@ from dataclasses import dataclass, fields, replace
 from typing import Optional, Sequence
 
 from . import layout as L
-from .npu_ops import INT_MAX
+from .npu_ops import INT_MAX, describe
 from .placement import CONTIGUOUS, HEAD_TAIL
 
 __all__ = [
@@ -172,6 +172,12 @@ class CallPlan:
         shards Ulysses gathered (BNSD, contiguous)."""
         return replace(self, world_size=ring_size, rank=ring_rank, head_num=head_num, layout="BNSD",
                        load_balance=False, algorithm="ring", cp_sizes=(ring_size,))
+
+    def check_sink(self, sink) -> None:
+        """The op's ``sink`` argument (this rank's heads, or None) against what the plan says."""
+        if (sink is not None) != self.sink or (sink is not None and tuple(sink.shape) != (self.head_num,)):
+            raise ValueError(f"cp_cache: the plan says sink={self.sink} for {self.head_num} local heads, the op got "
+                             f"sink={describe(sink)}")
 
     # ------------------------------------------------------------ encoding
 

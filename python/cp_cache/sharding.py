@@ -16,8 +16,8 @@ import torch
 from torch import Tensor
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
-from .config import load_balance_enabled
 from .documents import sequence_order
+from .layout import load_balance_enabled
 
 __all__ = ["shard_sequence", "unshard_sequence"]
 

@@ -24,6 +24,7 @@ from typing import Optional
 
 from torch import Tensor
 
+from .. import layout as L
 from ..engine.agreement import open_agreement
 from ..engine.loop import BackwardResult, ForwardResult
 from ..engine.transport import group_info
@@ -41,7 +42,7 @@ HYBRID = Ulysses(inner=RING)
 
 def strategy_for(plan: CallPlan, sink: Optional[Tensor] = None):
     """The strategy that runs ``plan``; with ``sink`` (this rank's heads), wrapped in ``WithSink``."""
-    if plan.packed:
+    if plan.layout == L.TND:  # packed documents
         strategy = PACKED
     elif plan.algorithm == "ulysses":
         strategy = ULYSSES

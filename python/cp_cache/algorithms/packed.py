@@ -313,9 +313,9 @@ class PackedDocuments:
                 del res
             return step.part, rng
 
-        steps, traffic, compute_s, wait_s, _ = forward_ring(k, v, L.TND, size - 1, compute, _ready(plan, cu, agreement),
-                                                            group=group, rank=rank, size=size,
-                                                            direct=plan.exchange == "direct")
+        steps, traffic, compute_s, wait_s, _ = forward_ring(k, v, L.seq_dim(L.TND), size - 1, compute,
+                                                            _ready(plan, cu, agreement), group=group, rank=rank,
+                                                            size=size, direct=plan.exchange == "direct")
         log.debug("packed documents forward rank %d/%d: parts %s, %s", rank, size, [s.part for s in steps], traffic)
         return ForwardResult(out=acc_out.to(q.dtype), lse=acc_lse, steps=steps, compute_seconds=compute_s,
                              wait_seconds=wait_s, **traffic.fields())
@@ -343,7 +343,7 @@ class PackedDocuments:
             _add_rows(dq, qi, grads[0])
             return [(ops.kv_index, grads[1], grads[2])]
 
-        dk, dv, traffic, compute_s, wait_s, _ = backward_ring(k, v, L.TND, size - 1, compute, _add_rows,
+        dk, dv, traffic, compute_s, wait_s, _ = backward_ring(k, v, L.seq_dim(L.TND), size - 1, compute, _add_rows,
                                                               _ready(plan, cu, agreement), group=group, rank=rank,
                                                               size=size, direct=plan.exchange == "direct")
         return BackwardResult(dq=dq.to(q.dtype), dk=dk.to(k.dtype), dv=dv.to(v.dtype), compute_seconds=compute_s,

@@ -27,7 +27,9 @@ and the merge are the engine's (``engine/``); this module says what each step co
 
 from __future__ import annotations
 
+import functools
 import logging
+from dataclasses import dataclass
 from typing import Optional, Sequence
 
 import torch
@@ -69,10 +71,29 @@ def _check_mask_rows(plan: CallPlan, q_len: int, kv_len: int, mask_rows: Optiona
         )
 
 
-def _check_inputs(plan: CallPlan, q: Tensor, k: Tensor, v: Tensor, mask_rows: Optional[Tensor]) -> L.Dims:
+@dataclass(frozen=True)
+class _Shapes:
+    """What a ring call's checked shapes give: the query's dims, the sequence dim, the output's
+    shape (the query's with V's head size)."""
+
+    dims: L.Dims
+    seq_dim: int
+    kv_len: int
+    out: tuple
+
+
+@functools.lru_cache(maxsize=256)  # a layer's calls repeat their shapes
+def _shapes(plan: CallPlan, q_shape: tuple, k_shape: tuple, v_shape: tuple) -> _Shapes:
+    q, k, v = (torch.empty(shape, device="meta") for shape in (q_shape, k_shape, v_shape))
     qd, _ = check_qkv(plan, q, k, v)
-    _check_mask_rows(plan, qd.seq, k.size(L.seq_dim(plan.layout)), mask_rows)
-    return qd
+    seq_dim = L.seq_dim(plan.layout)
+    return _Shapes(qd, seq_dim, k_shape[seq_dim], tuple(L.output_shape(q, k, v, plan.layout, plan.head_num)))
+
+
+def _check_inputs(plan: CallPlan, q: Tensor, k: Tensor, v: Tensor, mask_rows: Optional[Tensor]) -> _Shapes:
+    shapes = _shapes(plan, tuple(q.shape), tuple(k.shape), tuple(v.shape))
+    _check_mask_rows(plan, shapes.dims.seq, shapes.kv_len, mask_rows)
+    return shapes
 
 
 def _plan_step(plan: CallPlan, index: int, q_len: int, kv_len: int, mask_rows: Optional[Tensor]):
@@ -102,20 +123,20 @@ def _recorded_tasks(step: RingStep, plan: CallPlan, q_len: int, kv_len: int, mas
 class Ring:
     """Ring attention over the innermost of the given process groups, on any step kernel."""
 
-    def check_forward(self, plan: CallPlan, q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor] = None) -> L.Dims:
+    def check_forward(self, plan: CallPlan, q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor] = None) -> _Shapes:
         """This rank's inputs of a forward (ValueError/NotImplementedError naming them)."""
         return _check_inputs(plan, q, k, v, mask)
 
     def check_backward(self, plan: CallPlan, dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
-                       steps: list[RingStep], mask: Optional[Tensor] = None) -> L.Dims:
+                       steps: list[RingStep], mask: Optional[Tensor] = None) -> _Shapes:
         """This rank's inputs of a backward, and the forward's step records against them."""
-        qd = _check_inputs(plan, q, k, v, mask)
-        check_steps(steps, plan.rank, plan.world_size, _last_step(plan, k.size(L.seq_dim(plan.layout))) + 1)
+        shapes = _check_inputs(plan, q, k, v, mask)
+        check_steps(steps, plan.rank, plan.world_size, _last_step(plan, shapes.kv_len) + 1)
         check_backward_operands(plan, dout, q, k, v, out, lse)
-        return qd
+        return shapes
 
     def forward(self, plan: CallPlan, q: Tensor, k: Tensor, v: Tensor, *, groups: Sequence = (),
-                kernel: StepKernel, mask: Optional[Tensor] = None, checked: L.Dims, agreement) -> ForwardResult:
+                kernel: StepKernel, mask: Optional[Tensor] = None, checked: _Shapes, agreement) -> ForwardResult:
         """Ring attention of the local queries against every rank's K/V block.
 
         ``mask``: with a given mask (``plan.mask.given``), its rows of the local queries over
@@ -125,8 +146,8 @@ class Ring:
         per-step records (for backward) and the bytes sent.
         """
         size, rank, group = group_info(plan.world_size, plan.rank, own_group(groups))
-        lay, seq_dim, qd = plan.layout, L.seq_dim(plan.layout), checked
-        acc_out = torch.zeros(L.output_shape(q, k, v, lay, plan.head_num), dtype=torch.float32, device=q.device)
+        lay, seq_dim, qd = plan.layout, checked.seq_dim, checked.dims
+        acc_out = torch.zeros(checked.out, dtype=torch.float32, device=q.device)
         acc_lse = torch.full((qd.batch, plan.head_num, qd.seq), float("-inf"), dtype=torch.float32, device=q.device)
         kernel_args = _kernel_args(plan)
 
@@ -143,7 +164,7 @@ class Ring:
             return part, rng
 
         steps, traffic, compute_s, wait_s, lengths = forward_ring(
-            k, v, lay, _last_step(plan, k.size(seq_dim)), compute, _ready(plan, agreement, group, mask), group=group,
+            k, v, seq_dim, _last_step(plan, checked.kv_len), compute, _ready(plan, agreement, group, mask), group=group,
             rank=rank, size=size, direct=plan.exchange == "direct")
         log.debug("ring forward rank %d/%d: parts %s, %s", rank, size, [s.part for s in steps], traffic)
         return ForwardResult(out=acc_out.to(q.dtype), lse=acc_lse, steps=steps, compute_seconds=compute_s,
@@ -151,12 +172,12 @@ class Ring:
 
     def backward(self, plan: CallPlan, dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
                  steps: list[RingStep], *, groups: Sequence = (), kernel: StepKernel,
-                 mask: Optional[Tensor] = None, checked: L.Dims, agreement) -> BackwardResult:
+                 mask: Optional[Tensor] = None, checked: _Shapes, agreement) -> BackwardResult:
         """Gradients of the local q and of this rank's own K/V block; ``out``/``lse`` are the
         forward's merged results, ``steps`` its records (parts and seeds reused as recorded);
         ``checked``, ``agreement`` as in ``forward`` (from ``check_backward``)."""
         size, rank, group = group_info(plan.world_size, plan.rank, own_group(groups))
-        lay, seq_dim, qd, lse = plan.layout, L.seq_dim(plan.layout), checked, lse.float()
+        lay, seq_dim, qd, lse = plan.layout, checked.seq_dim, checked.dims, lse.float()
         dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
         kernel_args = _kernel_args(plan)
 
@@ -178,7 +199,7 @@ class Ring:
             acc.narrow(seq_dim, *kv_rows).add_(grad)
 
         dk, dv, traffic, compute_s, wait_s, lengths = backward_ring(
-            k, v, lay, _last_step(plan, k.size(seq_dim)), compute, add_rows, _ready(plan, agreement, group, mask),
+            k, v, seq_dim, _last_step(plan, checked.kv_len), compute, add_rows, _ready(plan, agreement, group, mask),
             group=group, rank=rank, size=size, direct=plan.exchange == "direct")
         log.debug("ring backward rank %d/%d: %s", rank, size, traffic)
         return BackwardResult(dq=dq.to(q.dtype), dk=dk.to(k.dtype), dv=dv.to(v.dtype), compute_seconds=compute_s,

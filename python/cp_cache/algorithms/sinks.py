@@ -27,6 +27,12 @@ class WithSink:
     def fake(self, plan: CallPlan, q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
         return self.inner.fake(plan, q, k, v)
 
+    def check_forward(self, *inputs):
+        return self.inner.check_forward(*inputs)
+
+    def check_backward(self, *inputs):
+        return self.inner.check_backward(*inputs)
+
     def forward(self, plan: CallPlan, q: Tensor, k: Tensor, v: Tensor, **where) -> ForwardResult:
         result = self.inner.forward(plan, q, k, v, **where)
         out, lse = merge_sink(result.out, result.lse, self.sink, plan.layout, plan.head_num)

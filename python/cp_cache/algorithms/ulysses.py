@@ -230,11 +230,11 @@ class Ulysses:
         LSE [B, Nq, s], the records of the attention calls (one step for Ulysses, the ring's
         steps for hybrid) and the bytes sent. ``mask``: with a given mask, the mask over the
         whole sequence in global order, [S, S], [1, 1, S, S] or [B, 1, S, S] (True = masked
-        out)."""
+        out). ``checked``: the head split ``check_forward`` returned; ``agreement``: the ranks'
+        (on every CP group), waited for before the first all-to-all."""
         where = _groups(plan, groups)
-        u = plan.ulysses_size
-        heads, _ = agreed_checks("forward", lambda: _check(q, k, v, plan, mask), plan, q, k, v, size=u,
-                                 group=own_group(groups), kernel=kernel, mask_rows=mask)
+        u, heads = plan.ulysses_size, checked
+        agreement.lengths()
         if heads.kv_repeats > 1:
             log.info("cp_cache Ulysses: %d K/V heads over %d ranks: each K/V head repeated %d times",
                      heads.nkv, u, heads.kv_repeats)

@@ -10,8 +10,7 @@ from __future__ import annotations
 import torch
 
 from .. import layout as L
-from ..arguments import bind_arguments
-from ..npu_ops import FORWARD_V1, FORWARD_V3, GRAD_V1, GRAD_V3
+from ..npu_ops import FORWARD_V1, FORWARD_V3, GRAD_V1, GRAD_V3, bind_arguments
 from . import attention_math as M
 from . import ring_update
 from . import varlen_math as V

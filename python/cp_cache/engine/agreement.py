@@ -15,7 +15,7 @@ first all-to-all. If the signatures differ, every rank raises the same ``Runtime
 each differing field and each rank's value, before any payload moved; a rank whose own check
 failed chains its local error as the cause, and the refusing ranks' messages are gathered (a
 second, rare collective) so that every rank names them. A refusal in the DTensor handler,
-before the op, joins the same agreement (``refusal_shared``).
+before the op, joins the same agreement (``share_refusal``).
 
 Uneven shards: where the ring supports local lengths that differ between ranks (full
 or causal attention without load balancing; packed documents, whose placement gives each
@@ -38,7 +38,6 @@ configuration is the signature's construction. The cost (one all_gather of W x
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import struct
 import threading
@@ -54,8 +53,8 @@ from ..placement import PLACEMENTS
 from ..plan import ALGORITHMS, CallPlan
 from .transport import side_group
 
-__all__ = ["SIGNATURE_LEN", "FIELDS", "signature", "refusal_signature", "refusal_shared", "agree", "counters",
-           "reset_counters", "describe", "lengths", "Agreement", "open_agreement", "start_agreement",
+__all__ = ["SIGNATURE_LEN", "FIELDS", "signature", "refusal_signature", "agree", "counters",
+           "reset_counters", "describe", "lengths", "Agreement", "open_agreement", "start_agreement", "share_refusal",
            "CHECK_ERRORS"]
 
 _SHAPE_DIMS = 4  # q/k/v shapes padded with -1 to this many dims (the layouts have 3 or 4)
@@ -214,12 +213,20 @@ def reset_counters() -> None:
         _built.clear()
 
 
-def signature(*, direction: str, plan: CallPlan, q: Tensor, k: Tensor, v: Tensor, kv_heads: int,
+def signature(*, direction: str, plan: CallPlan, q: Tensor, k: Tensor, v: Tensor, kv_heads: Optional[int] = None,
               kernel: str = "", mask_rows: Optional[Tensor] = None, steps: int = -1,
               error: Optional[BaseException] = None) -> Tensor:
-    """The int64 [SIGNATURE_LEN] signature of one call on this rank. Where the plan allows
-    uneven shards (``plan.uneven_allowed``) the sequence dimension is left out of the compared
-    shapes."""
+    """The int64 [SIGNATURE_LEN] signature of one call on this rank (``kv_heads``: the K/V head
+    count, None: read from the shapes), built once per distinct call (its plan, shapes, dtypes,
+    mask rows, steps, check outcome). Where the plan allows uneven shards (``plan.uneven_allowed``)
+    the sequence dimension is left out of the compared shapes."""
+    call = (direction, kernel, plan, tuple(q.shape), tuple(k.shape), tuple(v.shape), q.dtype, k.dtype, v.dtype,
+            kv_heads, None if mask_rows is None else tuple(mask_rows.shape), steps, _check_code(error))
+    with _lock:
+        sig = _built.get(call)
+        if sig is not None:
+            return sig
+    kv_heads = _kv_heads(q, k, plan) if kv_heads is None else kv_heads
     mask = sum(bit for name, bit in _MASK_BITS if getattr(plan.mask, name))
     seq_dim = L.seq_dim(plan.layout) if plan.uneven_allowed else None
     key = (direction, kernel, plan.algorithm, plan.layout, tuple(q.shape), tuple(k.shape), tuple(v.shape),
@@ -227,10 +234,6 @@ def signature(*, direction: str, plan: CallPlan, q: Tensor, k: Tensor, v: Tensor
            int(plan.mask.next_tockens), bool(plan.load_balance), _float_bits(plan.scale),
            _float_bits(plan.keep_prob), None if mask_rows is None else tuple(mask_rows.shape), int(steps),
            _check_code(error), seq_dim, plan.documents, plan.document_placement if plan.packed else "")
-    with _lock:
-        sig = _built.get(key)
-        if sig is not None:
-            return sig
     values = [1, _code(_DIRECTIONS, key[0]), _code(_KERNELS, key[1]), _code(ALGORITHMS, key[2]),
               _code(L.ALL_LAYOUTS, key[3]),
               *_pad(key[4], seq_dim), *_pad(key[5], seq_dim), *_pad(key[6], seq_dim),
@@ -242,7 +245,7 @@ def signature(*, direction: str, plan: CallPlan, q: Tensor, k: Tensor, v: Tensor
     with _lock:
         if len(_built) >= _BUILT_MAX:
             _built.clear()
-        _built[key] = sig
+        _built[call] = sig
         _counters["signatures_built"] += 1
     return sig
 
@@ -270,12 +273,12 @@ class Agreement:
     any payload moves."""
 
     def __init__(self, sig: Tensor, groups: Sequence, error: Optional[BaseException] = None,
-                 alone: Optional[list[tuple[int, int]]] = None):
+                 alone: Callable[[], list[tuple[int, int]]] = list):
         self._error = error
         self._pending = [(side, side.all_gather_async(sig)) for side in (side_group(g) for g in groups)
                          if side.size > 1]
         # with no other rank: this rank's own lengths, nothing to wait for
-        self._lengths = None if self._pending or error is not None else alone
+        self._lengths = None if self._pending or error is not None else alone()
 
     @classmethod
     def reached(cls, lengths: list[tuple[int, int]]) -> "Agreement":
@@ -299,25 +302,17 @@ class Agreement:
         return self._lengths
 
 
-def refusal_shared(direction: str, groups: Callable[[], Sequence]):
-    """Checks made before a call's agreement: a refusal on this rank joins the agreement on the
-    groups ``groups()`` names (none: no agreement, when it returns an empty list) before it is
-    raised, so the other ranks, already in that agreement, raise too instead of waiting for a
-    call this rank will not make."""
-    return _RefusalShared(direction, groups)
-
-
-class _RefusalShared(contextlib.AbstractContextManager):
-    def __init__(self, direction: str, groups: Callable[[], Sequence]):
-        self._direction, self._groups = direction, groups
-
-    def __exit__(self, kind, error, traceback):
-        if error is None or not isinstance(error, CHECK_ERRORS):
-            return False
-        groups = self._groups()
-        if groups:
-            Agreement(refusal_signature(self._direction, error), groups, error).lengths()
-        return False
+def share_refusal(direction: str, groups: Sequence, error: BaseException) -> None:
+    """A check that failed before the call's agreement (in the DTensor handler) joins the agreement
+    on ``groups`` (none: nothing to join) as this rank's refusal, so the other ranks, already in
+    that agreement, raise too instead of waiting for a call this rank will not make. Raises the
+    ranks' error where it names more than this rank's; the caller raises its own otherwise."""
+    if groups:
+        try:
+            Agreement(refusal_signature(direction, error), groups, error).lengths()
+        except BaseException as agreed:
+            if agreed is not error:
+                raise
 
 
 def _length(t: Tensor, layout: str) -> int:
@@ -411,6 +406,11 @@ def _kv_heads(q: Tensor, k: Tensor, plan: CallPlan) -> int:
         return -1
 
 
+def _local_lengths(q: Tensor, k: Tensor, plan: CallPlan) -> tuple[int, int]:
+    seq_dim = L.seq_dim(plan.layout)
+    return q.size(seq_dim), k.size(seq_dim)
+
+
 def start_agreement(direction: str, plan: Optional[CallPlan], q: Tensor, k: Tensor, v: Tensor, *, groups: Sequence,
                     kernel: str = "", mask_rows: Optional[Tensor] = None, steps: int = -1,
                     error: Optional[BaseException] = None) -> Agreement:
@@ -421,10 +421,9 @@ def start_agreement(direction: str, plan: Optional[CallPlan], q: Tensor, k: Tens
     if plan is None:
         sig = refusal_signature(direction, error)
     else:
-        sig = signature(direction=direction, plan=plan, q=q, k=k, v=v, kv_heads=_kv_heads(q, k, plan), kernel=kernel,
-                        mask_rows=mask_rows, steps=steps, error=error)
-    seq_dim = L.seq_dim(plan.layout) if plan is not None else 0
-    agreement = Agreement(sig, groups, error, alone=[(q.size(seq_dim), k.size(seq_dim))])
+        sig = signature(direction=direction, plan=plan, q=q, k=k, v=v, kernel=kernel, mask_rows=mask_rows,
+                        steps=steps, error=error)
+    agreement = Agreement(sig, groups, error, alone=lambda: [_local_lengths(q, k, plan)])
     if error is not None:
         agreement.lengths()  # raises: the ranks' error, or this rank's own
     return agreement

@@ -18,6 +18,7 @@ Two ways for the blocks to get there:
 
 from __future__ import annotations
 
+import functools
 import time
 from dataclasses import dataclass
 from typing import Optional
@@ -104,30 +105,30 @@ class Traffic:
                     bytes_received_lower_bound=self.received_bound)
 
 
-def _row_bytes(k: Tensor, v: Tensor, layout: str, itemsize: Optional[int] = None) -> int:
+def _row_bytes(k: Tensor, v: Tensor, seq_dim: int, itemsize: Optional[int] = None) -> int:
     """Bytes of one sequence row of K plus one of V (at ``itemsize``: their own by default)."""
-    length = k.size(L.seq_dim(layout))
+    length = k.size(seq_dim)
     if length == 0:
         return 0
     size = lambda t: t.numel() // length * (itemsize or t.element_size())  # noqa: E731
     return size(k) + size(v)
 
 
-def _bounds(traffic: Traffic, exchange: ExchangePlan, k: Tensor, v: Tensor, layout: str, backward: bool) -> Traffic:
-    kv = _row_bytes(k, v, layout)
+def _bounds(traffic: Traffic, exchange: ExchangePlan, k: Tensor, v: Tensor, seq_dim: int, backward: bool) -> Traffic:
+    kv = _row_bytes(k, v, seq_dim)
     traffic.sent_bound = exchange.rows_sent * kv
     traffic.received_bound = exchange.rows_received * kv
     if backward:  # the partials of the rows received go back in float32
-        grad = _row_bytes(k, v, layout, 4)
+        grad = _row_bytes(k, v, seq_dim, 4)
         traffic.sent_bound += exchange.rows_received * grad
         traffic.received_bound += exchange.rows_sent * grad
     return traffic
 
 
-def with_length(t: Tensor, layout: str, length: int) -> torch.Size:
-    """``t``'s shape with sequence length ``length``."""
+def with_length(t: Tensor, seq_dim: int, length: int) -> torch.Size:
+    """``t``'s shape with ``length`` on its sequence dim ``seq_dim``."""
     shape = list(t.shape)
-    shape[L.seq_dim(layout)] = length
+    shape[seq_dim] = length
     return torch.Size(shape)
 
 
@@ -136,15 +137,15 @@ class _KVTravel:
     at step i the current block is rank ``(rank - i) % W``'s; the next one is in flight while
     step i computes."""
 
-    def __init__(self, k: Tensor, v: Tensor, lengths: list, layout: str, *, group, rank: int, size: int):
+    def __init__(self, k: Tensor, v: Tensor, lengths: list, seq_dim: int, *, group, rank: int, size: int):
         self._kv = Rotation([k.contiguous(), v.contiguous()], group, rank, size, TAG_KV)
-        self._like, self._lengths, self._layout = (k, v), lengths, layout
+        self._like, self._lengths, self._dim = (k, v), lengths, seq_dim
         self._rank, self._size = rank, size
         self.received = 0
 
     def block_shapes(self, source: int) -> list[torch.Size]:
         """The shapes of rank ``source``'s K/V block."""
-        return [with_length(t, self._layout, self._lengths[source][1]) for t in self._like]
+        return [with_length(t, self._dim, self._lengths[source][1]) for t in self._like]
 
     @property
     def current(self) -> list[Tensor]:
@@ -179,14 +180,14 @@ class _KVDirect:
     this rank is masked there): zeros, or what the buffer held before. Two block buffers
     serve every stage, as in the ring."""
 
-    def __init__(self, k: Tensor, v: Tensor, lengths: list, layout: str, exchange: ExchangePlan, *, group,
+    def __init__(self, k: Tensor, v: Tensor, lengths: list, seq_dim: int, exchange: ExchangePlan, *, group,
                  rank: int, size: int):
         if size > 1:
             join_once(group, k.device)
         self._own = [k.contiguous(), v.contiguous()]
         self.current = self._own
         self._plan = exchange.on(k.device)
-        self._lengths, self._layout, self._dim = lengths, layout, L.seq_dim(layout)
+        self._lengths, self._dim = lengths, seq_dim
         self._group, self._rank, self._size = group, rank, size
         self._transfer: Optional[Transfer] = None
         self._stage = 0
@@ -195,7 +196,7 @@ class _KVDirect:
         self.received = 0
 
     def block_shapes(self, source: int) -> list[torch.Size]:
-        return [with_length(t, self._layout, self._lengths[source][1]) for t in self._own]
+        return [with_length(t, self._dim, self._lengths[source][1]) for t in self._own]
 
     def _buffers(self, shapes: list[torch.Size]) -> list[Tensor]:
         spare, self._spare = self._spare, None
@@ -216,7 +217,7 @@ class _KVDirect:
         elif recv.index is None:  # the whole block: straight into a block buffer
             receiving = self._buffers(self.block_shapes((self._rank - stage) % self._size))
         else:
-            receiving = [torch.empty(with_length(t, self._layout, recv.count), dtype=t.dtype, device=t.device)
+            receiving = [torch.empty(with_length(t, self._dim, recv.count), dtype=t.dtype, device=t.device)
                          for t in self._own]
         self._transfer = Transfer(sending, (self._rank + stage) % self._size, receiving,
                                   (self._rank - stage) % self._size, self._group, TAG_KV)
@@ -255,10 +256,10 @@ class _KVDirect:
             transfer.drain()
 
 
-def _kv_blocks(k: Tensor, v: Tensor, lengths: list, layout: str, exchange: Optional[ExchangePlan], **where):
+def _kv_blocks(k: Tensor, v: Tensor, lengths: list, seq_dim: int, exchange: Optional[ExchangePlan], **where):
     if exchange is None:
-        return _KVTravel(k, v, lengths, layout, **where)
-    return _KVDirect(k, v, lengths, layout, exchange, **where)
+        return _KVTravel(k, v, lengths, seq_dim, **where)
+    return _KVDirect(k, v, lengths, seq_dim, exchange, **where)
 
 
 def _agreed_first(compute, ready, k: Tensor, v: Tensor):
@@ -272,7 +273,7 @@ def _agreed_first(compute, ready, k: Tensor, v: Tensor):
         raise
 
 
-def forward_ring(k: Tensor, v: Tensor, layout: str, last: int, compute, ready, *, group, rank: int, size: int,
+def forward_ring(k: Tensor, v: Tensor, seq_dim: int, last: int, compute, ready, *, group, rank: int, size: int,
                  direct: bool = True) -> tuple[list[RingStep], Traffic, float, float, list]:
     """Steps 0..``last`` of a forward ring. ``compute(i, cur_k, cur_v) -> (part, rng)`` computes
     step i on the block it holds. Step 0 is this rank's own block; then ``ready() -> (every
@@ -297,7 +298,7 @@ def forward_ring(k: Tensor, v: Tensor, layout: str, last: int, compute, ready, *
             del cur_k, cur_v
             if kv is None:
                 lengths, exchange = ready()
-                kv = _kv_blocks(k, v, lengths, layout, exchange if direct else None, group=group, rank=rank,
+                kv = _kv_blocks(k, v, lengths, seq_dim, exchange if direct else None, group=group, rank=rank,
                                 size=size)
                 traffic.sent += kv.post_next(0, last)
             wait_s += kv.advance()
@@ -307,7 +308,7 @@ def forward_ring(k: Tensor, v: Tensor, layout: str, last: int, compute, ready, *
         raise
     traffic.received = kv.received
     if exchange is not None:
-        _bounds(traffic, exchange, k, v, layout, backward=False)
+        _bounds(traffic, exchange, k, v, seq_dim, backward=False)
     return steps, traffic, compute_s, wait_s, lengths
 
 
@@ -363,9 +364,9 @@ class _GradReturns:
     partials rank r+i computed for the rows it received of this rank's block come in and are
     added (waited for after the next step)."""
 
-    def __init__(self, k: Tensor, v: Tensor, layout: str, exchange: ExchangePlan, group, rank: int, size: int):
+    def __init__(self, k: Tensor, v: Tensor, seq_dim: int, exchange: ExchangePlan, group, rank: int, size: int):
         self._own = tuple(torch.zeros(t.shape, dtype=torch.float32, device=t.device) for t in (k, v))
-        self._plan, self._layout, self._dim = exchange.on(k.device), layout, L.seq_dim(layout)
+        self._plan, self._dim = exchange.on(k.device), seq_dim
         self._group, self._rank, self._size = group, rank, size
         self._pending: Optional[tuple[Transfer, int]] = None
         self._partials: list[Optional[tuple[Tensor, Tensor]]] = [None, None]
@@ -393,7 +394,7 @@ class _GradReturns:
         back, coming = self._plan.recv[i], self._plan.send[i]
         sending = [t if back.index is None else t.index_select(self._dim, back.index)
                    for t in held] if back.count else []
-        receiving = [torch.empty(with_length(t, self._layout, coming.count), dtype=torch.float32, device=t.device)
+        receiving = [torch.empty(with_length(t, self._dim, coming.count), dtype=torch.float32, device=t.device)
                      for t in self._own] if coming.count else []
         transfer = Transfer(sending, (self._rank - i) % self._size, receiving, (self._rank + i) % self._size,
                             self._group, TAG_DKV)
@@ -427,7 +428,7 @@ class _GradReturns:
         return self._own
 
 
-def backward_ring(k: Tensor, v: Tensor, layout: str, last: int, compute, add_rows, ready, *, group, rank: int,
+def backward_ring(k: Tensor, v: Tensor, seq_dim: int, last: int, compute, add_rows, ready, *, group, rank: int,
                   size: int, direct: bool = True) -> tuple[Tensor, Tensor, Traffic, float, float, list]:
     """Steps 0..``last`` of a backward ring: step 0 and ``ready()`` as in ``forward_ring``, the
     K/V rows arriving as there; ``compute(i, cur_k, cur_v) -> [(where, dk, dv)]`` computes step
@@ -450,8 +451,8 @@ def backward_ring(k: Tensor, v: Tensor, layout: str, last: int, compute, add_row
             computed = time.perf_counter()
             if kv is None:
                 lengths, exchange = ready()
-                kv = _kv_blocks(k, v, lengths, layout, exchange if direct else None, **where)
-                accumulators = (_GradReturns(k, v, layout, exchange, **where) if direct and exchange is not None
+                kv = _kv_blocks(k, v, lengths, seq_dim, exchange if direct else None, **where)
+                accumulators = (_GradReturns(k, v, seq_dim, exchange, **where) if direct and exchange is not None
                                 else _GradAccumulators(kv, **where))
                 traffic.sent += kv.post_next(0, last)
             ready_at = time.perf_counter()
@@ -478,7 +479,7 @@ def backward_ring(k: Tensor, v: Tensor, layout: str, last: int, compute, add_row
     traffic.sent += accumulators.bytes_sent
     traffic.received = kv.received + accumulators.received
     if exchange is not None:
-        _bounds(traffic, exchange, k, v, layout, backward=True)
+        _bounds(traffic, exchange, k, v, seq_dim, backward=True)
     return dk, dv, traffic, compute_s, wait_s, lengths
 
 
@@ -517,7 +518,14 @@ def empty_outputs(plan, q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor
 
 def check_qkv(plan: CallPlan, q: Tensor, k: Tensor, v: Tensor) -> tuple[L.Dims, int]:
     """(the query's dims, the K/V head count) of dense-layout q/k/v, after checking them
-    against the plan; ValueError (NotImplementedError for TND) naming what is wrong."""
+    against the plan; ValueError (NotImplementedError for TND) naming what is wrong. Checked
+    once per (plan, shapes): a layer's calls repeat theirs."""
+    return _checked_shapes(plan, tuple(q.shape), tuple(k.shape), tuple(v.shape))
+
+
+@functools.lru_cache(maxsize=256)
+def _checked_shapes(plan: CallPlan, q_shape: tuple, k_shape: tuple, v_shape: tuple) -> tuple[L.Dims, int]:
+    q, k, v = (torch.empty(shape, device="meta") for shape in (q_shape, k_shape, v_shape))
     lay = L.check_layout(plan.layout)
     qd = L.dims(q, lay, plan.head_num)
     nkv = L.heads_of(k, lay, qd.head_dim)
@@ -553,12 +561,18 @@ def check_backward_operands(plan: CallPlan, dout: Tensor, q: Tensor, k: Tensor, 
                             lse: Tensor) -> None:
     """The backward's incoming gradient, forward output and LSE against q/k/v: dout and out have the
     output's shape (the query's with V's head size)."""
-    expected_out = L.output_shape(q, k, v, plan.layout, plan.head_num)
+    expected_out, expected = _expected_shapes(plan, tuple(q.shape), tuple(k.shape), tuple(v.shape))
     if tuple(dout.shape) != expected_out or tuple(out.shape) != expected_out:
         raise ValueError(
             f"dout {tuple(dout.shape)} and out {tuple(out.shape)} must have the output's shape {expected_out} "
             f"(the query's {tuple(q.shape)} with the value's head size)"
         )
-    expected = L.lse_shape(q, plan.layout, plan.head_num)
     if tuple(lse.shape) != expected:
         raise ValueError(f"lse has shape {tuple(lse.shape)}, expected {expected}")
+
+
+@functools.lru_cache(maxsize=256)
+def _expected_shapes(plan: CallPlan, q_shape: tuple, k_shape: tuple, v_shape: tuple) -> tuple[tuple, tuple]:
+    """(the output's shape, the LSE's) of a call of ``plan`` on q/k/v of these shapes."""
+    q, k, v = (torch.empty(shape, device="meta") for shape in (q_shape, k_shape, v_shape))
+    return tuple(L.output_shape(q, k, v, plan.layout, plan.head_num)), tuple(L.lse_shape(q, plan.layout, plan.head_num))

@@ -152,7 +152,22 @@ def given_columns(mask_rows: Tensor, spec: MaskSpec, q_pos: Tensor, total: int) 
 def plan_step(rank: int, index: int, world_size: int, load_balance: bool, spec: MaskSpec,
               q_len: int, kv_len: int, mask_rows: Optional[Tensor] = None) -> tuple[str, list[BlockTask]]:
     """(part, tasks) of step ``index`` on ``rank``; ``mask_rows``: the given mask's rows of
-    this rank's queries, in local order, with the columns of the whole sequence."""
+    this rank's queries, in local order, with the columns of the whole sequence. Positional
+    masks are planned once per step (the same every call of a layer); given masks every call."""
+    if not spec.given:
+        return _positional_step(rank, index, world_size, load_balance, spec, q_len, kv_len)
+    return _planned_step(rank, index, world_size, load_balance, spec, q_len, kv_len, mask_rows)
+
+
+@functools.lru_cache(maxsize=1024)
+def _positional_step(rank: int, index: int, world_size: int, load_balance: bool, spec: MaskSpec, q_len: int,
+                     kv_len: int) -> tuple[str, tuple[BlockTask, ...]]:
+    part, tasks = _planned_step(rank, index, world_size, load_balance, spec, q_len, kv_len, None)
+    return part, tuple(tasks)
+
+
+def _planned_step(rank: int, index: int, world_size: int, load_balance: bool, spec: MaskSpec, q_len: int,
+                  kv_len: int, mask_rows: Optional[Tensor]) -> tuple[str, list[BlockTask]]:
     if not spec.window and not spec.given:
         part = step_part(rank, index, world_size, spec.causal, load_balance)
         return part, _causal_tasks(part, q_len, kv_len)

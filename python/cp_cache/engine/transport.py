@@ -54,27 +54,18 @@ def group_info(world_size: int, rank: int, group) -> tuple[int, int, object]:
 
 class Exchange:
     """One ring shift of a list of tensors: send to the rank ``shift`` ahead, receive from the
-    rank ``shift`` behind."""
+    rank ``shift`` behind (``Transfer``: one message each way)."""
 
     def __init__(self, tensors: list[Tensor], group, rank: int, size: int, tag: int, shift: int = 1,
                  recv: Optional[list[Tensor]] = None, recv_shapes: Optional[list[torch.Size]] = None):
-        nxt = dist.get_global_rank(group, (rank + shift) % size)
-        prv = dist.get_global_rank(group, (rank - shift) % size)
         if recv is None:
             shapes = recv_shapes or [t.shape for t in tensors]
             recv = [torch.empty(shape, dtype=t.dtype, device=t.device) for t, shape in zip(tensors, shapes)]
-        self.recv = recv
-        ops = [dist.P2POp(dist.isend, t, nxt, group, tag + j) for j, t in enumerate(tensors)]
-        ops += [dist.P2POp(dist.irecv, r, prv, group, tag + j) for j, r in enumerate(self.recv)]
-        self.nbytes = sum(t.nbytes for t in tensors)
-        self._works = dist.batch_isend_irecv(ops)
+        self._transfer = Transfer(tensors, (rank + shift) % size, recv, (rank - shift) % size, group, tag)
+        self.nbytes = self._transfer.nbytes
 
     def wait(self) -> list[Tensor]:
-        for w in self._works:
-            w.wait()
-        self._works = None  # drop every reference to the sent and received buffers
-        recv, self.recv = self.recv, None
-        return recv
+        return self._transfer.wait()
 
 
 _JOINED: set = set()  # names of the CP groups whose every rank took part in one collective here
@@ -98,24 +89,33 @@ def join_once(group, device: torch.device) -> None:
 
 
 class Transfer:
-    """One point-to-point stage of the direct exchange: ``send`` to group rank ``to`` and receive
-    into ``recv`` from group rank ``source`` (either list may be empty: no operation for it; the
-    j-th tensor of each side uses tag ``tag + j``)."""
+    """One point-to-point stage: ``send`` to group rank ``to`` and receive into ``recv`` from group
+    rank ``source`` (either list may be empty: no operation for it). Tensors of one dtype travel
+    as one message each way (packed into one buffer, unpacked into ``recv`` on ``wait``): every
+    message costs the backend a round of its own, whatever its size."""
 
     def __init__(self, send: list[Tensor], to: int, recv: list[Tensor], source: int, group, tag: int):
-        ops = [dist.P2POp(dist.isend, t, dist.get_global_rank(group, to), group, tag + j) for j, t in enumerate(send)]
+        packed_send, self._packed_recv = _packed(send), _packed_buffer(recv)
+        ops = [dist.P2POp(dist.isend, t, dist.get_global_rank(group, to), group, tag + j)
+               for j, t in enumerate(packed_send)]
         ops += [dist.P2POp(dist.irecv, r, dist.get_global_rank(group, source), group, tag + j)
-                for j, r in enumerate(recv)]
+                for j, r in enumerate(self._packed_recv)]
         self.nbytes = sum(t.nbytes for t in send)
         self.received_bytes = sum(t.nbytes for t in recv)
-        self.recv, self._sent = recv, send  # kept until the sends complete
+        self.recv, self._sent = recv, packed_send  # kept until the sends complete
         self._works = dist.batch_isend_irecv(ops) if ops else []
 
     def wait(self) -> list[Tensor]:
         works, self._works = self._works, []
         for w in works:
             w.wait()
-        recv, self.recv, self._sent = self.recv, None, None
+        recv, packed = self.recv, self._packed_recv
+        if packed is not recv:  # one message: its pieces into the receive tensors
+            offset = 0
+            for t in recv:
+                t.copy_(packed[0][offset:offset + t.numel()].view(t.shape))
+                offset += t.numel()
+        self.recv, self._sent, self._packed_recv = None, None, None
         return recv
 
     def drain(self) -> None:
@@ -124,6 +124,26 @@ class Transfer:
             self.wait()
         except Exception:  # noqa: BLE001 - the original error is the one raised
             pass
+
+
+def _one_message(tensors: list[Tensor]) -> bool:
+    return len(tensors) > 1 and len({(t.dtype, t.device) for t in tensors}) == 1
+
+
+def _packed(tensors: list[Tensor]) -> list[Tensor]:
+    """``tensors`` as one flat message when they share a dtype and device (else as they are)."""
+    if not _one_message(tensors):
+        return tensors
+    return [torch.cat([t.reshape(-1) for t in tensors])]
+
+
+def _packed_buffer(tensors: list[Tensor]) -> list[Tensor]:
+    """Where the message of ``tensors`` arrives: one flat buffer when they travel packed, else
+    ``tensors`` themselves."""
+    if not _one_message(tensors):
+        return tensors
+    first = tensors[0]
+    return [torch.empty(sum(t.numel() for t in tensors), dtype=first.dtype, device=first.device)]
 
 
 class Rotation:
@@ -173,9 +193,9 @@ class Rotation:
             self._exchange = None
 
 
-# Each exchange uses tags tag, tag + 1 (one per tensor). In backward a K/V shift and
-# a dK/dV shift are in flight between the same two ranks at once, with tensors of the
-# same shapes: distinct tags keep a receive from matching the other exchange's send.
+# Each exchange uses tags tag, tag + 1 (one per message: K and V travel packed as one when
+# they share a dtype). In backward a K/V shift and a dK/dV shift are in flight between the
+# same two ranks at once: distinct tags keep a receive from matching the other exchange's send.
 TAG_KV = 0  # k: 0, v: 1
 TAG_DKV = 2  # dk: 2, dv: 3
 

@@ -23,12 +23,12 @@ import torch
 from torch import Tensor
 from torch.distributed.tensor import DTensor
 
-from ..arguments import bind_arguments
 from ..config import CPConfig
-from ..npu_ops import lse_from_stats
+from ..engine.agreement import CHECK_ERRORS
+from ..npu_ops import bind_arguments, lse_from_stats
 from . import ops
 from .ops import CallLog
-from .spec import local_tensor, read_call, refusal_shared, sequence_sharded, sharded_like, sink_grad_like
+from .spec import local_tensor, read_call, sequence_sharded, share_refusal, sharded_like, sink_grad_like
 
 __all__ = ["AttentionHandlers", "Registration", "dtensor_default"]
 
@@ -77,7 +77,8 @@ class AttentionHandlers:
         inside a CP region (outside one the call is served as without cp_cache, even where that is
         DTensor's "no sharding strategy" error); a backward runs where its forward ran: cp_cache's
         forward gives a plain seed, one served elsewhere a DTensor."""
-        if not sequence_sharded(a["query"], a["input_layout"]) or _simulated_ranks(a["query"]):
+        query = a["query"]
+        if not isinstance(query, DTensor) or _simulated_ranks(query) or not sequence_sharded(query, a["input_layout"]):
             return False
         if backward:
             return not isinstance(a["seed"], DTensor)
@@ -100,8 +101,11 @@ class AttentionHandlers:
         a = bind_arguments(op_call._schema, args, kwargs)
         if not self._runs(a, backward=False):
             return self._pass_on(op_call, args, kwargs)
-        with refusal_shared("forward", a):
+        try:
             call = read_call(a, self.config)
+        except CHECK_ERRORS as error:
+            share_refusal("forward", a, error)
+            raise
         q, k, v = call.local("query", "key", "value")
         out, lse, seed = ops.ring_forward(q, k, v, call.mask, call.groups, call.plan.encode(), self.config.policy,
                                           *call.lengths, call.sink)
@@ -121,12 +125,15 @@ class AttentionHandlers:
         a = bind_arguments(op_call._schema, args, kwargs)
         if not self._runs(a, backward=True):
             return self._pass_on(op_call, args, kwargs)
-        with refusal_shared("backward", a):
+        try:
             ops.check_seed(a["seed"])
             call = read_call(a, self.config, backward=True)
             for name in ("dy", "attention_in"):
                 a[name] = sharded_like(a[name], name, call.sharding.mesh, call.sharding.placements)
             lse = lse_from_stats(*(local_tensor(a[n], n) for n in ("softmax_max", "softmax_sum")))
+        except CHECK_ERRORS as error:
+            share_refusal("backward", a, error)
+            raise
         dy, q, k, v, out = call.local("dy", "query", "key", "value", "attention_in")
         dq, dk, dv, dsink = ops.ring_backward(dy, q, k, v, out, lse, a["seed"], call.mask, call.groups,
                                               call.plan.encode(), self.config.policy, *call.lengths, call.sink)

@@ -48,10 +48,10 @@ from torch import Tensor
 
 from .. import step_cache
 from ..algorithms import strategy_for
-from ..arguments import describe
 from ..documents import read_documents
 from ..engine.agreement import CHECK_ERRORS, start_agreement
 from ..kernels import KERNEL_BY_NAME
+from ..npu_ops import describe
 from ..plan import CallPlan
 
 __all__ = ["ring_forward", "ring_backward", "check_seed", "CallRecord", "CallLog", "CALL_LOG"]
@@ -81,29 +81,25 @@ def ring_forward(query: Tensor, key: Tensor, value: Tensor, mask_rows: Optional[
     ``actual_seq_qlen/kvlen``: packed documents' lengths, read and checked here (``read_documents``).
     ``sink``: the attention sinks of this rank's heads [N], merged once into the result."""
     started = time.perf_counter()
-    process_groups, call, checked, error = _groups(groups), CallPlan.decode(plan), None, None
+    process_groups, call = _groups(groups), CallPlan.decode(plan)
     try:
         if actual_seq_qlen is not None or actual_seq_kvlen is not None:
             call = read_documents(call, actual_seq_qlen, actual_seq_kvlen, query.size(0))
-        _check_sink(call, sink)
-        checked = strategy_for(call).check_forward(call, query, key, value, mask_rows)
-    except CHECK_ERRORS as exc:
-        error = exc
+        call.check_sink(sink)
+        strategy = strategy_for(call, sink)
+        checked = strategy.check_forward(call, query, key, value, mask_rows)
+    except CHECK_ERRORS as error:  # every rank raises: the ranks' error, or where they agree each its own
+        start_agreement("forward", call, query, key, value, groups=process_groups, kernel=call.kernel,
+                        mask_rows=mask_rows, error=error)
+        raise
     agreement = start_agreement("forward", call, query, key, value, groups=process_groups, kernel=call.kernel,
-                                mask_rows=mask_rows, error=error)
-    result = strategy_for(call, sink).forward(call, query, key, value, groups=process_groups,
-                                              kernel=KERNEL_BY_NAME[call.kernel], mask=mask_rows, checked=checked,
-                                              agreement=agreement)
+                                mask_rows=mask_rows)
+    result = strategy.forward(call, query, key, value, groups=process_groups, kernel=KERNEL_BY_NAME[call.kernel],
+                              mask=mask_rows, checked=checked, agreement=agreement)
     ring_seconds = time.perf_counter() - started
     seed = step_cache.seed_slot(policy, call, result.steps)
     CALL_LOG.record("forward", result, started, ring_seconds, fused_merge=call.fused_merge)
     return result.out, result.lse, seed
-
-
-def _check_sink(call: CallPlan, sink: Optional[Tensor]) -> None:
-    if (sink is not None) != call.sink or (sink is not None and tuple(sink.shape) != (call.head_num,)):
-        raise ValueError(f"cp_cache: the plan says sink={call.sink} for {call.head_num} local heads, the op got "
-                         f"sink={describe(sink)}")
 
 
 @ring_forward.register_fake
@@ -129,32 +125,40 @@ def ring_backward(dy: Tensor, query: Tensor, key: Tensor, value: Tensor, out: Te
     the forward's results (with the sink merged in); dsink: this rank's rows' share of the sink's
     gradient, a float32 0-d zero without a sink."""
     started = time.perf_counter()
-    process_groups, recorded, steps, checked, error = _groups(groups), None, [], None, None
+    process_groups, recorded, steps = _groups(groups), None, []
     try:
         called = CallPlan.decode(plan)
         if actual_seq_qlen is not None or actual_seq_kvlen is not None:
             called = read_documents(called, actual_seq_qlen, actual_seq_kvlen, query.size(0))
-        _check_sink(called, sink)
-        cache = step_cache.claim(seed, policy)
-        mismatch = step_cache.plan_of(cache).backward_mismatch(called)
+        called.check_sink(sink)
+        recorded, steps, cache_id = _recorded(seed, policy)
+        mismatch = recorded.backward_mismatch(called)
         if mismatch:
-            raise RuntimeError(f"cp_cache: {mismatch} (cache {cache.id})")
-        recorded, steps = step_cache.plan_of(cache), step_cache.steps_of(cache)
-        del cache
-        checked = strategy_for(recorded).check_backward(recorded, dy, query, key, value, out, lse, steps, mask_rows)
-    except CHECK_ERRORS as exc:
-        error = exc
+            raise RuntimeError(f"cp_cache: {mismatch} (cache {cache_id})")
+        strategy = strategy_for(recorded, sink)
+        checked = strategy.check_backward(recorded, dy, query, key, value, out, lse, steps, mask_rows)
+    except CHECK_ERRORS as error:  # every rank raises: the ranks' error, or where they agree each its own
+        start_agreement("backward", recorded, query, key, value, groups=process_groups,
+                        kernel="" if recorded is None else recorded.kernel, mask_rows=mask_rows, steps=len(steps),
+                        error=error)
+        raise
     agreement = start_agreement("backward", recorded, query, key, value, groups=process_groups,
-                                kernel="" if recorded is None else recorded.kernel, mask_rows=mask_rows,
-                                steps=len(steps), error=error)
+                                kernel=recorded.kernel, mask_rows=mask_rows, steps=len(steps))
     ring_started = time.perf_counter()
-    result = strategy_for(recorded, sink).backward(recorded, dy, query, key, value, out, lse, steps,
-                                                   groups=process_groups, kernel=KERNEL_BY_NAME[recorded.kernel],
-                                                   mask=mask_rows, checked=checked, agreement=agreement)
+    result = strategy.backward(recorded, dy, query, key, value, out, lse, steps, groups=process_groups,
+                               kernel=KERNEL_BY_NAME[recorded.kernel], mask=mask_rows, checked=checked,
+                               agreement=agreement)
     CALL_LOG.record("backward", result, started, time.perf_counter() - ring_started)
     # without a sink: a float32 0-d zero, as the op's meta
     dsink = torch.zeros((), dtype=torch.float32, device=query.device) if result.dsink is None else result.dsink
     return result.dq.contiguous(), result.dk.contiguous(), result.dv.contiguous(), dsink
+
+
+def _recorded(seed: Tensor, policy: str) -> tuple[CallPlan, list, int]:
+    """(the plan, the step records, the id) of the forward's step cache that ``seed`` names; no
+    reference to the cache outlives this call (a handle held by hand keeps it alive, nothing else)."""
+    cache = step_cache.claim(seed, policy)
+    return step_cache.plan_of(cache), step_cache.steps_of(cache), cache.id
 
 
 @ring_backward.register_fake

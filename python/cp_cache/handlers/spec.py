@@ -5,7 +5,7 @@ the forward and the backward alike: the mask the arguments ask for, the CP shard
 (the mesh dimensions sharded on the sequence, outer first; the others ``Replicate`` or
 ``Shard(head)``), the algorithm (``auto`` resolved), the packed documents (TND), the sinks, and
 the ``CallPlan``. Every check that can refuse the call runs here, before the op, and a refusal
-is shared with the other ranks (``refusal_shared``). The spec also wraps the op's local results
+is shared with the other ranks (``share_refusal``). The spec also wraps the op's local results
 back into DTensors.
 
 The backward reads its own arguments the same way only to check them: it runs the plan its
@@ -21,6 +21,7 @@ the lengths of each call. Lengths given as lists go into the plan here.
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 from typing import Any, Optional
@@ -31,15 +32,14 @@ from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 
 from .. import layout as L
-from ..arguments import describe
-from ..config import CPConfig, document_placement, load_balance_enabled
+from ..config import CPConfig, document_placement
 from ..documents import check_lengths_tensor, check_packed_tokens, cumulative_lengths, same_documents, sequence_positions
 from ..engine import agreement
 from ..engine.merge import fused_merge_available
-from ..npu_ops import CAUSAL_MODES, INT_MAX, SparseMode, is_compressed_mask, stats_views_from_lse
+from ..npu_ops import CAUSAL_MODES, INT_MAX, SparseMode, describe, is_compressed_mask, stats_views_from_lse
 from ..plan import ALGORITHM_CP_DIMS, CallPlan, MaskSpec, choose_algorithm
 
-__all__ = ["CallSpec", "CPSharding", "read_call", "refusal_shared", "sequence_sharded", "cp_sharding",
+__all__ = ["CallSpec", "CPSharding", "read_call", "share_refusal", "sequence_sharded", "cp_sharding",
            "resolve_algorithm", "sharded_like", "local_tensor", "sink_grad_like"]
 
 _QKV = ("query", "key", "value")
@@ -71,9 +71,8 @@ class CallSpec:
     def wrap_forward(self, out: Tensor, lse: Tensor) -> tuple[DTensor, DTensor, DTensor]:
         """(out, softmax_max, softmax_sum) as DTensors: out sharded like the query, the statistics
         (stride-0 views of the LSE: the memory floor) on their own sequence dim."""
-        seq_dim, stats_seq_dim = L.seq_dim(self.plan.layout), L.stats_dims(self.plan.layout)[0]
+        seq_dim, stats_seq_dim, stats_placements = _stats_layout(self.sharding.placements, self.plan.layout)
         total = self.args["query"].size(seq_dim)
-        stats_placements = self.sharding.stats_placements(self.plan.layout)
         return (_wrap(out, self.sharding.mesh, self.sharding.placements, seq_dim, total),
                 *(_wrap(stats, self.sharding.mesh, stats_placements, stats_seq_dim, total)
                   for stats in stats_views_from_lse(lse)))
@@ -85,20 +84,40 @@ class CallSpec:
                      for g, n in zip(grads, _QKV))
 
 
+@functools.lru_cache(maxsize=64)
+def _stats_layout(placements: tuple, layout: str) -> tuple[int, int, tuple]:
+    """(the sequence dim of the output, that of the statistics, the statistics' placements): the
+    statistics ``[B, N, S, 8]`` get ``Shard(2)`` where the input has ``Shard(seq)`` and ``Shard(1)``
+    where it has ``Shard(head)``."""
+    seq, head = L.seq_dim(layout), L.head_dim_index(layout)
+    stats_seq, stats_head = L.stats_dims(layout)
+    stats = tuple(Shard(stats_seq) if p == Shard(seq) else Shard(stats_head) if p == Shard(head) else Replicate()
+                  for p in placements)
+    return seq, stats_seq, stats
+
+
 def _wrap(local: Tensor, mesh, placements, seq_dim: int, total: int) -> DTensor:
     """``local`` as a DTensor sharded on ``seq_dim`` with global length ``total`` (that of the
-    input it follows: shards may be uneven)."""
-    shape, stride = torch.distributed.tensor._utils.compute_global_tensor_info(local, mesh, placements)
-    if shape[seq_dim] != total:
-        local_len = local.size(seq_dim)  # uneven shards: the global shape is not local * W
-        shape[seq_dim] = total
-        stride = [local.stride(i) // local_len * total
-                  if i != seq_dim and local.stride(i) >= local.stride(seq_dim) else stride[i]
-                  for i in range(local.dim())]
-    spec = DTensorSpec(
-        mesh, tuple(placements), tensor_meta=TensorMeta(torch.Size(shape), tuple(stride), local.dtype)
-    )
+    input it follows: shards may be uneven). Its spec is made once per shape (a layer's calls
+    repeat theirs; specs are immutable and DTensors share them), except for symbolic sizes."""
+    shape, stride = tuple(local.shape), local.stride()
+    if all(type(x) is int for x in (*shape, *stride, total)):
+        spec = _spec(mesh, tuple(placements), shape, stride, local.dtype, seq_dim, total)
+    else:
+        spec = _spec.__wrapped__(mesh, tuple(placements), shape, stride, local.dtype, seq_dim, total)
     return DTensor(local, spec, requires_grad=False)
+
+
+@functools.lru_cache(maxsize=256)
+def _spec(mesh, placements: tuple, shape: tuple, stride: tuple, dtype, seq_dim: int, total: int) -> DTensorSpec:
+    local = torch.empty_strided(shape, stride, dtype=dtype, device="meta")
+    global_shape, global_stride = torch.distributed.tensor._utils.compute_global_tensor_info(local, mesh, placements)
+    if global_shape[seq_dim] != total:
+        local_len = shape[seq_dim]  # uneven shards: the global shape is not local * W
+        global_shape[seq_dim] = total
+        global_stride = [stride[i] // local_len * total if i != seq_dim and stride[i] >= stride[seq_dim]
+                         else global_stride[i] for i in range(len(shape))]
+    return DTensorSpec(mesh, placements, tensor_meta=TensorMeta(torch.Size(global_shape), tuple(global_stride), dtype))
 
 
 # ---------------------------------------------------------------- building the plan
@@ -120,7 +139,7 @@ def read_call(a: dict[str, Any], cp: CPConfig, *, backward: bool = False) -> Cal
                  else _algorithm(a, layout, spec, sharding, cp.algorithm))
     # positions matter for every mask but none: the local shards are head-tail when torch's
     # CP load balancing is on
-    load_balance = spec.positional and load_balance_enabled()
+    load_balance = spec.positional and L.load_balance_enabled()
     if load_balance and global_seq % (2 * sharding.size):
         # on the global length, the same on every rank, so every rank refuses together
         raise ValueError(
@@ -140,7 +159,7 @@ def _read_packed(a: dict[str, Any], cp: CPConfig, scale: float) -> CallSpec:
     documents, lengths = packed_documents(a)
     sharding = packed_sharding({n: a[n] for n in _QKV})
     sink = local_sink(a["sink"], int(a["head_num"]), sharding.mesh, sharding.head_shards)
-    load_balance = load_balance_enabled()
+    load_balance = L.load_balance_enabled()
     plan = CallPlan(world_size=sharding.size, rank=sharding.rank, layout=L.TND, head_num=int(a["head_num"]),
                     scale=scale, keep_prob=float(a["keep_prob"]), mask=spec, load_balance=load_balance,
                     algorithm="ring", cp_sizes=tuple(sharding.cp_sizes), documents=documents,
@@ -172,6 +191,8 @@ def _backward_algorithm(configured: str, spec: MaskSpec, sharding: CPSharding) -
 
 def _algorithm(a: dict[str, Any], layout: str, spec: MaskSpec, sharding: CPSharding, configured: str) -> str:
     """The algorithm this call runs (``configured``, "auto" resolved by the local head counts)."""
+    if configured != "auto":
+        return resolve_algorithm(configured, sharding, nq=0, nkv=0, given_mask=spec.given)
     q, k, v = (a[n].to_local() for n in _QKV)
     nq = sharding.local_heads(int(a["head_num"]))
     qd = L.dims(q, layout, nq)
@@ -312,19 +333,6 @@ class CPSharding:
                 f"shards of placements={self.placements}"
             )
         return head_num // self.head_shards
-
-    def stats_placements(self, layout: str) -> tuple:
-        seq, head = L.seq_dim(layout), L.head_dim_index(layout)
-        stats_seq, stats_head = L.stats_dims(layout)
-        out = []
-        for p in self.placements:
-            if p == Shard(seq):
-                out.append(Shard(stats_seq))
-            elif p == Shard(head):
-                out.append(Shard(stats_head))
-            else:
-                out.append(Replicate())
-        return tuple(out)
 
 
 def sequence_sharded(query: Any, layout: Any) -> bool:
@@ -558,7 +566,8 @@ def _traced(t: Tensor) -> bool:
     return t.is_meta or isinstance(t, FakeTensor)
 
 
-def refusal_shared(direction: str, a: Optional[dict[str, Any]]):
-    """A context in which a refusal of this rank (of the call whose bound arguments are ``a``;
-    None: they could not be bound) joins the ranks' agreement on the call, so every rank refuses."""
-    return agreement.refusal_shared(direction, lambda: _agreement_groups(a))
+def share_refusal(direction: str, a: dict[str, Any], error: BaseException) -> None:
+    """This rank's refusal of the call whose bound arguments are ``a`` joins the ranks' agreement
+    on it (when the arguments name its CP groups), so every rank refuses: raises the agreed error
+    where the ranks' refusals differ, else returns and the caller raises its own."""
+    agreement.share_refusal(direction, _agreement_groups(a), error)

@@ -19,7 +19,6 @@ express raises naming it, never a silently different mask. transformers is impor
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import weakref
 from dataclasses import dataclass
@@ -29,12 +28,10 @@ import torch
 from torch import Tensor
 
 from .. import layout as L
-from ..arguments import describe
-from ..config import load_balance_enabled
 from ..dispatch import active_mesh, in_cp_region
-from ..engine.agreement import refusal_shared
+from ..engine.agreement import CHECK_ERRORS, share_refusal
 from ..documents import sequence_positions
-from ..npu_ops import SparseMode, band_arguments, causal_arguments
+from ..npu_ops import SparseMode, band_arguments, causal_arguments, describe
 
 __all__ = ["NAME", "register", "attention_forward", "mask_hook"]
 
@@ -101,9 +98,7 @@ def attention_forward(module: torch.nn.Module, query: Tensor, key: Tensor, value
         raise RuntimeError("cp_cache attention: a CP region entered through torch's context_parallel() is active; "
                            "enter it with cp_cache.context_parallel(mesh, buffers=[...]) so that the attention "
                            "knows its mesh")
-    shared = contextlib.nullcontext() if mesh is None or mesh.ndim != 1 else refusal_shared(
-        "forward", lambda: (mesh.get_group(), mesh.size()))
-    with shared:  # a refusal on one rank is raised on every rank, not left waiting
+    try:
         _refuse(attention_mask, kwargs)
         _check_qkv(query, key, value, s_aux)
         sharding = _sharding(mesh, query, key)
@@ -115,6 +110,10 @@ def attention_forward(module: torch.nn.Module, query: Tensor, key: Tensor, value
                                       f"(the documents flattened into one row), got query {describe(query)}")
         options = dict(scale=query.size(-1) ** -0.5 if scaling is None else float(scaling),
                        keep_prob=_keep_prob(dropout), sink=None if s_aux is None else s_aux.float())
+    except CHECK_ERRORS as error:
+        if mesh is not None and mesh.ndim == 1:  # a refusal on one rank is raised on every rank, not left waiting
+            share_refusal("forward", [mesh.get_group()], error)
+        raise
     if mask.documents is not None and mask.window is None and s_aux is None and sharding.contiguous:
         out = _packed_call(query, key, value, mask, sharding, options)
     else:
@@ -181,7 +180,7 @@ def _sharding(mesh, query: Tensor, key: Tensor) -> _Sharding:
     if s_q != s_kv:
         raise NotImplementedError(f"cp_cache attention under CP: query length {s_q} != key length {s_kv} "
                                   "(a KV cache, or cross-attention) is not supported")
-    world, rank, load_balance = mesh.size(), mesh.get_local_rank(), load_balance_enabled()
+    world, rank, load_balance = mesh.size(), mesh.get_local_rank(), L.load_balance_enabled()
     return _Sharding(mesh, sequence_positions(rank, world, s_q, load_balance), s_q * world, load_balance)
 
 

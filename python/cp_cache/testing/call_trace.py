@@ -3,7 +3,8 @@
 ``trace_modules(fn)`` runs ``fn`` under ``sys.setprofile`` and records, in order, the module of
 every Python function entered whose module is cp_cache's product (the emulator, the tools and
 these helpers excluded; so is whatever the emulator calls while it stands in for the NPU op:
-on Ascend that is the op's own work, not the product's path). A call that reads top-down enters few modules and rarely comes back to
+on Ascend that is the op's own work, not the product's path; and so is code generated at run
+time, a dataclass's ``__init__``, ``__eq__`` or ``__hash__``, which no module's source holds). A call that reads top-down enters few modules and rarely comes back to
 one it has left: ``CallPath.modules`` counts the distinct modules, ``CallPath.returns`` how many
 times the path re-entered a module it had already left.
 """
@@ -53,6 +54,8 @@ def trace_modules(fn: Callable[[], object]) -> CallPath:
             return
         if event != "call":
             return
+        if frame.f_code.co_filename.startswith("<"):
+            return  # code generated at run time (a dataclass's __init__, __eq__, __hash__): no module's own
         module = frame.f_globals.get("__name__", "")
         emulating = bool(modes) and modes[-1][1]
         if module.startswith(_EMULATOR):
