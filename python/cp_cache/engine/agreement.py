@@ -7,7 +7,7 @@ balancing, scale and keep_prob as float64 bit patterns, kernel, algorithm, direc
 ring steps, the packed documents of a TND call (count and a digest of the cumulative ends) and
 their placement, and whether this rank's own checks passed). The custom op that runs the call
 checks this rank's inputs and starts the agreement once (``open_agreement`` /
-``start_agreement``): the signature is all-gathered over the CPU side group of each of the
+``start_agreement``; a failed check: ``agree_on_refusal``): the signature is all-gathered over the CPU side group of each of the
 call's CP groups (``transport.side_group``: the CP groups themselves carry only payload
 tensors), in the background. The strategy waits for it (``Agreement.lengths()``) where it
 first exchanges payload: the ring after computing step 0 on its own block, Ulysses before its
@@ -15,7 +15,7 @@ first all-to-all. If the signatures differ, every rank raises the same ``Runtime
 each differing field and each rank's value, before any payload moved; a rank whose own check
 failed chains its local error as the cause, and the refusing ranks' messages are gathered (a
 second, rare collective) so that every rank names them. A refusal in the DTensor handler,
-before the op, joins the same agreement (``share_refusal``).
+before the op, joins the same agreement (``agree_on_refusal``).
 
 Uneven shards: where the ring supports local lengths that differ between ranks (full
 or causal attention without load balancing; packed documents, whose placement gives each
@@ -54,7 +54,7 @@ from ..plan import ALGORITHMS, CallPlan
 from .transport import side_group
 
 __all__ = ["SIGNATURE_LEN", "FIELDS", "signature", "refusal_signature", "agree", "counters",
-           "reset_counters", "describe", "lengths", "Agreement", "open_agreement", "start_agreement", "share_refusal",
+           "reset_counters", "describe", "lengths", "Agreement", "open_agreement", "start_agreement", "agree_on_refusal",
            "CHECK_ERRORS"]
 
 _SHAPE_DIMS = 4  # q/k/v shapes padded with -1 to this many dims (the layouts have 3 or 4)
@@ -272,28 +272,24 @@ class Agreement:
     for a contribution that will not come: ranks that disagree raise the same error, before
     any payload moves."""
 
-    def __init__(self, sig: Tensor, groups: Sequence, error: Optional[BaseException] = None,
-                 alone: Callable[[], list[tuple[int, int]]] = list):
-        self._error = error
+    def __init__(self, sig: Tensor, groups: Sequence, alone: Callable[[], list[tuple[int, int]]] = list):
         self._pending = [(side, side.all_gather_async(sig)) for side in (side_group(g) for g in groups)
                          if side.size > 1]
         # with no other rank: this rank's own lengths, nothing to wait for
-        self._lengths = None if self._pending or error is not None else alone()
+        self._lengths = None if self._pending else alone()
 
     @classmethod
     def reached(cls, lengths: list[tuple[int, int]]) -> "Agreement":
         """An agreement already reached (by the call that drives this strategy), with these lengths."""
         agreement = cls.__new__(cls)
-        agreement._error, agreement._pending, agreement._lengths = None, [], lengths
+        agreement._pending, agreement._lengths = [], lengths
         return agreement
 
     def lengths(self) -> list[tuple[int, int]]:
         """Every rank's (query length, K/V length) on the innermost group, once all agree (the
-        same RuntimeError on every rank otherwise; this rank's own refusal chained)."""
+        same RuntimeError on every rank otherwise)."""
         if self._lengths is None:
-            gathered = [_checked(side, work(), self._error) for side, work in self._pending]
-            if self._error is not None:
-                raise self._error  # every rank refused the same way: each raises its own error
+            gathered = [_checked(side, wait(), None) for side, wait in self._pending]
             found = lengths(gathered[-1]) if gathered else []
             if any(length < 1 for pair in found for length in pair):
                 raise ValueError(f"every rank needs at least one query and one key; local (query, K/V) "
@@ -302,17 +298,22 @@ class Agreement:
         return self._lengths
 
 
-def share_refusal(direction: str, groups: Sequence, error: BaseException) -> None:
-    """A check that failed before the call's agreement (in the DTensor handler) joins the agreement
-    on ``groups`` (none: nothing to join) as this rank's refusal, so the other ranks, already in
-    that agreement, raise too instead of waiting for a call this rank will not make. Raises the
-    ranks' error where it names more than this rank's; the caller raises its own otherwise."""
-    if groups:
-        try:
-            Agreement(refusal_signature(direction, error), groups, error).lengths()
-        except BaseException as agreed:
-            if agreed is not error:
-                raise
+def agree_on_refusal(direction: str, groups: Sequence, error: BaseException, plan: Optional[CallPlan] = None,
+                     q: Optional[Tensor] = None, k: Optional[Tensor] = None, v: Optional[Tensor] = None,
+                     **fields) -> None:
+    """This rank's failed check ``error`` joins the call's agreement on ``groups`` as its refusal
+    (described by ``plan`` and q/k/v with the signature's other ``fields`` when known, else by its
+    kind alone), so the other ranks, already in that agreement, raise too instead of waiting for
+    a call this rank will not make. Raises the ranks' RuntimeError (this error chained) where
+    they differ; returns where every rank refused the same way, and the caller re-raises its own
+    error (from its except clause: no frame keeps the error, nor what its traceback holds)."""
+    if plan is None:
+        sig = refusal_signature(direction, error)
+    else:
+        sig = signature(direction=direction, plan=plan, q=q, k=k, v=v, error=error, **fields)
+    for side, wait in [(side, side.all_gather_async(sig)) for side in (side_group(g) for g in groups)
+                       if side.size > 1]:
+        _checked(side, wait(), error)
 
 
 def _length(t: Tensor, layout: str) -> int:
@@ -411,31 +412,23 @@ def _local_lengths(q: Tensor, k: Tensor, plan: CallPlan) -> tuple[int, int]:
     return q.size(seq_dim), k.size(seq_dim)
 
 
-def start_agreement(direction: str, plan: Optional[CallPlan], q: Tensor, k: Tensor, v: Tensor, *, groups: Sequence,
-                    kernel: str = "", mask_rows: Optional[Tensor] = None, steps: int = -1,
-                    error: Optional[BaseException] = None) -> Agreement:
+def start_agreement(direction: str, plan: CallPlan, q: Tensor, k: Tensor, v: Tensor, *, groups: Sequence,
+                    kernel: str = "", mask_rows: Optional[Tensor] = None, steps: int = -1) -> Agreement:
     """Start the agreement on the call's CP ``groups`` (outer first) with this rank's signature of
-    it (``plan``: the call's, None where this rank's checks failed before it knew it). ``error``:
-    this rank's failed check, which joins the agreement as its refusal and is raised here once the
-    ranks have agreed on it. The strategy waits for the rest (``Agreement.lengths()``)."""
-    if plan is None:
-        sig = refusal_signature(direction, error)
-    else:
-        sig = signature(direction=direction, plan=plan, q=q, k=k, v=v, kernel=kernel, mask_rows=mask_rows,
-                        steps=steps, error=error)
-    agreement = Agreement(sig, groups, error, alone=lambda: [_local_lengths(q, k, plan)])
-    if error is not None:
-        agreement.lengths()  # raises: the ranks' error, or this rank's own
-    return agreement
+    it, once its checks passed (a failed one: ``agree_on_refusal``). The strategy waits for the
+    rest (``Agreement.lengths()``)."""
+    sig = signature(direction=direction, plan=plan, q=q, k=k, v=v, kernel=kernel, mask_rows=mask_rows, steps=steps)
+    return Agreement(sig, groups, alone=lambda: [_local_lengths(q, k, plan)])
 
 
-def open_agreement(direction: str, check: Callable[[], Any], plan: CallPlan, q: Tensor, k: Tensor, v: Tensor,
-                   **where) -> tuple[Any, Agreement]:
-    """Run this rank's ``check`` of the call, then ``start_agreement`` (``where``: its keywords):
-    (the check's result, the agreement)."""
+def open_agreement(direction: str, check: Callable[[], Any], plan: CallPlan, q: Tensor, k: Tensor, v: Tensor, *,
+                   groups: Sequence, **fields) -> tuple[Any, Agreement]:
+    """Run this rank's ``check`` of the call, then ``start_agreement`` (``fields``: its keywords):
+    (the check's result, the agreement). A check that fails joins the agreement as this rank's
+    refusal, and every rank raises."""
     try:
         result = check()
     except CHECK_ERRORS as error:
-        start_agreement(direction, plan, q, k, v, error=error, **where)  # raises, on every rank
+        agree_on_refusal(direction, groups, error, plan, q, k, v, **fields)
         raise
-    return result, start_agreement(direction, plan, q, k, v, **where)
+    return result, start_agreement(direction, plan, q, k, v, groups=groups, **fields)

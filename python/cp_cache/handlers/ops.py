@@ -49,7 +49,7 @@ from torch import Tensor
 from .. import step_cache
 from ..algorithms import strategy_for
 from ..documents import read_documents
-from ..engine.agreement import CHECK_ERRORS, start_agreement
+from ..engine.agreement import CHECK_ERRORS, agree_on_refusal, start_agreement
 from ..kernels import KERNEL_BY_NAME
 from ..npu_ops import describe
 from ..plan import CallPlan
@@ -89,8 +89,8 @@ def ring_forward(query: Tensor, key: Tensor, value: Tensor, mask_rows: Optional[
         strategy = strategy_for(call, sink)
         checked = strategy.check_forward(call, query, key, value, mask_rows)
     except CHECK_ERRORS as error:  # every rank raises: the ranks' error, or where they agree each its own
-        start_agreement("forward", call, query, key, value, groups=process_groups, kernel=call.kernel,
-                        mask_rows=mask_rows, error=error)
+        agree_on_refusal("forward", process_groups, error, call, query, key, value, kernel=call.kernel,
+                         mask_rows=mask_rows)
         raise
     agreement = start_agreement("forward", call, query, key, value, groups=process_groups, kernel=call.kernel,
                                 mask_rows=mask_rows)
@@ -138,9 +138,8 @@ def ring_backward(dy: Tensor, query: Tensor, key: Tensor, value: Tensor, out: Te
         strategy = strategy_for(recorded, sink)
         checked = strategy.check_backward(recorded, dy, query, key, value, out, lse, steps, mask_rows)
     except CHECK_ERRORS as error:  # every rank raises: the ranks' error, or where they agree each its own
-        start_agreement("backward", recorded, query, key, value, groups=process_groups,
-                        kernel="" if recorded is None else recorded.kernel, mask_rows=mask_rows, steps=len(steps),
-                        error=error)
+        agree_on_refusal("backward", process_groups, error, recorded, query, key, value,
+                         kernel="" if recorded is None else recorded.kernel, mask_rows=mask_rows, steps=len(steps))
         raise
     agreement = start_agreement("backward", recorded, query, key, value, groups=process_groups,
                                 kernel=recorded.kernel, mask_rows=mask_rows, steps=len(steps))

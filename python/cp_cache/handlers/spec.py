@@ -570,4 +570,4 @@ def share_refusal(direction: str, a: dict[str, Any], error: BaseException) -> No
     """This rank's refusal of the call whose bound arguments are ``a`` joins the ranks' agreement
     on it (when the arguments name its CP groups), so every rank refuses: raises the agreed error
     where the ranks' refusals differ, else returns and the caller raises its own."""
-    agreement.share_refusal(direction, _agreement_groups(a), error)
+    agreement.agree_on_refusal(direction, _agreement_groups(a), error)

@@ -29,7 +29,7 @@ from torch import Tensor
 
 from .. import layout as L
 from ..dispatch import active_mesh, in_cp_region
-from ..engine.agreement import CHECK_ERRORS, share_refusal
+from ..engine.agreement import CHECK_ERRORS, agree_on_refusal
 from ..documents import sequence_positions
 from ..npu_ops import SparseMode, band_arguments, causal_arguments, describe
 
@@ -112,7 +112,7 @@ def attention_forward(module: torch.nn.Module, query: Tensor, key: Tensor, value
                        keep_prob=_keep_prob(dropout), sink=None if s_aux is None else s_aux.float())
     except CHECK_ERRORS as error:
         if mesh is not None and mesh.ndim == 1:  # a refusal on one rank is raised on every rank, not left waiting
-            share_refusal("forward", [mesh.get_group()], error)
+            agree_on_refusal("forward", [mesh.get_group()], error)
         raise
     if mask.documents is not None and mask.window is None and s_aux is None and sharding.contiguous:
         out = _packed_call(query, key, value, mask, sharding, options)
