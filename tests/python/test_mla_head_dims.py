@@ -304,7 +304,7 @@ def test_dropout_directional_derivative(world):
 
 
 def _ring_call(layout: str, k_shape: tuple, v_shape: tuple, q_shape: tuple):
-    from cp_cache.algorithms import PACKED, RING
+    from cp_cache.algorithms import PACKED, RING, run_forward
     from cp_cache.kernels import get_kernel
     from cp_cache.testing import install_npu_emulator
     from cp_cache.testing.reference import ring_plan
@@ -314,7 +314,7 @@ def _ring_call(layout: str, k_shape: tuple, v_shape: tuple, q_shape: tuple):
     packed = layout == L.TND
     plan = ring_plan(world_size=1, rank=0, layout=layout, head_num=4, scale=1.0, keep_prob=1.0,
                      documents=(q_shape[0],) if packed else ())
-    return (PACKED if packed else RING).forward(plan, q, k, v, kernel=get_kernel("npu"))
+    return run_forward(PACKED if packed else RING, plan, q, k, v, kernel=get_kernel("npu"))
 
 
 REFUSED = [  # layout, q, k, v: V disagrees with K on batch, heads or sequence length

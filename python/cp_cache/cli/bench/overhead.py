@@ -8,7 +8,9 @@ the kernel everywhere, at each W > 1 of the run. Three systems, measured in the 
 same ranks, their calls interleaved:
 
 * ``cp_cache``: the v3 op on DTensors ``Shard(2)`` inside ``cp_cache.context_parallel(mesh)``
-  with ``cp_cache.enable(policy="handle")`` and ``npu_ops.causal_arguments``; backward through
+  with ``cp_cache.enable(policy="handle", fused_merge=False)`` (step results merged in float32
+  with plain torch ops, as torch's ring merges them: the fused merge is an NPU kernel, and its
+  CPU stand-in would count as host overhead here) and ``npu_ops.causal_arguments``; backward through
   ``out.to_local().backward(dy)`` (``to_local`` taken before the backward's clock starts);
 * ``torch_ring``: torch's ``_templated_ring_attention`` (and its backward) driving the same
   kernel (``compare/systems/torch_ring.py``'s ``TorchRing``), ``_cp_options.enable_load_balance``
@@ -143,7 +145,9 @@ def overhead_rank(plan: dict, rank: int, world_size: int, mesh) -> list[dict]:
                "kernels": _kernels(local, dy, rank, world_size, scale)}
     samples = {name: {direction: [] for direction in DIRECTIONS} for name in systems}
     # cp_session restores torch's load-balancing option on exit
-    with torch.autograd.set_multithreading_enabled(False), cp_session(mesh, policy="handle"):
+    # the float32 merge, as torch's ring merges: the fused merge is an NPU kernel whose CPU stand-in
+    # (the emulator's) would count as host overhead here
+    with torch.autograd.set_multithreading_enabled(False), cp_session(mesh, policy="handle", fused_merge=False):
         _cp_options.enable_load_balance = True
         for i in range(o["warmup"] + o["repeats"]):
             for name, system in systems.items():
