@@ -470,6 +470,9 @@ CORNERS = [
     # a KNOWN failure, drawn whatever the seed
     (2, dict(refusal="", tnd=True, lb=True, placement="balanced", docs=(1, 16, 12, 21), S=50, mask="causal",
              nq=2, nkv=1, sink="plain", run="eager")),
+    # test_sinks' ring-causal-contiguous-gqa at W >= 2
+    (4, dict(refusal="", tnd=False, mesh2d=False, algorithm="ring", layout="BSND", mask="causal", lb=False,
+             sink="plain", gqa=True)),
 ]
 
 
