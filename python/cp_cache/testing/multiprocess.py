@@ -1,12 +1,17 @@
-"""Run a function on several ranks, each in its own spawned process, over loopback.
+"""Run a function on several ranks, each in its own new process, over loopback.
 
 ``run_ranks(fn, world_size, *args)`` starts ``world_size`` processes (start
-method "spawn"), each initialises ``torch.distributed`` with a TCP store on
-127.0.0.1, calls ``fn(rank, world_size, *args)`` and sends its return value
-back (pickled, so tensors are copied, not shared). ``fn`` must be importable by
+method ``START_METHOD``: "spawn", or "forkserver"), each initialises ``torch.distributed``
+with a TCP store on 127.0.0.1, calls ``fn(rank, world_size, *args)`` and sends its return
+value back (pickled, so tensors are copied, not shared). ``fn`` must be importable by
 name (a module-level function). Any failing rank or the overall timeout kills
 the rank processes this call started and raises RuntimeError with every
 rank's traceback.
+
+A spawned rank imports torch and cp_cache afresh (seconds of CPU each); with "forkserver"
+every rank is forked from one server process that imported ``FORKSERVER_PRELOAD`` once (and
+nothing else: each rank is still a new process, with that server's environment). The test
+suite uses "forkserver" (tests/python/conftest.py); the default stays "spawn".
 """
 
 from __future__ import annotations
@@ -22,11 +27,16 @@ import traceback
 from datetime import timedelta
 from typing import Any, Callable
 
-__all__ = ["run_ranks", "free_port", "capture", "cp_region"]
+__all__ = ["run_ranks", "free_port", "capture", "cp_region", "START_METHOD", "FORKSERVER_PRELOAD"]
 
 log = logging.getLogger("cp_cache")
 
 _LOOPBACK = "127.0.0.1"
+
+START_METHOD = "spawn"  # or "forkserver"
+# what the forkserver imports once for every rank it forks (only modules every rank imports anyway)
+FORKSERVER_PRELOAD = ("torch", "torch.distributed", "torch.distributed.tensor", "cp_cache", "cp_cache.emulator",
+                      "cp_cache.testing.multiprocess", "cp_cache.testing.reference")
 
 
 def free_port() -> int:
@@ -73,18 +83,25 @@ def run_ranks(
     backend: str = "gloo",
     pg_timeout: float | None = None,
     expect_dead: tuple[int, ...] = (),
+    start_method: str | None = None,
 ) -> list:
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` spawned ranks; their results by rank.
 
     ``timeout``: the whole run's deadline; ``pg_timeout``: the process group's timeout (how
     long a rank's collective or receive waits for its peers), ``timeout`` when None;
     ``expect_dead``: ranks that are meant to die without a result (a test killing a rank):
-    their slot is None, and the others must still answer."""
+    their slot is None, and the others must still answer; ``start_method``: "spawn" or
+    "forkserver" (None: ``START_METHOD``)."""
     import torch.multiprocessing as mp
 
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
-    ctx = mp.get_context("spawn")
+    method = start_method or START_METHOD
+    if method not in ("spawn", "forkserver"):
+        raise ValueError(f"start_method={method!r}: use 'spawn' or 'forkserver'")
+    ctx = mp.get_context(method)
+    if method == "forkserver":
+        ctx.set_forkserver_preload(list(FORKSERVER_PRELOAD))  # read when the server starts (the first call)
     results = ctx.Queue()
     port = free_port()
     procs = []
