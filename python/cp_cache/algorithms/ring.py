@@ -177,7 +177,7 @@ class Ring:
         forward's merged results, ``steps`` its records (parts and seeds reused as recorded);
         ``checked``, ``agreement`` as in ``forward`` (from ``check_backward``)."""
         size, rank, group = group_info(plan.world_size, plan.rank, own_group(groups))
-        lay, seq_dim, qd, lse = plan.layout, checked.seq_dim, checked.dims, lse.float()
+        seq_dim, qd, lse = checked.seq_dim, checked.dims, lse.float()
         dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
         kernel_args = _kernel_args(plan)
 

@@ -44,7 +44,6 @@ import threading
 from typing import Any, Callable, Optional, Sequence
 
 import torch
-import torch.distributed as dist
 from torch import Tensor
 
 from .. import layout as L
