@@ -287,7 +287,7 @@ def bytes_per_rank(algorithm: str, *, nq: int, nkv: int, world: int, batch: int,
     partial straight back to its owner; ``exchange="ring"``: W, the accumulators travel home).
     ulysses: the (W-1)/W share not kept of q, k, v (K/V repeated when Nkv < W) and of the
     output and LSE (forward); of q, k, v, output, output gradient, LSE, and dq, dk, dv
-    (backward).
+    (backward; dk, dv in float32 when K/V heads are repeated).
     """
     if world == 1:
         return 0
@@ -303,7 +303,9 @@ def bytes_per_rank(algorithm: str, *, nq: int, nkv: int, world: int, batch: int,
         lse = batch * nq * local_seq * 4
         q, out = nq * qk_token, nq * v_token
         forward = (q + kv_sent + out) * itemsize + lse
-        backward = (q + kv_sent + 2 * out) * itemsize + lse + (q + kv_sent) * itemsize
+        # dK/dV of repeated heads travel in float32 (their copies are summed on the way back)
+        kv_grads = kv_sent * (4 if split.kv_repeats > 1 else itemsize)
+        backward = (q + kv_sent + 2 * out) * itemsize + lse + q * itemsize + kv_grads
         return (forward + backward) * (world - 1) // world
     raise ValueError(f"bytes_per_rank: algorithm={algorithm!r} is not 'ring' or 'ulysses'")
 

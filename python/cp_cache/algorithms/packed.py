@@ -189,12 +189,14 @@ def _cumulative(lengths: list[int]) -> Tensor:
 
 
 class _StepOperands:
-    """A step's gathered rows and its segments' cumulative ends."""
+    """A step's gathered rows and its segments' cumulative ends (``q_rows``: the local queries,
+    ``kv_rows``: the K/V block's rows, the source rank's length: under the balanced placement
+    ranks hold different lengths)."""
 
-    def __init__(self, step: VarlenStep, rows: int, device):
+    def __init__(self, step: VarlenStep, q_rows: int, kv_rows: int, device):
         segs = step.segments
-        self.q_index = _rows_index([(s.q_start, s.q_len) for s in segs], rows, device)
-        self.kv_index = _rows_index([(s.kv_start, s.kv_len) for s in segs], rows, device)
+        self.q_index = _rows_index([(s.q_start, s.q_len) for s in segs], q_rows, device)
+        self.kv_index = _rows_index([(s.kv_start, s.kv_len) for s in segs], kv_rows, device)
         self.q_lens = [s.q_len for s in segs]
         self.kv_lens = [s.kv_len for s in segs]
         self.actual_seq_lens = (_cumulative(self.q_lens), _cumulative(self.kv_lens))
@@ -303,7 +305,7 @@ class PackedDocuments:
             step = _plan_step(plan, cu, i)
             rng = []
             if step.segments:
-                ops = _StepOperands(step, rows, q.device)
+                ops = _StepOperands(step, rows, cur_k.size(0), q.device)
                 res = _segments_forward(kernel, _take(q, ops.q_index), _take(cur_k, ops.kv_index),
                                         _take(cur_v, ops.kv_index), ops, step.mask, _kernel_args(plan))
                 if res.seed is not None:
@@ -334,7 +336,7 @@ class PackedDocuments:
             step = planned[i]
             if not step.segments:
                 return []
-            ops = _StepOperands(step, rows, q.device)
+            ops = _StepOperands(step, rows, cur_k.size(0), q.device)
             seed, offset = steps[i].rng[0] if steps[i].rng else (None, None)
             qi = ops.q_index
             grads = _segments_backward(

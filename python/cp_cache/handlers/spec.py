@@ -78,10 +78,21 @@ class CallSpec:
                   for stats in stats_views_from_lse(lse)))
 
     def wrap_grads(self, *grads: Tensor) -> tuple[DTensor, ...]:
-        """(dq, dk, dv) as DTensors sharded like (query, key, value), with their global lengths."""
+        """(dq, dk, dv) as DTensors sharded like (query, key, value), with their global lengths. A
+        gradient laid out as its input's local tensor takes the input's spec: autograd stores a
+        gradient whose strides differ from its input's by copying it into a new DTensor of the
+        input's strides, whose local shape DTensor computes as an even split (wrong for uneven
+        shards, and a copy for even ones)."""
         seq_dim = L.seq_dim(self.plan.layout)
-        return tuple(_wrap(g, self.sharding.mesh, self.sharding.placements, seq_dim, self.args[n].size(seq_dim))
-                     for g, n in zip(grads, _QKV))
+        return tuple(_grad_like(g, self.args[n], self.sharding, seq_dim) for g, n in zip(grads, _QKV))
+
+
+def _grad_like(grad: Tensor, input: DTensor, sharding, seq_dim: int) -> DTensor:
+    local = input._local_tensor
+    if (grad.shape == local.shape and grad.stride() == local.stride() and grad.dtype == input.dtype
+            and input.placements == sharding.placements):
+        return DTensor(grad, input._spec, requires_grad=False)
+    return _wrap(grad, sharding.mesh, sharding.placements, seq_dim, input.size(seq_dim))
 
 
 @functools.lru_cache(maxsize=64)
@@ -115,7 +126,8 @@ def _spec(mesh, placements: tuple, shape: tuple, stride: tuple, dtype, seq_dim: 
     if global_shape[seq_dim] != total:
         local_len = shape[seq_dim]  # uneven shards: the global shape is not local * W
         global_shape[seq_dim] = total
-        global_stride = [stride[i] // local_len * total if i != seq_dim and stride[i] >= stride[seq_dim]
+        # dims that step over the whole local sequence (outer ones) step over the global one
+        global_stride = [stride[i] // local_len * total if i != seq_dim and stride[i] >= stride[seq_dim] * local_len
                          else global_stride[i] for i in range(len(shape))]
     return DTensorSpec(mesh, placements, tensor_meta=TensorMeta(torch.Size(global_shape), tuple(global_stride), dtype))
 
