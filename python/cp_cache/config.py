@@ -40,6 +40,7 @@ ALGORITHM_ENV = "CP_CACHE_ALGORITHM"
 EXCHANGE_ENV = "CP_CACHE_EXCHANGE"
 DOCUMENT_PLACEMENTS = (BALANCED, HEAD_TAIL)  # under load balancing; without it, contiguous
 DOCUMENTS_ENV = "CP_CACHE_DOCUMENTS"
+KEEP_KV_ENV = "CP_CACHE_KEEP_KV"
 
 
 @dataclass(frozen=True)
@@ -59,6 +60,9 @@ class CPConfig:
     documents: where packed documents (TND) go under load balancing: "balanced" (whole
         documents where the balance allows, long ones head-tail over as few ranks as needed)
         or "head_tail" (every document over all ranks); without load balancing, contiguous.
+    keep_kv: the ring's forward keeps the K/V rows it received (in the step cache) for its
+        backward, which then receives no K/V and sends only the dK/dV partials: memory for
+        traffic (the direct exchange only; Ulysses' all-to-alls keep nothing).
     """
 
     policy: str = HANDLE_POLICY
@@ -67,9 +71,14 @@ class CPConfig:
     fused_merge: bool = True
     exchange: str = "direct"
     documents: str = BALANCED
+    keep_kv: bool = False
 
     def __post_init__(self) -> None:
         _check_choice("exchange", self.exchange, EXCHANGES)
+        _check_choice("keep_kv", self.keep_kv, (False, True))
+        if self.keep_kv and self.exchange != "direct":
+            raise ValueError(f"keep_kv=True needs exchange='direct' (the rows each rank received are what it "
+                             f"keeps), got exchange={self.exchange!r}")
         _check_choice("policy", self.policy, POLICIES)
         if self.kernel is not None:
             _check_choice("kernel", self.kernel, KERNELS)
@@ -84,10 +93,11 @@ def _check_choice(name: str, value, choices: tuple, what: str = "") -> None:
 
 def resolve_config(policy: str | None = None, *, kernel: str | None = None,
                    fused_merge: bool | None = None, algorithm: str | None = None,
-                   exchange: str | None = None, documents: str | None = None) -> CPConfig:
+                   exchange: str | None = None, documents: str | None = None,
+                   keep_kv: bool | None = None) -> CPConfig:
     """A CPConfig from explicit arguments, falling back on the environment (CP_CACHE_POLICY,
     CP_CACHE_FUSED_MERGE: "0" turns the fused merge off, CP_CACHE_ALGORITHM, CP_CACHE_EXCHANGE,
-    CP_CACHE_DOCUMENTS)."""
+    CP_CACHE_DOCUMENTS, CP_CACHE_KEEP_KV: "1" keeps the received K/V for the backward)."""
     if exchange is None:
         exchange = _from_env(EXCHANGE_ENV, "direct", EXCHANGES, "exchange")
     if algorithm is None:
@@ -101,12 +111,18 @@ def resolve_config(policy: str | None = None, *, kernel: str | None = None,
                 f"environment variable {POLICY_ENV}={policy!r} is not a cp_cache policy; use one of {POLICIES}"
             )
     if fused_merge is None:
-        value = os.environ.get(FUSED_MERGE_ENV, "1").strip()
-        if value not in ("0", "1"):
-            raise ValueError(f"environment variable {FUSED_MERGE_ENV}={value!r}: use 0 or 1")
-        fused_merge = value == "1"
+        fused_merge = _flag_from_env(FUSED_MERGE_ENV, True)
+    if keep_kv is None:
+        keep_kv = _flag_from_env(KEEP_KV_ENV, False)
     return CPConfig(policy=policy, kernel=kernel, fused_merge=fused_merge, algorithm=algorithm, exchange=exchange,
-                    documents=documents)
+                    documents=documents, keep_kv=keep_kv)
+
+
+def _flag_from_env(name: str, default: bool) -> bool:
+    value = os.environ.get(name, "1" if default else "0").strip()
+    if value not in ("0", "1"):
+        raise ValueError(f"environment variable {name}={value!r}: use 0 or 1")
+    return value == "1"
 
 
 def documents_from_env() -> str:

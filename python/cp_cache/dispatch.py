@@ -171,7 +171,8 @@ _active_meshes: list = []
 
 
 def enable(policy: str | None = None, *, kernel: str | None = None, fused_merge: bool | None = None,
-           algorithm: str | None = None, exchange: str | None = None, documents: str | None = None) -> None:
+           algorithm: str | None = None, exchange: str | None = None, documents: str | None = None,
+           keep_kv: bool | None = None) -> None:
     """Register the CP handlers for the NPU attention ops (idempotent; a new configuration
     replaces the handlers).
 
@@ -184,13 +185,16 @@ def enable(policy: str | None = None, *, kernel: str | None = None, fused_merge:
     may attend to, straight to it) or "ring" (whole blocks relayed); None reads CP_CACHE_EXCHANGE.
     ``documents``: where packed documents (TND) go under load balancing, "balanced" (default)
     or "head_tail"; None reads CP_CACHE_DOCUMENTS (``cp_cache.document_layout``).
+    ``keep_kv``: the ring's forward keeps the K/V rows it received for its backward (which then
+    receives no K/V: memory for traffic, ``call_stats()["forward"]["kept_bytes"]``); None reads
+    CP_CACHE_KEEP_KV (default off). Needs the direct exchange.
 
     Call it after ``import torch_npu``: torch_npu's import replaces torch's CP dispatcher
     switches and its handler table, and cp_cache wraps what it finds.
     """
     global _registered
     config = resolve_config(policy, kernel=kernel, fused_merge=fused_merge, algorithm=algorithm, exchange=exchange,
-                            documents=documents)
+                            documents=documents, keep_kv=keep_kv)
     handlers = AttentionHandlers(config, _call_log)
     if not handlers.table():
         raise RuntimeError(
@@ -305,7 +309,7 @@ def context_parallel(
                         "(torch_npu imported late?); enabling again on top of them")
         enable(outer_config.policy, kernel=outer_config.kernel, fused_merge=outer_config.fused_merge,
                algorithm=algorithm or outer_config.algorithm, exchange=outer_config.exchange,
-               documents=outer_config.documents)
+               documents=outer_config.documents, keep_kv=outer_config.keep_kv)
     _active_meshes.append(mesh)
     try:
         if buffers:
@@ -329,4 +333,4 @@ def context_parallel(
         elif _registered is not None and _registered.handlers.config != outer_config:
             enable(outer_config.policy, kernel=outer_config.kernel, fused_merge=outer_config.fused_merge,
                    algorithm=outer_config.algorithm, exchange=outer_config.exchange,
-                   documents=outer_config.documents)
+                   documents=outer_config.documents, keep_kv=outer_config.keep_kv)

@@ -35,6 +35,7 @@ STACK_POLICY = "stack"
 POLICIES = (HANDLE_POLICY, STACK_POLICY)
 
 _PLAN_KEY = "plan"
+_KEPT = "+kept"  # a step record whose last two tensors are the K/V rows it received (keep_kv)
 
 
 def _step_tensors(step: RingStep) -> list:
@@ -54,7 +55,7 @@ def _cache_from_forward(plan: CallPlan, steps: list[RingStep]):
     cache = _C.default_store().create()
     cache.set_meta(_PLAN_KEY, plan.encode())
     for step in steps:
-        cache.add_step(step.part, _step_tensors(step))
+        cache.add_step(step.part + (_KEPT if step.kept else ""), _step_tensors(step) + list(step.kept))
     return cache
 
 
@@ -67,13 +68,16 @@ def steps_of(cache) -> list[RingStep]:
     """The forward's ring steps, in order."""
     steps = []
     for index, (part, tensors) in enumerate(cache.steps):
+        kept = ()
+        if part.endswith(_KEPT):
+            part, kept, tensors = part[:-len(_KEPT)], tuple(tensors[-2:]), tensors[:-2]
         if len(tensors) % 2:
             raise RuntimeError(
                 f"cp_cache: step {index} of cache {cache.id} holds {len(tensors)} tensors; a step record "
                 "holds a seed and an offset per kernel call, or nothing"
             )
         rng = tuple(zip(tensors[0::2], tensors[1::2]))
-        steps.append(RingStep(index=index, part=part, rng=rng))
+        steps.append(RingStep(index=index, part=part, rng=rng, kept=kept))
     return steps
 
 

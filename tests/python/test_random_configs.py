@@ -11,7 +11,7 @@ shard, across shards, beside the diagonal, the whole sequence), given masks (spa
 or 0 with a band) as [S, S] bool or uint8, [B, 1, S, S], [B, N, S, S] or sharded on the query
 dimension, with and without fully masked rows; torch's load balancing on and off; uneven
 shards; the algorithms ring / ulysses / hybrid (a 2 x 2 mesh at W = 4, 4 x 2 at W = 8) /
-auto; the exchanges "direct" and "ring"; attention sinks (a plain tensor or a replicated
+auto; the exchanges "direct" and "ring" (direct with and without keep_kv); attention sinks (a plain tensor or a replicated
 DTensor); dropout; float32 and bfloat16; the step kernels npu and reference, the fused and
 the float32 merge; both step-cache policies; eager or under torch.utils.checkpoint; the
 arguments by name or positionally.
@@ -111,6 +111,7 @@ class Draw:
     keep_prob: float = 1.0
     dtype: str = "float32"
     exchange: str = "direct"
+    keep_kv: bool = False  # the ring's forward keeps the K/V rows it received (direct exchange)
     policy: str = "handle"
     kernel: str = "npu"
     fused_merge: bool = True
@@ -168,7 +169,8 @@ class Draw:
             return "hybrid"
         return choose_algorithm(nq=self.nq, nkv=self.nkv, world=self.world, given_mask=self.given, batch=self.B,
                                 local_seq=self.S // self.world, head_dim=self.d,
-                                itemsize=torch.empty((), dtype=self.torch_dtype).element_size(), v_head_dim=self.dv)
+                                itemsize=torch.empty((), dtype=self.torch_dtype).element_size(), v_head_dim=self.dv,
+                                keep_kv=self.keep_kv)
 
     def __str__(self) -> str:
         base = Draw(self.seed, self.world)
@@ -307,6 +309,8 @@ def _draw(seed: int, world: int, **force) -> Draw:
              run=pick("run", ("eager", "checkpoint"), [4, 1]),
              sink="bad" if refusal == "sink_shape" else pick("sink", ("", "plain", "dtensor"), [4, 1, 1]))
     f.update(_draw_tnd(pick, rng, world, refusal) if tnd else _draw_dense(pick, rng, world, refusal, f))
+    # keep_kv from the seed, not the stream: every other dimension draws as before it existed
+    f["keep_kv"] = force.get("exchange", f["exchange"]) == "direct" and seed % 3 == 0
     return _settle(Draw(**{k: force.get(k, v) for k, v in f.items()}))
 
 
@@ -656,7 +660,7 @@ def _run_draw(draw: Draw, rank: int, mesh) -> dict:
     result: dict = {"error": None}
     documents = draw.placement if draw.placement in ("balanced", "head_tail") else None  # contiguous: lb off
     cp_cache.enable(draw.policy, kernel=draw.kernel, fused_merge=draw.fused_merge, algorithm=draw.algorithm,
-                    exchange=draw.exchange, documents=documents)
+                    exchange=draw.exchange, documents=documents, keep_kv=draw.keep_kv)
     _cp_options.enable_load_balance = draw.lb
     prob = _problem(draw)
     where = _Layout(draw, mesh)
@@ -689,8 +693,8 @@ def _run_draw(draw: Draw, rank: int, mesh) -> dict:
                     del cache
             stats = cp_cache.call_stats()
             result["forward"] = {n: stats["forward"][n] for n in ("bytes_sent", "bytes_received", "calls",
-                                                                  "fused_merge")}
-            result["between"] = {n: cp_cache.stats()[n] for n in ("live_entries", "stack_depth")}
+                                                                  "fused_merge", "kept_bytes")}
+            result["between"] = {n: cp_cache.stats()[n] for n in ("live_entries", "stack_depth", "live_bytes")}
             result["out"] = (str(outs[0].dtype), tuple(outs[0].shape), tuple(outs[0].placements))
             result["query"] = tuple(leaves[0].placements)
             outs[0].backward(dout)
@@ -733,7 +737,7 @@ def _keep_probe(draw: Draw, prob: dict, where: _Layout, leaves, sink, rank: int,
         kwargs["sink"] = sink.detach()
     config = cp_cache.active_config()  # the stack policy would keep this forward's entry: no backward follows
     cp_cache.enable("handle", kernel=config.kernel, fused_merge=config.fused_merge, algorithm=config.algorithm,
-                    exchange=config.exchange, documents=config.documents)
+                    exchange=config.exchange, documents=config.documents, keep_kv=config.keep_kv)
     v = probe.shard(onehot)
     torch.manual_seed(draw.seed)
     with torch.no_grad():
@@ -876,15 +880,24 @@ def _check_traffic(draw: Draw, per_rank: list[dict]) -> list[str]:
         sent, received = _rows_needed(draw)
         row = batch * draw.nkv * (draw.d + draw.dv) * item
         for r, res in enumerate(per_rank):
-            want = (sent[r] * row, received[r] * row, sent[r] * row + received[r] * row // item * 4)
+            # backward: the K/V rows again (unless the forward kept them) and the float32 partials back
+            want = (sent[r] * row, received[r] * row,
+                    (0 if draw.keep_kv else sent[r] * row) + received[r] * row // item * 4)
             have = (res["forward"]["bytes_sent"], res["forward"]["bytes_received"], res["backward"]["bytes_sent"])
             if have != want:
                 problems.append(f"rank {r}: (forward sent, forward received, backward sent) = {have}; the rows "
                                 f"other ranks need give {want}")
+            kept = res["forward"]["kept_bytes"]
+            if kept != (received[r] * row if draw.keep_kv else 0):
+                problems.append(f"rank {r}: call_stats kept_bytes={kept}, received {received[r] * row} "
+                                f"(keep_kv={draw.keep_kv})")
+            if draw.run == "eager" and res["between"]["live_bytes"] < kept:
+                problems.append(f"rank {r}: the store holds {res['between']['live_bytes']} bytes between forward "
+                                f"and backward, less than the {kept} kept")
     if draw.mask == "none" and not draw.mesh2d and not draw.tnd and not draw.uneven and resolved in ("ring", "ulysses"):
         expected = bytes_per_rank(resolved, nq=draw.nq, nkv=draw.nkv, world=draw.world, batch=batch,
                                   local_seq=draw.S // draw.world, head_dim=draw.d, itemsize=item,
-                                  v_head_dim=draw.dv, exchange=draw.exchange)
+                                  v_head_dim=draw.dv, exchange=draw.exchange, keep_kv=draw.keep_kv)
         for r, res in enumerate(per_rank):
             have = res["forward"]["bytes_sent"] + res["backward"]["bytes_sent"]
             if have != expected:
@@ -934,7 +947,7 @@ def _check(draw: Draw, per_rank: list[dict]) -> list[str]:
             problems.append(f"rank {r}: call_stats says fused_merge={res['forward']['fused_merge']}")
         if "algorithm" in res and res["algorithm"] != draw.resolved():
             problems.append(f"rank {r}: ran {res['algorithm']!r}, expected {draw.resolved()!r}")
-        between = res["between"]
+        between = {n: res["between"][n] for n in ("live_entries", "stack_depth")}
         if draw.run == "eager":  # the graph holds the handle, or the stack the entry
             want = {"live_entries": 1, "stack_depth": int(draw.policy == "stack")}
         elif draw.policy == "handle":  # the checkpoint dropped the forward's cache at once
@@ -983,7 +996,8 @@ def _known(draw: Draw, problems: list[str]) -> tuple[list[str], list[str], list[
 def _id(world: int, index: int, draw: Draw) -> str:
     what = draw.refusal or "-".join(filter(None, (
         draw.algorithm + ("2d" if draw.mesh2d else ""), draw.layout, draw.mask, "lb" if draw.lb else "",
-        "drop" if draw.keep_prob < 1 else "", "sink" if draw.sink else "", "ckpt" if draw.run != "eager" else "")))
+        "drop" if draw.keep_prob < 1 else "", "sink" if draw.sink else "", "keep" if draw.keep_kv else "",
+        "ckpt" if draw.run != "eager" else "")))
     return f"W{world}-{index:02d}-{what}"
 
 
@@ -1011,6 +1025,7 @@ def test_the_net_covers_the_space():
     want = {
         "world": set(WORLDS), "layout": set(L.ALL_LAYOUTS), "mask": {"none", "causal", "band", "given", "given_band"},
         "algorithm": {"ring", "ulysses", "hybrid", "auto"}, "exchange": {"direct", "ring"}, "lb": {True, False},
+        "keep_kv": {True, False},
         "sink": {"", "plain", "dtensor"}, "dtype": {"float32", "bfloat16"}, "kernel": {"npu", "reference"},
         "placement": {"", "balanced", "head_tail", "contiguous"}, "policy": {"handle", "stack"},
         "positional": {True, False}, "fused_merge": {True, False}, "mesh2d": {True, False},

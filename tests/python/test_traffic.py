@@ -8,6 +8,8 @@ exchanges: causal (contiguous and head-tail), full, windows (head-tail and conti
 both ways), given masks (a block-diagonal mask of 4 documents on contiguous shards, a random
 mask under head-tail, ``sparse_mode=0`` with a band), packed documents (TND, head-tail,
 contiguous, and the balanced placement's uneven local lengths) and the ring inside hybrid (2 x 2: causal, a window).
+Each case runs a third time with ``keep_kv`` (the direct exchange whose forward keeps the rows it
+received for its backward): the same results, and a backward that receives no K/V.
 
 The lower bound of rank r: the rows j it does not hold such that some query it holds may
 attend to j (the mask's [S, S] matrix at the rank's positions, laid out here independently of
@@ -139,7 +141,7 @@ def _inputs():
     return [torch.randn(B, N, S, D, generator=g, dtype=torch.float64).float().double() for _ in range(4)]
 
 
-def _plan(name: str, rank: int, exchange: str):
+def _plan(name: str, rank: int, exchange: str, keep_kv: bool = False):
     from cp_cache.testing.reference import ring_plan
 
     kind, f = CASES[name]
@@ -152,7 +154,7 @@ def _plan(name: str, rank: int, exchange: str):
         fields.update(algorithm="hybrid", cp_sizes=(2, 2))
     fields.setdefault("layout", "BNSD")
     return ring_plan(world_size=WORLD, rank=rank, head_num=N, scale=1.0 / math.sqrt(D), keep_prob=1.0,
-                     kernel="reference", exchange=exchange, **fields)
+                     kernel="reference", exchange=exchange, keep_kv=keep_kv, **fields)
 
 
 def _local(name: str, rank: int, full: list[torch.Tensor]) -> list[torch.Tensor]:
@@ -167,12 +169,12 @@ def _local(name: str, rank: int, full: list[torch.Tensor]) -> list[torch.Tensor]
     return local
 
 
-def _run(name: str, rank: int, exchange: str, groups, full) -> dict:
+def _run(name: str, rank: int, exchange: str, groups, full, keep_kv: bool = False) -> dict:
     from cp_cache.algorithms import run_backward, run_forward, strategy_for
     from cp_cache.cli.compare.patches import SentCounter
     from cp_cache.kernels import get_kernel
 
-    plan = _plan(name, rank, exchange)
+    plan = _plan(name, rank, exchange, keep_kv)
     q, k, v, dout = _local(name, rank, full)
     kind = CASES[name][0]
     mask = _masked(name).index_select(0, _positions(name, rank)) if kind == "given" else None
@@ -190,11 +192,13 @@ def _run(name: str, rank: int, exchange: str, groups, full) -> dict:
     counted = {d: (counter.by_phase.get(d, 0), counter.received_by_phase.get(d, 0)) for d in ("forward", "backward")}
     reported = {d: (r.bytes_sent, r.bytes_received, r.bytes_lower_bound, r.bytes_received_lower_bound)
                 for d, r in (("forward", fwd), ("backward", bwd))}
-    return dict(results=results, counted=counted, reported=reported)
+    kept = sum(t.nbytes for step in fwd.steps for t in step.kept)
+    return dict(results=results, counted=counted, reported=reported, kept=kept)
 
 
 def _check_case(name: str, rank: int, groups, full, ref, low) -> dict:
     direct, ring = (_run(name, rank, exchange, groups, full) for exchange in ("direct", "ring"))
+    keep = _run(name, rank, "direct", groups, full, keep_kv=True)
     pos = torch.arange(rank * S_LOCAL, (rank + 1) * S_LOCAL) if CASES[name][0] == "hybrid" \
         else _positions(name, rank)
     errors = {}
@@ -204,8 +208,10 @@ def _check_case(name: str, rank: int, groups, full, ref, low) -> dict:
         errors[key] = float((direct["results"][key].double() - want).abs().max() / scale)
         errors[f"{key}_dense"] = float((low[key].index_select(2, pos).double() - want).abs().max() / scale)
         errors[f"{key}_vs_ring"] = rel_err(direct["results"][key].double(), ring["results"][key].double())
+    same = all(torch.equal(keep["results"][key], direct["results"][key]) for key in GRADS)
     return dict(errors=errors, direct=dict(counted=direct["counted"], reported=direct["reported"]),
-                ring=dict(counted=ring["counted"], reported=ring["reported"]))
+                ring=dict(counted=ring["counted"], reported=ring["reported"]),
+                keep=dict(counted=keep["counted"], reported=keep["reported"], kept=keep["kept"], same=same))
 
 
 def _ranks(rank: int, world: int) -> dict:
@@ -306,3 +312,27 @@ def test_hybrid_ring_sends_no_more_than_the_whole_block_ring(name):
             assert direct[0] <= ring[0] and direct[1] <= ring[1], (name, rank, direction, direct, ring)
             less = less or direct[1] < ring[1]
     assert less, name
+
+
+def test_keep_kv_computes_what_the_direct_exchange_computes():
+    """The same kernels on the same rows: results identical to the direct exchange's, every case."""
+    for rank, res in enumerate(_results()):
+        for name in CASES:
+            assert res[name]["keep"]["same"], (name, rank)
+
+
+@pytest.mark.parametrize("name", [n for n in CASES if CASES[n][0] != "hybrid"])
+def test_keep_kv_backward_receives_no_kv(name):
+    """Counted at the torch.distributed level: the forward moves what the direct exchange's moves
+    and keeps exactly what it received; the backward moves the direct exchange's backward less its
+    K/V rows (the forward's bytes), i.e. only the dK/dV partials, which is what cp_cache reports
+    as its bound."""
+    for rank, res in enumerate(_results()):
+        direct, keep = res[name]["direct"]["counted"], res[name]["keep"]["counted"]
+        assert keep["forward"] == direct["forward"], (name, rank, keep, direct)
+        assert res[name]["keep"]["kept"] == direct["forward"][1], (name, rank, res[name]["keep"]["kept"], direct)
+        expected = tuple(b - f for b, f in zip(direct["backward"], direct["forward"]))
+        assert keep["backward"] == expected, (name, rank, keep["backward"], expected)
+        reported = res[name]["keep"]["reported"]["backward"]
+        assert keep["backward"] == reported[:2], (name, rank, keep["backward"], reported)
+        assert reported[3] == keep["backward"][1], (name, rank, reported)

@@ -37,7 +37,7 @@ from torch import Tensor
 from .. import layout as L
 from ..documents import check_documents, check_local_length, cumulative_lengths, document_pieces, local_lengths
 from ..engine.loop import (BackwardResult, ForwardResult, RingStep, backward_ring, check_backward_operands,
-                           check_keep_prob, check_step, check_steps, empty_outputs, forward_ring)
+                           check_keep_prob, check_step, check_steps, empty_outputs, forward_ring, kept_rows)
 from ..engine.steps import exchange_plan
 from ..engine.merge import merge_into
 from ..engine.transport import group_info, own_group
@@ -317,7 +317,8 @@ class PackedDocuments:
 
         steps, traffic, compute_s, wait_s, _ = forward_ring(k, v, L.seq_dim(L.TND), size - 1, compute,
                                                             _ready(plan, cu, agreement), group=group, rank=rank,
-                                                            size=size, direct=plan.exchange == "direct")
+                                                            size=size, direct=plan.exchange == "direct",
+                                                            keep=plan.keep_kv)
         log.debug("packed documents forward rank %d/%d: parts %s, %s", rank, size, [s.part for s in steps], traffic)
         return ForwardResult(out=acc_out.to(q.dtype), lse=acc_lse, steps=steps, compute_seconds=compute_s,
                              wait_seconds=wait_s, **traffic.fields())
@@ -347,7 +348,8 @@ class PackedDocuments:
 
         dk, dv, traffic, compute_s, wait_s, _ = backward_ring(k, v, L.seq_dim(L.TND), size - 1, compute, _add_rows,
                                                               _ready(plan, cu, agreement), group=group, rank=rank,
-                                                              size=size, direct=plan.exchange == "direct")
+                                                              size=size, direct=plan.exchange == "direct",
+                                                              kept=kept_rows(plan, steps))
         return BackwardResult(dq=dq.to(q.dtype), dk=dk.to(k.dtype), dv=dv.to(v.dtype), compute_seconds=compute_s,
                               wait_seconds=wait_s, **traffic.fields())
 

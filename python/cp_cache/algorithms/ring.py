@@ -47,6 +47,7 @@ from ..engine.loop import (
     check_steps,
     empty_outputs,
     forward_ring,
+    kept_rows,
 )
 from ..engine.merge import merge_into
 from ..engine.steps import BlockTask, exchange_plan, hops_needed, plan_step
@@ -165,7 +166,7 @@ class Ring:
 
         steps, traffic, compute_s, wait_s, lengths = forward_ring(
             k, v, seq_dim, _last_step(plan, checked.kv_len), compute, _ready(plan, agreement, group, mask), group=group,
-            rank=rank, size=size, direct=plan.exchange == "direct")
+            rank=rank, size=size, direct=plan.exchange == "direct", keep=plan.keep_kv)
         log.debug("ring forward rank %d/%d: parts %s, %s", rank, size, [s.part for s in steps], traffic)
         return ForwardResult(out=acc_out.to(q.dtype), lse=acc_lse, steps=steps, compute_seconds=compute_s,
                              wait_seconds=wait_s, lengths=lengths, **traffic.fields())
@@ -200,7 +201,7 @@ class Ring:
 
         dk, dv, traffic, compute_s, wait_s, lengths = backward_ring(
             k, v, seq_dim, _last_step(plan, checked.kv_len), compute, add_rows, _ready(plan, agreement, group, mask),
-            group=group, rank=rank, size=size, direct=plan.exchange == "direct")
+            group=group, rank=rank, size=size, direct=plan.exchange == "direct", kept=kept_rows(plan, steps))
         log.debug("ring backward rank %d/%d: %s", rank, size, traffic)
         return BackwardResult(dq=dq.to(q.dtype), dk=dk.to(k.dtype), dv=dv.to(v.dtype), compute_seconds=compute_s,
                               wait_seconds=wait_s, lengths=lengths, **traffic.fields())

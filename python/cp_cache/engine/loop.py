@@ -31,7 +31,8 @@ from ..plan import CallPlan
 from .steps import ExchangePlan
 from .transport import TAG_DKV, TAG_KV, Rotation, Transfer, join_once
 
-__all__ = ["RingStep", "ForwardResult", "BackwardResult", "Traffic", "forward_ring", "backward_ring", "check_steps",
+__all__ = ["RingStep", "ForwardResult", "BackwardResult", "Traffic", "forward_ring", "backward_ring", "kept_rows",
+           "check_steps",
            "check_step", "with_length", "empty_outputs", "check_qkv",
            "check_keep_prob", "check_backward_operands"]
 
@@ -41,6 +42,7 @@ class RingStep:
     index: int  # 0..W-1
     part: str  # one of engine.steps.PARTS
     rng: tuple = ()  # per kernel call of the step: (seed, offset) tensors, or () without
+    kept: tuple = ()  # keep_kv: the (K rows, V rows) this step received, kept for the backward
 
     def source_rank(self, rank: int, size: int) -> int:
         """The group rank whose K/V block this step used on ``rank`` of ``size``."""
@@ -114,8 +116,9 @@ def _row_bytes(k: Tensor, v: Tensor, seq_dim: int, itemsize: Optional[int] = Non
     return size(k) + size(v)
 
 
-def _bounds(traffic: Traffic, exchange: ExchangePlan, k: Tensor, v: Tensor, seq_dim: int, backward: bool) -> Traffic:
-    kv = _row_bytes(k, v, seq_dim)
+def _bounds(traffic: Traffic, exchange: ExchangePlan, k: Tensor, v: Tensor, seq_dim: int, backward: bool,
+            kv_kept: bool = False) -> Traffic:
+    kv = 0 if kv_kept else _row_bytes(k, v, seq_dim)  # a backward on kept rows moves no K/V
     traffic.sent_bound = exchange.rows_sent * kv
     traffic.received_bound = exchange.rows_received * kv
     if backward:  # the partials of the rows received go back in float32
@@ -181,9 +184,11 @@ class _KVDirect:
     serve every stage, as in the ring."""
 
     def __init__(self, k: Tensor, v: Tensor, lengths: list, seq_dim: int, exchange: ExchangePlan, *, group,
-                 rank: int, size: int):
+                 rank: int, size: int, keep: bool = False):
         if size > 1:
             join_once(group, k.device)
+        self._keep = keep  # keep each stage's received rows (``kept``): no buffer is reused
+        self.kept: dict[int, tuple] = {}
         self._own = [k.contiguous(), v.contiguous()]
         self.current = self._own
         self._plan = exchange.on(k.device)
@@ -234,7 +239,9 @@ class _KVDirect:
         received = transfer.wait()
         waited = time.perf_counter() - started
         block, buffered = self._block(received)
-        if self._buffered:
+        if self._keep and received:
+            self.kept[self._stage] = tuple(received)
+        if self._buffered and not self._keep:  # kept rows may live in a block buffer: none is reused
             self._spare = self.current
         self.current, self._buffered = block, buffered
         return waited
@@ -256,10 +263,47 @@ class _KVDirect:
             transfer.drain()
 
 
-def _kv_blocks(k: Tensor, v: Tensor, lengths: list, seq_dim: int, exchange: Optional[ExchangePlan], **where):
+class _KVKept(_KVDirect):
+    """The K/V blocks of a backward whose forward kept the rows it received (``keep_kv``): each
+    stage's block is rebuilt from those rows, nothing is sent or received."""
+
+    def __init__(self, k: Tensor, v: Tensor, lengths: list, seq_dim: int, exchange: ExchangePlan, kept: list,
+                 *, group, rank: int, size: int):
+        super().__init__(k, v, lengths, seq_dim, exchange, group=group, rank=rank, size=size)
+        self._kept = kept
+
+    def post_next(self, i: int, last: int) -> int:
+        stage = i + 1
+        if stage <= last:
+            self._stage = stage
+            rows = self._plan.recv[stage]
+            if rows.count and len(self._kept[stage]) != 2:
+                raise RuntimeError(f"keep_kv: the forward kept no K/V rows for ring step {stage}, whose block "
+                                   f"needs {rows.count} rows: the step records are not this call's")
+        return 0
+
+    def advance(self) -> float:
+        if self._stage == 0:
+            return 0.0
+        block, buffered = self._block(list(self._kept[self._stage]) if self._plan.recv[self._stage].count else [])
+        if self._buffered:
+            self._spare = self.current
+        self.current, self._buffered = block, buffered and self._plan.recv[self._stage].index is not None
+        self._stage = 0
+        return 0.0
+
+
+def _kv_blocks(k: Tensor, v: Tensor, lengths: list, seq_dim: int, exchange: Optional[ExchangePlan], *,
+               keep: bool = False, kept: Optional[list] = None, **where):
+    """Where each step's K/V block comes from: the ring (no exchange plan), the direct exchange
+    (keeping what it receives with ``keep``), or the rows a forward kept (``kept``, per step)."""
     if exchange is None:
+        if keep or kept is not None:
+            raise ValueError("keep_kv needs the direct exchange (exchange='direct')")
         return _KVTravel(k, v, lengths, seq_dim, **where)
-    return _KVDirect(k, v, lengths, seq_dim, exchange, **where)
+    if kept is not None:
+        return _KVKept(k, v, lengths, seq_dim, exchange, kept, **where)
+    return _KVDirect(k, v, lengths, seq_dim, exchange, keep=keep, **where)
 
 
 def _agreed_first(compute, ready, k: Tensor, v: Tensor):
@@ -274,14 +318,15 @@ def _agreed_first(compute, ready, k: Tensor, v: Tensor):
 
 
 def forward_ring(k: Tensor, v: Tensor, seq_dim: int, last: int, compute, ready, *, group, rank: int, size: int,
-                 direct: bool = True) -> tuple[list[RingStep], Traffic, float, float, list]:
+                 direct: bool = True, keep: bool = False) -> tuple[list[RingStep], Traffic, float, float, list]:
     """Steps 0..``last`` of a forward ring. ``compute(i, cur_k, cur_v) -> (part, rng)`` computes
     step i on the block it holds. Step 0 is this rank's own block; then ``ready() -> (every
     rank's (query, K/V) lengths, the direct exchange plan or None)`` waits for the ranks'
     agreement, and from stage 1 on the K/V rows each step needs arrive by the direct exchange
     (or, without a plan or not ``direct``, the whole blocks travel round the ring), each stage
-    posted before the previous step's compute. Returns (the step records, the traffic, compute
-    seconds, seconds blocked on a receive, the lengths)."""
+    posted before the previous step's compute. ``keep``: each step's record keeps the rows it
+    received (``RingStep.kept``, for a backward that does not fetch them again). Returns (the step
+    records, the traffic, compute seconds, seconds blocked on a receive, the lengths)."""
     steps: list[RingStep] = []
     traffic = Traffic()
     compute_s = wait_s = 0.0
@@ -293,13 +338,13 @@ def forward_ring(k: Tensor, v: Tensor, seq_dim: int, last: int, compute, ready, 
                 traffic.sent += kv.post_next(i, last)
             started = time.perf_counter()
             part, rng = compute(i, cur_k, cur_v) if kv is not None else _agreed_first(compute, ready, k, v)
-            steps.append(RingStep(index=i, part=part, rng=tuple(rng)))
+            steps.append(RingStep(index=i, part=part, rng=tuple(rng), kept=kv.kept.get(i, ()) if keep and kv else ()))
             compute_s += time.perf_counter() - started
             del cur_k, cur_v
             if kv is None:
                 lengths, exchange = ready()
-                kv = _kv_blocks(k, v, lengths, seq_dim, exchange if direct else None, group=group, rank=rank,
-                                size=size)
+                kv = _kv_blocks(k, v, lengths, seq_dim, exchange if direct else None, keep=keep, group=group,
+                                rank=rank, size=size)
                 traffic.sent += kv.post_next(0, last)
             wait_s += kv.advance()
     except BaseException:
@@ -429,14 +474,16 @@ class _GradReturns:
 
 
 def backward_ring(k: Tensor, v: Tensor, seq_dim: int, last: int, compute, add_rows, ready, *, group, rank: int,
-                  size: int, direct: bool = True) -> tuple[Tensor, Tensor, Traffic, float, float, list]:
+                  size: int, direct: bool = True, kept: Optional[list] = None
+                  ) -> tuple[Tensor, Tensor, Traffic, float, float, list]:
     """Steps 0..``last`` of a backward ring: step 0 and ``ready()`` as in ``forward_ring``, the
     K/V rows arriving as there; ``compute(i, cur_k, cur_v) -> [(where, dk, dv)]`` computes step
     i, whose gradients ``add_rows(accumulator, where, grad)`` adds into the held block's float32
     accumulators, which then go back to the block's owner (the direct exchange: the rows
     received, straight back; the ring: with their block, home after the last step). Returns
     (this rank's own block's dK and dV accumulators, the traffic, compute seconds, seconds
-    blocked on a receive, the lengths)."""
+    blocked on a receive, the lengths). ``kept``: per step, the K/V rows its forward kept
+    (``keep_kv``): the blocks are rebuilt from them and no K/V moves."""
     where = dict(group=group, rank=rank, size=size)
     kv = accumulators = lengths = exchange = None
     traffic = Traffic()
@@ -451,7 +498,7 @@ def backward_ring(k: Tensor, v: Tensor, seq_dim: int, last: int, compute, add_ro
             computed = time.perf_counter()
             if kv is None:
                 lengths, exchange = ready()
-                kv = _kv_blocks(k, v, lengths, seq_dim, exchange if direct else None, **where)
+                kv = _kv_blocks(k, v, lengths, seq_dim, exchange if direct else None, kept=kept, **where)
                 accumulators = (_GradReturns(k, v, seq_dim, exchange, **where) if direct and exchange is not None
                                 else _GradAccumulators(kv, **where))
                 traffic.sent += kv.post_next(0, last)
@@ -479,8 +526,14 @@ def backward_ring(k: Tensor, v: Tensor, seq_dim: int, last: int, compute, add_ro
     traffic.sent += accumulators.bytes_sent
     traffic.received = kv.received + accumulators.received
     if exchange is not None:
-        _bounds(traffic, exchange, k, v, seq_dim, backward=True)
+        _bounds(traffic, exchange, k, v, seq_dim, backward=True, kv_kept=kept is not None)
     return dk, dv, traffic, compute_s, wait_s, lengths
+
+
+def kept_rows(plan: CallPlan, steps: list[RingStep]) -> Optional[list]:
+    """A backward's ``kept`` argument of ``backward_ring``: the rows each step of a keep_kv forward
+    kept, else None (the backward receives them again)."""
+    return [step.kept for step in steps] if plan.keep_kv else None
 
 
 def check_steps(steps: list[RingStep], rank: int, size: int, expected: int) -> None:

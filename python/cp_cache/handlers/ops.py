@@ -197,6 +197,7 @@ class CallRecord:
     compute_seconds: float = 0.0  # inside the ring: kernels, merges, accumulation
     wait_seconds: float = 0.0  # inside the ring: blocked on receives (communication not hidden)
     fused_merge: bool = False  # forward: steps merged by npu_ring_attention_update
+    kept_bytes: int = 0  # forward, keep_kv: the K/V rows received and kept in the step cache
     calls: int = 0
 
     @property
@@ -234,6 +235,7 @@ class CallLog:
             record.compute_seconds = result.compute_seconds
             record.wait_seconds = result.wait_seconds
             record.fused_merge = fused_merge
+            record.kept_bytes = sum(t.nbytes for step in getattr(result, "steps", ()) for t in step.kept)
             record.calls += 1
 
     def set_handler_seconds(self, direction: str, started: float) -> None:
@@ -245,8 +247,8 @@ class CallLog:
     def snapshot(self) -> dict[str, dict]:
         """{"forward": {...}, "backward": {...}} with bytes_sent, bytes_received, their lower bounds
         (bytes_lower_bound, bytes_received_lower_bound), handler_seconds, ring_seconds,
-        overhead_seconds, compute_seconds, wait_seconds, exposed_fraction, fused_merge and
-        calls of each direction."""
+        overhead_seconds, compute_seconds, wait_seconds, exposed_fraction, fused_merge,
+        kept_bytes and calls of each direction."""
         with self._lock:
             return {
                 d: dict(asdict(r), overhead_seconds=r.overhead_seconds, exposed_fraction=r.exposed_fraction)
