@@ -41,6 +41,8 @@ EXCHANGE_ENV = "CP_CACHE_EXCHANGE"
 DOCUMENT_PLACEMENTS = (BALANCED, HEAD_TAIL)  # under load balancing; without it, contiguous
 DOCUMENTS_ENV = "CP_CACHE_DOCUMENTS"
 KEEP_KV_ENV = "CP_CACHE_KEEP_KV"
+GRAD_PARTIALS_ENV = "CP_CACHE_GRAD_PARTIALS"
+GRAD_PARTIALS = ("float32", "input")
 
 
 @dataclass(frozen=True)
@@ -63,6 +65,9 @@ class CPConfig:
     keep_kv: the ring's forward keeps the K/V rows it received (in the step cache) for its
         backward, which then receives no K/V and sends only the dK/dV partials: memory for
         traffic (the direct exchange only; Ulysses' all-to-alls keep nothing).
+    grad_partials: the dtype of the dK/dV partials the ring's backward sends back to their
+        owners: "float32" (default) or "input" (K/V's dtype: half the bytes in bf16/fp16, one
+        rounding per partial before the owner adds it in float32; the direct exchange only).
     """
 
     policy: str = HANDLE_POLICY
@@ -72,6 +77,7 @@ class CPConfig:
     exchange: str = "direct"
     documents: str = BALANCED
     keep_kv: bool = False
+    grad_partials: str = "float32"
 
     def __post_init__(self) -> None:
         _check_choice("exchange", self.exchange, EXCHANGES)
@@ -79,6 +85,10 @@ class CPConfig:
         if self.keep_kv and self.exchange != "direct":
             raise ValueError(f"keep_kv=True needs exchange='direct' (the rows each rank received are what it "
                              f"keeps), got exchange={self.exchange!r}")
+        _check_choice("grad_partials", self.grad_partials, GRAD_PARTIALS)
+        if self.grad_partials != "float32" and self.exchange != "direct":
+            raise ValueError(f"grad_partials={self.grad_partials!r} needs exchange='direct' (each partial goes "
+                             f"straight home, rounded once), got exchange={self.exchange!r}")
         _check_choice("policy", self.policy, POLICIES)
         if self.kernel is not None:
             _check_choice("kernel", self.kernel, KERNELS)
@@ -94,10 +104,11 @@ def _check_choice(name: str, value, choices: tuple, what: str = "") -> None:
 def resolve_config(policy: str | None = None, *, kernel: str | None = None,
                    fused_merge: bool | None = None, algorithm: str | None = None,
                    exchange: str | None = None, documents: str | None = None,
-                   keep_kv: bool | None = None) -> CPConfig:
+                   keep_kv: bool | None = None, grad_partials: str | None = None) -> CPConfig:
     """A CPConfig from explicit arguments, falling back on the environment (CP_CACHE_POLICY,
     CP_CACHE_FUSED_MERGE: "0" turns the fused merge off, CP_CACHE_ALGORITHM, CP_CACHE_EXCHANGE,
-    CP_CACHE_DOCUMENTS, CP_CACHE_KEEP_KV: "1" keeps the received K/V for the backward)."""
+    CP_CACHE_DOCUMENTS, CP_CACHE_KEEP_KV: "1" keeps the received K/V for the backward,
+    CP_CACHE_GRAD_PARTIALS: "float32" or "input")."""
     if exchange is None:
         exchange = _from_env(EXCHANGE_ENV, "direct", EXCHANGES, "exchange")
     if algorithm is None:
@@ -114,8 +125,10 @@ def resolve_config(policy: str | None = None, *, kernel: str | None = None,
         fused_merge = _flag_from_env(FUSED_MERGE_ENV, True)
     if keep_kv is None:
         keep_kv = _flag_from_env(KEEP_KV_ENV, False)
+    if grad_partials is None:
+        grad_partials = _from_env(GRAD_PARTIALS_ENV, "float32", GRAD_PARTIALS, "grad_partials")
     return CPConfig(policy=policy, kernel=kernel, fused_merge=fused_merge, algorithm=algorithm, exchange=exchange,
-                    documents=documents, keep_kv=keep_kv)
+                    documents=documents, keep_kv=keep_kv, grad_partials=grad_partials)
 
 
 def _flag_from_env(name: str, default: bool) -> bool:

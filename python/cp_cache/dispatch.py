@@ -26,6 +26,7 @@ and after the last CP exit the table before the first entry: the same entries, t
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 from typing import Callable, Iterator
 
@@ -170,9 +171,14 @@ _call_log = CALL_LOG
 _active_meshes: list = []
 
 
+def _enable_config(config: CPConfig) -> None:
+    """``enable`` with every field of ``config``."""
+    enable(**{f.name: getattr(config, f.name) for f in dataclasses.fields(config)})
+
+
 def enable(policy: str | None = None, *, kernel: str | None = None, fused_merge: bool | None = None,
            algorithm: str | None = None, exchange: str | None = None, documents: str | None = None,
-           keep_kv: bool | None = None) -> None:
+           keep_kv: bool | None = None, grad_partials: str | None = None) -> None:
     """Register the CP handlers for the NPU attention ops (idempotent; a new configuration
     replaces the handlers).
 
@@ -188,13 +194,16 @@ def enable(policy: str | None = None, *, kernel: str | None = None, fused_merge:
     ``keep_kv``: the ring's forward keeps the K/V rows it received for its backward (which then
     receives no K/V: memory for traffic, ``call_stats()["forward"]["kept_bytes"]``); None reads
     CP_CACHE_KEEP_KV (default off). Needs the direct exchange.
+    ``grad_partials``: the dtype of the dK/dV partials the ring's backward returns, "float32"
+    (default) or "input" (K/V's dtype: half the bytes in bf16/fp16, one rounding per partial;
+    docs/limits.md gives the error); None reads CP_CACHE_GRAD_PARTIALS. Needs the direct exchange.
 
     Call it after ``import torch_npu``: torch_npu's import replaces torch's CP dispatcher
     switches and its handler table, and cp_cache wraps what it finds.
     """
     global _registered
     config = resolve_config(policy, kernel=kernel, fused_merge=fused_merge, algorithm=algorithm, exchange=exchange,
-                            documents=documents, keep_kv=keep_kv)
+                            documents=documents, keep_kv=keep_kv, grad_partials=grad_partials)
     handlers = AttentionHandlers(config, _call_log)
     if not handlers.table():
         raise RuntimeError(
@@ -307,9 +316,7 @@ def context_parallel(
         if not _registered.hooked():
             log.warning("cp_cache: torch's CP dispatcher switches were replaced after cp_cache.enable() "
                         "(torch_npu imported late?); enabling again on top of them")
-        enable(outer_config.policy, kernel=outer_config.kernel, fused_merge=outer_config.fused_merge,
-               algorithm=algorithm or outer_config.algorithm, exchange=outer_config.exchange,
-               documents=outer_config.documents, keep_kv=outer_config.keep_kv)
+        _enable_config(dataclasses.replace(outer_config, algorithm=algorithm or outer_config.algorithm))
     _active_meshes.append(mesh)
     try:
         if buffers:
@@ -331,6 +338,4 @@ def context_parallel(
         if not was_enabled:
             disable()
         elif _registered is not None and _registered.handlers.config != outer_config:
-            enable(outer_config.policy, kernel=outer_config.kernel, fused_merge=outer_config.fused_merge,
-                   algorithm=outer_config.algorithm, exchange=outer_config.exchange,
-                   documents=outer_config.documents, keep_kv=outer_config.keep_kv)
+            _enable_config(outer_config)

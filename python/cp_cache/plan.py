@@ -109,6 +109,8 @@ class CallPlan:
         custom ops, ``handlers/ops.py``; the strategies never see them).
     keep_kv: the ring's forward keeps the K/V rows it received (in its step records) and its
         backward uses them instead of receiving them again (the direct exchange only).
+    grad_partials: "float32" or "input": the dtype of the dK/dV partials the ring's backward
+        returns to their owners (the direct exchange only).
     """
 
     world_size: int
@@ -128,12 +130,18 @@ class CallPlan:
     exchange: str = "direct"
     sink: bool = False
     keep_kv: bool = False
+    grad_partials: str = "float32"
 
     def __post_init__(self):
         if self.exchange not in EXCHANGES:
             raise ValueError(f"exchange={self.exchange!r} is not a cp_cache exchange; use one of {EXCHANGES}")
         if self.keep_kv and self.exchange != "direct":
             raise ValueError(f"keep_kv=True needs exchange='direct', got exchange={self.exchange!r}")
+        if self.grad_partials not in ("float32", "input"):
+            raise ValueError(f"grad_partials={self.grad_partials!r}: use 'float32' or 'input'")
+        if self.grad_partials != "float32" and self.exchange != "direct":
+            raise ValueError(f"grad_partials={self.grad_partials!r} needs exchange='direct', got "
+                             f"exchange={self.exchange!r}")
         if self.cp_sizes and math.prod(self.cp_sizes) != self.world_size:
             raise ValueError(f"cp_sizes={self.cp_sizes} do not multiply to world_size={self.world_size}")
 
@@ -282,7 +290,7 @@ def ulysses_degree(algorithm: str, cp_sizes: Sequence[int]) -> int:
 
 def bytes_per_rank(algorithm: str, *, nq: int, nkv: int, world: int, batch: int, local_seq: int,
                    head_dim: int, itemsize: int, v_head_dim: Optional[int] = None,
-                   exchange: str = "direct", keep_kv: bool = False) -> int:
+                   exchange: str = "direct", keep_kv: bool = False, grad_partials: str = "float32") -> int:
     """Bytes one rank sends for one attention call, forward plus backward, with full attention
     (what ``call_stats()`` reports; other masks let the direct exchange send less). ``head_dim``:
     Q/K's head size; ``v_head_dim``: V's (MLA; default Q/K's), the head size of V, the output,
@@ -290,7 +298,8 @@ def bytes_per_rank(algorithm: str, *, nq: int, nkv: int, world: int, batch: int,
 
     ring: forward W-1 K/V blocks; backward W-1 K/V blocks (none with ``keep_kv``: the forward kept
     them) and W-1 float32 dK/dV blocks (each partial straight back to its owner;
-    ``exchange="ring"``: W, the accumulators travel home).
+    ``exchange="ring"``: W, the accumulators travel home; ``grad_partials="input"``: at the
+    input's itemsize).
     ulysses: the (W-1)/W share not kept of q, k, v (K/V repeated when Nkv < W) and of the
     output and LSE (forward); of q, k, v, output, output gradient, LSE, and dq, dk, dv
     (backward; dk, dv in float32 when K/V heads are repeated).
@@ -303,7 +312,7 @@ def bytes_per_rank(algorithm: str, *, nq: int, nkv: int, world: int, batch: int,
     if algorithm == "ring":
         returns = world if exchange == "ring" else world - 1
         fetches = 1 if keep_kv else 2  # the forward's, and the backward's unless kept
-        return fetches * (world - 1) * kv * itemsize + returns * kv * 4
+        return fetches * (world - 1) * kv * itemsize + returns * kv * (itemsize if grad_partials == "input" else 4)
     if algorithm == "ulysses":
         split = head_plan(nq, nkv, world)
         kv_sent = nkv * split.kv_repeats * (qk_token + v_token)
@@ -319,7 +328,7 @@ def bytes_per_rank(algorithm: str, *, nq: int, nkv: int, world: int, batch: int,
 
 def choose_algorithm(*, nq: int, nkv: int, world: int, given_mask: bool, batch: int = 1, local_seq: int = 1,
                      head_dim: int = 128, itemsize: int = 2, v_head_dim: Optional[int] = None,
-                     keep_kv: bool = False) -> str:
+                     keep_kv: bool = False, grad_partials: str = "float32") -> str:
     """What ``algorithm="auto"`` runs on one CP mesh dimension of ``world`` ranks.
 
     Ulysses when its head split exists (N and Nkv as ``head_plan`` needs), the mask is not a
@@ -328,7 +337,8 @@ def choose_algorithm(*, nq: int, nkv: int, world: int, given_mask: bool, batch: 
     the small LSE, only the head counts and W matter); the ring otherwise, ties included (the
     ring hides its transfers behind the step kernels, Ulysses' all-to-alls are not hidden).
     For MHA that is Ulysses from W = 2 up (the ring's backward sends W-1 float32 dK/dV blocks);
-    for GQA with few K/V heads, the ring. ``keep_kv``: the ring's backward receives no K/V.
+    for GQA with few K/V heads, the ring. ``keep_kv``, ``grad_partials``: as the ring will run
+    (``bytes_per_rank``).
     """
     if world == 1 or given_mask:
         return "ring"
@@ -338,5 +348,5 @@ def choose_algorithm(*, nq: int, nkv: int, world: int, given_mask: bool, batch: 
         return "ring"
     shape = dict(nq=nq, nkv=nkv, world=world, batch=batch, local_seq=local_seq, head_dim=head_dim,
                  itemsize=itemsize, v_head_dim=v_head_dim)
-    ring = bytes_per_rank("ring", **shape, keep_kv=keep_kv)
+    ring = bytes_per_rank("ring", **shape, keep_kv=keep_kv, grad_partials=grad_partials)
     return "ulysses" if bytes_per_rank("ulysses", **shape) < ring else "ring"

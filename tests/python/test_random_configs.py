@@ -11,7 +11,8 @@ shard, across shards, beside the diagonal, the whole sequence), given masks (spa
 or 0 with a band) as [S, S] bool or uint8, [B, 1, S, S], [B, N, S, S] or sharded on the query
 dimension, with and without fully masked rows; torch's load balancing on and off; uneven
 shards; the algorithms ring / ulysses / hybrid (a 2 x 2 mesh at W = 4, 4 x 2 at W = 8) /
-auto; the exchanges "direct" and "ring" (direct with and without keep_kv); attention sinks (a plain tensor or a replicated
+auto; the exchanges "direct" and "ring" (direct with and without keep_kv, dK/dV partials in float32
+or the input dtype); attention sinks (a plain tensor or a replicated
 DTensor); dropout; float32 and bfloat16; the step kernels npu and reference, the fused and
 the float32 merge; both step-cache policies; eager or under torch.utils.checkpoint; the
 arguments by name or positionally.
@@ -112,6 +113,7 @@ class Draw:
     dtype: str = "float32"
     exchange: str = "direct"
     keep_kv: bool = False  # the ring's forward keeps the K/V rows it received (direct exchange)
+    grad_partials: str = "float32"  # or "input": the dK/dV partials go home in the input dtype
     policy: str = "handle"
     kernel: str = "npu"
     fused_merge: bool = True
@@ -170,7 +172,7 @@ class Draw:
         return choose_algorithm(nq=self.nq, nkv=self.nkv, world=self.world, given_mask=self.given, batch=self.B,
                                 local_seq=self.S // self.world, head_dim=self.d,
                                 itemsize=torch.empty((), dtype=self.torch_dtype).element_size(), v_head_dim=self.dv,
-                                keep_kv=self.keep_kv)
+                                keep_kv=self.keep_kv, grad_partials=self.grad_partials)
 
     def __str__(self) -> str:
         base = Draw(self.seed, self.world)
@@ -310,7 +312,9 @@ def _draw(seed: int, world: int, **force) -> Draw:
              sink="bad" if refusal == "sink_shape" else pick("sink", ("", "plain", "dtensor"), [4, 1, 1]))
     f.update(_draw_tnd(pick, rng, world, refusal) if tnd else _draw_dense(pick, rng, world, refusal, f))
     # keep_kv from the seed, not the stream: every other dimension draws as before it existed
-    f["keep_kv"] = force.get("exchange", f["exchange"]) == "direct" and seed % 3 == 0
+    direct = force.get("exchange", f["exchange"]) == "direct"
+    f["keep_kv"] = direct and seed % 3 == 0
+    f["grad_partials"] = "input" if direct and seed // 3 % 2 else "float32"
     return _settle(Draw(**{k: force.get(k, v) for k, v in f.items()}))
 
 
@@ -660,7 +664,8 @@ def _run_draw(draw: Draw, rank: int, mesh) -> dict:
     result: dict = {"error": None}
     documents = draw.placement if draw.placement in ("balanced", "head_tail") else None  # contiguous: lb off
     cp_cache.enable(draw.policy, kernel=draw.kernel, fused_merge=draw.fused_merge, algorithm=draw.algorithm,
-                    exchange=draw.exchange, documents=documents, keep_kv=draw.keep_kv)
+                    exchange=draw.exchange, documents=documents, keep_kv=draw.keep_kv,
+                    grad_partials=draw.grad_partials)
     _cp_options.enable_load_balance = draw.lb
     prob = _problem(draw)
     where = _Layout(draw, mesh)
@@ -737,7 +742,8 @@ def _keep_probe(draw: Draw, prob: dict, where: _Layout, leaves, sink, rank: int,
         kwargs["sink"] = sink.detach()
     config = cp_cache.active_config()  # the stack policy would keep this forward's entry: no backward follows
     cp_cache.enable("handle", kernel=config.kernel, fused_merge=config.fused_merge, algorithm=config.algorithm,
-                    exchange=config.exchange, documents=config.documents, keep_kv=config.keep_kv)
+                    exchange=config.exchange, documents=config.documents, keep_kv=config.keep_kv,
+                    grad_partials=config.grad_partials)
     v = probe.shard(onehot)
     torch.manual_seed(draw.seed)
     with torch.no_grad():
@@ -881,8 +887,9 @@ def _check_traffic(draw: Draw, per_rank: list[dict]) -> list[str]:
         row = batch * draw.nkv * (draw.d + draw.dv) * item
         for r, res in enumerate(per_rank):
             # backward: the K/V rows again (unless the forward kept them) and the float32 partials back
+            partial = item if draw.grad_partials == "input" else 4
             want = (sent[r] * row, received[r] * row,
-                    (0 if draw.keep_kv else sent[r] * row) + received[r] * row // item * 4)
+                    (0 if draw.keep_kv else sent[r] * row) + received[r] * row // item * partial)
             have = (res["forward"]["bytes_sent"], res["forward"]["bytes_received"], res["backward"]["bytes_sent"])
             if have != want:
                 problems.append(f"rank {r}: (forward sent, forward received, backward sent) = {have}; the rows "
@@ -897,7 +904,8 @@ def _check_traffic(draw: Draw, per_rank: list[dict]) -> list[str]:
     if draw.mask == "none" and not draw.mesh2d and not draw.tnd and not draw.uneven and resolved in ("ring", "ulysses"):
         expected = bytes_per_rank(resolved, nq=draw.nq, nkv=draw.nkv, world=draw.world, batch=batch,
                                   local_seq=draw.S // draw.world, head_dim=draw.d, itemsize=item,
-                                  v_head_dim=draw.dv, exchange=draw.exchange, keep_kv=draw.keep_kv)
+                                  v_head_dim=draw.dv, exchange=draw.exchange, keep_kv=draw.keep_kv,
+                                  grad_partials=draw.grad_partials)
         for r, res in enumerate(per_rank):
             have = res["forward"]["bytes_sent"] + res["backward"]["bytes_sent"]
             if have != expected:
@@ -997,6 +1005,7 @@ def _id(world: int, index: int, draw: Draw) -> str:
     what = draw.refusal or "-".join(filter(None, (
         draw.algorithm + ("2d" if draw.mesh2d else ""), draw.layout, draw.mask, "lb" if draw.lb else "",
         "drop" if draw.keep_prob < 1 else "", "sink" if draw.sink else "", "keep" if draw.keep_kv else "",
+        "partials16" if draw.grad_partials == "input" and draw.dtype != "float32" else "",
         "ckpt" if draw.run != "eager" else "")))
     return f"W{world}-{index:02d}-{what}"
 
@@ -1025,7 +1034,7 @@ def test_the_net_covers_the_space():
     want = {
         "world": set(WORLDS), "layout": set(L.ALL_LAYOUTS), "mask": {"none", "causal", "band", "given", "given_band"},
         "algorithm": {"ring", "ulysses", "hybrid", "auto"}, "exchange": {"direct", "ring"}, "lb": {True, False},
-        "keep_kv": {True, False},
+        "keep_kv": {True, False}, "grad_partials": {"float32", "input"},
         "sink": {"", "plain", "dtensor"}, "dtype": {"float32", "bfloat16"}, "kernel": {"npu", "reference"},
         "placement": {"", "balanced", "head_tail", "contiguous"}, "policy": {"handle", "stack"},
         "positional": {True, False}, "fused_merge": {True, False}, "mesh2d": {True, False},

@@ -37,7 +37,8 @@ from torch import Tensor
 from .. import layout as L
 from ..documents import check_documents, check_local_length, cumulative_lengths, document_pieces, local_lengths
 from ..engine.loop import (BackwardResult, ForwardResult, RingStep, backward_ring, check_backward_operands,
-                           check_keep_prob, check_step, check_steps, empty_outputs, forward_ring, kept_rows)
+                           check_keep_prob, check_step, check_steps, empty_outputs, forward_ring, kept_rows,
+                           partials_dtype)
 from ..engine.steps import exchange_plan
 from ..engine.merge import merge_into
 from ..engine.transport import group_info, own_group
@@ -349,7 +350,8 @@ class PackedDocuments:
         dk, dv, traffic, compute_s, wait_s, _ = backward_ring(k, v, L.seq_dim(L.TND), size - 1, compute, _add_rows,
                                                               _ready(plan, cu, agreement), group=group, rank=rank,
                                                               size=size, direct=plan.exchange == "direct",
-                                                              kept=kept_rows(plan, steps))
+                                                              kept=kept_rows(plan, steps),
+                                                              partials=partials_dtype(plan, k))
         return BackwardResult(dq=dq.to(q.dtype), dk=dk.to(k.dtype), dv=dv.to(v.dtype), compute_seconds=compute_s,
                               wait_seconds=wait_s, **traffic.fields())
 

@@ -48,6 +48,7 @@ from ..engine.loop import (
     empty_outputs,
     forward_ring,
     kept_rows,
+    partials_dtype,
 )
 from ..engine.merge import merge_into
 from ..engine.steps import BlockTask, exchange_plan, hops_needed, plan_step
@@ -201,7 +202,8 @@ class Ring:
 
         dk, dv, traffic, compute_s, wait_s, lengths = backward_ring(
             k, v, seq_dim, _last_step(plan, checked.kv_len), compute, add_rows, _ready(plan, agreement, group, mask),
-            group=group, rank=rank, size=size, direct=plan.exchange == "direct", kept=kept_rows(plan, steps))
+            group=group, rank=rank, size=size, direct=plan.exchange == "direct", kept=kept_rows(plan, steps),
+            partials=partials_dtype(plan, k))
         log.debug("ring backward rank %d/%d: %s", rank, size, traffic)
         return BackwardResult(dq=dq.to(q.dtype), dk=dk.to(k.dtype), dv=dv.to(v.dtype), compute_seconds=compute_s,
                               wait_seconds=wait_s, lengths=lengths, **traffic.fields())

@@ -32,6 +32,7 @@ from .steps import ExchangePlan
 from .transport import TAG_DKV, TAG_KV, Rotation, Transfer, join_once
 
 __all__ = ["RingStep", "ForwardResult", "BackwardResult", "Traffic", "forward_ring", "backward_ring", "kept_rows",
+           "partials_dtype",
            "check_steps",
            "check_step", "with_length", "empty_outputs", "check_qkv",
            "check_keep_prob", "check_backward_operands"]
@@ -117,12 +118,12 @@ def _row_bytes(k: Tensor, v: Tensor, seq_dim: int, itemsize: Optional[int] = Non
 
 
 def _bounds(traffic: Traffic, exchange: ExchangePlan, k: Tensor, v: Tensor, seq_dim: int, backward: bool,
-            kv_kept: bool = False) -> Traffic:
+            kv_kept: bool = False, partial_itemsize: int = 4) -> Traffic:
     kv = 0 if kv_kept else _row_bytes(k, v, seq_dim)  # a backward on kept rows moves no K/V
     traffic.sent_bound = exchange.rows_sent * kv
     traffic.received_bound = exchange.rows_received * kv
-    if backward:  # the partials of the rows received go back in float32
-        grad = _row_bytes(k, v, seq_dim, 4)
+    if backward:  # the partials of the rows received go back (float32, or K/V's dtype)
+        grad = _row_bytes(k, v, seq_dim, partial_itemsize)
         traffic.sent_bound += exchange.rows_received * grad
         traffic.received_bound += exchange.rows_sent * grad
     return traffic
@@ -409,8 +410,10 @@ class _GradReturns:
     partials rank r+i computed for the rows it received of this rank's block come in and are
     added (waited for after the next step)."""
 
-    def __init__(self, k: Tensor, v: Tensor, seq_dim: int, exchange: ExchangePlan, group, rank: int, size: int):
+    def __init__(self, k: Tensor, v: Tensor, seq_dim: int, exchange: ExchangePlan, group, rank: int, size: int,
+                 partials: torch.dtype = torch.float32):
         self._own = tuple(torch.zeros(t.shape, dtype=torch.float32, device=t.device) for t in (k, v))
+        self._partials_dtype = partials  # what the partials travel in (added in float32 at home)
         self._plan, self._dim = exchange.on(k.device), seq_dim
         self._group, self._rank, self._size = group, rank, size
         self._pending: Optional[tuple[Transfer, int]] = None
@@ -437,10 +440,10 @@ class _GradReturns:
         if i == 0:
             return waited
         back, coming = self._plan.recv[i], self._plan.send[i]
-        sending = [t if back.index is None else t.index_select(self._dim, back.index)
+        sending = [(t if back.index is None else t.index_select(self._dim, back.index)).to(self._partials_dtype)
                    for t in held] if back.count else []
-        receiving = [torch.empty(with_length(t, self._dim, coming.count), dtype=torch.float32, device=t.device)
-                     for t in self._own] if coming.count else []
+        receiving = [torch.empty(with_length(t, self._dim, coming.count), dtype=self._partials_dtype,
+                                 device=t.device) for t in self._own] if coming.count else []
         transfer = Transfer(sending, (self._rank - i) % self._size, receiving, (self._rank + i) % self._size,
                             self._group, TAG_DKV)
         self.bytes_sent += transfer.nbytes
@@ -460,7 +463,7 @@ class _GradReturns:
             if rows.index is None:
                 acc.add_(got)
             else:
-                acc.index_add_(self._dim, rows.index, got)
+                acc.index_add_(self._dim, rows.index, got.float())
         return waited
 
     def drain(self) -> None:
@@ -474,8 +477,8 @@ class _GradReturns:
 
 
 def backward_ring(k: Tensor, v: Tensor, seq_dim: int, last: int, compute, add_rows, ready, *, group, rank: int,
-                  size: int, direct: bool = True, kept: Optional[list] = None
-                  ) -> tuple[Tensor, Tensor, Traffic, float, float, list]:
+                  size: int, direct: bool = True, kept: Optional[list] = None,
+                  partials: torch.dtype = torch.float32) -> tuple[Tensor, Tensor, Traffic, float, float, list]:
     """Steps 0..``last`` of a backward ring: step 0 and ``ready()`` as in ``forward_ring``, the
     K/V rows arriving as there; ``compute(i, cur_k, cur_v) -> [(where, dk, dv)]`` computes step
     i, whose gradients ``add_rows(accumulator, where, grad)`` adds into the held block's float32
@@ -483,7 +486,8 @@ def backward_ring(k: Tensor, v: Tensor, seq_dim: int, last: int, compute, add_ro
     received, straight back; the ring: with their block, home after the last step). Returns
     (this rank's own block's dK and dV accumulators, the traffic, compute seconds, seconds
     blocked on a receive, the lengths). ``kept``: per step, the K/V rows its forward kept
-    (``keep_kv``): the blocks are rebuilt from them and no K/V moves."""
+    (``keep_kv``): the blocks are rebuilt from them and no K/V moves. ``partials``: the dtype the
+    direct exchange returns the dK/dV partials in."""
     where = dict(group=group, rank=rank, size=size)
     kv = accumulators = lengths = exchange = None
     traffic = Traffic()
@@ -499,8 +503,8 @@ def backward_ring(k: Tensor, v: Tensor, seq_dim: int, last: int, compute, add_ro
             if kv is None:
                 lengths, exchange = ready()
                 kv = _kv_blocks(k, v, lengths, seq_dim, exchange if direct else None, kept=kept, **where)
-                accumulators = (_GradReturns(k, v, seq_dim, exchange, **where) if direct and exchange is not None
-                                else _GradAccumulators(kv, **where))
+                accumulators = (_GradReturns(k, v, seq_dim, exchange, partials=partials, **where)
+                                if direct and exchange is not None else _GradAccumulators(kv, **where))
                 traffic.sent += kv.post_next(0, last)
             ready_at = time.perf_counter()
             held = accumulators.for_block(i, cur_k, cur_v)
@@ -526,8 +530,14 @@ def backward_ring(k: Tensor, v: Tensor, seq_dim: int, last: int, compute, add_ro
     traffic.sent += accumulators.bytes_sent
     traffic.received = kv.received + accumulators.received
     if exchange is not None:
-        _bounds(traffic, exchange, k, v, seq_dim, backward=True, kv_kept=kept is not None)
+        _bounds(traffic, exchange, k, v, seq_dim, backward=True, kv_kept=kept is not None,
+                partial_itemsize=torch.empty((), dtype=partials).element_size())
     return dk, dv, traffic, compute_s, wait_s, lengths
+
+
+def partials_dtype(plan: CallPlan, k: Tensor) -> torch.dtype:
+    """The dtype a backward's dK/dV partials travel home in (``plan.grad_partials``)."""
+    return k.dtype if plan.grad_partials == "input" else torch.float32
 
 
 def kept_rows(plan: CallPlan, steps: list[RingStep]) -> Optional[list]:

@@ -148,7 +148,7 @@ def read_call(a: dict[str, Any], cp: CPConfig, *, backward: bool = False) -> Cal
     global_seq = a["query"].size(L.seq_dim(layout))
     spec = spec.simplified(global_seq)
     algorithm = (_backward_algorithm(cp.algorithm, spec, sharding) if backward
-                 else _algorithm(a, layout, spec, sharding, cp.algorithm, cp.keep_kv))
+                 else _algorithm(a, layout, spec, sharding, cp))
     # positions matter for every mask but none: the local shards are head-tail when torch's
     # CP load balancing is on
     load_balance = spec.positional and L.load_balance_enabled()
@@ -186,7 +186,7 @@ def _execution(cp: CPConfig) -> dict:
     """The step kernel, the merge and the ring's exchange this process runs with (the kernel by
     default "npu": the handler serves that op, so it exists, real or emulated)."""
     return dict(kernel=cp.kernel or "npu", fused_merge=cp.fused_merge and fused_merge_available(),
-                exchange=cp.exchange, keep_kv=cp.keep_kv)
+                exchange=cp.exchange, keep_kv=cp.keep_kv, grad_partials=cp.grad_partials)
 
 
 def _backward_algorithm(configured: str, spec: MaskSpec, sharding: CPSharding) -> str:
@@ -201,10 +201,10 @@ def _backward_algorithm(configured: str, spec: MaskSpec, sharding: CPSharding) -
     return "ring" if spec.given else "auto"
 
 
-def _algorithm(a: dict[str, Any], layout: str, spec: MaskSpec, sharding: CPSharding, configured: str,
-               keep_kv: bool) -> str:
-    """The algorithm this call runs (``configured``, "auto" resolved by the local head counts and
-    whether the ring keeps its K/V for the backward)."""
+def _algorithm(a: dict[str, Any], layout: str, spec: MaskSpec, sharding: CPSharding, cp: CPConfig) -> str:
+    """The algorithm this call runs (the configured one, "auto" resolved by the local head counts
+    and what the ring's backward would move: ``keep_kv``, ``grad_partials``)."""
+    configured = cp.algorithm
     if configured != "auto":
         return resolve_algorithm(configured, sharding, nq=0, nkv=0, given_mask=spec.given)
     q, k, v = (a[n].to_local() for n in _QKV)
@@ -215,7 +215,8 @@ def _algorithm(a: dict[str, Any], layout: str, spec: MaskSpec, sharding: CPShard
     local_seq = a["query"].size(L.seq_dim(layout)) // sharding.size
     return resolve_algorithm(configured, sharding, nq=nq, nkv=nkv, given_mask=spec.given,
                              batch=qd.batch, local_seq=local_seq, head_dim=qd.head_dim, itemsize=q.element_size(),
-                             v_head_dim=L.value_head_dim(v, layout, nkv), keep_kv=keep_kv)
+                             v_head_dim=L.value_head_dim(v, layout, nkv), keep_kv=cp.keep_kv,
+                             grad_partials=cp.grad_partials)
 
 
 def _mask_rows(a: dict[str, Any], plan: CallPlan) -> Optional[Tensor]:
@@ -393,7 +394,7 @@ def resolve_algorithm(configured: str, sharding: CPSharding, *, nq: int, nkv: in
                       **shape: int) -> str:
     """The algorithm a call runs: the configured one, or for "auto" hybrid on two CP dimensions
     and ``plan.choose_algorithm`` on one (``shape``: batch, local_seq, head_dim, itemsize,
-    v_head_dim, keep_kv); NotImplementedError for one that cannot run on these CP dimensions."""
+    v_head_dim, keep_kv, grad_partials); NotImplementedError for one that cannot run on these CP dimensions."""
     count = len(sharding.cp_dims)
     if configured == "auto":
         configured = "hybrid" if count == 2 else choose_algorithm(nq=nq, nkv=nkv, world=sharding.size,
