@@ -1,5 +1,7 @@
 """The ``accuracy`` section of ``python -m cp_cache bench``: max error of the output and the
-gradients of one causal head-tail call against a float64 dense reference, fp32 and bf16, against W."""
+gradients of one causal head-tail call against a float64 dense reference, fp32, bf16 and fp16,
+against W; in bf16 and fp16 also with the dK/dV partials returned in the input dtype
+(``enable(grad_partials="input")``) beside float32 partials."""
 
 from __future__ import annotations
 
@@ -19,19 +21,28 @@ def accuracy_rank(plan: dict, rank: int, world_size: int, mesh) -> list[dict]:
 
     a = plan["attn"]
     rows = []
-    cp_cache.enable(policy="handle")
-    with cp_cache.context_parallel(mesh):
-        for dtype in (torch.float32, torch.bfloat16):
+    runs = [(torch.float32, "float32")] + [(dtype, partials) for dtype in (torch.bfloat16, torch.float16)
+                                          for partials in ("float32", "input")[:2 if world_size > 1 else 1]]
+    float32_partials = {}  # dtype: the gradients with float32 partials
+    for dtype, partials in runs:
+        cp_cache.enable(policy="handle", grad_partials=partials)
+        with cp_cache.context_parallel(mesh):
             got, (q, k, v, dy) = attention_call(a, a["heads"], dtype, mesh, world_size, seed=123)
-            if rank != 0:
-                continue
-            ref = dense_attention(q, k, v, dy, causal=True)
-            errors = {}
-            for name, x in zip(_NAMES, got):
-                diff = (x.double() - ref[name]).abs()
-                errors[f"{name}_max_abs"] = float(diff.max())
-                errors[f"{name}_rel"] = float(diff.norm() / ref[name].norm())
-            rows.append(dict(world_size=world_size, dtype=str(dtype).replace("torch.", ""), **errors))
+        if rank != 0:
+            continue
+        ref = dense_attention(q, k, v, dy, causal=True)
+        errors = {}
+        for name, x in zip(_NAMES, got):
+            diff = (x.double() - ref[name]).abs()
+            errors[f"{name}_max_abs"] = float(diff.max())
+            errors[f"{name}_rel"] = float(diff.norm() / ref[name].norm())
+        if partials == "float32":
+            float32_partials[dtype] = got
+        else:  # how far the input-dtype partials move dK/dV from the float32 partials' result
+            errors.update({f"{name}_vs_float32_partials": float((x.double() - y.double()).norm() / y.double().norm())
+                           for name, x, y in zip(_NAMES, got, float32_partials[dtype]) if name in ("dk", "dv")})
+        rows.append(dict(world_size=world_size, dtype=str(dtype).replace("torch.", ""), grad_partials=partials,
+                         **errors))
     cp_cache.disable()
     return rows
 
@@ -40,9 +51,13 @@ def print_accuracy(report: dict) -> None:
     acc = report["accuracy"]
     if not acc:
         return
-    print("\nerror versus a float64 dense reference (max abs)")
-    rows = [[r["world_size"], r["dtype"]] + [f"{r[f'{n}_max_abs']:.1e}" for n in _NAMES] for r in acc]
-    print(table(["W", "dtype", *_NAMES], rows))
+    print("\nerror versus a float64 dense reference (max abs; relative norm of dk, dv)")
+    rows = [[r["world_size"], r["dtype"], r.get("grad_partials", "float32")]
+            + [f"{r[f'{n}_max_abs']:.1e}" for n in _NAMES] + [f"{r[f'{n}_rel']:.1e}" for n in ("dk", "dv")]
+            + [f"{r[f'{n}_vs_float32_partials']:.1e}" if f"{n}_vs_float32_partials" in r else "-" for n in ("dk", "dv")]
+            for r in acc]
+    print(table(["W", "dtype", "dK/dV partials", *_NAMES, "dk rel", "dv rel", "dk vs f32 partials",
+                 "dv vs f32 partials"], rows))
 
 
 def accuracy_panel(ax, report: dict) -> None:
@@ -50,8 +65,9 @@ def accuracy_panel(ax, report: dict) -> None:
     acc = report["accuracy"]
     if not acc:
         return
-    for dtype, marker in (("float32", "o"), ("bfloat16", "s")):
-        rows = sorted((r for r in acc if r["dtype"] == dtype), key=lambda r: r["world_size"])
+    for dtype, marker in (("float32", "o"), ("bfloat16", "s"), ("float16", "^")):
+        rows = sorted((r for r in acc if r["dtype"] == dtype and r.get("grad_partials", "float32") == "float32"),
+                      key=lambda r: r["world_size"])
         if rows:
             ws = [r["world_size"] for r in rows]
             ax.plot(ws, [r["out_max_abs"] for r in rows], marker + "-", label=f"out ({dtype})")
@@ -67,6 +83,7 @@ def accuracy_panel(ax, report: dict) -> None:
 
 SECTION = Section(
     name="accuracy",
-    about="max error of output and gradients versus a float64 dense reference, fp32 and bf16, against W",
+    about="max error of output and gradients versus a float64 dense reference, fp32, bf16 and fp16 (dK/dV partials "
+          "in float32 and in the input dtype), against W",
     rank=accuracy_rank, all_ranks=False, summary=print_accuracy, panels=(accuracy_panel,),
 )
