@@ -336,3 +336,30 @@ def test_keep_kv_backward_receives_no_kv(name):
         reported = res[name]["keep"]["reported"]["backward"]
         assert keep["backward"] == reported[:2], (name, rank, keep["backward"], reported)
         assert reported[3] == keep["backward"][1], (name, rank, reported)
+
+
+def test_keep_kv_and_grad_partials_settings(monkeypatch):
+    """From enable()'s arguments or the environment; refused, naming the value, where they cannot
+    run (the whole-block ring has neither kept rows nor partials sent once)."""
+    from cp_cache.config import GRAD_PARTIALS_ENV, KEEP_KV_ENV, CPConfig, resolve_config
+
+    monkeypatch.delenv(KEEP_KV_ENV, raising=False)
+    monkeypatch.delenv(GRAD_PARTIALS_ENV, raising=False)
+    assert (resolve_config().keep_kv, resolve_config().grad_partials) == (False, "float32")
+    monkeypatch.setenv(KEEP_KV_ENV, "1")
+    monkeypatch.setenv(GRAD_PARTIALS_ENV, "input")
+    assert (resolve_config().keep_kv, resolve_config().grad_partials) == (True, "input")
+    assert resolve_config(keep_kv=False).keep_kv is False
+    monkeypatch.setenv(KEEP_KV_ENV, "yes")
+    with pytest.raises(ValueError, match=r"CP_CACHE_KEEP_KV='yes': use 0 or 1"):
+        resolve_config()
+    monkeypatch.setenv(KEEP_KV_ENV, "0")
+    monkeypatch.setenv(GRAD_PARTIALS_ENV, "bf16")
+    with pytest.raises(ValueError, match=r"CP_CACHE_GRAD_PARTIALS='bf16'"):
+        resolve_config()
+    with pytest.raises(ValueError, match=r"keep_kv=True needs exchange='direct'.*exchange='ring'"):
+        CPConfig(keep_kv=True, exchange="ring")
+    with pytest.raises(ValueError, match=r"grad_partials='input' needs exchange='direct'"):
+        CPConfig(grad_partials="input", exchange="ring")
+    with pytest.raises(ValueError, match=r"keep_kv='1' is not a cp_cache keep_kv"):
+        CPConfig(keep_kv="1")
