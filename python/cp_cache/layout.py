@@ -145,7 +145,7 @@ def dims(x: Tensor, layout: str, head_num: int) -> Dims:
         raise ValueError(
             f"input_layout={layout!r}: tensor of shape {tuple(x.shape)} has {n} heads, head_num={head_num}"
         )
-    return Dims(int(b), int(n), int(s), int(d))
+    return Dims(b, n, s, d)  # sizes as they are: symbolic while tracing with dynamic shapes
 
 
 def heads_of(x: Tensor, layout: str, head_dim: int) -> int:
