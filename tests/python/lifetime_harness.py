@@ -26,13 +26,15 @@ DROPOUT = 0.25
 
 
 class Env:
-    """What a rank needs to run a case: its rank, the world size, the 1-D CPU mesh."""
+    """What a rank needs to run a case: its rank, the world size, the 1-D CPU mesh (``mesh``:
+    that one, e.g. a one-rank mesh of a larger world; default: the whole world's)."""
 
-    def __init__(self, rank: int, world: int):
+    def __init__(self, rank: int, world: int, mesh=None):
         from torch.distributed.device_mesh import init_device_mesh
 
         self.rank, self.world = rank, world
-        self.mesh = init_device_mesh("cpu", (world,))
+        self.mesh = init_device_mesh("cpu", (world,)) if mesh is None else mesh
+        assert self.mesh.size() == world, (self.mesh.size(), world)
 
 
 # ------------------------------------------------------------------ model and forward

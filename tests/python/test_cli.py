@@ -1,4 +1,12 @@
-"""python -m cp_cache demo | bench | doctor, run as a user would (subprocesses)."""
+"""python -m cp_cache demo | bench | doctor, and the ``cp-cache`` console script, run as a user would.
+
+The commands that train or measure (demo, bench) go through the CLI's ``main`` in this process:
+their ranks are separate processes either way (forked from the suite's forkserver instead of
+spawned afresh), and the parent's part is argument parsing, printing and the JSON. The
+commands whose point is the interpreter they start in (doctor reports what a fresh process
+finds; the exit codes of ``python -m cp_cache`` and of ``cp-cache``) run as subprocesses: one
+fresh ``python -m cp_cache``-as-``runpy`` interpreter for all the light ones, and ``cp-cache``.
+"""
 
 import json
 import os
@@ -14,23 +22,75 @@ from demo_reference import demo_rounding
 pytestmark = pytest.mark.slow  # exhaustive sweeps: left out of make matrix's fast subset
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+LAUNCHER_VARS = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK")
 
 
-def _run(*args, timeout=240):
-    env = dict(os.environ)
-    for name in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK", "CP_CACHE_POLICY"):
-        env.pop(name, None)  # a spawned run, whatever launched pytest
-    proc = subprocess.run([sys.executable, "-m", "cp_cache", *args], cwd=REPO, env=env, capture_output=True,
-                          text=True, timeout=timeout)
-    return proc
+def _env(**extra) -> dict:
+    env = {k: v for k, v in os.environ.items() if k not in (*LAUNCHER_VARS, "CP_CACHE_POLICY")}
+    return {**env, **extra}  # a spawned run, whatever launched pytest
 
 
-def test_demo_short_run_parity_and_no_live_caches(tmp_path):
-    out = tmp_path / "demo.json"
-    proc = _run("demo", "--steps", "2", "--ranks", "2", "--seq-len", "32", "--layers", "2", "--dim", "32",
-                "--json", str(out))
+@pytest.fixture
+def cli(capsys, monkeypatch):
+    """``main(argv)`` in this process: (exit code, stdout)."""
+    from cp_cache.cli import main
+
+    for name in (*LAUNCHER_VARS, "CP_CACHE_POLICY"):
+        monkeypatch.delenv(name, raising=False)
+
+    def run(*argv) -> tuple[int, str]:
+        code = main(list(argv))
+        return code, capsys.readouterr().out
+
+    return run
+
+
+# Several ``python -m cp_cache ARGS`` in one fresh interpreter: each is runpy's run of cp_cache's
+# __main__ (what -m does: sys.argv[0] is __main__.py, SystemExit carries the exit code), its
+# stdout captured. argv[1]: JSON [[args, env to set (null: unset)], ...]; prints JSON
+# [[exit code, stdout], ...].
+_MANY_RUNS = """
+import contextlib, io, json, os, runpy, sys
+out = []
+for args, env in json.loads(sys.argv[1]):
+    for name, value in env.items():
+        os.environ.pop(name, None) if value is None else os.environ.__setitem__(name, value)
+    sys.argv = ["cp_cache", *args]
+    text = io.StringIO()
+    with contextlib.redirect_stdout(text):
+        try:
+            runpy.run_module("cp_cache", run_name="__main__", alter_sys=True)
+            code = 0
+        except SystemExit as e:
+            code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+    out.append([code, text.getvalue()])
+print(json.dumps(out))
+"""
+
+
+def _python_m_runs(runs: list, env: dict) -> list:
+    """[(exit code, stdout)] of each ``python -m cp_cache`` of ``runs`` ([(args, env changes)]),
+    one after the other in one fresh interpreter started with ``env``."""
+    proc = subprocess.run([sys.executable, "-c", _MANY_RUNS, json.dumps(runs)], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    text = proc.stdout
+    return [tuple(r) for r in json.loads(proc.stdout.splitlines()[-1])]
+
+
+@pytest.fixture(scope="module")
+def light_commands() -> dict:
+    """doctor with a bad policy in the environment from the interpreter's start, doctor without it,
+    no command, --help: {name: (exit code, stdout)}."""
+    names = ("doctor_bad_policy", "doctor", "no_command", "help")
+    runs = [(["doctor"], {}), (["doctor"], {"CP_CACHE_POLICY": None}), ([], {}), (["--help"], {})]
+    return dict(zip(names, _python_m_runs(runs, _env(CP_CACHE_POLICY="lifo"))))
+
+
+def test_demo_short_run_parity_and_no_live_caches(tmp_path, cli):
+    out = tmp_path / "demo.json"
+    code, text = cli("demo", "--steps", "2", "--ranks", "2", "--seq-len", "32", "--layers", "2", "--dim", "32",
+                     "--json", str(out))
+    assert code == 0, text
     for expected in ("policy = handle", "policy = stack", "eval 1-proc", "|diff|", "held fwd->bwd",
                      "side by side", "verdict:"):
         assert expected in text, text
@@ -54,12 +114,12 @@ def test_demo_short_run_parity_and_no_live_caches(tmp_path):
     assert [r["train_loss"] for r in runs["handle"]["rows"]] == [r["train_loss"] for r in runs["stack"]["rows"]]
 
 
-def test_bench_quick_writes_json_and_png(tmp_path):
-    proc = _run("bench", "--quick", "--worlds", "2", "--out", str(tmp_path))
-    assert proc.returncode == 0, proc.stdout + proc.stderr
+def test_bench_quick_writes_json_and_png(tmp_path, cli):
+    code, text = cli("bench", "--quick", "--worlds", "2", "--out", str(tmp_path))
+    assert code == 0, text
     report = json.loads((tmp_path / "bench.json").read_text())
     assert (tmp_path / "bench.png").stat().st_size > 10_000
-    assert f"written: {tmp_path / 'bench.json'}" in proc.stdout
+    assert f"written: {tmp_path / 'bench.json'}" in text
     for key in ("memory", "overhead", "calls", "accuracy", "traffic", "traffic_summary", "store", "torch_npu_formula"):
         assert key in report, key
     for png in ("bench_traffic.png", "bench_overhead.png"):
@@ -104,43 +164,42 @@ def _accuracy_bound(a: dict) -> float:
     return error_bound(float((low.double() - ref).abs().max()), scale=float(ref.abs().max()))
 
 
-def test_doctor_reports_versions_extension_and_ops():
-    proc = _run("doctor", timeout=120)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    text = proc.stdout
+def test_doctor_reports_versions_extension_and_ops(light_commands):
+    code, text = light_commands["doctor"]
+    assert code == 0, text
     for expected in ("python", "torch", "torch_npu", "native extension", "policy", "attention ops"):
         assert expected in text, text
     assert f"built against torch {torch.__version__}" in text, text
     assert "all good" in text
 
 
-def test_doctor_flags_a_bad_policy():
-    env_policy = dict(os.environ, CP_CACHE_POLICY="lifo")
-    proc = subprocess.run([sys.executable, "-m", "cp_cache", "doctor"], cwd=REPO, env=env_policy,
-                          capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 1
-    assert "CP_CACHE_POLICY=handle" in proc.stdout
+def test_doctor_flags_a_bad_policy(light_commands):
+    code, text = light_commands["doctor_bad_policy"]  # CP_CACHE_POLICY=lifo since the interpreter started
+    assert code == 1, text
+    assert "CP_CACHE_POLICY=handle" in text
 
 
-def test_no_command_prints_help():
-    proc = _run(timeout=60)
-    assert proc.returncode == 2
-    assert "demo" in proc.stdout and "bench" in proc.stdout and "doctor" in proc.stdout
+def test_no_command_prints_help(light_commands):
+    code, text = light_commands["no_command"]
+    assert code == 2
+    assert "demo" in text and "bench" in text and "doctor" in text
+    assert text.startswith("usage: python -m cp_cache "), text
+    help_code, help_text = light_commands["help"]
+    assert help_code == 0 and help_text == text, (help_code, help_text)  # --help prints the same
 
 
-def test_console_script_runs_the_same_commands():
-    """``cp-cache`` (the package's console script) is ``python -m cp_cache``."""
+def test_console_script_runs_the_same_commands(light_commands):
+    """``cp-cache`` (the package's console script) is ``python -m cp_cache``: the same help and
+    exit code with no command."""
     from importlib.metadata import entry_points
 
     scripts = {e.name: e.value for e in entry_points(group="console_scripts")}
     assert scripts.get("cp-cache") == "cp_cache.cli:main", scripts.get("cp-cache")
     script = os.path.join(os.path.dirname(sys.executable), "cp-cache")
     assert os.path.exists(script), f"{script}: reinstall the package (make test does) to create it"
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE")}
-    helps = [subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
-             for cmd in ([script, "--help"], [sys.executable, "-m", "cp_cache", "--help"])]
-    assert [h.returncode for h in helps] == [0, 0], [h.stderr for h in helps]
+    proc = subprocess.run([script], cwd=REPO, env=_env(), capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2, proc.stderr
     for command in ("demo", "bench", "compare", "doctor"):
-        assert command in helps[0].stdout
-    assert helps[0].stdout.startswith("usage: cp-cache ")
-    assert helps[0].stdout.replace("usage: cp-cache", "usage: python -m cp_cache") == helps[1].stdout
+        assert command in proc.stdout
+    assert proc.stdout.startswith("usage: cp-cache "), proc.stdout
+    assert proc.stdout.replace("usage: cp-cache", "usage: python -m cp_cache") == light_commands["no_command"][1]

@@ -77,13 +77,17 @@ def test_distinct_storage_bytes_counts_views_once_and_excludes():
     assert _measure.distinct_storage_bytes([a, b], exclude=[a[5:]]) == 40
 
 
-def test_bad_cli_input_names_the_argument():
-    proc = subprocess.run([sys.executable, "-m", "cp_cache", "compare", "--worlds", "1"], cwd=REPO,
-                          capture_output=True, text=True, timeout=60)
-    assert proc.returncode == 2 and "--worlds" in proc.stderr, proc.stderr
-    proc = subprocess.run([sys.executable, "-m", "cp_cache", "compare", "--repeats", "zero"], cwd=REPO,
-                          capture_output=True, text=True, timeout=60)
-    assert proc.returncode == 2 and "--repeats" in proc.stderr, proc.stderr
+def test_bad_cli_input_names_the_argument(capsys):
+    """Refused while parsing the arguments (argparse's exit code 2, the argument named on stderr),
+    before anything runs: through the CLI's main in this process (python -m cp_cache runs in
+    test_cli.py)."""
+    from cp_cache.cli import main
+
+    for args, name in ((["--worlds", "1"], "--worlds"), (["--repeats", "zero"], "--repeats")):
+        with pytest.raises(SystemExit) as exit_:
+            main(["compare", *args])
+        err = capsys.readouterr().err
+        assert exit_.value.code == 2 and name in err, (args, err)
 
 
 # ---------------------------------------------------------------- the quick run (subprocess)

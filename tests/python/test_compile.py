@@ -8,8 +8,10 @@ through the ``cp_cache::ring_forward`` / ``ring_backward`` ops; the step cache's
 travels through the compiled graph's saved tensors, so lifetime is eager's: nothing
 alive after a step, nothing between forward and backward under full checkpointing.
 Under fake tensors the handlers give outputs of the right shapes and placements
-without touching the store. One spawned run per world size does every rank-side
-check; the tests read its results.
+without touching the store. One spawned pair of ranks does every rank-side check: the
+W = 2 checks on the pair's mesh, then the W = 1 checks on a one-rank mesh of each rank
+(each rank takes every other W = 1 item: the two halves run at once); the tests read
+its results.
 """
 
 from __future__ import annotations
@@ -108,10 +110,11 @@ def _cp_step(model, mesh, batch, world: int, rng_seed: int) -> dict:
         live_fwd = cp_cache.stats()["live_entries"]
         loss.backward()
     loss = loss.detach()
-    dist.all_reduce(loss)
+    group = mesh.get_group()  # the CP ranks (at W = 1 a rank's own mesh, not the pair)
+    dist.all_reduce(loss, group=group)
     grads = []
     for p in model.parameters():
-        dist.all_reduce(p.grad)
+        dist.all_reduce(p.grad, group=group)
         grads.append(p.grad / world)
     stats = cp_cache.stats()
     return dict(loss=float(loss) / world, grads=grads, live_fwd=live_fwd, live_after=stats["live_entries"],
@@ -470,20 +473,49 @@ def _one_device_rounding(fn, tensors) -> float:
     return max(_rel(a.double(), b) for a, b in zip(*runs))
 
 
+def _world_checks(mesh, world: int, rank: int, items) -> dict:
+    """The rank-side checks named in ``items`` on ``mesh`` (W = ``world``, this rank ``rank`` of it):
+    "block", "traced" (fake tensors, masks, Ulysses and TND) and the training cases."""
+    results: dict = {"train": {}}
+    for item in items:
+        if item == "block":
+            results["block"] = _single_block(mesh, world, rank)
+        elif item == "traced":
+            with cp_cache.context_parallel(mesh):
+                results.update(fake=_fake_tracing(mesh, world), masks=_masks_compiled(mesh, world, rank),
+                               algorithms=_algorithms_compiled(mesh, world, rank))
+        else:
+            results["train"][item.name] = _train_case(item, mesh, world)
+    results["live_entries"] = cp_cache.stats()["live_entries"]
+    return results
+
+
+# W = 1: the single block, the traced calls, and the training cases that between them take every
+# value of each case dimension once (checkpoint none / non-reentrant / reentrant, dropout, both
+# policies, both backends, blocks and the whole model compiled). What W = 1 changes is the plan
+# (no peers: no exchange), the same for every case; the cases' combinations run in full at W = 2.
+# Ordered so that every other item (one rank's half) costs about as much as the rest.
+W1_CASES = [Case(policy="stack"), Case(dropout=DROPOUT, checkpoint="non_reentrant", backend="inductor", whole=True),
+            Case(checkpoint="reentrant", dropout=DROPOUT)]
+W1_ITEMS = ["block", "traced", *W1_CASES]
+
+
 def _compile_rank(rank: int, world: int, cases: list[Case]) -> dict:
+    """Both world sizes on one pair of ranks (one process start and one first compile for both):
+    W = 2 on the pair, then W = 1 on a one-rank mesh of each rank, every other item of
+    ``W1_ITEMS`` on each (CP of degree 1 in a larger world, as data parallel over CP would make it)."""
     from torch.distributed.device_mesh import init_device_mesh
 
     from cp_cache.testing import install_npu_emulator
 
+    assert world == 2, world
     install_npu_emulator(route_sdpa=True)
-    mesh = init_device_mesh("cpu", (world,))
+    pair = init_device_mesh("cpu", (world,))
+    alone = init_device_mesh("cpu", (world, 1), mesh_dim_names=("pair", "cp"))["cp"]
+    assert alone.size() == 1
     cp_cache.enable("handle")
-    results = {"block": _single_block(mesh, world, rank)}
-    with cp_cache.context_parallel(mesh):
-        results.update(fake=_fake_tracing(mesh, world), masks=_masks_compiled(mesh, world, rank),
-                       algorithms=_algorithms_compiled(mesh, world, rank))
-    results["train"] = {case.name: _train_case(case, mesh, world) for case in cases}
-    results["live_entries"] = cp_cache.stats()["live_entries"]
+    results = {2: _world_checks(pair, 2, rank, ["block", "traced", *cases])}
+    results[1] = _world_checks(alone, 1, 0, W1_ITEMS[rank::world])
     cp_cache.disable()
     return results
 
@@ -492,16 +524,28 @@ _RESULTS: dict[int, list[dict]] = {}
 
 
 def _results(world: int) -> list[dict]:
-    if world not in _RESULTS:
-        _RESULTS[world] = run_ranks(_compile_rank, world, CASES, timeout=600.0)
+    """W = 2: each rank's results; W = 1: one result, the two ranks' halves together."""
+    if not _RESULTS:
+        ranks = run_ranks(_compile_rank, 2, CASES, timeout=600.0)
+        _RESULTS[2] = [r[2] for r in ranks]
+        merged: dict = {"train": {}, "live_entries": 0}
+        for r in ranks:
+            half = r[1]
+            merged["train"].update(half.pop("train"))
+            merged["live_entries"] += half.pop("live_entries")
+            merged.update(half)
+        assert set(merged["train"]) == {c.name for c in W1_CASES} and {"block", "fake"} <= set(merged), sorted(merged)
+        _RESULTS[1] = [merged]
     return _RESULTS[world]
 
 
 # ---------------------------------------------------------------- tests
 
+assert all(case in CASES for case in W1_CASES)
+WORLD_CASES = [(2, case) for case in CASES] + [(1, case) for case in W1_CASES]
 
-@pytest.mark.parametrize("world", WORLDS)
-@pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
+
+@pytest.mark.parametrize("world,case", WORLD_CASES, ids=lambda x: getattr(x, "name", str(x)))
 def test_compiled_training_matches_eager_cp_and_one_process(world, case):
     """Bounds: 20x the float32 rounding of the model on one process (the dropout-free single process
     in float32 against float64, worst so far: the steps compound it) + 32 eps."""
@@ -521,8 +565,7 @@ def test_compiled_training_matches_eager_cp_and_one_process(world, case):
                 assert t["loss"][step] != t["ref_loss"][step]
 
 
-@pytest.mark.parametrize("world", WORLDS)
-@pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
+@pytest.mark.parametrize("world,case", WORLD_CASES, ids=lambda x: getattr(x, "name", str(x)))
 def test_compiled_lifetime_is_eagers(world, case):
     for res in _results(world):
         t = res["train"][case.name]
@@ -536,8 +579,7 @@ def test_compiled_lifetime_is_eagers(world, case):
         assert res["live_entries"] == 0
 
 
-@pytest.mark.parametrize("world", WORLDS)
-@pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
+@pytest.mark.parametrize("world,case", WORLD_CASES, ids=lambda x: getattr(x, "name", str(x)))
 def test_no_recompile_per_step(world, case):
     for res in _results(world):
         frames = res["train"][case.name]["frames"]
@@ -582,6 +624,16 @@ def test_ulysses_and_packed_documents_compiled(world):
 
 
 @pytest.mark.parametrize("world", WORLDS)
+def test_compiled_windows_and_masks_match_eager(world):
+    """The v3 op in a compiled function (aot_eager, fullgraph) for a window, a given mask
+    (replicated and sequence-sharded) and contiguous causal, against the same call run eagerly:
+    the same kernels on the same inputs, so equal up to 32 eps (measured: equal)."""
+    for res in _results(world):
+        assert set(res["masks"]) == set(MASK_KINDS), res["masks"]
+        assert max(res["masks"].values()) <= error_bound(0.0), res["masks"]
+
+
+@pytest.mark.parametrize("world", WORLDS)
 def test_handlers_under_fake_tensors(world):
     from torch.distributed.tensor import Shard
 
@@ -613,28 +665,24 @@ def test_handlers_under_fake_tensors(world):
                 assert grad == dict(tnd, shape=(T, N, D)), (kind, grad)
 
 
-def test_demo_compile_runs(tmp_path):
-    """``python -m cp_cache demo --compile``, run as a user would (small and with aot_eager: compile time)."""
+def test_demo_compile_runs(tmp_path, capsys, monkeypatch):
+    """``cp-cache demo --compile`` (small and with aot_eager: compile time), through the CLI's
+    ``main`` in this process: the demo's ranks are spawned processes either way (here forked from
+    the suite's forkserver); ``python -m cp_cache`` itself is run by test_cli.py."""
     import json
-    import os
-    import subprocess
-    import sys
 
+    from cp_cache.cli import main
     from demo_reference import demo_rounding
 
-    repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    env = {k: v for k, v in os.environ.items()
-           if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK", "CP_CACHE_POLICY")}
+    for name in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK", "CP_CACHE_POLICY"):
+        monkeypatch.delenv(name, raising=False)  # spawned ranks, whatever launched pytest
     out = tmp_path / "demo.json"
-    proc = subprocess.run(
-        [sys.executable, "-m", "cp_cache", "demo", "--compile", "--compile-backend", "aot_eager", "--steps", "3",
-         "--ranks", "2", "--seq-len", "16", "--layers", "2", "--dim", "32", "--policy", "handle",
-         "--json", str(out)],
-        cwd=repo, env=env, capture_output=True, text=True, timeout=300,
-    )
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert "blocks compiled (torch.compile, backend aot_eager)" in proc.stdout, proc.stdout
-    assert "training step (compiled (aot_eager)" in proc.stdout, proc.stdout
+    code = main(["demo", "--compile", "--compile-backend", "aot_eager", "--steps", "3", "--ranks", "2",
+                 "--seq-len", "16", "--layers", "2", "--dim", "32", "--policy", "handle", "--json", str(out)])
+    stdout = capsys.readouterr().out
+    assert code == 0, stdout
+    assert "blocks compiled (torch.compile, backend aot_eager)" in stdout, stdout
+    assert "training step (compiled (aot_eager)" in stdout, stdout
     report = json.loads(out.read_text())
     (run,) = report["runs"]
     # 20x the float32 rounding of the same model on one process (against float64) + 32 eps
@@ -644,3 +692,4 @@ def test_demo_compile_runs(tmp_path):
         assert row["parity"] <= error_bound(rounding["loss"], scale=abs(row["eval_one"])), (row, rounding)
         # full checkpointing (the demo's default): nothing held from forward to backward or after
         assert (row["live_fwd"], row["live_bwd"], row["live_eval"]) == (0, 0, 0), row
+

@@ -1,7 +1,8 @@
 """Step-cache lifetime under every autograd mode, for both policies.
 
-Each spawned run (gloo on loopback, W = 1 and W = 2) executes the whole case
-matrix once per policy on a 2-layer TinyDecoder whose attention goes
+One spawned pair of ranks (gloo on loopback) executes the whole case matrix once per
+policy at W = 2, then at W = 1 on a one-rank mesh of each rank (each rank takes every
+other (policy, case) of the W = 1 matrix), on a 2-layer TinyDecoder whose attention goes
 F.scaled_dot_product_attention -> npu_fusion_attention_v3 (emulator) -> the
 cp_cache handlers, and returns per case: the outcome ("ok" or the exception
 raised), the gradient error against a reference run, and store snapshots
@@ -408,41 +409,66 @@ CASES = {
 W1_ONLY = {"threads_free", "threads_barrier", "threads_handoff"}
 
 
-def _lifetime_rank(rank: int, world: int, policies, names) -> dict:
+def _run_cases(env, items) -> dict:
+    """{(policy, case): record} of each (policy, case name) of ``items``, in order (the cases of
+    one policy one after the other under one enable(), as a training run would meet them)."""
     import cp_cache
+
+    store = cp_cache.store()
+    out = {}
+    enabled = None
+    for policy, name in items:
+        if policy != enabled:
+            if enabled is not None:
+                cp_cache.disable()
+            cp_cache.enable(policy=policy)
+            enabled = policy
+        rec: dict = {}
+        try:
+            CASES[name](env, rec)
+            rec["status"] = "ok"
+        except Exception as e:  # noqa: BLE001 - the outcome is the result
+            rec["status"] = "raised"
+            rec["error"] = f"{type(e).__name__}: {e}"
+            rec["where"] = traceback.format_exc()[-3000:]
+        gc.collect()
+        rec["after"] = H.snap()  # what the case left behind
+        rec["dropped"] = store.clear()
+        out[(policy, name)] = rec
+    cp_cache.disable()
+    return out
+
+
+def _matrix(world: int, policies, names) -> list:
+    return [(p, n) for p in policies for n in names if not (world > 1 and n in W1_ONLY)]
+
+
+def _lifetime_rank(rank: int, world: int, policies, names) -> dict:
+    """{W: {(policy, case): record}}: W = ``world`` on every rank; with a pair, also W = 1 on a
+    one-rank mesh of each rank, every other (policy, case) on each (CP of degree 1 in a larger
+    world: cp_cache reads the size from the CP group; one process start for both W)."""
+    from torch.distributed.device_mesh import init_device_mesh
+
     from cp_cache.testing import install_npu_emulator
 
     install_npu_emulator()
-    env = H.Env(rank, world)
-    store = cp_cache.store()
-    out = {}
-    for policy in policies:
-        cp_cache.enable(policy=policy)
-        for name in names:
-            if world > 1 and name in W1_ONLY:
-                continue
-            rec: dict = {}
-            try:
-                CASES[name](env, rec)
-                rec["status"] = "ok"
-            except Exception as e:  # noqa: BLE001 - the outcome is the result
-                rec["status"] = "raised"
-                rec["error"] = f"{type(e).__name__}: {e}"
-                rec["where"] = traceback.format_exc()[-3000:]
-            gc.collect()
-            rec["after"] = H.snap()  # what the case left behind
-            rec["dropped"] = store.clear()
-            out[(policy, name)] = rec
-        cp_cache.disable()
+    out = {world: _run_cases(H.Env(rank, world), _matrix(world, policies, names))}
+    if world == 2:
+        alone = init_device_mesh("cpu", (world, 1), mesh_dim_names=("pair", "cp"))["cp"]
+        out[1] = _run_cases(H.Env(0, 1, mesh=alone), _matrix(1, policies, names)[rank::world])
     return out
 
 
 _RESULTS: dict = {}
 
 
-def results(world: int) -> dict:
+def results(world: int) -> list[dict]:
+    """W = 2: each rank's records; W = 1: one record set, the two ranks' halves together."""
     if world not in _RESULTS:
-        _RESULTS[world] = run_ranks(_lifetime_rank, world, POLICIES, list(CASES), timeout=240.0)
+        ranks = run_ranks(_lifetime_rank, 2, POLICIES, list(CASES), timeout=360.0)
+        _RESULTS[2] = [r[2] for r in ranks]
+        _RESULTS[1] = [{k: v for r in ranks for k, v in r[1].items()}]
+        assert set(_RESULTS[1][0]) == set(_matrix(1, POLICIES, CASES)), sorted(_RESULTS[1][0])
     return _RESULTS[world]
 
 
@@ -580,7 +606,7 @@ if __name__ == "__main__":
     worlds = [int(sys.argv[1])] if len(sys.argv) > 1 else [1, 2]
     names = sys.argv[2:] or list(CASES)
     for w in worlds:
-        _RESULTS[w] = run_ranks(_lifetime_rank, w, POLICIES, names, timeout=240.0)
+        _RESULTS[w] = [r[w] for r in run_ranks(_lifetime_rank, w, POLICIES, names, timeout=240.0)]
         print(f"W = {w}")
         print(outcome_table(w))
         for key, r in sorted(_RESULTS[w][0].items()):

@@ -20,7 +20,7 @@ emulated op alone, has no sharding strategy and raises). Checked here:
   (the same objects) it held before.
 
 One spawned group of 4 gloo ranks (loopback) does the multi-rank checks (W = 2 on pairs of it);
-one spawned process does the LocalTensor-mode checks on a fake process group.
+one more process (started as the ranks are) does the LocalTensor-mode checks on a fake process group.
 """
 
 from __future__ import annotations
@@ -455,7 +455,13 @@ def local_tensor() -> dict:
 
     import torch.multiprocessing as mp
 
-    ctx = mp.get_context("spawn")
+    from cp_cache.testing import multiprocess
+
+    # a new process as run_ranks starts them: forked from the suite's forkserver (torch and
+    # cp_cache imported once there, no process group), or spawned
+    ctx = mp.get_context(multiprocess.START_METHOD)
+    if multiprocess.START_METHOD == "forkserver":
+        ctx.set_forkserver_preload(list(multiprocess.FORKSERVER_PRELOAD))
     results = ctx.Queue()
     proc = ctx.Process(target=_local_tensor_main, args=(results, WORLD), daemon=True)
     proc.start()

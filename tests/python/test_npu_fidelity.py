@@ -6,6 +6,7 @@ V's head dim equal to Q/K's and differing from it (MLA: D_qk=12, D_v=8)."""
 
 from __future__ import annotations
 
+import functools
 import re
 
 import pytest
@@ -24,6 +25,13 @@ EMULATED_LAYOUTS = ("BNSD", "BSND", "BSH", "SBH")
 def wheel_and_emulator():
     fetch(VERSION)  # fails (does not skip) with the loader's message when the index is unreachable
     install_npu_emulator(route_sdpa=False)
+
+
+@functools.cache
+def _wheel_meta() -> dict:
+    """{op: the wheel's meta function}, compiled once for the module: extracting them parses the
+    wheel's meta files (about 0.6 s), which every test below would otherwise repeat."""
+    return {name: fn for name, (fn, _where) in wheel_meta_functions(VERSION).items()}
 
 
 def _yaml_schemas() -> dict[str, str]:
@@ -79,7 +87,7 @@ DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 @pytest.mark.parametrize("gqa", [False, True], ids=["mha", "gqa"])
 @pytest.mark.parametrize("dims", HEAD_DIMS)
 def test_forward_fakes_equal_wheel_meta(layout, dtype, gqa, dims):
-    meta = {name: fn for name, (fn, _where) in wheel_meta_functions(VERSION).items()}
+    meta = _wheel_meta()
     q, k, v = _inputs(layout, dtype, gqa, dims)
     for name in ("npu_fusion_attention_v3", "npu_fusion_attention"):
         ours = getattr(torch.ops.npu, name)(q, k, v, 4, layout)
@@ -94,7 +102,7 @@ def test_forward_fakes_equal_wheel_meta(layout, dtype, gqa, dims):
 @pytest.mark.parametrize("gqa", [False, True], ids=["mha", "gqa"])
 @pytest.mark.parametrize("dims", HEAD_DIMS)
 def test_grad_fakes_equal_wheel_meta(layout, dtype, gqa, dims):
-    meta = {name: fn for name, (fn, _where) in wheel_meta_functions(VERSION).items()}
+    meta = _wheel_meta()
     q, k, v = _inputs(layout, dtype, gqa, dims)
     dy = torch.ops.npu.npu_fusion_attention_v3(q, k, v, 4, layout)[0]  # the output's shape: V's head dim
     ours = torch.ops.npu.npu_fusion_attention_grad_v3(q, k, v, dy, 4, layout)
@@ -131,7 +139,7 @@ def test_fakes_equal_wheel_meta_under_fake_tensor_mode(layout, dtype, gqa, dims)
     give the wheel's meta outputs: shapes, dtypes and the v1 ints."""
     from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 
-    meta = {name: fn for name, (fn, _where) in wheel_meta_functions(VERSION).items()}
+    meta = _wheel_meta()
     mode = FakeTensorMode()
     with mode:
         q, k, v, lengths_v3, lengths_v1 = _fake_inputs(mode, layout, dtype, gqa, dims)
@@ -159,7 +167,7 @@ def test_sink_fakes_equal_wheel_meta(layout, dtype, dims):
     FakeTensorMode as the wheel's meta functions give them."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    meta = {name: fn for name, (fn, _where) in wheel_meta_functions(VERSION).items()}
+    meta = _wheel_meta()
     mode = FakeTensorMode()
     with mode:
         q, k, v, lengths_v3, lengths_v1 = _fake_inputs(mode, layout, dtype, gqa=False, dims=dims)

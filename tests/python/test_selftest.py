@@ -1,26 +1,34 @@
-"""python -m cp_cache selftest, run as a user would (2 spawned CPU ranks), its failing verdict,
-and the pieces it reports with (the K/V lower bound, the hybrid mesh)."""
+"""cp-cache selftest as a user runs it (2 spawned CPU ranks), its failing verdict, and the pieces
+it reports with (the K/V lower bound, the hybrid mesh). The command goes through the CLI's
+``main`` in this process: its ranks are separate processes either way (forked from the suite's
+forkserver); python -m cp_cache itself runs in test_cli.py."""
 
 import os
 import re
-import subprocess
-import sys
 
 import pytest
 import torch
 
 from cp_cache.cli import selftest
 
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+@pytest.fixture
+def run_selftest(capsys, monkeypatch):
+    """``selftest ARGS`` through ``cp_cache.cli.main``: (exit code, stdout)."""
+    from cp_cache.cli import main
 
-def _run(*args, timeout=300):
-    env = dict(os.environ)
     for name in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK", "CP_CACHE_POLICY",
                  "CP_CACHE_ALGORITHM"):
-        env.pop(name, None)  # a spawned run, whatever launched pytest
-    return subprocess.run([sys.executable, "-m", "cp_cache", "selftest", *args], cwd=REPO, env=env,
-                          capture_output=True, text=True, timeout=timeout)
+        monkeypatch.delenv(name, raising=False)  # spawned ranks, whatever launched pytest
+    # the command sets it (setdefault) for the ranks it spawns: do the same through monkeypatch,
+    # which puts this process's value back afterwards
+    monkeypatch.setenv("TORCH_DEVICE_BACKEND_AUTOLOAD", os.environ.get("TORCH_DEVICE_BACKEND_AUTOLOAD", "0"))
+
+    def run(*args) -> tuple[int, str]:
+        code = main(["selftest", *args])
+        return code, capsys.readouterr().out
+
+    return run
 
 
 def _rows(text: str) -> dict:
@@ -33,10 +41,9 @@ def _rows(text: str) -> dict:
     return rows
 
 
-def test_selftest_passes_on_two_spawned_cpu_ranks():
-    proc = _run("--repeats", "1")
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    text = proc.stdout
+def test_selftest_passes_on_two_spawned_cpu_ranks(run_selftest):
+    code, text = run_selftest("--repeats", "1")
+    assert code == 0, text
     assert "2 ranks on cpu (emulator attention ops" in text and "spawned, gloo on loopback" in text, text
     header = next(ln for ln in text.splitlines() if ln.startswith("case "))
     for column in ("check", "error", "bound", "ms/call", "sent", "K/V lower bound", "sent/bound", "result"):
@@ -48,11 +55,11 @@ def test_selftest_passes_on_two_spawned_cpu_ranks():
     assert "hybrid" not in text  # W = 2 does not factor into two CP sizes >= 2
 
 
-def test_injected_error_fails_the_verdict():
-    proc = _run("--inject-error", "--cases", "ring full", "--repeats", "0", "--ranks", "1")
-    assert proc.returncode == 1, proc.stdout + proc.stderr
-    assert re.search(r"^ring full, GQA .* FAIL$", proc.stdout, re.M), proc.stdout
-    assert "verdict: FAIL: 1 failed (ring full, GQA)" in proc.stdout, proc.stdout
+def test_injected_error_fails_the_verdict(run_selftest):
+    code, text = run_selftest("--inject-error", "--cases", "ring full", "--repeats", "0", "--ranks", "1")
+    assert code == 1, text
+    assert re.search(r"^ring full, GQA .* FAIL$", text, re.M), text
+    assert "verdict: FAIL: 1 failed (ring full, GQA)" in text, text
 
 
 def test_no_matching_case_fails():
