@@ -500,6 +500,64 @@ W1_CASES = [Case(policy="stack"), Case(dropout=DROPOUT, checkpoint="non_reentran
 W1_ITEMS = ["block", "traced", *W1_CASES]
 
 
+# ---------------------------------------------------------------- one graph for every sequence length
+
+# A block calling the v3 op on DTensors sharded on the sequence, compiled with dynamic=True, run at
+# six local lengths in a row: the handler reads the call from symbolic sizes (layout.dims keeps them
+# symbolic; the plan holds no length), so Dynamo compiles it once, where it compiled one graph per
+# length before. Output and gradients equal the eager block's bit for bit (the same custom op on
+# the same shards).
+LOCAL_LENGTHS = (6, 8, 10, 12, 14, 16)  # head-tail needs even local lengths; none equals N or D
+LENGTH_HEADS, LENGTH_HEAD_DIM = 4, 16
+LENGTH_ALGORITHMS = ("ring", "ulysses")
+
+
+def _lengths_compiled(mesh, rank: int) -> dict:
+    import torch._dynamo
+    from torch.distributed.tensor import DTensor, Shard
+    from torch.distributed.tensor.experimental._context_parallel._attention import _cp_options
+
+    from cp_cache.npu_ops import causal_arguments
+
+    causal = causal_arguments("cpu")
+    balance = _cp_options.enable_load_balance
+    _cp_options.enable_load_balance = True
+
+    def block(q, k, v):
+        qd, kd, vd = (DTensor.from_local(t, mesh, [Shard(2)]) for t in (q, k, v))
+        out = torch.ops.npu.npu_fusion_attention_v3(qd, kd, vd, LENGTH_HEADS, "BNSD", scale=LENGTH_HEAD_DIM ** -0.5,
+                                                    **causal)[0]
+        return out.to_local()
+
+    results = {}
+    try:
+        for algorithm in LENGTH_ALGORITHMS:
+            cp_cache.enable("handle", algorithm=algorithm)
+            torch._dynamo.reset()
+            torch._dynamo.utils.counters.clear()
+            compiled = torch.compile(block, dynamic=True, backend="aot_eager")
+            differing = []
+            with cp_cache.context_parallel(mesh):
+                for s in LOCAL_LENGTHS:
+                    g = torch.Generator().manual_seed(s * 10 + rank)
+                    x = [torch.randn(1, LENGTH_HEADS, s, LENGTH_HEAD_DIM, generator=g) for _ in range(4)]
+                    got = []
+                    for fn in (block, compiled):
+                        q, k, v = (t.clone().requires_grad_() for t in x[:3])
+                        out = fn(q, k, v)
+                        out.backward(x[3])
+                        got.append((out.detach(), q.grad, k.grad, v.grad))
+                    differing += [(s, name) for name, a, b in zip(("out", "dq", "dk", "dv"), *got)
+                                  if not torch.equal(a, b)]
+            results[algorithm] = dict(graphs=torch._dynamo.utils.counters["stats"]["unique_graphs"],
+                                      differing=differing, live=cp_cache.stats()["live_entries"])
+    finally:
+        _cp_options.enable_load_balance = balance
+        torch._dynamo.reset()
+        cp_cache.enable("handle")
+    return results
+
+
 def _compile_rank(rank: int, world: int, cases: list[Case]) -> dict:
     """Both world sizes on one pair of ranks (one process start and one first compile for both):
     W = 2 on the pair, then W = 1 on a one-rank mesh of each rank, every other item of
@@ -516,6 +574,7 @@ def _compile_rank(rank: int, world: int, cases: list[Case]) -> dict:
     cp_cache.enable("handle")
     results = {2: _world_checks(pair, 2, rank, ["block", "traced", *cases])}
     results[1] = _world_checks(alone, 1, 0, W1_ITEMS[rank::world])
+    results[2]["lengths"] = _lengths_compiled(pair, rank)
     cp_cache.disable()
     return results
 
@@ -693,3 +752,14 @@ def test_demo_compile_runs(tmp_path, capsys, monkeypatch):
         # full checkpointing (the demo's default): nothing held from forward to backward or after
         assert (row["live_fwd"], row["live_bwd"], row["live_eval"]) == (0, 0, 0), row
 
+
+
+@pytest.mark.parametrize("algorithm", LENGTH_ALGORITHMS)
+def test_one_graph_for_every_length(algorithm):
+    """Dense causal head-tail at W = 2, ``dynamic=True``, six local lengths: one graph (before:
+    one per length), equal to eager, no cache left alive."""
+    for rank, res in enumerate(_results(2)):
+        r = res["lengths"][algorithm]
+        assert r["graphs"] == 1, (rank, algorithm, r)
+        assert r["differing"] == [], (rank, algorithm, r)
+        assert r["live"] == 0, (rank, algorithm, r)
