@@ -32,9 +32,7 @@ from .steps import ExchangePlan
 from .transport import TAG_DKV, TAG_KV, Rotation, Transfer, join_once
 
 __all__ = ["RingStep", "ForwardResult", "BackwardResult", "Traffic", "forward_ring", "backward_ring", "kept_rows",
-           "partials_dtype",
-           "check_steps",
-           "check_step", "with_length", "empty_outputs", "check_qkv",
+           "partials_dtype", "check_steps", "check_step", "with_length", "empty_outputs", "check_qkv",
            "check_keep_prob", "check_backward_operands"]
 
 
