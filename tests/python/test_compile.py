@@ -505,11 +505,14 @@ W1_ITEMS = ["block", "traced", *W1_CASES]
 # A block calling the v3 op on DTensors sharded on the sequence, compiled with dynamic=True, run at
 # six local lengths in a row: the handler reads the call from symbolic sizes (layout.dims keeps them
 # symbolic; the plan holds no length), so Dynamo compiles it once, where it compiled one graph per
-# length before. Output and gradients equal the eager block's bit for bit (the same custom op on
-# the same shards).
+# length before. The same for packed documents (TND, causal) under the balanced placement, six
+# document sets of one total length whose local lengths differ (before: one graph for even local
+# lengths, one for uneven ones). Output and gradients equal the eager block's bit for bit (the same
+# custom op on the same shards).
 LOCAL_LENGTHS = (6, 8, 10, 12, 14, 16)  # head-tail needs even local lengths; none equals N or D
 LENGTH_HEADS, LENGTH_HEAD_DIM = 4, 16
 LENGTH_ALGORITHMS = ("ring", "ulysses")
+DOCUMENT_SETS = ((10, 20, 34), (5, 30, 29), (40, 8, 16), (3, 3, 58), (16, 16, 32), (7, 50, 7))  # 64 tokens each
 
 
 def _lengths_compiled(mesh, rank: int) -> dict:
@@ -551,11 +554,53 @@ def _lengths_compiled(mesh, rank: int) -> dict:
                                   if not torch.equal(a, b)]
             results[algorithm] = dict(graphs=torch._dynamo.utils.counters["stats"]["unique_graphs"],
                                       differing=differing, live=cp_cache.stats()["live_entries"])
+        results["packed"] = _documents_compiled(mesh, rank)
     finally:
         _cp_options.enable_load_balance = balance
         torch._dynamo.reset()
         cp_cache.enable("handle")
     return results
+
+
+def _documents_compiled(mesh, rank: int) -> dict:
+    """The balanced placement's TND block over ``DOCUMENT_SETS``, eager and compiled with dynamic=True."""
+    import itertools
+
+    import torch._dynamo
+    from torch.distributed.tensor import DTensor, Shard
+
+    from cp_cache.npu_ops import causal_mask
+
+    total = sum(DOCUMENT_SETS[0])
+    shape = torch.Size((total, LENGTH_HEADS, LENGTH_HEAD_DIM))
+
+    def block(q, k, v, cu):
+        qd, kd, vd = (DTensor.from_local(t, mesh, [Shard(0)], shape=shape, stride=(shape[1] * shape[2], shape[2], 1))
+                      for t in (q, k, v))
+        return torch.ops.npu.npu_fusion_attention_v3(
+            qd, kd, vd, LENGTH_HEADS, "TND", scale=LENGTH_HEAD_DIM ** -0.5, atten_mask=causal_mask("cpu"),
+            sparse_mode=3, next_tockens=0, actual_seq_qlen=cu, actual_seq_kvlen=cu)[0].to_local()
+
+    cp_cache.enable("handle", documents="balanced")
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    compiled = torch.compile(block, dynamic=True, backend="aot_eager")
+    differing, lengths = [], []
+    with cp_cache.context_parallel(mesh):
+        for docs in DOCUMENT_SETS:
+            cu = list(itertools.accumulate(docs))
+            g = torch.Generator().manual_seed(len(lengths))
+            local = [cp_cache.shard_documents(torch.randn(shape, generator=g), cu, mesh) for _ in range(4)]
+            lengths.append(local[0].size(0))
+            got = []
+            for fn in (block, compiled):
+                q, k, v = (t.clone().requires_grad_() for t in local[:3])
+                out = fn(q, k, v, torch.tensor(cu))
+                out.backward(local[3])
+                got.append((out.detach(), q.grad, k.grad, v.grad))
+            differing += [(docs, name) for name, a, b in zip(("out", "dq", "dk", "dv"), *got) if not torch.equal(a, b)]
+    return dict(graphs=torch._dynamo.utils.counters["stats"]["unique_graphs"], differing=differing,
+                live=cp_cache.stats()["live_entries"], lengths=lengths)
 
 
 def _compile_rank(rank: int, world: int, cases: list[Case]) -> dict:
@@ -754,12 +799,16 @@ def test_demo_compile_runs(tmp_path, capsys, monkeypatch):
 
 
 
-@pytest.mark.parametrize("algorithm", LENGTH_ALGORITHMS)
+@pytest.mark.parametrize("algorithm", (*LENGTH_ALGORITHMS, "packed"))
 def test_one_graph_for_every_length(algorithm):
-    """Dense causal head-tail at W = 2, ``dynamic=True``, six local lengths: one graph (before:
-    one per length), equal to eager, no cache left alive."""
+    """W = 2, ``dynamic=True``: dense causal head-tail at six local lengths (ring, Ulysses), packed
+    documents at six document sets (local lengths that differ between sets and ranks): one graph
+    each (before: one per length; packed: one for even and one for uneven local lengths), equal to
+    eager, no cache left alive."""
     for rank, res in enumerate(_results(2)):
         r = res["lengths"][algorithm]
         assert r["graphs"] == 1, (rank, algorithm, r)
         assert r["differing"] == [], (rank, algorithm, r)
         assert r["live"] == 0, (rank, algorithm, r)
+    if algorithm == "packed":  # the document sets did change the local lengths
+        assert len({n for res in _results(2) for n in res["lengths"]["packed"]["lengths"]}) > 1

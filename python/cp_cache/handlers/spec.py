@@ -123,10 +123,11 @@ def _wrap(local: Tensor, mesh, placements, seq_dim: int, total: int) -> DTensor:
 def _spec(mesh, placements: tuple, shape: tuple, stride: tuple, dtype, seq_dim: int, total: int) -> DTensorSpec:
     local = torch.empty_strided(shape, stride, dtype=dtype, device="meta")
     global_shape, global_stride = torch.distributed.tensor._utils.compute_global_tensor_info(local, mesh, placements)
-    if global_shape[seq_dim] != total:
-        local_len = shape[seq_dim]  # uneven shards: the global shape is not local * W
-        global_shape[seq_dim] = total
-        # dims that step over the whole local sequence (outer ones) step over the global one
+    # the global length as the input has it, without comparing it with local * W: shards may be
+    # uneven, and while tracing with dynamic shapes a comparison would guard even against uneven
+    local_len = shape[seq_dim]
+    global_shape[seq_dim] = total
+    if local_len:  # dims that step over the whole local sequence (outer ones) step over the global one
         global_stride = [stride[i] // local_len * total if i != seq_dim and stride[i] >= stride[seq_dim] * local_len
                          else global_stride[i] for i in range(len(shape))]
     return DTensorSpec(mesh, placements, tensor_meta=TensorMeta(torch.Size(global_shape), tuple(global_stride), dtype))
