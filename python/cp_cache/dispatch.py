@@ -171,6 +171,14 @@ _call_log = CALL_LOG
 _active_meshes: list = []
 
 
+def _forget_restored(wrapped) -> None:
+    """Drop torch's record of the SDPA wrapper its dispatcher just restored: torch's
+    ``_restore_function`` puts the original back but keeps the wrapper (and its closure) in
+    ``_replaced_functions``, one more entry every time a CP region is entered."""
+    if torch.nn.functional.scaled_dot_product_attention is not wrapped:  # restored: the record is stale
+        getattr(_torch_cp(), "_replaced_functions", {}).pop(wrapped, None)
+
+
 def _enable_config(config: CPConfig) -> None:
     """``enable`` with every field of ``config``."""
     enable(**{f.name: getattr(config, f.name) for f in dataclasses.fields(config)})
@@ -323,16 +331,20 @@ def context_parallel(
             with torch_context_parallel(
                 mesh, buffers=buffers, buffer_seq_dims=buffer_seq_dims, no_restore_buffers=no_restore_buffers
             ):
+                wrapped = torch.nn.functional.scaled_dot_product_attention
                 yield
+            _forget_restored(wrapped)
         else:
             # torch's context_parallel() needs a buffer to shard; without one, only the
             # dispatcher part of it (SDPA patch and handler table) is entered.
             _attention._dispatch_mode = _attention._DispatchMode.MONKEY_PATCH
             _attention._enable_context_parallel_dispatcher_impl(seq_dim=2, mesh=mesh)
+            wrapped = torch.nn.functional.scaled_dot_product_attention
             try:
                 yield
             finally:
                 _attention._disable_context_parallel_dispatcher_impl()
+                _forget_restored(wrapped)
     finally:
         _active_meshes.pop()
         if not was_enabled:
