@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 from .kernels import KERNEL_NAMES
 from .placement import BALANCED, CONTIGUOUS, HEAD_TAIL
-from .plan import ALGORITHMS, EXCHANGES
+from .plan import ALGORITHMS, EXCHANGES, GRAD_PARTIALS, check_exchange_options
 from .step_cache import HANDLE_POLICY, POLICIES, STACK_POLICY
 
 __all__ = [
@@ -42,7 +42,6 @@ DOCUMENT_PLACEMENTS = (BALANCED, HEAD_TAIL)  # under load balancing; without it,
 DOCUMENTS_ENV = "CP_CACHE_DOCUMENTS"
 KEEP_KV_ENV = "CP_CACHE_KEEP_KV"
 GRAD_PARTIALS_ENV = "CP_CACHE_GRAD_PARTIALS"
-GRAD_PARTIALS = ("float32", "input")
 
 
 @dataclass(frozen=True)
@@ -80,15 +79,7 @@ class CPConfig:
     grad_partials: str = "float32"
 
     def __post_init__(self) -> None:
-        _check_choice("exchange", self.exchange, EXCHANGES)
-        _check_choice("keep_kv", self.keep_kv, (False, True))
-        if self.keep_kv and self.exchange != "direct":
-            raise ValueError(f"keep_kv=True needs exchange='direct' (the rows each rank received are what it "
-                             f"keeps), got exchange={self.exchange!r}")
-        _check_choice("grad_partials", self.grad_partials, GRAD_PARTIALS)
-        if self.grad_partials != "float32" and self.exchange != "direct":
-            raise ValueError(f"grad_partials={self.grad_partials!r} needs exchange='direct' (each partial goes "
-                             f"straight home, rounded once), got exchange={self.exchange!r}")
+        check_exchange_options(self.exchange, self.keep_kv, self.grad_partials)
         _check_choice("policy", self.policy, POLICIES)
         if self.kernel is not None:
             _check_choice("kernel", self.kernel, KERNELS)

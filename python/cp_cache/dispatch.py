@@ -204,7 +204,7 @@ def enable(policy: str | None = None, *, kernel: str | None = None, fused_merge:
     CP_CACHE_KEEP_KV (default off). Needs the direct exchange.
     ``grad_partials``: the dtype of the dK/dV partials the ring's backward returns, "float32"
     (default) or "input" (K/V's dtype: half the bytes in bf16/fp16, one rounding per partial;
-    docs/limits.md gives the error); None reads CP_CACHE_GRAD_PARTIALS. Needs the direct exchange.
+    docs/benchmarks.md measures the error); None reads CP_CACHE_GRAD_PARTIALS. Needs the direct exchange.
 
     Call it after ``import torch_npu``: torch_npu's import replaces torch's CP dispatcher
     switches and its handler table, and cp_cache wraps what it finds.

@@ -29,6 +29,8 @@ __all__ = [
     "ALGORITHMS",
     "ALGORITHM_CP_DIMS",
     "EXCHANGES",
+    "GRAD_PARTIALS",
+    "check_exchange_options",
     "MaskSpec",
     "CallPlan",
     "HeadPlan",
@@ -40,6 +42,26 @@ __all__ = [
 
 ALGORITHMS = ("ring", "ulysses", "hybrid", "auto")
 EXCHANGES = ("direct", "ring")  # how the ring's K/V rows travel (CallPlan.exchange)
+GRAD_PARTIALS = ("float32", "input")  # the dtype of the ring backward's dK/dV partials (CallPlan.grad_partials)
+
+
+def check_exchange_options(exchange: str, keep_kv: bool, grad_partials: str) -> None:
+    """ValueError unless the ring's exchange can run with these options: keeping the received K/V
+    and partials in the input dtype need the direct exchange (the rows each rank received are what
+    it keeps; each partial goes straight home, rounded once)."""
+    if exchange not in EXCHANGES:
+        raise ValueError(f"exchange={exchange!r} is not a cp_cache exchange; use one of {EXCHANGES}")
+    if keep_kv not in (False, True):
+        raise ValueError(f"keep_kv={keep_kv!r} is not a cp_cache keep_kv; use one of (False, True)")
+    if grad_partials not in GRAD_PARTIALS:
+        raise ValueError(f"grad_partials={grad_partials!r} is not a cp_cache grad_partials; use one of "
+                         f"{GRAD_PARTIALS}")
+    if keep_kv and exchange != "direct":
+        raise ValueError(f"keep_kv=True needs exchange='direct' (the rows each rank received are what it "
+                         f"keeps), got exchange={exchange!r}")
+    if grad_partials != "float32" and exchange != "direct":
+        raise ValueError(f"grad_partials={grad_partials!r} needs exchange='direct' (each partial goes "
+                         f"straight home, rounded once), got exchange={exchange!r}")
 # how many mesh dimensions sharded on the sequence each algorithm runs over
 ALGORITHM_CP_DIMS = {"ring": 1, "ulysses": 1, "hybrid": 2}
 
@@ -133,15 +155,7 @@ class CallPlan:
     grad_partials: str = "float32"
 
     def __post_init__(self):
-        if self.exchange not in EXCHANGES:
-            raise ValueError(f"exchange={self.exchange!r} is not a cp_cache exchange; use one of {EXCHANGES}")
-        if self.keep_kv and self.exchange != "direct":
-            raise ValueError(f"keep_kv=True needs exchange='direct', got exchange={self.exchange!r}")
-        if self.grad_partials not in ("float32", "input"):
-            raise ValueError(f"grad_partials={self.grad_partials!r}: use 'float32' or 'input'")
-        if self.grad_partials != "float32" and self.exchange != "direct":
-            raise ValueError(f"grad_partials={self.grad_partials!r} needs exchange='direct', got "
-                             f"exchange={self.exchange!r}")
+        check_exchange_options(self.exchange, self.keep_kv, self.grad_partials)
         if self.cp_sizes and math.prod(self.cp_sizes) != self.world_size:
             raise ValueError(f"cp_sizes={self.cp_sizes} do not multiply to world_size={self.world_size}")
 
