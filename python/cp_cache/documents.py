@@ -9,14 +9,19 @@ rank holds which tokens is the placement's (``placement.py``: "balanced", "head_
 ``document_pieces`` / ``document_positions`` are the one rule; the ring's per-step plan
 (``algorithms/packed.py``) and the user helpers ``document_layout``, ``shard_documents`` /
 ``unshard_documents`` (``packing``) follow it.
+
+On a two-dimensional CP mesh (hybrid: Ulysses over the inner dimension, the ring over the
+outer), ``world`` is the pair of sizes (W0, W1), outer first: the placement lays the documents
+over the W0 outer positions, and each outer share (its tokens in increasing position) is cut into
+W1 contiguous slices whose sizes differ by at most one; CP rank i*W1 + j (mesh coordinate (i, j))
+holds slice j of share i. Ulysses' all-to-all over the inner ranks then gathers share i whole, in
+the order the ring over the outer ranks takes it.
 """
 
 from __future__ import annotations
 
-from typing import Any, Sequence
-
 from dataclasses import replace
-from typing import Optional
+from typing import Any, Optional, Sequence, Union
 
 import torch
 from torch import Tensor
@@ -32,6 +37,7 @@ __all__ = [
     "sequence_positions",
     "sequence_order",
     "placement_positions",
+    "mesh_sizes",
     "local_lengths",
     "check_local_length",
     "same_documents",
@@ -72,14 +78,46 @@ def check_lengths_tensor(value: Tensor, name: str = "cu_seqlens") -> None:
         raise ValueError(f"{name} is empty; it needs the cumulative end of every document (the last = T)")
 
 
-def check_documents(cu: Sequence[int], total: int, world_size: int, placement: str,
+World = Union[int, Sequence[int]]  # W ranks, or the sizes (W0, W1) of a two-dimensional CP mesh
+
+
+def mesh_sizes(world: World) -> tuple[int, ...]:
+    """``world`` as the sizes of the CP mesh dimensions the documents lie over, outer first: (W,)
+    for an int, else (W0, W1) (hybrid; see the module docstring)."""
+    sizes = (int(world),) if isinstance(world, int) else tuple(int(s) for s in world)
+    if len(sizes) not in (1, 2) or min(sizes) < 1:
+        raise ValueError(f"world={world!r}: packed documents lie over W ranks (an int >= 1) or a two-dimensional "
+                         "CP mesh (W0, W1), outer first")
+    return sizes
+
+
+def _describe(sizes: tuple[int, ...]) -> str:
+    if len(sizes) == 1:
+        return f"W={sizes[0]} ranks"
+    return f"a {sizes[0]}x{sizes[1]} CP mesh (placed over its {sizes[0]} outer positions)"
+
+
+def _slices(length: int, parts: int) -> list[tuple[int, int]]:
+    """(start, stop) of ``parts`` contiguous slices of ``length`` rows, sizes differing by at most one."""
+    return [(j * length // parts, (j + 1) * length // parts) for j in range(parts)]
+
+
+def check_documents(cu: Sequence[int], total: int, world_size: World, placement: str,
                     name: str = "cu_seqlens") -> None:
     """ValueError unless the documents ``cu`` fill ``total`` tokens and ``placement`` can lay
-    them out over ``world_size`` ranks (head-tail: every length divides by 2W; contiguous: T by W)."""
+    them out over ``world_size`` ranks (head-tail: every length divides by 2W; contiguous: T by W);
+    on a (W0, W1) mesh, over W0, every share holding at least W1 tokens."""
     if cu[-1] != total:
         raise ValueError(f"{name}={list(cu)}: the document lengths sum to {cu[-1]}, but the global sequence has "
                          f"T={total} tokens")
-    check_placeable(cu, world_size, placement, name)
+    sizes = mesh_sizes(world_size)
+    check_placeable(cu, sizes[0], placement, name)
+    if len(sizes) == 2:
+        shares = local_lengths(cu, sizes[0], placement)
+        if min(shares) < sizes[1]:
+            raise ValueError(f"{name}={list(cu)}: placement {placement!r} over the {sizes[0]} outer positions of "
+                             f"a {sizes[0]}x{sizes[1]} CP mesh gives them {shares} tokens; each is cut over "
+                             f"{sizes[1]} inner ranks and needs at least {sizes[1]}")
 
 
 def document_pieces(cu: Sequence[int], rank: int, world_size: int,
@@ -91,9 +129,15 @@ def document_pieces(cu: Sequence[int], rank: int, world_size: int,
     return [(p.document, p.local, p.start, p.length) for p in placement_pieces(cu, world_size, placement)[rank]]
 
 
-def document_positions(cu: Sequence[int], rank: int, world_size: int, placement: str) -> Tensor:
-    """The global token positions ``rank`` holds, in local order (int64)."""
-    return _positions(placement_pieces(cu, world_size, placement)[rank])
+def document_positions(cu: Sequence[int], rank: int, world_size: World, placement: str) -> Tensor:
+    """The global token positions ``rank`` holds, in local order (int64); on a (W0, W1) mesh,
+    ``rank`` is i*W1 + j."""
+    sizes = mesh_sizes(world_size)
+    if len(sizes) == 1:
+        return _positions(placement_pieces(cu, sizes[0], placement)[rank])
+    share = _positions(placement_pieces(cu, sizes[0], placement)[rank // sizes[1]])
+    start, stop = _slices(share.numel(), sizes[1])[rank % sizes[1]]
+    return share[start:stop]
 
 
 def sequence_positions(rank: int, world_size: int, local_length: int, load_balance: bool) -> Tensor:
@@ -113,24 +157,32 @@ def _positions(pieces: Sequence[Piece]) -> Tensor:
     return torch.cat([torch.arange(p.start, p.start + p.length) for p in pieces])
 
 
-def placement_positions(cu: Sequence[int], world_size: int, placement: str) -> list[Tensor]:
+def placement_positions(cu: Sequence[int], world_size: World, placement: str) -> list[Tensor]:
     """Every rank's global token positions in local order (int64), under ``placement``."""
-    return [document_positions(cu, rank, world_size, placement) for rank in range(world_size)]
+    sizes = mesh_sizes(world_size)
+    shares = [_positions(pieces) for pieces in placement_pieces(cu, sizes[0], placement)]
+    if len(sizes) == 1:
+        return shares
+    return [share[start:stop] for share in shares for start, stop in _slices(share.numel(), sizes[1])]
 
 
-def check_local_length(cu: Sequence[int], world_size: int, placement: str, rank: int, local_rows: int,
+def check_local_length(cu: Sequence[int], world_size: World, placement: str, rank: int, local_rows: int,
                        name: str = "actual_seq_qlen") -> None:
     """ValueError, naming both, unless ``rank`` holds the ``local_rows`` tokens ``placement`` gives it."""
     held = local_lengths(cu, world_size, placement)[rank]
     if local_rows != held:
         raise ValueError(f"rank {rank} holds {local_rows} local tokens, but placement {placement!r} of "
-                         f"{name}={list(cu)} over W={world_size} ranks gives it {held} "
+                         f"{name}={list(cu)} over {_describe(mesh_sizes(world_size))} gives it {held} "
                          "(cp_cache.document_layout; cp_cache.shard_documents lays a tensor out by it)")
 
 
-def local_lengths(cu: Sequence[int], world_size: int, placement: str) -> list[int]:
-    """How many tokens each rank holds under ``placement``."""
-    return [sum(p.length for p in pieces) for pieces in placement_pieces(cu, world_size, placement)]
+def local_lengths(cu: Sequence[int], world_size: World, placement: str) -> list[int]:
+    """How many tokens each rank holds under ``placement`` (on a (W0, W1) mesh: rank i*W1 + j)."""
+    sizes = mesh_sizes(world_size)
+    shares = [sum(p.length for p in pieces) for pieces in placement_pieces(cu, sizes[0], placement)]
+    if len(sizes) == 1:
+        return shares
+    return [stop - start for share in shares for start, stop in _slices(share, sizes[1])]
 
 
 # ---------------------------------------------------------------- the op's documents
@@ -148,12 +200,13 @@ def same_documents(qlen: Any, kvlen: Any) -> tuple[int, ...]:
 
 def check_packed_tokens(plan, total: int) -> None:
     """The global T against a CallPlan's documents and placement when known (ValueError naming
-    them), else from the shapes alone: contiguous slices need T divisible by W."""
+    them), else from the shapes alone: contiguous slices need T divisible by W (on a (W0, W1)
+    mesh: by W0, the ranks the placement is over)."""
     if plan.documents:
-        check_documents(plan.documents, total, plan.world_size, plan.document_placement, name="actual_seq_qlen")
-    elif plan.document_placement == CONTIGUOUS and total % plan.world_size:
+        check_documents(plan.documents, total, plan.document_mesh, plan.document_placement, name="actual_seq_qlen")
+    elif plan.document_placement == CONTIGUOUS and total % plan.document_mesh[0]:
         raise ValueError(f"input_layout='TND' without load balancing cuts the global sequence into W="
-                         f"{plan.world_size} equal slices: its T={total} tokens do not divide by W")
+                         f"{plan.document_mesh[0]} equal slices: its T={total} tokens do not divide by W")
 
 
 def read_documents(plan, qlen: Optional[Tensor], kvlen: Optional[Tensor], local_rows: int):
@@ -161,9 +214,9 @@ def read_documents(plan, qlen: Optional[Tensor], kvlen: Optional[Tensor], local_
     custom op, read on the host and checked against this rank's ``local_rows``. Run by the op's kernel, never while tracing: the lengths are host data
     (a CPU tensor: no device sync), and a graph records the op, not the values."""
     plan = replace(plan, documents=same_documents(qlen, kvlen))
-    placement = plan.document_placement
-    if placement != BALANCED:  # even shards: T = W * local rows
+    placement, mesh = plan.document_placement, plan.document_mesh
+    if placement != BALANCED and len(mesh) == 1:  # even shards: T = W * local rows
         check_packed_tokens(plan, local_rows * plan.world_size)
-    check_documents(plan.documents, plan.documents[-1], plan.world_size, placement, name="actual_seq_qlen")
-    check_local_length(plan.documents, plan.world_size, placement, plan.rank, local_rows)
+    check_documents(plan.documents, plan.documents[-1], mesh, placement, name="actual_seq_qlen")
+    check_local_length(plan.documents, mesh, placement, plan.rank, local_rows)
     return plan

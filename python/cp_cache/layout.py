@@ -18,7 +18,8 @@ value is then ``[..., D_v]`` (BSH/SBH: hidden ``N_kv * D_v``) and so is the outp
 
 The 4-D view keeps the sequence dimension where the layout has it, so a
 sequence range can be narrowed on either form. TND (packed documents, varlen) has
-no 4-D view: its tensors are used as they are ([T, N, D], the LSE [T, N]).
+no 4-D view: its tensors are used as they are ([T, N, D], the LSE [T, N]); ``to_bnsd`` /
+``from_bnsd`` take it as a batch of one ([1, N, T, D]: Ulysses' all-to-all).
 This module is the one place the layout names are written.
 """
 
@@ -188,12 +189,19 @@ def lse_view(lse: Tensor, layout: str) -> Tensor:
 
 
 def to_bnsd(x: Tensor, layout: str, head_num: int) -> Tensor:
-    """A [B, N, S, D] view (permuted, not copied) of ``x`` in ``layout``."""
+    """A [B, N, S, D] view (permuted, not copied) of ``x`` in ``layout`` (TND: [1, N, T, D])."""
+    if layout == TND:
+        return x.permute(1, 0, 2).unsqueeze(0)
     return as_4d(x, layout, head_num).permute(_TO_BNSD[check_layout(layout)])
 
 
 def from_bnsd(x: Tensor, layout: str) -> Tensor:
-    """Turn a [B, N, S, D] tensor into a contiguous tensor in ``layout``."""
+    """Turn a [B, N, S, D] tensor into a contiguous tensor in ``layout`` (TND: from a batch of one)."""
+    if layout == TND:
+        if x.size(0) != 1:
+            raise ValueError(f"input_layout='TND' is a batch of one; got a [B, N, S, D] tensor of shape "
+                             f"{tuple(x.shape)}")
+        return x[0].permute(1, 0, 2).contiguous()
     check_layout(layout)
     b, n, s, d = x.shape
     if layout == "BNSD":

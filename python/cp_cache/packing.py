@@ -6,6 +6,10 @@ out and gather back a packed tensor by it) and ``pad_documents``. Exported as
 The placement is the configured one (``cp_cache.enable(documents=...)``, else
 CP_CACHE_DOCUMENTS, default "balanced") under torch's load balancing, contiguous without:
 the rule the TND handlers follow (``config.document_placement``).
+
+A two-dimensional mesh (hybrid: both dimensions carry the sequence) takes the documents as
+``documents.py`` lays them over (W0, W1): placed over the outer dimension, each outer share
+cut contiguously over the inner one.
 """
 
 from __future__ import annotations
@@ -18,16 +22,23 @@ from torch import Tensor
 from .config import document_placement, documents_from_env
 from .dispatch import active_config
 from .layout import load_balance_enabled
-from .documents import check_documents, cumulative_lengths, document_positions, local_lengths, placement_positions
+from .documents import (check_documents, cumulative_lengths, document_positions, local_lengths, mesh_sizes,
+                        placement_positions)
 from .placement import check_placement
 
 __all__ = ["document_layout", "shard_documents", "unshard_documents", "pad_documents"]
 
 
-def _mesh_coordinates(mesh) -> tuple[int, int]:
-    if mesh.ndim != 1:
-        raise ValueError(f"packed documents are sharded over a 1-D mesh, got a {mesh.ndim}-D mesh {mesh}")
-    return mesh.get_local_rank(), mesh.size()
+def _mesh_coordinates(mesh) -> tuple[int, tuple[int, ...]]:
+    """(this rank's CP rank, the mesh's sizes): on two dimensions, coordinate (i, j) is rank i*W1 + j."""
+    if mesh.ndim not in (1, 2):
+        raise ValueError(f"packed documents are sharded over a 1-D mesh, or a 2-D one whose dimensions both carry "
+                         f"the sequence (hybrid), got a {mesh.ndim}-D mesh {mesh}")
+    sizes = tuple(mesh.size(d) for d in range(mesh.ndim))
+    rank = 0
+    for d, size in enumerate(sizes):
+        rank = rank * size + mesh.get_local_rank(d)
+    return rank, sizes
 
 
 def _placement(placement: Optional[str], load_balance: Optional[bool]) -> str:
@@ -40,25 +51,29 @@ def _placement(placement: Optional[str], load_balance: Optional[bool]) -> str:
                               load_balance_enabled() if load_balance is None else load_balance)
 
 
-def document_layout(cu_seqlens: Any, world: int, *, placement: Optional[str] = None,
+def document_layout(cu_seqlens: Any, world, *, placement: Optional[str] = None,
                     load_balance: Optional[bool] = None) -> list[Tensor]:
     """For each of ``world`` ranks, the int64 tensor of the global token positions it holds, in
     local order, for the documents ending at ``cu_seqlens`` (global cumulative ends, last = T).
-    ``placement``: "balanced", "head_tail" or "contiguous"; None: as the TND handlers place
-    them (the configured placement under load balancing, contiguous without). The same on
-    every rank: a function of the ends, W and the placement only."""
+    ``world``: W, or the sizes (W0, W1) of a two-dimensional CP mesh (hybrid; W0*W1 tensors,
+    rank i*W1 + j for mesh coordinate (i, j)). ``placement``: "balanced", "head_tail" or
+    "contiguous"; None: as the TND handlers place them (the configured placement under load
+    balancing, contiguous without). The same on every rank: a function of the ends, W and the
+    placement only."""
     cu = cumulative_lengths(cu_seqlens)
     chosen = _placement(placement, load_balance)
-    check_documents(cu, cu[-1], int(world), chosen)
-    return placement_positions(cu, int(world), chosen)
+    sizes = mesh_sizes(world)
+    check_documents(cu, cu[-1], sizes, chosen)
+    return placement_positions(cu, sizes, chosen)
 
 
 def shard_documents(tensor: Tensor, cu_seqlens: Any, mesh, dim: int = 0, *,
                     load_balance: Optional[bool] = None, placement: Optional[str] = None) -> Tensor:
     """This rank's shard of a packed full-sequence ``tensor`` (documents along ``dim``): its
-    positions of ``document_layout`` (same ``placement`` / ``load_balance``). Returns a plain
-    tensor; local lengths may differ between ranks, so make the op's input with
-    ``DTensor.from_local(shard, mesh, [Shard(dim)], shape=tensor.shape, stride=tensor.stride())``."""
+    positions of ``document_layout`` (same ``placement`` / ``load_balance``; a 2-D ``mesh``: the
+    hybrid layout over its two dimensions). Returns a plain tensor; local lengths may differ
+    between ranks, so make the op's input with ``DTensor.from_local(shard, mesh, [Shard(dim)] *
+    mesh.ndim, shape=tensor.shape, stride=tensor.stride())``."""
     cu = cumulative_lengths(cu_seqlens)
     rank, world = _mesh_coordinates(mesh)
     chosen = _placement(placement, load_balance)
@@ -93,8 +108,8 @@ def unshard_documents(local: Tensor, cu_seqlens: Any, mesh, dim: int = 0, *,
 
 
 def _all_gather_uneven(local: Tensor, dim: int, held: list[int], mesh) -> list[Tensor]:
-    """Every rank's shard (``held[r]`` tokens along ``dim``), through one all-gather of shards
-    padded to the longest."""
+    """Every rank's shard (``held[r]`` tokens along ``dim``), through an all-gather of shards
+    padded to the longest per mesh dimension (the inner first: ranks come out in order i*W1 + j)."""
     import torch.distributed as dist
 
     if len(held) == 1:
@@ -102,8 +117,12 @@ def _all_gather_uneven(local: Tensor, dim: int, held: list[int], mesh) -> list[T
     longest = max(held)
     padded = local.new_zeros(list(local.shape[:dim]) + [longest] + list(local.shape[dim + 1:]))
     padded.narrow(dim, 0, local.size(dim)).copy_(local)
-    gathered = [torch.empty_like(padded) for _ in held]
-    dist.all_gather(gathered, padded, group=mesh.get_group())
+    shape = padded.shape
+    for mesh_dim in reversed(range(mesh.ndim)):
+        parts = [torch.empty_like(padded) for _ in range(mesh.size(mesh_dim))]
+        dist.all_gather(parts, padded, group=mesh.get_group(mesh_dim))
+        padded = torch.stack(parts)
+    gathered = padded.reshape(len(held), *shape)
     return [g.narrow(dim, 0, n) for g, n in zip(gathered, held)]
 
 

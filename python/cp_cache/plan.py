@@ -181,22 +181,34 @@ class CallPlan:
         return self.placement or (HEAD_TAIL if self.load_balance else CONTIGUOUS)
 
     @property
+    def document_mesh(self) -> tuple[int, ...]:
+        """The CP mesh sizes packed documents lie over (``documents.mesh_sizes``): hybrid's two,
+        (W0, W1) (the placement over W0, each share cut in W1 contiguous slices), else (W,)."""
+        if self.algorithm == "hybrid" and len(self.cp_sizes) == 2:
+            return self.cp_sizes
+        return (self.world_size,)
+
+    @property
     def uneven_allowed(self) -> bool:
-        """Whether the ranks may hold local sequences of different lengths: the ring alone (not
+        """Whether the ranks may hold local sequences of different lengths. Packed documents:
+        always, under every algorithm (the layout gives each rank's tokens; the strategy checks
+        this rank's local length against it and derives the others'). Dense: the ring alone (not
         Ulysses' all-to-alls, nor a hybrid's ring on their results), for full attention or causal
         attention on contiguous shards (each block is then wholly before, on, or after the
-        diagonal whatever the lengths); windows, masks and head-tail shards are positional.
-        Packed documents: always (the placement gives each rank's tokens; the strategy checks
-        every rank's local length against it)."""
-        if self.algorithm != "ring":
-            return False
+        diagonal whatever the lengths); windows, masks and head-tail shards are positional."""
         if self.packed:
             return True
+        if self.algorithm != "ring":
+            return False
         return not (self.mask.window or self.mask.given or (self.mask.causal and self.load_balance))
 
     def ring_part(self, ring_size: int, ring_rank: int, head_num: int) -> "CallPlan":
         """The plan of the ring over the outer CP dimension of a hybrid call, on the head
-        shards Ulysses gathered (BNSD, contiguous)."""
+        shards Ulysses gathered: dense, BNSD and contiguous; packed documents, TND and the
+        call's placement over the outer ranks (each holding its share whole)."""
+        if self.packed:
+            return replace(self, world_size=ring_size, rank=ring_rank, head_num=head_num, algorithm="ring",
+                           cp_sizes=(ring_size,))
         return replace(self, world_size=ring_size, rank=ring_rank, head_num=head_num, layout="BNSD",
                        load_balance=False, algorithm="ring", cp_sizes=(ring_size,))
 

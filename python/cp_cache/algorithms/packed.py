@@ -46,7 +46,8 @@ from ..kernels import StepForward, StepKernel, StepMask
 from ..placement import CONTIGUOUS
 from ..plan import CallPlan
 
-__all__ = ["Segment", "VarlenStep", "plan_varlen_step", "step_pairs", "PackedDocuments", "PACKED"]
+__all__ = ["Segment", "VarlenStep", "plan_varlen_step", "step_pairs", "PackedDocuments", "PACKED",
+           "check_packed_inputs", "documents_forward", "documents_backward"]
 
 log = logging.getLogger("cp_cache")
 
@@ -164,8 +165,8 @@ def _check_inputs(q: Tensor, k: Tensor, v: Tensor, plan: CallPlan, cu: Sequence[
     if nkv <= 0 or plan.head_num % nkv:
         raise ValueError(f"head_num={plan.head_num} is not a multiple of the K/V head count {nkv}")
     L.check_value(k, v, L.TND, nkv)  # V's head size may differ (MLA), nothing else
-    check_documents(cu, cu[-1], plan.world_size, plan.document_placement, name="actual_seq_qlen")
-    check_local_length(cu, plan.world_size, plan.document_placement, plan.rank, q.size(0))
+    check_documents(cu, cu[-1], plan.document_mesh, plan.document_placement, name="actual_seq_qlen")
+    check_local_length(cu, plan.document_mesh, plan.document_placement, plan.rank, q.size(0))
     check_keep_prob(plan)
     return nkv
 
@@ -357,3 +358,36 @@ class PackedDocuments:
 
 
 PACKED = PackedDocuments()
+
+
+# ---------------------------------------------------------------- whole documents in one call (Ulysses)
+
+
+def check_packed_inputs(plan: CallPlan, q: Tensor, k: Tensor, v: Tensor) -> int:
+    """The K/V head count of this rank's TND q/k/v, after checking them against the plan's
+    documents and their layout (``plan.document_mesh``): the checks of every packed strategy."""
+    return _check_inputs(q, k, v, plan, _documents(plan))
+
+
+def _whole_documents(cu: Sequence[int], device) -> _StepOperands:
+    starts = (0,) + tuple(cu[:-1])
+    segments = tuple(Segment(doc, start, end - start, start, end - start)
+                     for doc, (start, end) in enumerate(zip(starts, cu)))
+    return _StepOperands(VarlenStep("full", _FULL, segments), cu[-1], cu[-1], device)
+
+
+def documents_forward(kernel: StepKernel, q: Tensor, k: Tensor, v: Tensor, cu: Sequence[int], mask: StepMask, *,
+                      head_num: int, scale: float, keep_prob: float) -> StepForward:
+    """Attention of q/k/v ``[T, N, D]`` holding the documents ``cu`` whole, in order: one TND kernel
+    call whose segments are the documents (``mask`` applies inside each); the LSE is ``[T, N]``."""
+    return _segments_forward(kernel, q, k, v, _whole_documents(cu, q.device), mask,
+                             dict(head_num=head_num, scale=scale, keep_prob=keep_prob))
+
+
+def documents_backward(kernel: StepKernel, q: Tensor, k: Tensor, v: Tensor, dout: Tensor, out: Tensor, lse: Tensor,
+                       cu: Sequence[int], mask: StepMask, seed, offset, *, head_num: int, scale: float,
+                       keep_prob: float) -> tuple[Tensor, Tensor, Tensor]:
+    """(dq, dk, dv) of ``documents_forward`` (``out``, ``lse`` [T, N]: its results; ``seed``,
+    ``offset``: its dropout's)."""
+    return _segments_backward(kernel, q, k, v, dout, out, lse, _whole_documents(cu, q.device), mask, seed, offset,
+                              dict(head_num=head_num, scale=scale, keep_prob=keep_prob))

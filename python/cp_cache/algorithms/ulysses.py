@@ -24,6 +24,14 @@ group j of the contiguous block i of W0. The ring it is given (``Ulysses(inner=.
 runs over i (the outer groups) on those blocks (contiguous layout), then Ulysses brings
 the output back.
 
+Packed documents (TND, ``Ulysses(inner=PACKED)`` for hybrid): the tensors travel as a batch
+of one ([1, N, T_r, D]); ranks may hold different lengths (the placement's), so the
+all-to-alls carry uneven splits. On one CP dimension the gathered rows come in the
+placement's rank order and are put in global order for one TND kernel call over the whole
+documents (``packed.documents_forward``); on two, the placement is over the outer ranks and
+each share is cut contiguously over the inner ranks (``documents.py``), so the inner
+all-to-all gathers an outer rank's share as the packed ring over the outer ranks takes it.
+
 Dropout: every rank of a Ulysses group computes different heads, so no two may share
 a mask. Rank u advances the random generator of the query's device by u draws before
 its attention call(s) and by U-1-u after them: each rank draws its own seed/offset,
@@ -42,12 +50,14 @@ import torch.distributed as dist
 from torch import Tensor
 
 from .. import layout as L
-from ..documents import sequence_order
+from ..documents import local_lengths, placement_positions, sequence_order
 from ..engine.agreement import Agreement
 from ..engine.loop import BackwardResult, ForwardResult, RingStep, check_backward_operands, check_qkv, empty_outputs
 from ..engine.transport import exchange_heads, own_group, own_storage
 from ..kernels import StepKernel, StepMask
+from ..placement import CONTIGUOUS
 from ..plan import CallPlan, HeadPlan, head_plan
+from .packed import check_packed_inputs, documents_backward, documents_forward
 
 __all__ = ["Ulysses", "ULYSSES"]
 
@@ -56,28 +66,49 @@ log = logging.getLogger("cp_cache")
 _BNSD = "BNSD"  # the head shards' layout
 
 
-# ---------------------------------------------------------------- sequence order
+# ---------------------------------------------------------------- the gathered sequence
 
 
-def _sequence_order(plan: CallPlan, local_seq: int) -> Optional[Tensor]:
-    """Global position of each row of the gathered sequence (rank order), or None when that
-    is already the global order (contiguous shards)."""
-    if not plan.load_balance:
-        return None
-    world = plan.ulysses_size
-    return sequence_order(world, local_seq, True)
+class _Gathered:
+    """The sequence a Ulysses group gathers, its members' shards in rank order: each member's
+    length where they may differ (packed documents; None: all equal), and the global position
+    of each gathered row where the local attention needs them in another order (None: the
+    rows are already in it)."""
+
+    def __init__(self, lengths: Optional[list[int]], order: Optional[Tensor]):
+        self.lengths = lengths
+        self._order = order
+        self._inverse = None if order is None else torch.argsort(order)
+
+    def to_global(self, x: Tensor) -> Tensor:
+        """Rows of ``x`` ([B, N, S, D]) from rank order to the local attention's order."""
+        return x if self._inverse is None else x.index_select(2, self._inverse.to(x.device))
+
+    def to_rank_order(self, x: Tensor) -> Tensor:
+        return x if self._order is None else x.index_select(2, self._order.to(x.device))
 
 
-def _to_global(x: Tensor, order: Optional[Tensor]) -> Tensor:
-    if order is None:
-        return x
-    return x.index_select(2, torch.argsort(order).to(x.device))
+def _gathered(plan: CallPlan, where: "_Groups", local_seq: int) -> _Gathered:
+    """Dense: equal shards, head-tail under load balancing (undone for the local call). Packed
+    documents: the layout's lengths of this Ulysses group's members; on one CP dimension the
+    placement's positions (undone for the local call, which takes the documents in order); on
+    two, an outer rank's share cut contiguously (gathered in the order the packed ring takes)."""
+    u = plan.ulysses_size
+    if not plan.packed:
+        return _Gathered(None, sequence_order(u, local_seq, True) if plan.load_balance else None)
+    cu, placement, mesh = plan.documents, plan.document_placement, plan.document_mesh
+    lengths = local_lengths(cu, mesh, placement)[where.ring_rank * u:(where.ring_rank + 1) * u]
+    ordered = len(mesh) == 2 or placement == CONTIGUOUS
+    return _Gathered(lengths, None if ordered else torch.cat(placement_positions(cu, mesh, placement)))
 
 
-def _to_rank_order(x: Tensor, order: Optional[Tensor]) -> Tensor:
-    if order is None:
-        return x
-    return x.index_select(2, order.to(x.device))
+def _lse_bnsd(lse: Tensor, layout: str) -> Tensor:
+    """An LSE ([B, N, S]; TND: [T, N]) as [B, N, S]."""
+    return lse.t().unsqueeze(0) if layout == L.TND else lse
+
+
+def _lse_from_bnsd(lse: Tensor, layout: str) -> Tensor:
+    return lse[0].t() if layout == L.TND else lse
 
 
 # ---------------------------------------------------------------- the local part
@@ -158,6 +189,8 @@ def _groups(plan: CallPlan, groups: Sequence) -> _Groups:
 
 
 def _check(q: Tensor, k: Tensor, v: Tensor, plan: CallPlan, mask: Optional[Tensor]) -> HeadPlan:
+    if plan.packed:  # the layout's local length, the documents; no mask but the documents' own
+        return head_plan(plan.head_num, check_packed_inputs(plan, q, k, v), plan.ulysses_size)
     seq_dim = L.seq_dim(plan.layout)
     local_seq = q.size(seq_dim)
     _check_mask(plan, mask, local_seq * plan.world_size)
@@ -239,42 +272,51 @@ class Ulysses:
             log.info("cp_cache Ulysses: %d K/V heads over %d ranks: each K/V head repeated %d times",
                      heads.nkv, u, heads.kv_repeats)
         started = time.perf_counter()
-        local_seq = q.size(L.seq_dim(plan.layout))
+        gathered = _gathered(plan, where, q.size(L.seq_dim(plan.layout)))
         (qh, kh, vh), sent = exchange_heads([_bnsd(q, plan.layout, heads.nq), _kv_bnsd(k, plan, heads),
-                                             _kv_bnsd(v, plan, heads)], own_group(groups), u, to_heads=True)
+                                             _kv_bnsd(v, plan, heads)], own_group(groups), u, to_heads=True,
+                                            lengths=gathered.lengths)
         exchanged = time.perf_counter()
-        order = _sequence_order(plan, local_seq)
-        qh, kh, vh = (_to_global(t, order) for t in (qh, kh, vh))
+        qh, kh, vh = (gathered.to_global(t) for t in (qh, kh, vh))
         with _OwnDropoutDraws(plan, q.device, where):
             local = self._local_forward(plan, qh, kh, vh, heads, where, groups, kernel, mask)
         computed = time.perf_counter()
-        out_h = _to_rank_order(local.out, order)
-        lse_h = _to_rank_order(local.lse.float().unsqueeze(-1), order)
-        (out_b, lse), back = exchange_heads([out_h, lse_h], own_group(groups), u, to_heads=False)
+        out_h = gathered.to_rank_order(local.out)
+        lse_h = gathered.to_rank_order(local.lse.float().unsqueeze(-1))
+        (out_b, lse), back = exchange_heads([out_h, lse_h], own_group(groups), u, to_heads=False,
+                                            lengths=gathered.lengths)
         finished = time.perf_counter()
         log.debug("ulysses forward rank %d/%d (ring %d): %d bytes sent", where.ulysses_rank, u, where.ring_size,
                   sent + back + local.bytes_sent)
         return ForwardResult(out=own_storage(L.from_bnsd(out_b.to(q.dtype), plan.layout)),
-                             lse=own_storage(lse.squeeze(-1)), steps=local.steps,
+                             lse=own_storage(_lse_from_bnsd(lse.squeeze(-1), plan.layout)), steps=local.steps,
                              bytes_sent=sent + back + local.bytes_sent,
                              bytes_received=sent + back + local.bytes_received,  # the all-to-alls are symmetric
                              compute_seconds=(computed - exchanged) - local.wait_seconds,
                              wait_seconds=(exchanged - started) + (finished - computed) + local.wait_seconds)
 
     def _local_forward(self, plan, qh, kh, vh, heads: HeadPlan, where: _Groups, groups, kernel, mask) -> _Local:
-        """Attention of the gathered head shards: one kernel call, or the inner ring (hybrid)."""
+        """Attention of the gathered head shards ([B, N/U, S, D]): one kernel call, or the inner
+        ring (hybrid); the output [B, N/U, S, Dv] and the LSE [B, N/U, S]."""
+        lay = plan.layout
         if where.ring_size == 1:
             part, step_mask = _local_mask(plan, mask, qh.size(2))
-            res = kernel.forward(qh, kh, vh, layout=_BNSD, head_num=heads.local_nq, scale=plan.scale,
-                                 keep_prob=plan.keep_prob, mask=step_mask)
+            kw = dict(head_num=heads.local_nq, scale=plan.scale, keep_prob=plan.keep_prob)
+            if plan.packed:  # the documents whole, in order: their cumulative ends are the call's
+                res = documents_forward(kernel, *_local_layout(lay, qh, kh, vh), plan.documents, step_mask, **kw)
+            else:
+                res = kernel.forward(qh, kh, vh, layout=_BNSD, mask=step_mask, **kw)
             rng = ((res.seed, res.offset),) if res.seed is not None else ()
-            return _Local(res.out, res.lse, [RingStep(index=0, part=part, rng=rng)])
+            return _Local(_from_local_layout(lay, res.out), _lse_bnsd(res.lse, lay),
+                          [RingStep(index=0, part=part, rng=rng)])
         ring_plan = plan.ring_part(where.ring_size, where.ring_rank, heads.local_nq)
         ring_mask = _ring_mask_rows(plan, where, mask, qh.size(2) * where.ring_size)
-        ring = self.inner.forward(ring_plan, qh, kh, vh, groups=groups[:-1], kernel=kernel, mask=ring_mask,
-                                  checked=self.inner.check_forward(ring_plan, qh, kh, vh, ring_mask),
-                                  agreement=_ring_agreed(qh, kh, where))
-        return _Local(ring.out, ring.lse, ring.steps, ring.bytes_sent, ring.wait_seconds, ring.bytes_received)
+        qr, kr, vr = _local_layout(lay, qh, kh, vh)
+        ring = self.inner.forward(ring_plan, qr, kr, vr, groups=groups[:-1], kernel=kernel, mask=ring_mask,
+                                  checked=self.inner.check_forward(ring_plan, qr, kr, vr, ring_mask),
+                                  agreement=_ring_agreed(ring_plan, qh, kh, where))
+        return _Local(_from_local_layout(lay, ring.out), _lse_bnsd(ring.lse, lay), ring.steps,
+                      ring.bytes_sent, ring.wait_seconds, ring.bytes_received)
 
     # ------------------------------------------------------------ backward
 
@@ -287,20 +329,22 @@ class Ulysses:
         u, heads = plan.ulysses_size, checked
         agreement.lengths()
         started = time.perf_counter()
-        lay, local_seq = plan.layout, q.size(L.seq_dim(plan.layout))
+        lay = plan.layout
+        sequence = _gathered(plan, where, q.size(L.seq_dim(lay)))
         tensors = [_bnsd(q, lay, heads.nq), _kv_bnsd(k, plan, heads), _kv_bnsd(v, plan, heads),
-                   _bnsd(out, lay, heads.nq), _bnsd(dout, lay, heads.nq), lse.float().unsqueeze(-1)]
-        exchanged_in, sent = exchange_heads(tensors, own_group(groups), u, to_heads=True)
+                   _bnsd(out, lay, heads.nq), _bnsd(dout, lay, heads.nq), _lse_bnsd(lse.float(), lay).unsqueeze(-1)]
+        exchanged_in, sent = exchange_heads(tensors, own_group(groups), u, to_heads=True, lengths=sequence.lengths)
         exchanged = time.perf_counter()
-        order = _sequence_order(plan, local_seq)
-        gathered = [_to_global(t, order) for t in exchanged_in]
+        gathered = [sequence.to_global(t) for t in exchanged_in]
         gathered[5] = gathered[5].squeeze(-1)
-        grads, (ring_bytes, ring_received), ring_wait = self._local_backward(plan, gathered, steps, heads, where, groups, kernel, mask)
+        grads, (ring_bytes, ring_received), ring_wait = self._local_backward(plan, gathered, steps, heads, where,
+                                                                             groups, kernel, mask)
         computed = time.perf_counter()
-        grads = [_to_rank_order(t, order) for t in grads]
+        grads = [sequence.to_rank_order(t) for t in grads]
         if heads.kv_repeats > 1:  # the repeated heads' gradients are summed: send them in float32
             grads[1], grads[2] = grads[1].float(), grads[2].float()
-        (dq_b, dk_b, dv_b), back = exchange_heads(grads, own_group(groups), u, to_heads=False)
+        (dq_b, dk_b, dv_b), back = exchange_heads(grads, own_group(groups), u, to_heads=False,
+                                                  lengths=sequence.lengths)
         if heads.kv_repeats > 1:  # dK and dV each at their own head size (MLA)
             dk_b, dv_b = (t.view(t.size(0), heads.nkv, heads.kv_repeats, *t.shape[2:]).sum(2) for t in (dk_b, dv_b))
         finished = time.perf_counter()
@@ -315,26 +359,50 @@ class Ulysses:
     def _local_backward(self, plan, gathered, steps, heads: HeadPlan, where: _Groups, groups, kernel, mask):
         """(dq, dk, dv) of the gathered head shards, (bytes the inner ring sent, received), its wait."""
         qh, kh, vh, outh, douth, lseh = gathered
+        lay = plan.layout
+        q_, k_, v_, out_, dout_ = _local_layout(lay, qh, kh, vh, outh, douth)
+        lse_ = _lse_from_bnsd(lseh, lay)
         if where.ring_size == 1:
             _, step_mask = _local_mask(plan, mask, qh.size(2))
             (seed, offset), = steps[0].rng or ((None, None),)
-            grads = kernel.backward(qh, kh, vh, douth, outh, lseh, layout=_BNSD, head_num=heads.local_nq,
-                                    scale=plan.scale, keep_prob=plan.keep_prob, mask=step_mask,
-                                    seed=seed, offset=offset)
-            return list(grads), (0, 0), 0.0
+            kw = dict(head_num=heads.local_nq, scale=plan.scale, keep_prob=plan.keep_prob)
+            if plan.packed:
+                grads = documents_backward(kernel, q_, k_, v_, dout_, out_, lse_, plan.documents, step_mask,
+                                           seed, offset, **kw)
+            else:
+                grads = kernel.backward(q_, k_, v_, dout_, out_, lse_, layout=_BNSD, mask=step_mask, seed=seed,
+                                        offset=offset, **kw)
+            return [_from_local_layout(lay, g) for g in grads], (0, 0), 0.0
         ring_plan = plan.ring_part(where.ring_size, where.ring_rank, heads.local_nq)
         ring_mask = _ring_mask_rows(plan, where, mask, qh.size(2) * where.ring_size)
-        ring = self.inner.backward(ring_plan, douth, qh, kh, vh, outh, lseh, steps, groups=groups[:-1],
+        ring = self.inner.backward(ring_plan, dout_, q_, k_, v_, out_, lse_, steps, groups=groups[:-1],
                                    kernel=kernel, mask=ring_mask,
-                                   checked=self.inner.check_backward(ring_plan, douth, qh, kh, vh, outh, lseh, steps,
-                                                                     ring_mask),
-                                   agreement=_ring_agreed(qh, kh, where))
-        return [ring.dq, ring.dk, ring.dv], (ring.bytes_sent, ring.bytes_received), ring.wait_seconds
+                                   checked=self.inner.check_backward(ring_plan, dout_, q_, k_, v_, out_, lse_,
+                                                                     steps, ring_mask),
+                                   agreement=_ring_agreed(ring_plan, qh, kh, where))
+        grads = [_from_local_layout(lay, g) for g in (ring.dq, ring.dk, ring.dv)]
+        return grads, (ring.bytes_sent, ring.bytes_received), ring.wait_seconds
 
 
-def _ring_agreed(qh: Tensor, kh: Tensor, where: _Groups) -> Agreement:
+def _local_layout(layout: str, *tensors: Tensor) -> tuple[Tensor, ...]:
+    """Gathered head shards ([B, N/U, S, D]) as the local attention takes them: as they are (BNSD),
+    packed documents as TND."""
+    if layout != L.TND:
+        return tensors
+    return tuple(L.from_bnsd(t, L.TND) for t in tensors)
+
+
+def _from_local_layout(layout: str, x: Tensor) -> Tensor:
+    """A result of the local attention as [B, N/U, S, D] (TND: a batch of one)."""
+    return L.to_bnsd(x, L.TND, x.size(1)) if layout == L.TND else x
+
+
+def _ring_agreed(ring_plan: CallPlan, qh: Tensor, kh: Tensor, where: _Groups) -> Agreement:
     """The inner ring's agreement: reached with the call's (on every CP group, before the
-    all-to-all); its ranks hold equal lengths."""
+    all-to-all); its ranks hold equal lengths (packed documents: the placement's shares)."""
+    if ring_plan.packed:
+        shares = local_lengths(ring_plan.documents, ring_plan.world_size, ring_plan.document_placement)
+        return Agreement.reached([(n, n) for n in shares])
     return Agreement.reached([(qh.size(2), kh.size(2))] * where.ring_size)
 
 

@@ -210,16 +210,20 @@ def _all_to_all(rows: Tensor, group, world: int) -> tuple[Tensor, int]:
     return received, rows.nbytes * (world - 1) // world
 
 
-def exchange_heads(tensors: list[Tensor], group, world: int, to_heads: bool) -> tuple[list[Tensor], int]:
+def exchange_heads(tensors: list[Tensor], group, world: int, to_heads: bool,
+                   lengths: Optional[list[int]] = None) -> tuple[list[Tensor], int]:
     """Sequence shards -> head shards (``to_heads``) or back, of [B, N, S, D] tensors.
 
     to_heads: [B, N, s, D] on each rank -> [B, N/W, W*s, D], the sequence in rank order.
     back: [B, N/W, W*s, D] -> [B, N, s, D], the heads in rank order.
     Each tensor keeps its own N and D (V, the output and their gradients at V's head size);
-    tensors of one dtype travel in one all-to-all.
+    tensors of one dtype travel in one all-to-all. ``lengths``: each rank's s where they differ
+    (packed documents); the all-to-all then carries uneven splits, and W*s is their sum.
     """
     if world == 1:
         return [t.contiguous() for t in tensors], 0
+    if lengths is not None and len(set(lengths)) > 1:
+        return _exchange_uneven(tensors, group, world, to_heads, lengths)
     pieces = []
     for t in tensors:
         b, n, s, d = t.shape
@@ -247,6 +251,59 @@ def exchange_heads(tensors: list[Tensor], group, world: int, to_heads: bool) -> 
                 results[i] = rows.reshape(world, b, n, s // world, d).transpose(0, 1).reshape(
                     b, world * n, s // world, d)
     return results, sent
+
+
+def _exchange_uneven(tensors: list[Tensor], group, world: int, to_heads: bool,
+                     lengths: list[int]) -> tuple[list[Tensor], int]:
+    """``exchange_heads`` where rank r holds ``lengths[r]`` rows: one all-to-all per dtype with
+    split sizes (rank r sends each rank its lengths[r] rows of that rank's heads; back, each rank
+    its own rows of this rank's heads)."""
+    me = dist.get_rank(group)
+    starts = [sum(lengths[:r]) for r in range(world)]
+    results: list[Optional[Tensor]] = [None] * len(tensors)
+    sent = 0
+    for dtype in dict.fromkeys(t.dtype for t in tensors):
+        members = [i for i, t in enumerate(tensors) if t.dtype == dtype]
+        # per destination rank: each member's piece for it, flattened, one after the other
+        pieces: list[list[Tensor]] = [[] for _ in range(world)]
+        for i in members:
+            t = tensors[i]
+            b, n, s, d = t.shape
+            for r in range(world):
+                if to_heads:
+                    pieces[r].append(t[:, r * (n // world):(r + 1) * (n // world)].reshape(-1))
+                else:
+                    pieces[r].append(t.narrow(2, starts[r], lengths[r]).reshape(-1))
+        send = torch.cat([p for per_rank in pieces for p in per_rank])
+        in_splits = [sum(p.numel() for p in per_rank) for per_rank in pieces]
+        # what each source sends me: its rows of my heads (to_heads), or my rows of its heads
+        rows_from = lengths if to_heads else [lengths[me]] * world
+        widths = [[_piece_numel(tensors[i], world, to_heads, rows) for i in members] for rows in rows_from]
+        out_splits = [sum(w) for w in widths]
+        received = send.new_empty(sum(out_splits))
+        dist.all_to_all_single(received, send, output_split_sizes=out_splits, input_split_sizes=in_splits,
+                               group=group)
+        sent += (send.numel() - in_splits[me]) * send.element_size()
+        chunks = received.split(out_splits)
+        for slot, i in enumerate(members):
+            b, n, s, d = tensors[i].shape
+            parts = []
+            for source, chunk in enumerate(chunks):
+                offset = sum(widths[source][:slot])
+                piece = chunk[offset:offset + widths[source][slot]]
+                if to_heads:
+                    parts.append(piece.view(b, n // world, lengths[source], d))
+                else:
+                    parts.append(piece.view(b, n, lengths[me], d))
+            results[i] = torch.cat(parts, dim=2 if to_heads else 1)
+    return results, sent
+
+
+def _piece_numel(t: Tensor, world: int, to_heads: bool, rows: int) -> int:
+    """Elements of one rank's piece of ``t`` ([B, N, s, D]) with ``rows`` sequence rows: a 1/W
+    share of its heads (to_heads), or all of them (back)."""
+    b, n, _, d = t.shape
+    return b * (n // world if to_heads else n) * rows * d
 
 
 def own_storage(x: Tensor) -> Tensor:

@@ -12,8 +12,8 @@ The backward reads its own arguments the same way only to check them: it runs th
 forward recorded (``handlers/ops.ring_backward``), so its spec resolves no ``auto`` algorithm.
 
 Packed documents (``input_layout="TND"``, docs/documents.md): q/k/v are DTensors ``Shard(0)`` on
-a 1-D mesh; the lengths are the GLOBAL cumulative document ends, the same on every rank (a
-plain tensor or list). Lengths given as tensors are checked here from their shapes alone and
+a 1-D mesh (ring or Ulysses), or ``(Shard(0), Shard(0))`` on a 2-D one (hybrid); the lengths are
+the GLOBAL cumulative document ends, the same on every rank (a plain tensor or list). Lengths given as tensors are checked here from their shapes alone and
 travel to the custom op, whose kernel reads their values (``documents.read_documents``): a
 traced call (fake tensors) records the op without reading them, and a compiled graph reads
 the lengths of each call. Lengths given as lists go into the plan here.
@@ -40,7 +40,7 @@ from ..npu_ops import CAUSAL_MODES, INT_MAX, SparseMode, describe, is_compressed
 from ..plan import ALGORITHM_CP_DIMS, CallPlan, MaskSpec, choose_algorithm
 
 __all__ = ["CallSpec", "CPSharding", "read_call", "share_refusal", "sequence_sharded", "cp_sharding",
-           "resolve_algorithm", "sharded_like", "local_tensor", "sink_grad_like"]
+           "resolve_algorithm", "packed_algorithm", "sharded_like", "local_tensor", "sink_grad_like"]
 
 _QKV = ("query", "key", "value")
 
@@ -142,7 +142,7 @@ def read_call(a: dict[str, Any], cp: CPConfig, *, backward: bool = False) -> Cal
     recorded, which it runs: a mismatch is reported by the op)."""
     scale = float(a["scale_value" if backward else "scale"])
     if a["input_layout"] == L.TND:
-        return _read_packed(a, cp, scale)
+        return _read_packed(a, cp, scale, backward)
     layout = L.check_layout(a["input_layout"])
     spec = mask_spec(a)
     sharding = cp_sharding({n: a[n] for n in _QKV}, layout)
@@ -167,15 +167,16 @@ def read_call(a: dict[str, Any], cp: CPConfig, *, backward: bool = False) -> Cal
     return CallSpec(a, plan, sharding, _mask_rows(a, plan), sink=sink)
 
 
-def _read_packed(a: dict[str, Any], cp: CPConfig, scale: float) -> CallSpec:
+def _read_packed(a: dict[str, Any], cp: CPConfig, scale: float, backward: bool) -> CallSpec:
     spec = packed_mask(a)
     documents, lengths = packed_documents(a)
     sharding = packed_sharding({n: a[n] for n in _QKV})
     sink = local_sink(a["sink"], int(a["head_num"]), sharding.mesh, sharding.head_shards)
     load_balance = L.load_balance_enabled()
+    algorithm = _packed_backward_algorithm(sharding) if backward else packed_algorithm(cp.algorithm, sharding)
     plan = CallPlan(world_size=sharding.size, rank=sharding.rank, layout=L.TND, head_num=int(a["head_num"]),
                     scale=scale, keep_prob=float(a["keep_prob"]), mask=spec, load_balance=load_balance,
-                    algorithm="ring", cp_sizes=tuple(sharding.cp_sizes), documents=documents,
+                    algorithm=algorithm, cp_sizes=tuple(sharding.cp_sizes), documents=documents,
                     placement=document_placement(cp.documents, load_balance), sink=sink is not None,
                     **_execution(cp))
     # on global lengths, the same on every rank: every rank refuses together
@@ -434,7 +435,7 @@ def whole_mask(mask: Any, query: DTensor, layout: str):
 
 
 _PACKED_UNSUPPORTED_WHEN_SET = ("pse", "padding_mask", "prefix")
-_TND_PLACEMENTS = (Shard(0),)
+_TND_PLACEMENT = (Shard(0),)
 _LENGTHS = ("actual_seq_qlen", "actual_seq_kvlen")
 
 
@@ -483,23 +484,41 @@ def _lengths_tensor(value: Any, name: str) -> Tensor:
 
 
 def packed_sharding(tensors: dict[str, Any]) -> CPSharding:
-    """Every tensor a DTensor Shard(0) on the same 1-D mesh: its one CP dimension."""
+    """Every tensor a DTensor Shard(0) on every dimension of the same mesh (one or two: the CP
+    dimensions; another count is refused by the algorithm, ``packed_algorithm``)."""
     mesh = None
     for name, tensor in tensors.items():
         if not isinstance(tensor, DTensor):
             raise TypeError(f"cp_cache ring attention needs {name} as a DTensor sharded on dimension 0 (T) of "
                             f"layout 'TND', got {type(tensor).__name__}")
-        if tensor.device_mesh.ndim != 1:
-            raise NotImplementedError(f"cp_cache ring attention needs a 1-D device mesh, {name} is on a "
-                                      f"{tensor.device_mesh.ndim}-D mesh {tensor.device_mesh}")
-        if tuple(tensor.placements) != _TND_PLACEMENTS:
-            raise NotImplementedError(f"cp_cache ring attention needs {name} sharded as (Shard(0),) for layout "
-                                      f"'TND', got placements={tuple(tensor.placements)}")
+        expected = _TND_PLACEMENT * tensor.device_mesh.ndim
+        if tuple(tensor.placements) != expected:
+            raise NotImplementedError(f"cp_cache attention with input_layout='TND' needs {name} sharded on T on "
+                                      f"every mesh dimension, {expected} on its {tensor.device_mesh.ndim}-D mesh "
+                                      f"(data or tensor parallel dimensions: give the CP submesh), got "
+                                      f"placements={tuple(tensor.placements)}")
         if mesh is None:
             mesh = tensor.device_mesh
         elif tensor.device_mesh != mesh:
             raise ValueError(f"{name} is on mesh {tensor.device_mesh}, query on {mesh}")
-    return CPSharding(mesh, _TND_PLACEMENTS, cp_dims=(0,), head_shards=1)
+    return CPSharding(mesh, _TND_PLACEMENT * mesh.ndim, cp_dims=tuple(range(mesh.ndim)), head_shards=1)
+
+
+def _packed_backward_algorithm(sharding: CPSharding) -> str:
+    """What a packed backward's arguments say of the algorithm: it runs what its forward recorded,
+    and only the documents' layout needs it here (hybrid's on two CP dimensions; the ring's and
+    Ulysses', the same, on one)."""
+    return "hybrid" if len(sharding.cp_dims) == 2 else "ring"
+
+
+def packed_algorithm(configured: str, sharding: CPSharding) -> str:
+    """The algorithm of a packed-documents call: the configured one on the CP dimensions it runs
+    over (NotImplementedError otherwise, as ``resolve_algorithm``); "auto" is the ring on one CP
+    dimension (its traffic follows the documents, which a handler may not know yet: lengths given
+    as tensors are read by the op) and hybrid on two."""
+    if configured == "auto":
+        configured = "hybrid" if len(sharding.cp_dims) == 2 else "ring"
+    return resolve_algorithm(configured, sharding, nq=0, nkv=0, given_mask=False)
 
 
 # ---------------------------------------------------------------- sinks and gradients
