@@ -160,11 +160,11 @@ class Draw:
 
     def resolved(self) -> str:
         """The algorithm the call runs: ``plan.choose_algorithm`` for "auto" on one CP mesh
-        dimension, hybrid on two; packed documents always run the ring."""
+        dimension, hybrid on two; packed documents run the ring for "auto" on one dimension."""
         from cp_cache.plan import choose_algorithm
 
         if self.tnd:
-            return "ring"
+            return "ring" if self.algorithm == "auto" else self.algorithm
         if self.algorithm != "auto":
             return self.algorithm
         if self.mesh2d:

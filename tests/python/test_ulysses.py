@@ -185,9 +185,12 @@ _MESHES: dict = {}
 
 def _mesh(case: Case, world: int):
     """One mesh per shape on each rank (creating its process groups once)."""
+    return _mesh_of(_sizes(case, world))
+
+
+def _mesh_of(sizes: tuple):
     from torch.distributed.device_mesh import init_device_mesh
 
-    sizes = _sizes(case, world)
     if sizes not in _MESHES:
         _MESHES[sizes] = init_device_mesh("cpu", sizes, mesh_dim_names=tuple(f"d{i}" for i in range(len(sizes))))
     return _MESHES[sizes]
@@ -511,6 +514,152 @@ def _sharding_helpers(rank: int, world: int) -> dict:
     return got
 
 
+# ---------------------------------------------------------------- packed documents (TND)
+
+
+PACKED_MIX = (5, 13, 9, 21, 3, 30, 7, 40)  # any lengths: the balanced placement's uneven shards
+PACKED_EVEN = (8, 24, 16, 16, 32, 32)  # multiples of 8: per-document head-tail over up to 4 ranks
+
+
+@dataclass(frozen=True)
+class PackedCase:
+    """TND under Ulysses (a 1-D mesh) or hybrid (a 2 x 2 mesh), placed by ``placement``
+    ("contiguous": load balancing off)."""
+
+    algorithm: str
+    placement: str
+    causal: bool
+    nq: int = 4
+    nkv: int = 4
+    mesh: tuple = (0,)  # sizes; 0 = the world size
+
+    @property
+    def name(self) -> str:
+        mesh = "x".join(str(s or "W") for s in self.mesh)
+        return (f"tnd-{self.algorithm}-{mesh}-{self.placement}-{'causal' if self.causal else 'full'}-"
+                f"q{self.nq}kv{self.nkv}")
+
+    @property
+    def cu(self) -> list[int]:
+        docs = PACKED_EVEN if self.placement == "head_tail" else PACKED_MIX
+        return torch.tensor(docs).cumsum(0).tolist()
+
+    def sizes(self, world: int) -> tuple:
+        return tuple(s or world for s in self.mesh)
+
+    def ran(self) -> str:
+        """The algorithm the call runs ("auto" on packed documents: ring on one CP dimension, hybrid on two)."""
+        if self.algorithm != "auto":
+            return self.algorithm
+        return "hybrid" if len(self.mesh) == 2 else "ring"
+
+
+def _packed_matrix(world: int) -> list[PackedCase]:
+    """Every placement, causal and full, with GQA (K/V heads repeated where Nkv < W): Ulysses at
+    W = 2 and 4, hybrid on the 2 x 2 mesh; "auto" on both meshes."""
+    placements = ("balanced", "head_tail", "contiguous")
+    out = [PackedCase("ulysses", p, causal, nkv=2 if causal else 4) for p in placements for causal in (True, False)]
+    if world == 4:
+        out += [PackedCase("hybrid", p, causal, nkv=2 if causal else 4, mesh=(2, 2))
+                for p in placements for causal in (True, False)]
+        out.append(PackedCase("auto", "balanced", True, mesh=(2, 2)))
+    else:
+        out.append(PackedCase("auto", "balanced", True))
+    return out
+
+
+PACKED_CASES = {w: _packed_matrix(w) for w in (2, 4)}
+
+
+def _packed_inputs(case: PackedCase) -> list[torch.Tensor]:
+    """q, k, v, dout: [T, N, D] float64 with float32 values."""
+    T = case.cu[-1]
+    g = torch.Generator().manual_seed(zlib.crc32(case.name.encode()))
+    q, dout = (torch.randn(T, case.nq, 8, generator=g, dtype=torch.float64) for _ in range(2))
+    k, v = (torch.randn(T, case.nkv, 8, generator=g, dtype=torch.float64) for _ in range(2))
+    return [t.float().double() for t in (q, k, v, dout)]
+
+
+def _packed_call(case: PackedCase, mesh, full, local, cu):
+    """The TND call on DTensors laid out by ``shard_documents`` (local lengths may differ: the
+    global shape is given)."""
+    from torch.distributed.tensor import DTensor, Shard
+
+    def dtensor(t, whole):
+        return DTensor.from_local(t, mesh, [Shard(0)] * mesh.ndim, shape=whole.shape, stride=whole.stride())
+
+    leaves = [dtensor(t.clone(), w).requires_grad_() for t, w in zip(local[:3], full[:3])]
+    kw = dict(scale=8 ** -0.5, actual_seq_qlen=torch.tensor(cu), actual_seq_kvlen=torch.tensor(cu))
+    if case.causal:
+        kw.update(atten_mask=torch.ones(MASK, MASK, dtype=torch.bool).triu(1), sparse_mode=3, next_tockens=0)
+    return leaves, torch.ops.npu.npu_fusion_attention_v3(*leaves, case.nq, "TND", **kw), dtensor
+
+
+def _run_packed(case: PackedCase, rank: int, world: int) -> dict:
+    from cp_cache.testing.varlen_reference import dense_tnd_attention
+
+    _set_lb(case.placement != "contiguous")
+    cp_cache.enable(algorithm=case.algorithm, documents="balanced" if case.placement == "contiguous" else case.placement)
+    sizes, cu = case.sizes(world), case.cu
+    mesh = _mesh_of(sizes)
+    full = _packed_inputs(case)
+    local = [cp_cache.shard_documents(t, cu, mesh).float() for t in full]
+    res = {"layout": torch.equal(local[0].double(), full[0].index_select(0, cp_cache.document_layout(cu, sizes)[rank])),
+           "local_rows": local[0].size(0)}
+    leaves, out, dtensor = _packed_call(case, mesh, full, local, cu)
+    cache = cp_cache.store().resolve(out[4])
+    res["algorithm"] = plan_of(cache).algorithm
+    del cache
+    res["placements"] = [tuple(o.placements) for o in out[:3]]
+    out[0].backward(dtensor(local[3], full[3]))
+    res["grad_placements"] = [tuple(t.grad.placements) for t in leaves]
+    got = {"out": out[0], "dq": leaves[0].grad, "dk": leaves[1].grad, "dv": leaves[2].grad}
+    got = {n: cp_cache.unshard_documents(t.to_local(), cu, mesh).double() for n, t in got.items()}
+    lse = (out[1].to_local()[..., 0].double() + out[2].to_local()[..., 0].double().log()).contiguous()
+    got["lse"] = cp_cache.unshard_documents(lse, cu, mesh)
+    mode = "left_up" if case.causal else "full"
+    ref = dense_tnd_attention(*full, cu, cu, mode)
+    low = dense_tnd_attention(*full, cu, cu, mode, dtype=torch.float32)  # the bounds' reference error
+    res["errors"] = {n: (rel_err(got[n], ref[n]), rel_err(low[n].double(), ref[n])) for n in ("out", "dq", "dk", "dv")}
+    res["errors"]["lse"] = (float((got["lse"] - ref["lse"]).abs().max()),
+                            float((low["lse"].double() - ref["lse"]).abs().max()))
+    res["lse_scale"] = float(ref["lse"].abs().max())
+    del out, leaves
+    res["live"] = cp_cache.stats()["live_entries"]
+    _set_lb(True)
+    cp_cache.enable()
+    return res
+
+
+def _packed_rejections(rank: int, world: int) -> dict:
+    """What packed documents refuse on Ulysses and two-dimensional meshes, on every rank."""
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+
+    got = {}
+    _set_lb(True)
+    for name, case, algorithm in (("heads", PackedCase("ulysses", "balanced", True, nq=3, nkv=3), "ulysses"),
+                                  ("hybrid_one_dim", PackedCase("hybrid", "balanced", True), "hybrid")):
+        cp_cache.enable(algorithm=algorithm)
+        mesh = _mesh_of(case.sizes(world))
+        full = _packed_inputs(case)
+        local = [cp_cache.shard_documents(t, case.cu, mesh).float() for t in full]
+        got[name] = capture(lambda: _packed_call(case, mesh, full, local, case.cu))
+    if world == 4:
+        case = PackedCase("ring", "balanced", True, mesh=(2, 2))
+        cp_cache.enable(algorithm="ring")
+        mesh = _mesh_of((2, 2))
+        full = _packed_inputs(case)
+        local = [cp_cache.shard_documents(t, case.cu, mesh).float() for t in full]
+        got["ring_two_dims"] = capture(lambda: _packed_call(case, mesh, full, local, case.cu))
+        cp_cache.enable(algorithm="hybrid")
+        q, k, v = (DTensor.from_local(t[:16].float(), mesh, [Replicate(), Shard(0)]) for t in full[:3])
+        lengths = torch.tensor([32])
+        got["replicate_dim"] = capture(lambda: torch.ops.npu.npu_fusion_attention_v3(
+            q, k, v, 4, "TND", actual_seq_qlen=lengths, actual_seq_kvlen=lengths))
+    cp_cache.enable()
+    return got
+
+
 class _Messages(logging.Handler):
     def __init__(self):
         super().__init__(logging.INFO)
@@ -534,6 +683,8 @@ def _ranks(rank: int, world: int, cases: list[Case]) -> dict:
         results["errors"] = _rejections(rank, world)
         results["sharding"] = _sharding_helpers(rank, world)
         results["floor"] = _memory_floor(rank, world)
+        results["packed"] = {case.name: _run_packed(case, rank, world) for case in PACKED_CASES[world]}
+        results["packed_errors"] = _packed_rejections(rank, world)
     if world == 2:
         results["model"] = _model_step(rank, world)
     results["live_entries"] = cp_cache.stats()["live_entries"]
@@ -688,6 +839,71 @@ def test_memory_floor_output_plus_lse(world):
     for rank, res in enumerate(_results(world)):
         for algorithm, (kept, output, lse) in res["floor"].items():
             assert output + lse <= kept <= output + lse + 1024, (rank, algorithm, kept, output, lse)
+
+
+PACKED = [(w, c) for w in (2, 4) for c in PACKED_CASES[w]]
+
+
+@pytest.mark.parametrize("world, case", PACKED, ids=[f"W{w}-{c.name}" for w, c in PACKED])
+def test_packed_documents_match_dense_float64(world, case):
+    """TND under Ulysses and hybrid, every placement, causal and full: output, LSE, dq, dk, dv
+    within ``error_bound`` of one process's float32 error against float64 (the same run)."""
+    results = _results(world)
+    for rank, res in enumerate(results):
+        r = res["packed"][case.name]
+        for name, (err, dense) in r["errors"].items():
+            bound = error_bound(dense, scale=r["lse_scale"]) if name == "lse" else error_bound(dense)
+            assert err <= bound, (case.name, rank, name, err, bound)
+        assert r["algorithm"] == case.ran(), (case.name, rank, r["algorithm"])
+        assert r["layout"], (case.name, rank)  # shard_documents gave this rank its positions of document_layout
+        expected = _shard0(len(case.sizes(world)))
+        assert r["placements"][0] == expected and r["grad_placements"] == [expected] * 3, (case.name, r)
+        assert r["live"] == 0, (case.name, rank)
+    rows = [res["packed"][case.name]["local_rows"] for res in results]
+    assert sum(rows) == case.cu[-1]
+    if case.placement == "balanced" and case.mesh == (0,):
+        assert len(set(rows)) > 1, rows  # uneven shards: the all-to-alls carried uneven splits
+
+
+def _shard0(ndim: int) -> tuple:
+    from torch.distributed.tensor import Shard
+
+    return (Shard(0),) * ndim
+
+
+@pytest.mark.parametrize("world", (2, 4))
+def test_packed_documents_refusals_name_the_values(world):
+    for rank, res in enumerate(_results(world)):
+        e = res["packed_errors"]
+        kind, message = e["heads"]
+        assert kind == "ValueError" and f"N=3, Nkv=3, W={world}" in message, message
+        kind, message = e["hybrid_one_dim"]
+        assert kind == "NotImplementedError" and "algorithm='hybrid' runs over 2" in message, message
+        if world == 4:
+            kind, message = e["ring_two_dims"]
+            assert kind == "NotImplementedError" and "use algorithm='hybrid'" in message, message
+            kind, message = e["replicate_dim"]
+            assert kind == "NotImplementedError" and "sharded on T on every mesh dimension" in message, message
+            assert "placements=(Replicate(), Shard(dim=0))" in message, message
+
+
+def test_packed_layout_on_two_dimensions():
+    """On a (W0, W1) mesh the placement is over W0 and each outer share is cut into W1 contiguous
+    slices (sizes differing by at most one): rank i*W1 + j holds slice j of share i."""
+    cu = torch.tensor(PACKED_MIX).cumsum(0).tolist()
+    for placement in ("balanced", "contiguous"):
+        for outer, inner in ((2, 2), (2, 3), (1, 4), (4, 2)):
+            shares = cp_cache.document_layout(cu, outer, placement=placement)
+            nested = cp_cache.document_layout(cu, (outer, inner), placement=placement)
+            assert len(nested) == outer * inner
+            for i, share in enumerate(shares):
+                pieces = nested[i * inner:(i + 1) * inner]
+                assert torch.equal(torch.cat(pieces), share), (placement, outer, inner, i)
+                assert max(p.numel() for p in pieces) - min(p.numel() for p in pieces) <= 1
+    with pytest.raises(ValueError, match=r"gives them \[2, 2\] tokens; each is cut over 3 inner ranks"):
+        cp_cache.document_layout([4], (2, 3), placement="contiguous")
+    with pytest.raises(ValueError, match=r"world=\(2, 2, 2\)"):
+        cp_cache.document_layout(cu, (2, 2, 2))
 
 
 # ---------------------------------------------------------------- no ranks: selection
