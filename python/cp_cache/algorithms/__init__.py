@@ -10,8 +10,8 @@ calls the agreement: its driver does (the custom ops, ``handlers/ops.py``; ``run
 * ``ring``: K/V blocks travel around the ring (every dense layout, every mask kind);
 * ``ulysses``: all-to-all to head shards around one local call; hybrid is Ulysses around
   the ring it is given (``Ulysses(inner=RING)``);
-* ``packed``: packed documents (TND) on the ring's loop; Ulysses takes them too, and hybrid
-  over them is Ulysses around it (``Ulysses(inner=PACKED)``);
+* ``packed``: packed documents (TND) on the ring's loop; Ulysses and hybrid over them are
+  Ulysses around it (``Ulysses(inner=PACKED)``: on one CP dimension a packed ring of one rank);
 * ``sinks``: attention sinks around whichever of them runs (``WithSink``), once on its result.
 
 ``groups`` are the CP process groups, outer first: a strategy takes the innermost as its
@@ -35,17 +35,17 @@ from .ring import RING, Ring
 from .sinks import WithSink
 from .ulysses import ULYSSES, Ulysses
 
-__all__ = ["Ring", "Ulysses", "PackedDocuments", "WithSink", "RING", "ULYSSES", "PACKED", "HYBRID", "PACKED_HYBRID",
+__all__ = ["Ring", "Ulysses", "PackedDocuments", "WithSink", "RING", "ULYSSES", "PACKED", "HYBRID", "PACKED_ULYSSES",
            "strategy_for", "run_forward", "run_backward"]
 
 HYBRID = Ulysses(inner=RING)
-PACKED_HYBRID = Ulysses(inner=PACKED)
+PACKED_ULYSSES = Ulysses(inner=PACKED)  # packed documents under "ulysses" and "hybrid"
 
 
 def strategy_for(plan: CallPlan, sink: Optional[Tensor] = None):
     """The strategy that runs ``plan``; with ``sink`` (this rank's heads), wrapped in ``WithSink``."""
     if plan.layout == L.TND:  # packed documents
-        strategy = {"ulysses": ULYSSES, "hybrid": PACKED_HYBRID}.get(plan.algorithm, PACKED)
+        strategy = PACKED_ULYSSES if plan.algorithm in ("ulysses", "hybrid") else PACKED
     elif plan.algorithm == "ulysses":
         strategy = ULYSSES
     elif plan.algorithm == "hybrid":

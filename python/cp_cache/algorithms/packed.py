@@ -46,8 +46,7 @@ from ..kernels import StepForward, StepKernel, StepMask
 from ..placement import CONTIGUOUS
 from ..plan import CallPlan
 
-__all__ = ["Segment", "VarlenStep", "plan_varlen_step", "step_pairs", "PackedDocuments", "PACKED",
-           "check_packed_inputs", "documents_forward", "documents_backward"]
+__all__ = ["Segment", "VarlenStep", "plan_varlen_step", "step_pairs", "PackedDocuments", "PACKED"]
 
 log = logging.getLogger("cp_cache")
 
@@ -273,7 +272,9 @@ def _kernel_args(plan: CallPlan) -> dict:
 
 
 class PackedDocuments:
-    """The ring over packed documents (layout TND) on the innermost of the given groups."""
+    """The ring over packed documents (layout TND) on the innermost of the given groups. Its input
+    checks take any packed plan (the layout of ``plan.document_mesh``): Ulysses around it checks
+    the local shards with them."""
 
     def fake(self, plan: CallPlan, q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
         """Empty (out, lse [T/W, Nq]) of the shapes ``forward`` returns: from shapes only."""
@@ -358,36 +359,3 @@ class PackedDocuments:
 
 
 PACKED = PackedDocuments()
-
-
-# ---------------------------------------------------------------- whole documents in one call (Ulysses)
-
-
-def check_packed_inputs(plan: CallPlan, q: Tensor, k: Tensor, v: Tensor) -> int:
-    """The K/V head count of this rank's TND q/k/v, after checking them against the plan's
-    documents and their layout (``plan.document_mesh``): the checks of every packed strategy."""
-    return _check_inputs(q, k, v, plan, _documents(plan))
-
-
-def _whole_documents(cu: Sequence[int], device) -> _StepOperands:
-    starts = (0,) + tuple(cu[:-1])
-    segments = tuple(Segment(doc, start, end - start, start, end - start)
-                     for doc, (start, end) in enumerate(zip(starts, cu)))
-    return _StepOperands(VarlenStep("full", _FULL, segments), cu[-1], cu[-1], device)
-
-
-def documents_forward(kernel: StepKernel, q: Tensor, k: Tensor, v: Tensor, cu: Sequence[int], mask: StepMask, *,
-                      head_num: int, scale: float, keep_prob: float) -> StepForward:
-    """Attention of q/k/v ``[T, N, D]`` holding the documents ``cu`` whole, in order: one TND kernel
-    call whose segments are the documents (``mask`` applies inside each); the LSE is ``[T, N]``."""
-    return _segments_forward(kernel, q, k, v, _whole_documents(cu, q.device), mask,
-                             dict(head_num=head_num, scale=scale, keep_prob=keep_prob))
-
-
-def documents_backward(kernel: StepKernel, q: Tensor, k: Tensor, v: Tensor, dout: Tensor, out: Tensor, lse: Tensor,
-                       cu: Sequence[int], mask: StepMask, seed, offset, *, head_num: int, scale: float,
-                       keep_prob: float) -> tuple[Tensor, Tensor, Tensor]:
-    """(dq, dk, dv) of ``documents_forward`` (``out``, ``lse`` [T, N]: its results; ``seed``,
-    ``offset``: its dropout's)."""
-    return _segments_backward(kernel, q, k, v, dout, out, lse, _whole_documents(cu, q.device), mask, seed, offset,
-                              dict(head_num=head_num, scale=scale, keep_prob=keep_prob))

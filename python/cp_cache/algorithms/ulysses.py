@@ -24,13 +24,14 @@ group j of the contiguous block i of W0. The ring it is given (``Ulysses(inner=.
 runs over i (the outer groups) on those blocks (contiguous layout), then Ulysses brings
 the output back.
 
-Packed documents (TND, ``Ulysses(inner=PACKED)`` for hybrid): the tensors travel as a batch
-of one ([1, N, T_r, D]); ranks may hold different lengths (the placement's), so the
-all-to-alls carry uneven splits. On one CP dimension the gathered rows come in the
-placement's rank order and are put in global order for one TND kernel call over the whole
-documents (``packed.documents_forward``); on two, the placement is over the outer ranks and
-each share is cut contiguously over the inner ranks (``documents.py``), so the inner
-all-to-all gathers an outer rank's share as the packed ring over the outer ranks takes it.
+Packed documents (TND): Ulysses around the packed-documents ring (``Ulysses(inner=PACKED)``).
+The tensors travel as a batch of one ([1, N, T_r, D]); ranks may hold different lengths (the
+placement's), so the all-to-alls carry uneven splits. On one CP dimension the gathered rows
+come in the placement's rank order and are put in global order, and the inner strategy runs
+as a ring of one rank: one TND kernel call over the whole documents. On two, the placement is
+over the outer ranks and each share is cut contiguously over the inner ranks
+(``documents.py``), so the inner all-to-all gathers an outer rank's share as the packed ring
+over the outer ranks takes it. The inner strategy's input checks check the local shards.
 
 Dropout: every rank of a Ulysses group computes different heads, so no two may share
 a mask. Rank u advances the random generator of the query's device by u draws before
@@ -57,7 +58,6 @@ from ..engine.transport import exchange_heads, own_group, own_storage
 from ..kernels import StepKernel, StepMask
 from ..placement import CONTIGUOUS
 from ..plan import CallPlan, HeadPlan, head_plan
-from .packed import check_packed_inputs, documents_backward, documents_forward
 
 __all__ = ["Ulysses", "ULYSSES"]
 
@@ -189,8 +189,6 @@ def _groups(plan: CallPlan, groups: Sequence) -> _Groups:
 
 
 def _check(q: Tensor, k: Tensor, v: Tensor, plan: CallPlan, mask: Optional[Tensor]) -> HeadPlan:
-    if plan.packed:  # the layout's local length, the documents; no mask but the documents' own
-        return head_plan(plan.head_num, check_packed_inputs(plan, q, k, v), plan.ulysses_size)
     seq_dim = L.seq_dim(plan.layout)
     local_seq = q.size(seq_dim)
     _check_mask(plan, mask, local_seq * plan.world_size)
@@ -245,12 +243,18 @@ class Ulysses:
     def check_forward(self, plan: CallPlan, q: Tensor, k: Tensor, v: Tensor,
                       mask: Optional[Tensor] = None) -> HeadPlan:
         """This rank's inputs of a forward; the head split."""
+        return self._heads(q, k, v, plan, mask)
+
+    def _heads(self, q: Tensor, k: Tensor, v: Tensor, plan: CallPlan, mask: Optional[Tensor]) -> HeadPlan:
+        if plan.packed:  # the packed ring's checks: the documents, this rank's length in their layout
+            self.inner.check_forward(plan, q, k, v)
+            return head_plan(plan.head_num, k.size(1), plan.ulysses_size)
         return _check(q, k, v, plan, mask)
 
     def check_backward(self, plan: CallPlan, dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
                        steps: list[RingStep], mask: Optional[Tensor] = None) -> HeadPlan:
         """This rank's inputs of a backward and the forward's records; the head split."""
-        split = _check(q, k, v, plan, mask)
+        split = self._heads(q, k, v, plan, mask)
         check_backward_operands(plan, dout, q, k, v, out, lse)
         if plan.ulysses_size == plan.world_size and len(steps) != 1:
             raise RuntimeError(f"a Ulysses backward needs the forward's 1 attention record, got {len(steps)}")
@@ -299,16 +303,14 @@ class Ulysses:
         """Attention of the gathered head shards ([B, N/U, S, D]): one kernel call, or the inner
         ring (hybrid); the output [B, N/U, S, Dv] and the LSE [B, N/U, S]."""
         lay = plan.layout
-        if where.ring_size == 1:
+        if where.ring_size == 1 and not plan.packed:
             part, step_mask = _local_mask(plan, mask, qh.size(2))
-            kw = dict(head_num=heads.local_nq, scale=plan.scale, keep_prob=plan.keep_prob)
-            if plan.packed:  # the documents whole, in order: their cumulative ends are the call's
-                res = documents_forward(kernel, *_local_layout(lay, qh, kh, vh), plan.documents, step_mask, **kw)
-            else:
-                res = kernel.forward(qh, kh, vh, layout=_BNSD, mask=step_mask, **kw)
+            res = kernel.forward(qh, kh, vh, layout=_BNSD, head_num=heads.local_nq, scale=plan.scale,
+                                 keep_prob=plan.keep_prob, mask=step_mask)
             rng = ((res.seed, res.offset),) if res.seed is not None else ()
-            return _Local(_from_local_layout(lay, res.out), _lse_bnsd(res.lse, lay),
-                          [RingStep(index=0, part=part, rng=rng)])
+            return _Local(res.out, res.lse, [RingStep(index=0, part=part, rng=rng)])
+        # the inner strategy over the outer ranks (hybrid); packed documents on one CP dimension:
+        # the packed ring of one rank, the documents whole in one kernel call
         ring_plan = plan.ring_part(where.ring_size, where.ring_rank, heads.local_nq)
         ring_mask = _ring_mask_rows(plan, where, mask, qh.size(2) * where.ring_size)
         qr, kr, vr = _local_layout(lay, qh, kh, vh)
@@ -362,17 +364,13 @@ class Ulysses:
         lay = plan.layout
         q_, k_, v_, out_, dout_ = _local_layout(lay, qh, kh, vh, outh, douth)
         lse_ = _lse_from_bnsd(lseh, lay)
-        if where.ring_size == 1:
+        if where.ring_size == 1 and not plan.packed:
             _, step_mask = _local_mask(plan, mask, qh.size(2))
             (seed, offset), = steps[0].rng or ((None, None),)
-            kw = dict(head_num=heads.local_nq, scale=plan.scale, keep_prob=plan.keep_prob)
-            if plan.packed:
-                grads = documents_backward(kernel, q_, k_, v_, dout_, out_, lse_, plan.documents, step_mask,
-                                           seed, offset, **kw)
-            else:
-                grads = kernel.backward(q_, k_, v_, dout_, out_, lse_, layout=_BNSD, mask=step_mask, seed=seed,
-                                        offset=offset, **kw)
-            return [_from_local_layout(lay, g) for g in grads], (0, 0), 0.0
+            grads = kernel.backward(qh, kh, vh, douth, outh, lseh, layout=_BNSD, head_num=heads.local_nq,
+                                    scale=plan.scale, keep_prob=plan.keep_prob, mask=step_mask,
+                                    seed=seed, offset=offset)
+            return list(grads), (0, 0), 0.0
         ring_plan = plan.ring_part(where.ring_size, where.ring_rank, heads.local_nq)
         ring_mask = _ring_mask_rows(plan, where, mask, qh.size(2) * where.ring_size)
         ring = self.inner.backward(ring_plan, dout_, q_, k_, v_, out_, lse_, steps, groups=groups[:-1],
