@@ -34,11 +34,10 @@ def _mesh_coordinates(mesh) -> tuple[int, tuple[int, ...]]:
     if mesh.ndim not in (1, 2):
         raise ValueError(f"packed documents are sharded over a 1-D mesh, or a 2-D one whose dimensions both carry "
                          f"the sequence (hybrid), got a {mesh.ndim}-D mesh {mesh}")
-    sizes = tuple(mesh.size(d) for d in range(mesh.ndim))
-    rank = 0
-    for d, size in enumerate(sizes):
-        rank = rank * size + mesh.get_local_rank(d)
-    return rank, sizes
+    if mesh.ndim == 1:
+        return mesh.get_local_rank(), (mesh.size(),)
+    sizes = (mesh.size(0), mesh.size(1))
+    return mesh.get_local_rank(0) * sizes[1] + mesh.get_local_rank(1), sizes
 
 
 def _placement(placement: Optional[str], load_balance: Optional[bool]) -> str:
