@@ -71,7 +71,7 @@ def test_no_matching_case_fails():
 def test_hybrid_only_when_the_world_size_factors():
     assert [selftest.hybrid_sizes(w) for w in (1, 2, 3, 4, 6, 7, 8)] == [None, None, None, (2, 2), (3, 2), None, (4, 2)]
     assert not any(c.algorithm == "hybrid" for c in selftest.cases(2))
-    assert sum(c.algorithm == "hybrid" for c in selftest.cases(4)) == 4
+    assert sum(c.algorithm == "hybrid" for c in selftest.cases(4)) == 5
     assert len({c.name for c in selftest.cases(4)}) == len(selftest.cases(4))
 
 

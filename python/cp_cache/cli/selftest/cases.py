@@ -60,11 +60,13 @@ def cases(world: int) -> list[Case]:
             Case("hybrid full, GQA", "hybrid", "BSND", "full", False, gqa=True),
             Case("hybrid window", "hybrid", "SBH", "band", False, gqa=True),
             Case("hybrid causal, dropout", "hybrid", "BSH", "causal", False, keep_prob=KEEP_PROB),
+            Case("TND hybrid causal, load balanced, GQA", "hybrid", "TND", "causal", True, gqa=True),
         ]
     out += [
         Case("TND causal, load balanced", "ring", "TND", "causal", True),
         Case("TND full, contiguous, GQA", "ring", "TND", "full", False, gqa=True),
         Case("TND causal, dropout", "ring", "TND", "causal", True, keep_prob=KEEP_PROB),
+        Case("TND ulysses causal, load balanced, GQA", "ulysses", "TND", "causal", True, gqa=True),
         Case("sinks", "ring", "BNSD", "causal", True, sink=True),
         Case("MLA (value head size != query's)", "ring", "BSND", "causal", True, mla=True),
     ]

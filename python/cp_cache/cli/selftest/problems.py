@@ -8,7 +8,7 @@ import math
 import zlib
 from dataclasses import dataclass
 
-from .cases import B, D, S_LOCAL, Case
+from .cases import B, D, S_LOCAL, Case, hybrid_sizes
 from .environment import Env
 
 
@@ -135,8 +135,8 @@ def shard(prob: Problem, env: Env, x):
     case, mesh = prob.case, env.mesh(prob.case)
     full = to_layout(x, case.layout).to(env.device)
     if case.layout == "TND":  # the placement's local lengths may differ between ranks: the global shape is given
-        return DTensor.from_local(cp_cache.shard_documents(full, prob.cu, mesh), mesh, [Shard(0)], shape=full.shape,
-                                  stride=full.stride())
+        return DTensor.from_local(cp_cache.shard_documents(full, prob.cu, mesh), mesh, [Shard(0)] * mesh.ndim,
+                                  shape=full.shape, stride=full.stride())
     return cp_cache.shard_sequence(full, mesh, L.seq_dim(case.layout))
 
 
@@ -178,8 +178,9 @@ def kv_lower_bound(prob: Problem) -> int:
     allowed = ~prob.masked
     rows = 0
     for r in range(world):
-        if case.layout == "TND":
-            held = cp_cache.document_layout(prob.cu, world, load_balance=case.lb)[r]
+        if case.layout == "TND":  # hybrid: the documents' two-dimensional layout
+            sizes = hybrid_sizes(world) if case.algorithm == "hybrid" else world
+            held = cp_cache.document_layout(prob.cu, sizes, load_balance=case.lb)[r]
         else:
             held = rank_positions(world, r, prob.seq // world, case.lb)
         need = allowed.index_select(0, held).any(0)
