@@ -11,7 +11,7 @@ shard, across shards, beside the diagonal, the whole sequence), given masks (spa
 or 0 with a band) as [S, S] bool or uint8, [B, 1, S, S], [B, N, S, S] or sharded on the query
 dimension, with and without fully masked rows; torch's load balancing on and off; uneven
 shards; the algorithms ring / ulysses / hybrid (a 2 x 2 mesh at W = 4, 4 x 2 at W = 8) /
-auto; the exchanges "direct" and "ring" (direct with and without keep_kv, dK/dV partials in float32
+auto (packed documents: on one CP dimension, and on the 2 x 2 mesh in the corners); the exchanges "direct" and "ring" (direct with and without keep_kv, dK/dV partials in float32
 or the input dtype); attention sinks (a plain tensor or a replicated
 DTensor); dropout; float32 and bfloat16; the step kernels npu and reference, the fused and
 the float32 merge; both step-cache policies; eager or under torch.utils.checkpoint; the
@@ -163,8 +163,10 @@ class Draw:
         dimension, hybrid on two; packed documents run the ring for "auto" on one dimension."""
         from cp_cache.plan import choose_algorithm
 
+        if self.tnd and self.algorithm == "auto":
+            return "hybrid" if self.mesh2d else "ring"
         if self.tnd:
-            return "ring" if self.algorithm == "auto" else self.algorithm
+            return self.algorithm
         if self.algorithm != "auto":
             return self.algorithm
         if self.mesh2d:
@@ -485,6 +487,16 @@ CORNERS = [
     # test_sinks' ring-causal-contiguous-gqa at W >= 2
     (4, dict(refusal="", tnd=False, mesh2d=False, algorithm="ring", layout="BSND", mask="causal", lb=False,
              sink="plain", gqa=True)),
+    # packed documents under Ulysses and hybrid (test_ulysses has the placements' numbers without the rest):
+    # dropout, sinks, the reference kernel, checkpointing under the stack policy, bfloat16
+    (4, dict(refusal="", tnd=True, mesh2d=False, algorithm="ulysses", placement="balanced", lb=True, mask="causal",
+             dropout=True, kernel="npu", nq=4, nkv=2)),
+    (4, dict(refusal="", tnd=True, mesh2d=True, algorithm="hybrid", placement="balanced", lb=True, mask="causal",
+             dropout=True, kernel="npu", nq=4, nkv=2, run="eager")),
+    (4, dict(refusal="", tnd=True, mesh2d=True, algorithm="auto", placement="head_tail", lb=True, mask="none",
+             sink="plain", kernel="reference", nq=4, nkv=2)),
+    (4, dict(refusal="", tnd=True, mesh2d=True, algorithm="hybrid", lb=False, mask="causal", run="checkpoint",
+             policy="stack", dtype="bfloat16", nq=2, nkv=2, sink="dtensor")),
 ]
 
 
@@ -566,7 +578,7 @@ def _positions(draw: Draw, rank: int) -> torch.Tensor:
     from cp_cache.documents import sequence_positions
 
     if draw.tnd:
-        return cp_cache.document_layout(draw.cu, draw.world, placement=draw.shard_placement)[rank]
+        return cp_cache.document_layout(draw.cu, draw.mesh_sizes, placement=draw.shard_placement)[rank]
     if draw.S % draw.world:  # torch.chunk's uneven shards
         return torch.arange(draw.S).chunk(draw.world)[rank]
     return sequence_positions(rank, draw.world, draw.S // draw.world, draw.shard_lb)
@@ -589,7 +601,8 @@ class _Layout:
         full = to_layout(x.to(self.draw.torch_dtype), self.draw.layout).contiguous()
         if self.draw.tnd:  # local lengths may differ: the global shape is given
             local = cp_cache.shard_documents(full, self.draw.cu, self.mesh, placement=self.draw.shard_placement)
-            return DTensor.from_local(local, self.mesh, [Shard(0)], shape=full.shape, stride=full.stride())
+            return DTensor.from_local(local, self.mesh, [Shard(0)] * self.mesh.ndim, shape=full.shape,
+                                      stride=full.stride())
         return cp_cache.shard_sequence(full, self.mesh, L.seq_dim(self.draw.layout), load_balance=self.lb)
 
     def unshard(self, x, heads: int):
@@ -976,7 +989,7 @@ def _uneven_shards(draw: Draw) -> bool:
     import cp_cache
 
     try:
-        held = cp_cache.document_layout(draw.cu, draw.world, placement=draw.shard_placement)
+        held = cp_cache.document_layout(draw.cu, draw.mesh_sizes, placement=draw.shard_placement)
     except ValueError:
         return False
     return len({len(p) for p in held}) > 1
