@@ -20,6 +20,7 @@ the order the ring over the outer ranks takes it.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import replace
 from typing import Any, Optional, Sequence, Union
 
@@ -37,6 +38,7 @@ __all__ = [
     "sequence_positions",
     "sequence_order",
     "placement_positions",
+    "placement_order",
     "mesh_sizes",
     "local_lengths",
     "check_local_length",
@@ -164,6 +166,13 @@ def placement_positions(cu: Sequence[int], world_size: World, placement: str) ->
     if len(sizes) == 1:
         return shares
     return [share[start:stop] for share in shares for start, stop in _slices(share.numel(), sizes[1])]
+
+
+@functools.lru_cache(maxsize=16)  # the same documents in every layer of a step; callers only read it
+def placement_order(cu: tuple[int, ...], world_size: World, placement: str) -> Tensor:
+    """The global position of each row of the ranks' shards laid end to end in rank order
+    (``sequence_order`` of packed documents)."""
+    return torch.cat(placement_positions(cu, world_size, placement))
 
 
 def check_local_length(cu: Sequence[int], world_size: World, placement: str, rank: int, local_rows: int,

@@ -51,7 +51,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from .. import layout as L
-from ..documents import local_lengths, placement_positions, sequence_order
+from ..documents import local_lengths, placement_order, sequence_order
 from ..engine.agreement import Agreement
 from ..engine.loop import BackwardResult, ForwardResult, RingStep, check_backward_operands, check_qkv, empty_outputs
 from ..engine.transport import exchange_heads, own_group, own_storage
@@ -99,7 +99,7 @@ def _gathered(plan: CallPlan, where: "_Groups", local_seq: int) -> _Gathered:
     cu, placement, mesh = plan.documents, plan.document_placement, plan.document_mesh
     lengths = local_lengths(cu, mesh, placement)[where.ring_rank * u:(where.ring_rank + 1) * u]
     ordered = len(mesh) == 2 or placement == CONTIGUOUS
-    return _Gathered(lengths, None if ordered else torch.cat(placement_positions(cu, mesh, placement)))
+    return _Gathered(lengths, None if ordered else placement_order(tuple(cu), mesh, placement))
 
 
 def _lse_bnsd(lse: Tensor, layout: str) -> Tensor:
