@@ -8,7 +8,8 @@ On a cluster the CP group is usually accelerator-only (HCCL, NCCL): it refuses C
 tensors and object collectives. Each rank here stands such a group in for its CP mesh
 groups: every torch.distributed collective and point-to-point call made on one of them
 is refused when it carries an integer or bool tensor or Python objects, and recorded.
-Ring, Ulysses, hybrid and packed documents then run forward and backward, and refusals
+Ring, Ulysses, hybrid and packed documents (on the ring, Ulysses and hybrid) then run forward
+and backward, and refusals
 and mismatches fail on every rank; nothing may be refused on the CP groups.
 
 Host reads: a call's handlers (its second call: the first creates the side group) run
@@ -193,6 +194,10 @@ def _cases(rank: int, world: int, flat, grid) -> dict:
     tnd = _dense_leaves(flat, [Shard(0)], rank, (8, N, D))
     results["packed"] = capture(lambda: _run(*tnd, layout="TND", sparse_mode=3, actual_seq_qlen=cu,
                                              actual_seq_kvlen=cu))
+    for name, algorithm, run in _packed_all_to_all(rank, flat, grid, cu):
+        cp_cache.enable(algorithm=algorithm)
+        results[name] = capture(run)
+    cp_cache.enable()
     results["reads"] = _read_cases(rank, world, flat, grid, leaves, tnd, cu)
     # a refusal on one rank only (its own arguments): every rank fails, the refusing one first
     bad = dict(pse=torch.zeros(1)) if rank == world - 1 else {}
@@ -200,6 +205,17 @@ def _cases(rank: int, world: int, flat, grid) -> dict:
     # ranks that disagree (the scale): the same RuntimeError on every rank
     results["mismatch"] = capture(lambda: _attention(*leaves(flat, [Shard(2)]), scale=0.3 + 0.1 * (rank == 0)))
     return results
+
+
+def _packed_all_to_all(rank, flat, grid, cu):
+    """(name, algorithm, forward and backward) of packed documents under Ulysses (the flat mesh) and
+    hybrid (the grid)."""
+    from torch.distributed.tensor import Shard
+
+    for name, algorithm, mesh in (("packed_ulysses", "ulysses", flat), ("packed_hybrid", "hybrid", grid)):
+        tnd = _dense_leaves(mesh, [Shard(0)] * mesh.ndim, rank, (8, N, D))
+        yield name, algorithm, functools.partial(_run, *tnd, layout="TND", sparse_mode=3, actual_seq_qlen=cu,
+                                                 actual_seq_kvlen=cu)
 
 
 def _read_cases(rank, world, flat, grid, leaves, tnd, cu) -> dict:
@@ -215,6 +231,10 @@ def _read_cases(rank, world, flat, grid, leaves, tnd, cu) -> dict:
     cp_cache.enable()
     reads["packed"] = _host_reads(lambda: _run(*tnd, layout="TND", sparse_mode=3, actual_seq_qlen=cu,
                                                actual_seq_kvlen=cu))
+    for name, algorithm, run in _packed_all_to_all(rank, flat, grid, cu):
+        cp_cache.enable(algorithm=algorithm)
+        reads[name] = _host_reads(run)
+    cp_cache.enable()
     seq = S_LOCAL * world
     given = torch.rand(seq, seq, generator=torch.Generator().manual_seed(2)) < 0.3
     given = torch.distributed.tensor.distribute_tensor(given, flat, [Replicate()])
@@ -254,7 +274,7 @@ def _results() -> tuple:
     return tuple(run_ranks(_ranks, WORLD, timeout=300))
 
 
-@pytest.mark.parametrize("case", ["ring", "ulysses", "hybrid", "packed"])
+@pytest.mark.parametrize("case", ["ring", "ulysses", "hybrid", "packed", "packed_ulysses", "packed_hybrid"])
 def test_runs_with_metadata_off_the_cp_group(case):
     for rank, res in enumerate(_results()):
         assert res[case] == ("no error", ""), (rank, case, res[case])
@@ -276,7 +296,7 @@ def test_nothing_but_payload_on_the_cp_groups():
         assert res["guard_refuses"][0] == "RuntimeError", res["guard_refuses"]
 
 
-@pytest.mark.parametrize("case", ["ring", "ulysses", "packed"])
+@pytest.mark.parametrize("case", ["ring", "ulysses", "packed", "packed_ulysses", "packed_hybrid"])
 def test_steady_state_reads_nothing_on_the_host(case):
     for rank, res in enumerate(_results()):
         assert res["reads"][case] == [], (rank, case, res["reads"][case])
