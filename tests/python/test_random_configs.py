@@ -11,7 +11,8 @@ shard, across shards, beside the diagonal, the whole sequence), given masks (spa
 or 0 with a band) as [S, S] bool or uint8, [B, 1, S, S], [B, N, S, S] or sharded on the query
 dimension, with and without fully masked rows; torch's load balancing on and off; uneven
 shards; the algorithms ring / ulysses / hybrid (a 2 x 2 mesh at W = 4, 4 x 2 at W = 8) /
-auto (packed documents: on one CP dimension, and on the 2 x 2 mesh in the corners); the exchanges "direct" and "ring" (direct with and without keep_kv, dK/dV partials in float32
+auto (packed documents: on one CP dimension, and on the 2 x 2 mesh in the corners); the
+exchanges "direct" and "ring" (direct with and without keep_kv, dK/dV partials in float32
 or the input dtype); attention sinks (a plain tensor or a replicated
 DTensor); dropout; float32 and bfloat16; the step kernels npu and reference, the fused and
 the float32 merge; both step-cache policies; eager or under torch.utils.checkpoint; the

@@ -6,7 +6,8 @@ compares its local pieces of the output and of dq/dk/dv with the dense float64 r
 (the same pieces of the full-sequence result) and returns the relative errors; the tests
 read them. The cases are those that check more than the numbers (dropout's seeds, a switch of
 algorithm between forward and backward, the K/V heads repeated, the 2-D meshes with a data- or
-tensor-parallel dimension); then checkpointing, refusals, the sharding helpers, the memory floor
+tensor-parallel dimension); packed documents (TND) under Ulysses and hybrid, every placement, with
+their layout and refusals; then checkpointing, refusals, the sharding helpers, the memory floor
 and a model. The numbers of Ulysses, hybrid and "auto" over the argument space are drawn by the
 random net, test_random_configs.py.
 """
@@ -599,7 +600,8 @@ def _run_packed(case: PackedCase, rank: int, world: int) -> dict:
     from cp_cache.testing.varlen_reference import dense_tnd_attention
 
     _set_lb(case.placement != "contiguous")
-    cp_cache.enable(algorithm=case.algorithm, documents="balanced" if case.placement == "contiguous" else case.placement)
+    documents = "balanced" if case.placement == "contiguous" else case.placement  # contiguous: load balancing off
+    cp_cache.enable(algorithm=case.algorithm, documents=documents)
     sizes, cu = case.sizes(world), case.cu
     mesh = _mesh_of(sizes)
     full = _packed_inputs(case)

@@ -13,10 +13,11 @@ forward recorded (``handlers/ops.ring_backward``), so its spec resolves no ``aut
 
 Packed documents (``input_layout="TND"``, docs/documents.md): q/k/v are DTensors ``Shard(0)`` on
 a 1-D mesh (ring or Ulysses), or ``(Shard(0), Shard(0))`` on a 2-D one (hybrid); the lengths are
-the GLOBAL cumulative document ends, the same on every rank (a plain tensor or list). Lengths given as tensors are checked here from their shapes alone and
-travel to the custom op, whose kernel reads their values (``documents.read_documents``): a
-traced call (fake tensors) records the op without reading them, and a compiled graph reads
-the lengths of each call. Lengths given as lists go into the plan here.
+the GLOBAL cumulative document ends, the same on every rank (a plain tensor or list). Lengths
+given as tensors are checked here from their shapes alone and travel to the custom op, whose
+kernel reads their values (``documents.read_documents``): a traced call (fake tensors) records
+the op without reading them, and a compiled graph reads the lengths of each call. Lengths
+given as lists go into the plan here.
 """
 
 from __future__ import annotations
