@@ -491,7 +491,32 @@ def _memory_floor(rank: int, world: int) -> dict:
         out.backward(DTensor.from_local(local[3], mesh, _placements(case)))
         del out
     _set_lb(True)
+    kept.update(_packed_floor(world))
     cp_cache.enable()
+    return kept
+
+
+def _packed_floor(world: int) -> dict:
+    """``_memory_floor`` of packed documents under Ulysses and hybrid (uneven shards, dropout)."""
+    from cp_cache.cli._measure import SavedStorages
+
+    kept = {}
+    packed = [PackedCase("ulysses", "balanced", True)] + ([PackedCase("hybrid", "balanced", True, mesh=(2, 2))]
+                                                          if world == 4 else [])
+    for case in packed:
+        cp_cache.enable(algorithm=case.algorithm)
+        mesh = _mesh_of(case.sizes(world))
+        full = _packed_inputs(case)
+        local = [cp_cache.shard_documents(t, case.cu, mesh).float() for t in full]
+        leaves = [_packed_dtensor(mesh, t, w).requires_grad_() for t, w in zip(local[:3], full[:3])]
+        kwargs = _packed_kwargs(case, case.cu)
+        store_before = cp_cache.stats()["live_bytes"]
+        with SavedStorages(exclude=(*leaves, kwargs["atten_mask"])) as saved:
+            out = torch.ops.npu.npu_fusion_attention_v3(*leaves, case.nq, "TND", keep_prob=0.9, **kwargs)[0]
+        kept["tnd-" + case.algorithm] = (saved.nbytes + cp_cache.stats()["live_bytes"] - store_before,
+                                         out.to_local().nbytes, local[0].numel() // 8 * 4)
+        out.backward(_packed_dtensor(mesh, local[3], full[3]))
+        del out
     return kept
 
 
@@ -581,19 +606,25 @@ def _packed_inputs(case: PackedCase) -> list[torch.Tensor]:
     return [t.float().double() for t in (q, k, v, dout)]
 
 
-def _packed_call(case: PackedCase, mesh, full, local, cu):
-    """The TND call on DTensors laid out by ``shard_documents`` (local lengths may differ: the
-    global shape is given)."""
+def _packed_dtensor(mesh, local, whole):
+    """A shard of ``shard_documents`` as the op's input (local lengths may differ: the global
+    shape is given)."""
     from torch.distributed.tensor import DTensor, Shard
 
-    def dtensor(t, whole):
-        return DTensor.from_local(t, mesh, [Shard(0)] * mesh.ndim, shape=whole.shape, stride=whole.stride())
+    return DTensor.from_local(local, mesh, [Shard(0)] * mesh.ndim, shape=whole.shape, stride=whole.stride())
 
-    leaves = [dtensor(t.clone(), w).requires_grad_() for t, w in zip(local[:3], full[:3])]
+
+def _packed_kwargs(case: PackedCase, cu) -> dict:
     kw = dict(scale=8 ** -0.5, actual_seq_qlen=torch.tensor(cu), actual_seq_kvlen=torch.tensor(cu))
     if case.causal:
         kw.update(atten_mask=torch.ones(MASK, MASK, dtype=torch.bool).triu(1), sparse_mode=3, next_tockens=0)
-    return leaves, torch.ops.npu.npu_fusion_attention_v3(*leaves, case.nq, "TND", **kw), dtensor
+    return kw
+
+
+def _packed_call(case: PackedCase, mesh, full, local, cu):
+    """The TND call on DTensors laid out by ``shard_documents``: the leaves and the op's outputs."""
+    leaves = [_packed_dtensor(mesh, t.clone(), w).requires_grad_() for t, w in zip(local[:3], full[:3])]
+    return leaves, torch.ops.npu.npu_fusion_attention_v3(*leaves, case.nq, "TND", **_packed_kwargs(case, cu))
 
 
 def _run_packed(case: PackedCase, rank: int, world: int) -> dict:
@@ -608,12 +639,12 @@ def _run_packed(case: PackedCase, rank: int, world: int) -> dict:
     local = [cp_cache.shard_documents(t, cu, mesh).float() for t in full]
     res = {"layout": torch.equal(local[0].double(), full[0].index_select(0, cp_cache.document_layout(cu, sizes)[rank])),
            "local_rows": local[0].size(0)}
-    leaves, out, dtensor = _packed_call(case, mesh, full, local, cu)
+    leaves, out = _packed_call(case, mesh, full, local, cu)
     cache = cp_cache.store().resolve(out[4])
     res["algorithm"] = plan_of(cache).algorithm
     del cache
     res["placements"] = [tuple(o.placements) for o in out[:3]]
-    out[0].backward(dtensor(local[3], full[3]))
+    out[0].backward(_packed_dtensor(mesh, local[3], full[3]))
     res["grad_placements"] = [tuple(t.grad.placements) for t in leaves]
     got = {"out": out[0], "dq": leaves[0].grad, "dk": leaves[1].grad, "dv": leaves[2].grad}
     got = {n: cp_cache.unshard_documents(t.to_local(), cu, mesh).double() for n, t in got.items()}
@@ -837,8 +868,10 @@ def test_sharding_helpers_lay_out_what_the_handlers_expect(world):
 @pytest.mark.parametrize("world", (2, 4))
 def test_memory_floor_output_plus_lse(world):
     """Ulysses and hybrid keep, between forward and backward, the output, the LSE and the
-    step cache's few bytes (the seed/offset of the calls): nothing of the head shards."""
+    step cache's few bytes (the seed/offset of the calls): nothing of the head shards; packed
+    documents too."""
     for rank, res in enumerate(_results(world)):
+        assert "tnd-ulysses" in res["floor"] and ("tnd-hybrid" in res["floor"]) == (world == 4), res["floor"]
         for algorithm, (kept, output, lse) in res["floor"].items():
             assert output + lse <= kept <= output + lse + 1024, (rank, algorithm, kept, output, lse)
 
