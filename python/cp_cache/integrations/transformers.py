@@ -200,6 +200,11 @@ class _Checked:
 
     def documents(self, kwargs: dict, sharding: _Sharding) -> Optional[tuple[int, ...]]:
         given = (kwargs.get("position_ids"), kwargs.get("cu_seq_lens_q"), kwargs.get("cu_seq_lens_k"))
+        if torch.compiler.is_compiling():  # no cache (its key would pin the lengths) and no host read of positions
+            documents = _read_documents(given[1], given[2], sharding)
+            if given[0] is not None and sharding.held is not None:
+                _assert_positions(given[0], sharding, documents)
+            return documents
         key = (tuple(_identity(t) for t in given), sharding.seq,
                None if sharding.held is None else tuple(sharding.held[:1].tolist() + [len(sharding.held)]),
                sharding.load_balance, None if sharding.mesh is None else sharding.mesh.get_local_rank())
@@ -239,10 +244,17 @@ def _read_documents(cu_q: Any, cu_k: Any, sharding: _Sharding) -> Optional[tuple
     return tuple(q)
 
 
-def _check_positions(position_ids: Tensor, sharding: _Sharding, documents: Optional[tuple[int, ...]]) -> None:
-    """The model's RoPE reads ``position_ids``; the mask here follows the tokens' places in the
-    sequence (and the documents): the two must agree, else a packed batch without its
-    cu_seq_lens (or an unsharded position_ids under CP) would silently get another mask."""
+_POSITIONS_HINT = ("Under cp_cache.context_parallel pass position_ids among its buffers (sharded with input_ids); "
+                   "packed documents (position_ids restarting at 0) need cu_seq_lens_q/k "
+                   "(DataCollatorWithFlattening(return_flash_attn_kwargs=True))")
+
+
+def _positions_against(position_ids: Tensor, sharding: _Sharding,
+                       documents: Optional[tuple[int, ...]]) -> tuple[Tensor, Tensor]:
+    """(the given position ids [B, S] int64, the expected ones [S]): the model's RoPE reads
+    ``position_ids``; the mask here follows the tokens' places in the sequence (and the
+    documents): the two must agree, else a packed batch without its cu_seq_lens (or an
+    unsharded position_ids under CP) would silently get another mask."""
     held = sharding.held
     expected = held
     if documents is not None:
@@ -253,16 +265,27 @@ def _check_positions(position_ids: Tensor, sharding: _Sharding, documents: Optio
     if got.dim() != 2 or got.size(-1) != held.numel():
         raise ValueError(f"cp_cache attention: position_ids={describe(position_ids)} must be [B, S] over the "
                          f"{held.numel()} local tokens")
+    return got, expected
+
+
+def _check_positions(position_ids: Tensor, sharding: _Sharding, documents: Optional[tuple[int, ...]]) -> None:
+    got, expected = _positions_against(position_ids, sharding, documents)
     wrong = (got != expected).any(0).nonzero().flatten()
     if wrong.numel():
         at = int(wrong[0])
         raise ValueError(
             f"cp_cache attention: position_ids={describe(position_ids)} are not the positions of the tokens in "
-            f"their {'documents' if documents else 'sequence'}: local token {at} (global position {int(held[at])}) "
-            f"has position id {got[:, at].tolist()}, expected {int(expected[at])}. Under "
-            "cp_cache.context_parallel pass position_ids among its buffers "
-            "(sharded with input_ids); packed documents (position_ids restarting at 0) need cu_seq_lens_q/k "
-            "(DataCollatorWithFlattening(return_flash_attn_kwargs=True))")
+            f"their {'documents' if documents else 'sequence'}: local token {at} (global position "
+            f"{int(sharding.held[at])}) has position id {got[:, at].tolist()}, expected {int(expected[at])}. "
+            + _POSITIONS_HINT)
+
+
+def _assert_positions(position_ids: Tensor, sharding: _Sharding, documents: Optional[tuple[int, ...]]) -> None:
+    """``_check_positions`` inside a compiled graph: the comparison is an assertion in the graph
+    (no host read while tracing; it fails when the graph runs)."""
+    got, expected = _positions_against(position_ids, sharding, documents)
+    torch._assert_async((got == expected).all(), "cp_cache attention: position_ids are not the positions of the "
+                        "tokens in their sequence or documents. " + _POSITIONS_HINT)
 
 
 _CHECKED = _Checked()
