@@ -34,6 +34,7 @@ CASES = [
     tc.Case("qwen3", "qwen3"),
     tc.Case("gemma3", "gemma3"),
     tc.Case("packed", "llama", packed=True),
+    tc.Case("packed_documents", "llama", packed=True, documents=True),
     tc.Case("packed_contiguous", "llama", packed=True, load_balance=False),
     tc.Case("packed_gemma3", "gemma3", packed=True),
     tc.Case("gpt_oss", "gpt_oss"),

@@ -33,6 +33,7 @@ class Case:
     model: str  # llama | qwen3 | gemma3 | gpt_oss | deepseek_v3
     packed: bool = False
     load_balance: bool = True  # head-tail buffers (torch's default); False: contiguous
+    documents: bool = False  # packed: buffers laid out by cp_cache's placement (context_parallel(documents=))
     reference: str = "eager"  # the single process's attention implementation
     lengths: tuple[int, ...] = (SEQ,) * STEPS  # each step's sequence length (not packed)
     compiled: bool = False  # CP side: torch.compile(model, dynamic=True, backend="aot_eager")
@@ -153,7 +154,8 @@ def train_cp(case: Case, mesh) -> dict:
         calls = cp_cache.call_stats()["forward"]["calls"]
         before, _cp_options.enable_load_balance = _cp_options.enable_load_balance, case.load_balance
         try:
-            with cp_cache.context_parallel(mesh, buffers=buffers, buffer_seq_dims=[1, 1, 1]):
+            documents = batch["cu_seq_lens_q"] if case.documents else None
+            with cp_cache.context_parallel(mesh, buffers=buffers, buffer_seq_dims=[1, 1, 1], documents=documents):
                 loss = _loss(run, batch)
                 loss.backward()
         finally:
