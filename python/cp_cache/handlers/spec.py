@@ -439,7 +439,8 @@ _LENGTHS = ("actual_seq_qlen", "actual_seq_kvlen")
 
 
 def packed_mask(a: dict[str, Any]) -> MaskSpec:
-    """Causal per document or full; anything else unsupported raises naming it."""
+    """Causal per document, a band inside each document (sparse_mode 4) or full; anything else
+    unsupported raises naming it."""
     for name in _PACKED_UNSUPPORTED_WHEN_SET:
         if a[name] is not None:
             raise NotImplementedError(f"cp_cache ring attention does not support {name}={describe(a[name])} yet")
@@ -451,11 +452,14 @@ def packed_mask(a: dict[str, Any]) -> MaskSpec:
         return MaskSpec()  # the op computes full attention (per document) whatever sparse_mode says
     if mode in CAUSAL_MODES and is_compressed_mask(mask):
         return MaskSpec(causal=True)
+    if mode == SparseMode.BAND and is_compressed_mask(mask):
+        return MaskSpec(window=True, pre_tockens=int(a["pre_tockens"]), next_tockens=int(a["next_tockens"]))
     raise NotImplementedError(
-        f"cp_cache ring attention with input_layout='TND' supports full attention (no atten_mask) and causal "
+        f"cp_cache ring attention with input_layout='TND' supports full attention (no atten_mask), causal "
         f"attention per document (sparse_mode {int(SparseMode.LEFT_UP_CAUSAL)} or "
-        f"{int(SparseMode.RIGHT_DOWN_CAUSAL)} with the compressed 2048x2048 mask), not sparse_mode={mode} with "
-        f"atten_mask={describe(mask)}")
+        f"{int(SparseMode.RIGHT_DOWN_CAUSAL)}) and a band inside each document (sparse_mode "
+        f"{int(SparseMode.BAND)} with pre_tockens/next_tockens), each with the compressed 2048x2048 mask; not "
+        f"sparse_mode={mode} with atten_mask={describe(mask)} (explicit masks are not taken with packed documents)")
 
 
 def packed_documents(a: dict[str, Any]) -> tuple[tuple[int, ...], tuple[Optional[Tensor], Optional[Tensor]]]:
