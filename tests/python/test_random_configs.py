@@ -190,7 +190,8 @@ REFUSALS = {
     "lb_length": ("ValueError", r"load balancing .* query sequence length \d+ is not divisible by \d+"),
     "uneven_positional": ("RuntimeError", r"disagree on local query shape.*only for full or causal attention "
                                           r"without load balancing"),
-    "tnd_mask": ("NotImplementedError", r"input_layout='TND' supports .*not sparse_mode=[014]"),
+    "tnd_mask": ("NotImplementedError", r"input_layout='TND' supports .*not sparse_mode=[01] with "
+                                        r"atten_mask=<tensor of shape \(\d+, \d+\)"),
     "tnd_head_tail": ("ValueError", r"document \d+ of actual_seq_qlen has length \d+, not divisible by 2\*W"),
     "tnd_contiguous": ("ValueError", r"(actual_seq_qlen=\[.*does not divide into W=\d contiguous slices|"
                                      r"input_layout='TND' without load balancing .* T=\d+ tokens do not divide by W)"),
@@ -310,7 +311,7 @@ def _draw(seed: int, world: int, **force) -> Draw:
              fused_merge=pick("fused_merge", (True, False), [2, 1]),
              run=pick("run", ("eager", "checkpoint"), [4, 1]),
              sink="bad" if refusal == "sink_shape" else pick("sink", ("", "plain", "dtensor"), [4, 1, 1]))
-    f.update(_draw_tnd(pick, rng, world, refusal) if tnd else _draw_dense(pick, rng, world, refusal, f))
+    f.update(_draw_tnd(pick, rng, world, refusal, seed) if tnd else _draw_dense(pick, rng, world, refusal, f))
     # keep_kv from the seed, not the stream: every other dimension draws as before it existed
     direct = force.get("exchange", f["exchange"]) == "direct"
     f["keep_kv"] = direct and seed % 3 == 0
@@ -318,7 +319,7 @@ def _draw(seed: int, world: int, **force) -> Draw:
     return _settle(Draw(**{k: force.get(k, v) for k, v in f.items()}))
 
 
-def _draw_tnd(pick: _Picker, rng: random.Random, world: int, refusal: str) -> dict:
+def _draw_tnd(pick: _Picker, rng: random.Random, world: int, refusal: str, seed: int) -> dict:
     lb = {"tnd_head_tail": True, "tnd_contiguous": False}.get(refusal, pick("lb", (True, False)))
     placement = pick("placement", ("balanced", "head_tail")) if lb else "contiguous"
     if refusal == "tnd_head_tail":
@@ -335,10 +336,20 @@ def _draw_tnd(pick: _Picker, rng: random.Random, world: int, refusal: str) -> di
     mask = pick("mask", ("none", "causal"), [1, 2])
     sparse_mode = pick("sparse_mode", (2, 3)) if mask == "causal" else pick("sparse_mode", (0, 1, 2, 3))
     pre = nxt = INT_MAX
-    if refusal == "tnd_mask":
-        mask = rng.choice(("band", "given"))
-        sparse_mode = 4 if mask == "band" else rng.choice((0, 1))
-        pre, nxt = (3, 0) if mask == "band" else (INT_MAX, INT_MAX)
+    # a band inside each document (sparse_mode 4) in some causal draws, from the seed's own stream:
+    # the draws that stay causal draw what they drew before bands existed
+    band = random.Random(zlib.crc32(f"tnd-band/{seed}".encode()))
+    if mask == "band" or (mask == "causal" and not refusal and band.random() < 0.4):
+        longest = max(docs)
+        pre = band.choice((0, 1, 2, 3, longest // 3, longest - 1, longest + 2, INT_MAX))
+        nxt = band.choice((0, 0, 1, 3, longest // 2, INT_MAX))
+        if pre == INT_MAX and nxt == INT_MAX:
+            nxt = 0
+        if band.random() < 0.15:  # a band beside the diagonal: some rows see no key
+            pre, nxt = band.choice(((-1, 3), (4, -2), (-2, 2)))
+        mask, sparse_mode = "band", 4
+    if refusal == "tnd_mask":  # explicit masks stay refused with packed documents
+        mask, sparse_mode = "given", rng.choice((0, 1))
     return dict(layout=L.TND, lb=lb, placement=placement, docs=docs, S=sum(docs), mask=mask,
                 sparse_mode=sparse_mode, pre=pre, nxt=nxt)
 
@@ -485,6 +496,15 @@ CORNERS = [
     # test_sinks' ring-causal-contiguous-gqa at W >= 2
     (4, dict(refusal="", tnd=False, mesh2d=False, algorithm="ring", layout="BSND", mask="causal", lb=False,
              sink="plain", gqa=True)),
+    # packed documents with a band (sparse_mode 4) inside each document: every placement at W = 2, 3, 4,
+    # with dropout, sinks, MLA and GQA
+    (2, dict(refusal="", tnd=True, placement="head_tail", lb=True, mask="band", dropout=True, kernel="npu")),
+    (3, dict(refusal="", tnd=True, placement="balanced", lb=True, mask="band", sink="plain", mla=True)),
+    (4, dict(refusal="", tnd=True, lb=False, mask="band", exchange="direct", dropout=True, kernel="npu",
+             sink="dtensor")),
+    (4, dict(refusal="", tnd=True, placement="head_tail", lb=True, mask="band", gqa=True, exchange="direct")),
+    (3, dict(refusal="", tnd=True, lb=False, mask="band", mla=True, run="checkpoint")),
+    (2, dict(refusal="", tnd=True, placement="balanced", lb=True, mask="band", exchange="direct", kernel="reference")),
 ]
 
 
@@ -516,7 +536,8 @@ def _problem(draw: Draw) -> dict:
     sink = (torch.randn(draw.nq, generator=g, dtype=torch.float64) * 2).float().double() if draw.sink else None
     given = masked = None
     if draw.tnd:
-        masked = document_masked(draw.cu, draw.cu, "left_up" if draw.mask == "causal" else "full")
+        mode = {"causal": "left_up", "band": "band"}.get(draw.mask, "full")
+        masked = document_masked(draw.cu, draw.cu, mode, draw.pre, draw.nxt)
     elif draw.mask == "causal":
         masked = torch.ones(S, S, dtype=torch.bool).triu(1)
     elif draw.given:
@@ -1044,6 +1065,7 @@ def test_the_net_covers_the_space():
         seen = {getattr(d, name) for d in ran}
         assert values <= seen, (name, values - seen)
     assert {d.sparse_mode for d in ran if d.mask == "causal"} == {2, 3}
+    assert {d.placement for d in ran if d.tnd and d.mask == "band"} == {"balanced", "head_tail", "contiguous"}
     assert {d.resolved() for d in ran if d.algorithm == "auto"} >= {"ring", "ulysses", "hybrid"}
     assert any(d.keep_prob < 1 for d in ran) and any(d.dv < d.d for d in ran) and any(d.dv > d.d for d in ran)
     assert any(d.nkv == 1 < d.nq for d in ran) and any(1 < d.nkv < d.nq for d in ran)
