@@ -336,10 +336,10 @@ def _draw_tnd(pick: _Picker, rng: random.Random, world: int, refusal: str, seed:
     mask = pick("mask", ("none", "causal"), [1, 2])
     sparse_mode = pick("sparse_mode", (2, 3)) if mask == "causal" else pick("sparse_mode", (0, 1, 2, 3))
     pre = nxt = INT_MAX
-    # a band inside each document (sparse_mode 4) in some causal draws, from the seed's own stream:
-    # the draws that stay causal draw what they drew before bands existed
+    # a band inside each document (sparse_mode 4) in some causal draws (not those forced causal), from
+    # the seed's own stream: the draws that stay causal draw what they drew before bands existed
     band = random.Random(zlib.crc32(f"tnd-band/{seed}".encode()))
-    if mask == "band" or (mask == "causal" and not refusal and band.random() < 0.4):
+    if mask == "band" or (mask == "causal" and "mask" not in pick.force and not refusal and band.random() < 0.4):
         longest = max(docs)
         pre = band.choice((0, 1, 2, 3, longest // 3, longest - 1, longest + 2, INT_MAX))
         nxt = band.choice((0, 0, 1, 3, longest // 2, INT_MAX))
