@@ -436,6 +436,7 @@ def whole_mask(mask: Any, query: DTensor, layout: str):
 _PACKED_UNSUPPORTED_WHEN_SET = ("pse", "padding_mask", "prefix")
 _TND_PLACEMENTS = (Shard(0),)
 _LENGTHS = ("actual_seq_qlen", "actual_seq_kvlen")
+_SPLIT_MODES = {SparseMode.RIGHT_DOWN_CAUSAL_BAND: "last", SparseMode.BAND_LEFT_UP_CAUSAL: "first"}
 
 
 def packed_mask(a: dict[str, Any]) -> MaskSpec:
@@ -454,6 +455,13 @@ def packed_mask(a: dict[str, Any]) -> MaskSpec:
         return MaskSpec(causal=True)
     if mode == SparseMode.BAND and is_compressed_mask(mask):
         return MaskSpec(window=True, pre_tockens=int(a["pre_tockens"]), next_tockens=int(a["next_tockens"]))
+    if mode in _SPLIT_MODES and is_compressed_mask(mask):
+        raise NotImplementedError(
+            f"cp_cache ring attention with input_layout='TND' does not take sparse_mode={mode} (the op's varlen "
+            f"external-split mode: the {_SPLIT_MODES[mode]} document a band of pre_tockens={a['pre_tockens']}, "
+            f"next_tockens={a['next_tockens']}, the others causal, for a sequence split across devices by the "
+            "caller); under CP the handlers split the documents themselves: pass the whole documents with "
+            f"sparse_mode {int(SparseMode.RIGHT_DOWN_CAUSAL)} (causal) or {int(SparseMode.BAND)} (a band in each)")
     raise NotImplementedError(
         f"cp_cache ring attention with input_layout='TND' supports full attention (no atten_mask), causal "
         f"attention per document (sparse_mode {int(SparseMode.LEFT_UP_CAUSAL)} or "
