@@ -52,7 +52,6 @@ def _rank_errors(rank: int, world: int) -> dict:
         errors["float_lengths"] = capture(call(torch.tensor([8.0, T])))
         # a band takes the compressed mask, as for the other layouts; explicit masks are refused
         errors["band_uncompressed"] = capture(call([T], atten_mask=torch.zeros(T, T, dtype=torch.bool), sparse_mode=4))
-        errors["split_mode"] = capture(call([T], sparse_mode=8, pre_tockens=T, next_tockens=0))
         errors["explicit_mask"] = capture(call([T], atten_mask=torch.zeros(T, T, dtype=torch.bool), sparse_mode=1))
         # ranks that disagree on the documents (each list valid on its own): every rank refuses
         per_rank = [4 * world, T] if rank == 0 else [8 * world, T]
@@ -93,9 +92,6 @@ EXPECTED = [
     ("float_lengths", "ValueError", r"actual_seq_qlen must be a 1-D integer tensor.*torch.float32"),
     ("band_uncompressed", "NotImplementedError",
      r"input_layout='TND'.*not sparse_mode=4 with atten_mask=<tensor of shape \({T}, {T}\)"),
-    ("split_mode", "NotImplementedError",
-     r"input_layout='TND' does not take sparse_mode=8 \(the op's varlen external-split mode: the first document a "
-     r"band of pre_tockens={T}, next_tockens=0.*sparse_mode 3 \(causal\) or 4"),
     ("explicit_mask", "NotImplementedError",
      r"input_layout='TND'.*not sparse_mode=1 with atten_mask=<tensor of shape \({T}, {T}\).*explicit masks"),
     ("ranks_disagree", "RuntimeError", r"ranks disagree on packed documents: rank 0 2 documents.*rank 1 2 documents"),

@@ -22,7 +22,7 @@ from cp_cache.engine.steps import exchange_plan
 from cp_cache.npu_ops import INT_MAX
 from cp_cache.plan import CallPlan, MaskSpec
 from cp_cache.testing.reference import error_bound, exchanged_rows, rel_err
-from cp_cache.testing.varlen_reference import document_masked
+from cp_cache.testing.varlen_reference import band_modes, document_masked
 from cp_cache.algorithms.packed import plan_varlen_step, step_pairs
 
 pytestmark = pytest.mark.slow  # exhaustive sweeps: left out of make matrix's fast subset
@@ -33,7 +33,7 @@ D = 8
 # ---------------------------------------------------------------- the plan, without processes
 
 
-def _covered(cu, world, causal, placement, window=None):
+def _covered(cu, world, causal, placement, window=None, band_document=None):
     """Every (query, key) global pair the ring's steps compute, counted, pairs per rank, and the
     number of kernel calls; each call's segments must not share query rows (they merge row by row)."""
     T = cu[-1]
@@ -43,7 +43,7 @@ def _covered(cu, world, causal, placement, window=None):
         qpos = document_positions(cu, rank, world, placement)
         pairs = 0
         for index in range(world):
-            step = plan_varlen_step(cu, rank, index, world, causal, placement, window)
+            step = plan_varlen_step(cu, rank, index, world, causal, placement, window, band_document)
             kpos = document_positions(cu, (rank - index) % world, world, placement)
             calls += len(step.calls)
             for call in step.calls:
@@ -105,25 +105,28 @@ def _band_cases(count: int, seed: int = 29) -> list:
         nxt = rng.choice((0, 0, 1, 4, longest // 2, INT_MAX))
         if rng.random() < 0.2:  # a band beside the diagonal
             pre, nxt = rng.choice(((-1, 3), (4, -2), (-2, 2)))
-        cases.append((world, placement, tuple(itertools.accumulate(docs)), pre, nxt))
+        mode = rng.choice((4, 4, 7, 8))
+        cases.append((world, placement, tuple(itertools.accumulate(docs)), pre, nxt, mode))
     return cases
 
 
 BAND_CASES = _band_cases(24)
+BAND_DOCUMENT = {4: "", 7: "last", 8: "first"}  # sparse_mode 7 / 8: the band in the last / first document
 
 
-@pytest.mark.parametrize("world, placement, cu, pre, nxt", BAND_CASES,
-                         ids=[f"W{w}-{p}-{len(cu)}docs-pre{a}-next{b}" for w, p, cu, a, b in BAND_CASES])
-def test_band_plan_covers_the_band_inside_documents_exactly_once(world, placement, cu, pre, nxt):
-    """sparse_mode 4 with packed documents: every pair of the band inside each document computed
-    once and nothing else, and the direct exchange moves exactly the rows the band needs."""
-    count, per_rank, calls = _covered(cu, world, False, placement, (pre, nxt))
-    allowed = ~document_masked(cu, cu, "band", pre, nxt)
+@pytest.mark.parametrize("world, placement, cu, pre, nxt, mode", BAND_CASES,
+                         ids=[f"W{w}-{p}-{len(cu)}docs-pre{a}-next{b}-mode{m}" for w, p, cu, a, b, m in BAND_CASES])
+def test_band_plan_covers_the_band_inside_documents_exactly_once(world, placement, cu, pre, nxt, mode):
+    """sparse_mode 4 with packed documents (7 / 8: in the last / first document, the others
+    causal): every pair of the mask computed once and nothing else, and the direct exchange
+    moves exactly the rows the mask needs."""
+    spec = MaskSpec(window=True, pre_tockens=pre, next_tockens=nxt, band_document=BAND_DOCUMENT[mode])
+    count, per_rank, calls = _covered(cu, world, False, placement, (pre, nxt), spec.band_document_index(len(cu)))
+    allowed = ~document_masked(cu, cu, band_modes(len(cu), mode), pre, nxt)
     assert torch.equal(count, allowed.long())
     assert sum(per_rank) == int(allowed.sum())
     held = [document_positions(cu, r, world, placement) for r in range(world)]
     sent, received = exchanged_rows(~allowed, held)
-    spec = MaskSpec(window=True, pre_tockens=pre, next_tockens=nxt)
     for rank in range(world):
         plan = CallPlan(world_size=world, rank=rank, layout="TND", head_num=1, scale=1.0, keep_prob=1.0, mask=spec,
                         load_balance=placement != "contiguous", documents=cu, placement=placement)

@@ -143,15 +143,28 @@ def _band_calls(mine: dict, theirs: dict, pre: int, nxt: int) -> tuple[VarlenCal
 
 
 def plan_varlen_step(cu: Sequence[int], rank: int, index: int, world_size: int, causal: bool,
-                     placement: str, window: Optional[tuple[int, int]] = None) -> VarlenStep:
+                     placement: str, window: Optional[tuple[int, int]] = None,
+                     band_document: Optional[int] = None) -> VarlenStep:
     """What step ``index`` on ``rank`` computes for each document (see the module docstring);
-    ``window``: (pre_tockens, next_tockens) of a band inside each document (``causal`` False)."""
+    ``window``: (pre_tockens, next_tockens) of a band inside each document (``causal`` False), or
+    only inside document ``band_document``, the others causal (sparse_mode 7 / 8)."""
     source = (rank - index) % world_size
     mine = _doc_pieces(cu, rank, world_size, placement)
     theirs = mine if source == rank else _doc_pieces(cu, source, world_size, placement)
-    if window is not None:
-        calls = _band_calls(mine, theirs, *window)
+    if window is None:
+        return _whole_documents_step(mine, theirs, rank, source, index, causal, placement)
+    banded = mine if band_document is None else {d: p for d, p in mine.items() if d == band_document}
+    calls = _band_calls(banded, theirs, *window)
+    if band_document is None:
         return VarlenStep("band" if calls else "skip", calls)
+    others = _whole_documents_step({d: p for d, p in mine.items() if d != band_document}, theirs, rank, source,
+                                   index, True, placement)
+    return VarlenStep("band" if calls else others.part, others.calls + calls)
+
+
+def _whole_documents_step(mine: dict, theirs: dict, rank: int, source: int, index: int, causal: bool,
+                          placement: str) -> VarlenStep:
+    """Causal or full attention in every document of ``mine`` (one kernel call)."""
     if not causal:
         part, mask = "full", _FULL
     elif index == 0:
@@ -296,7 +309,8 @@ def _add_rows(acc: Tensor, index: Optional[Tensor], value: Tensor) -> None:
 
 def _plan_step(plan: CallPlan, cu, index: int) -> VarlenStep:
     window = (plan.mask.pre_tockens, plan.mask.next_tockens) if plan.mask.window else None
-    return plan_varlen_step(cu, plan.rank, index, plan.world_size, plan.causal, plan.document_placement, window)
+    return plan_varlen_step(cu, plan.rank, index, plan.world_size, plan.causal, plan.document_placement, window,
+                            plan.mask.band_document_index(len(cu)))
 
 
 def _ring_lengths(plan: CallPlan, cu) -> list[tuple[int, int]]:

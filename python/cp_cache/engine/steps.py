@@ -230,16 +230,21 @@ def _some_query_within(q_pos: Tensor, low: Tensor, high: Tensor) -> Tensor:
 def _document_need(spec: MaskSpec, q_pos: Tensor, k_pos: Tensor, documents: tuple) -> Tensor:
     ends = torch.tensor(documents, dtype=torch.int64)
     k_doc = torch.searchsorted(ends, k_pos, right=True)
-    if spec.window:  # the band inside the key's document: its queries from k - next to k + pre
-        starts = torch.cat([ends.new_zeros(1), ends[:-1]])
-        low = torch.maximum(k_pos - spec.next_tockens, starts[k_doc])
-        high = torch.minimum(k_pos + spec.pre_tockens, ends[k_doc] - 1)
-        return _some_query_within(q_pos, low, high)
     q_doc = torch.searchsorted(ends, q_pos, right=True)
     # the last query position of each document on this rank (-1: none)
     last = torch.full((len(documents),), -1, dtype=torch.int64).scatter_reduce(0, q_doc, q_pos, "amax")
     reach = last[k_doc]
-    return (reach >= k_pos) if spec.causal else (reach >= 0)
+    if not spec.window:
+        return (reach >= k_pos) if spec.causal else (reach >= 0)
+    # the band inside the key's document: its queries from k - next to k + pre
+    starts = torch.cat([ends.new_zeros(1), ends[:-1]])
+    low = torch.maximum(k_pos - spec.next_tockens, starts[k_doc])
+    high = torch.minimum(k_pos + spec.pre_tockens, ends[k_doc] - 1)
+    banded = _some_query_within(q_pos, low, high)
+    band_document = spec.band_document_index(len(documents))
+    if band_document is None:
+        return banded
+    return torch.where(k_doc == band_document, banded, reach >= k_pos)  # sparse_mode 7 / 8: the others causal
 
 
 def rank_positions(plan: CallPlan, lengths: list) -> list[tuple[Tensor, Tensor]]:

@@ -10,7 +10,20 @@ import torch
 from ..npu_ops import INT_MAX
 from .reference import dense_attention
 
-__all__ = ["document_masked", "dense_tnd_attention"]
+__all__ = ["document_masked", "dense_tnd_attention", "band_modes"]
+
+
+def band_modes(documents: int, sparse_mode: int) -> list[str]:
+    """``document_masked``'s mode of each of ``documents`` non-empty square documents under a band
+    spelling: 4 the band in every one, 7 / 8 in the last / first, the others causal."""
+    causal = ["left_up"] * documents
+    if sparse_mode == 4:
+        return ["band"] * documents
+    if sparse_mode == 7:
+        return causal[:-1] + ["band"]
+    if sparse_mode == 8:
+        return ["band"] + causal[1:]
+    raise ValueError(f"sparse_mode={sparse_mode} is no band spelling (4, 7 or 8)")
 
 
 def document_masked(cu_q: Sequence[int], cu_kv: Sequence[int], mode: Union[str, Sequence[str]] = "full",
