@@ -7,7 +7,8 @@ BSND, BSH, SBH and TND (random document mixes under the "balanced", "head_tail" 
 contiguous placements); MHA and GQA (down to one K/V head); MLA head sizes (V's smaller or
 larger than Q/K's); every mask kind: none (whatever sparse_mode says), causal sparse_mode 2
 and 3 with the compressed mask, a band (sparse_mode 4, random pre/next_tockens: inside a
-shard, across shards, beside the diagonal, the whole sequence), given masks (sparse_mode 1,
+shard, across shards, beside the diagonal, the whole sequence; TND: inside each document,
+or with 7 / 8 inside the last / first document, the others causal), given masks (sparse_mode 1,
 or 0 with a band) as [S, S] bool or uint8, [B, 1, S, S], [B, N, S, S] or sharded on the query
 dimension, with and without fully masked rows; torch's load balancing on and off; uneven
 shards; the algorithms ring / ulysses / hybrid (a 2 x 2 mesh at W = 4, 4 x 2 at W = 8) /
@@ -347,7 +348,8 @@ def _draw_tnd(pick: _Picker, rng: random.Random, world: int, refusal: str, seed:
             nxt = 0
         if band.random() < 0.15:  # a band beside the diagonal: some rows see no key
             pre, nxt = band.choice(((-1, 3), (4, -2), (-2, 2)))
-        mask, sparse_mode = "band", 4
+        # 7 / 8: the band in the last / first document, the others causal
+        mask, sparse_mode = "band", band.choice((4, 4, 7, 8))
     if refusal == "tnd_mask":  # explicit masks stay refused with packed documents
         mask, sparse_mode = "given", rng.choice((0, 1))
     return dict(layout=L.TND, lb=lb, placement=placement, docs=docs, S=sum(docs), mask=mask,
@@ -505,6 +507,10 @@ CORNERS = [
     (4, dict(refusal="", tnd=True, placement="head_tail", lb=True, mask="band", gqa=True, exchange="direct")),
     (3, dict(refusal="", tnd=True, lb=False, mask="band", mla=True, run="checkpoint")),
     (2, dict(refusal="", tnd=True, placement="balanced", lb=True, mask="band", exchange="direct", kernel="reference")),
+    # sparse_mode 7 / 8 (the band in the last / first document, the others causal)
+    (3, dict(refusal="", tnd=True, placement="head_tail", lb=True, mask="band", sparse_mode=7, exchange="direct")),
+    (4, dict(refusal="", tnd=True, placement="balanced", lb=True, mask="band", sparse_mode=8, dropout=True,
+             kernel="npu", exchange="direct")),
 ]
 
 
@@ -524,7 +530,7 @@ def _problem(draw: Draw) -> dict:
     """The draw's full-sequence inputs (float64 [B, N, S, D] with values of the draw's dtype;
     TND: batch 1), the given mask, the reference's mask (True = masked out, broadcastable to
     [B, N, S, S]) and the sinks, all from the draw's seed."""
-    from cp_cache.testing.varlen_reference import document_masked
+    from cp_cache.testing.varlen_reference import band_modes, document_masked
 
     g = torch.Generator().manual_seed(draw.seed)
     B, S = (1 if draw.tnd else draw.B), draw.S
@@ -536,7 +542,8 @@ def _problem(draw: Draw) -> dict:
     sink = (torch.randn(draw.nq, generator=g, dtype=torch.float64) * 2).float().double() if draw.sink else None
     given = masked = None
     if draw.tnd:
-        mode = {"causal": "left_up", "band": "band"}.get(draw.mask, "full")
+        mode = band_modes(len(draw.docs), draw.sparse_mode) if draw.mask == "band" else (
+            "left_up" if draw.mask == "causal" else "full")
         masked = document_masked(draw.cu, draw.cu, mode, draw.pre, draw.nxt)
     elif draw.mask == "causal":
         masked = torch.ones(S, S, dtype=torch.bool).triu(1)
@@ -1066,6 +1073,7 @@ def test_the_net_covers_the_space():
         assert values <= seen, (name, values - seen)
     assert {d.sparse_mode for d in ran if d.mask == "causal"} == {2, 3}
     assert {d.placement for d in ran if d.tnd and d.mask == "band"} == {"balanced", "head_tail", "contiguous"}
+    assert {d.sparse_mode for d in ran if d.tnd and d.mask == "band"} == {4, 7, 8}
     assert {d.resolved() for d in ran if d.algorithm == "auto"} >= {"ring", "ulysses", "hybrid"}
     assert any(d.keep_prob < 1 for d in ran) and any(d.dv < d.d for d in ran) and any(d.dv > d.d for d in ran)
     assert any(d.nkv == 1 < d.nq for d in ran) and any(1 < d.nkv < d.nq for d in ran)
