@@ -147,11 +147,14 @@ def train_cp(case: Case, mesh) -> dict:
         torch._dynamo.reset()
         torch._dynamo.utils.counters.clear()
         run = torch.compile(model, dynamic=True, backend="aot_eager")
-    out = {"loss": [], "grads": [], "live": [], "calls": [], "graphs": []}
+    from cp_cache.integrations.transformers import _document_mask
+
+    out = {"loss": [], "grads": [], "live": [], "calls": [], "graphs": [], "dense_masks": []}
     for step in range(case.steps):
         batch = make_batch(case, step)
         buffers = [batch["input_ids"], batch["position_ids"], batch["shift_labels"]]
         calls = cp_cache.call_stats()["forward"]["calls"]
+        masks = _document_mask.cache_info()
         before, _cp_options.enable_load_balance = _cp_options.enable_load_balance, case.load_balance
         try:
             documents = batch["cu_seq_lens_q"] if case.documents else None
@@ -162,6 +165,8 @@ def train_cp(case: Case, mesh) -> dict:
             _cp_options.enable_load_balance = before
         out["graphs"].append(torch._dynamo.utils.counters["stats"]["unique_graphs"])
         out["calls"].append(cp_cache.call_stats()["forward"]["calls"] - calls)
+        now = _document_mask.cache_info()
+        out["dense_masks"].append(now.hits + now.misses - masks.hits - masks.misses)
         loss = loss.detach()
         dist.all_reduce(loss)
         for p in model.parameters():
@@ -209,6 +214,10 @@ def check_training(per_rank: list[dict], case: Case, single: dict) -> list[dict]
             assert row["grad"] <= row["grad_bound"], (case.name, r, step, row)
         assert cp["calls"] == [layers] * case.steps, (case.name, r, cp["calls"])
         assert cp["live"] == [0] * case.steps, (case.name, r, cp["live"])
+        if case.documents:  # packed documents through TND: no [S, S] mask built
+            assert cp["dense_masks"] == [0] * case.steps, (case.name, r, cp["dense_masks"])
+        elif case.packed and case.load_balance:  # head-tail buffers: the documents as an [S, S] mask
+            assert all(cp["dense_masks"]), (case.name, r, cp["dense_masks"])
         if case.compiled:  # one graph for the whole model, whatever the length, and no break
             assert (cp["graphs"], cp["graph_breaks"]) == ([1] * case.steps, 0), (case.name, r, cp)
         assert cp["loss"] == per_rank[0]["train"][case.name]["loss"], (case.name, r)
