@@ -2,13 +2,14 @@
 than a head-tail chunk), gpt-oss (attention sinks on every layer, sliding window 5 on the first),
 DeepSeek-V3 (MLA: q/k head dim 12, v head dim 6) and packed batches (DataCollatorWithFlattening's
 cu_seq_lens; head-tail buffers: the documents as an explicit mask; contiguous buffers: the packed
-layout; with Gemma-3's window, gpt-oss's sinks, DeepSeek-V3's MLA) train 2 AdamW steps with attn_implementation="cp_cache" under cp_cache.context_parallel
+layout, windows as the band inside each document; with Gemma-3's window, gpt-oss's sinks,
+DeepSeek-V3's MLA) train 2 AdamW steps with attn_implementation="cp_cache" under cp_cache.context_parallel
 at W = 2 and 4 (gloo, one spawned rank group per world size) with the loss and the gradients of
 one process with "eager", in float32, within error_bound of the eager float32 model's own error
 against float64. Outside a CP region the same models equal "eager" (KV-cache decoding included);
 each refusal raises naming what it refuses.
 
-Packed gpt-oss (sinks with documents and a window: the explicit-mask path) has no eager
+Packed gpt-oss (sinks with documents and a window) has no eager
 reference: transformers 5.24's gpt-oss builds its eager masks without the position ids, so its
 eager attention crosses the documents of a packed batch (flash attention and cp_cache follow
 cu_seq_lens). Its CP run is held against "cp_cache" in one process instead (float32 and
@@ -36,8 +37,10 @@ CASES = [
     tc.Case("packed", "llama", packed=True),
     tc.Case("packed_contiguous", "llama", packed=True, load_balance=False),
     tc.Case("packed_gemma3", "gemma3", packed=True),
+    tc.Case("packed_gemma3_contiguous", "gemma3", packed=True, load_balance=False),
     tc.Case("gpt_oss", "gpt_oss"),
     tc.Case("packed_gpt_oss", "gpt_oss", packed=True, reference="cp_cache"),
+    tc.Case("packed_gpt_oss_contiguous", "gpt_oss", packed=True, load_balance=False, reference="cp_cache"),
     tc.Case("deepseek_v3", "deepseek_v3"),
     tc.Case("packed_deepseek_v3", "deepseek_v3", packed=True, load_balance=False),
 ]

@@ -114,7 +114,7 @@ def attention_forward(module: torch.nn.Module, query: Tensor, key: Tensor, value
         if mesh is not None and mesh.ndim == 1:  # a refusal on one rank is raised on every rank, not left waiting
             agree_on_refusal("forward", [mesh.get_group()], error)
         raise
-    if mask.documents is not None and mask.window is None and s_aux is None and sharding.contiguous:
+    if mask.documents is not None and sharding.contiguous:
         out = _packed_call(query, key, value, mask, sharding, options)
     else:
         out = _dense_call(query, key, value, mask, sharding, options)
@@ -310,9 +310,10 @@ def _dense_call(query: Tensor, key: Tensor, value: Tensor, mask: _Mask, sharding
 def _packed_call(query: Tensor, key: Tensor, value: Tensor, mask: _Mask, sharding: _Sharding,
                  options: dict) -> Tensor:
     """Packed documents on contiguous shards: the op's packed layout ``[T, N, D]`` with the
-    documents' cumulative ends (what the buffers hold: contiguous slices of the sequence)."""
+    documents' cumulative ends (what the buffers hold: contiguous slices of the sequence); a
+    window is the band inside each document, sinks the op's ``sink``."""
     ends = torch.tensor(mask.documents[1:], dtype=torch.int64)
-    mask_args = _band(_Mask(mask.causal, None, None), query.device)
+    mask_args = _band(_Mask(mask.causal, mask.window, None), query.device)
     q, k, v = (_sharded(t[0].transpose(0, 1).contiguous(), sharding, 0) for t in (query, key, value))
     out = _op()(q, k, v, query.size(1), L.TND, **mask_args, actual_seq_qlen=ends, actual_seq_kvlen=ends,
                 **_given(options))[0]
