@@ -4,7 +4,7 @@ DeepSeek-V3 (MLA: q/k head dim 12, v head dim 6) and packed batches (DataCollato
 cu_seq_lens: buffers laid out by cp_cache's document placement through
 context_parallel(documents=): packed documents (TND) with no [S, S] mask, with Gemma-3's window
 and gpt-oss's sinks and window; head-tail buffers: the documents as an explicit [S, S] mask;
-contiguous buffers: the packed layout, with DeepSeek-V3's MLA) train 2 AdamW steps with
+contiguous buffers: the packed layout, with Gemma-3's window and DeepSeek-V3's MLA) train 2 AdamW steps with
 attn_implementation="cp_cache" under cp_cache.context_parallel at W = 2 and 4 (gloo, one
 spawned rank group per world size) with the loss and the gradients of one process with "eager",
 in float32, within error_bound of the eager float32 model's own error against float64; Llama
@@ -41,6 +41,7 @@ CASES = [
     tc.Case("packed_contiguous", "llama", packed=True, load_balance=False),
     tc.Case("packed_gemma3", "gemma3", packed=True, documents=True),
     tc.Case("packed_gemma3_mask", "gemma3", packed=True),
+    tc.Case("packed_gemma3_contiguous", "gemma3", packed=True, load_balance=False),
     tc.Case("gpt_oss", "gpt_oss"),
     tc.Case("packed_gpt_oss", "gpt_oss", packed=True, documents=True, reference="cp_cache"),
     tc.Case("deepseek_v3", "deepseek_v3"),

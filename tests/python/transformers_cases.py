@@ -214,7 +214,7 @@ def check_training(per_rank: list[dict], case: Case, single: dict) -> list[dict]
             assert row["grad"] <= row["grad_bound"], (case.name, r, step, row)
         assert cp["calls"] == [layers] * case.steps, (case.name, r, cp["calls"])
         assert cp["live"] == [0] * case.steps, (case.name, r, cp["live"])
-        if case.documents:  # packed documents through TND: no [S, S] mask built
+        if case.documents or (case.packed and not case.load_balance):  # TND: no [S, S] mask built
             assert cp["dense_masks"] == [0] * case.steps, (case.name, r, cp["dense_masks"])
         elif case.packed and case.load_balance:  # head-tail buffers: the documents as an [S, S] mask
             assert all(cp["dense_masks"]), (case.name, r, cp["dense_masks"])

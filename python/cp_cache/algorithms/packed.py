@@ -14,12 +14,19 @@ each ring step computes, per document, what that document's pieces on the two ra
   higher rank, the tail chunk's queries against all that rank's keys ("q_tail"); with
   contiguous slices, a lower rank's keys in full and a higher rank's not at all; a
   document held whole by one rank makes no work on another rank's block;
-* non-causal: full for every document both blocks hold.
+* non-causal: full for every document both blocks hold;
+* a band (sparse_mode 4: pre/next_tockens inside each document): per (query piece, key
+  piece) pair of a document both blocks hold, the band shifted by the pieces' global offsets
+  (``engine.steps.band_task``, as for the dense layouts), none where it covers the pair,
+  nothing where it misses it; sparse_mode 7 / 8: so in the last / first document only, the
+  others causal.
 
 A step's documents become the segments of ONE kernel call in TND (its
-``actual_seq_qlen/kvlen``), so the kernel does the masking; the rows a step uses are
-gathered (``index_select``) only when they are not the whole block. Documents with no
-work on a step are left out, and a step with none makes no kernel call. The softmax
+``actual_seq_qlen/kvlen``), so the kernel does the masking; a band's segments need one
+call per distinct shifted band (a call takes one pre/next_tockens), and segments sharing
+query rows go to different calls (each call's result merges row by row). The rows a call
+uses are gathered (``index_select``) only when they are not the whole block. Documents
+with no work on a step are left out, and a step with none makes no kernel call. The softmax
 statistics are ``[T, N]`` LSEs (the ops' ``[T, N, 8]``). Step results merge into float32
 accumulators in plain torch or, with ``fused_merge``, by ``npu_ring_attention_update`` in
 TND (the engine's merge, at the gathered rows).

@@ -120,8 +120,7 @@ def attention_forward(module: torch.nn.Module, query: Tensor, key: Tensor, value
         if mesh is not None and mesh.ndim == 1:  # a refusal on one rank is raised on every rank, not left waiting
             agree_on_refusal("forward", [mesh.get_group()], error)
         raise
-    if mask.documents is not None and (sharding.documents is not None or
-                                       (mask.window is None and s_aux is None and sharding.contiguous)):
+    if mask.documents is not None and (sharding.documents is not None or sharding.contiguous):
         out = _packed_call(query, key, value, mask, sharding, options)
     else:
         out = _dense_call(query, key, value, mask, sharding, options)
@@ -353,9 +352,9 @@ def _dense_call(query: Tensor, key: Tensor, value: Tensor, mask: _Mask, sharding
 def _packed_call(query: Tensor, key: Tensor, value: Tensor, mask: _Mask, sharding: _Sharding,
                  options: dict) -> Tensor:
     """Packed documents in the op's packed layout ``[T, N, D]`` with the documents' cumulative
-    ends: on buffers laid out by the region's documents (any mask the model asks for: causal,
-    a window as a band inside each document, sinks), or on contiguous slices of the sequence
-    (causal or full)."""
+    ends, on buffers laid out by the region's documents or on contiguous slices of the
+    sequence: the causal rule, a window as the band inside each document, sinks as the op's
+    ``sink``."""
     ends = torch.tensor(mask.documents[1:], dtype=torch.int64)
     mask_args = _band(_Mask(mask.causal, mask.window, None), query.device)
     q, k, v = (_sharded(t[0].transpose(0, 1).contiguous(), sharding, 0) for t in (query, key, value))
