@@ -1,7 +1,8 @@
 """Where packed documents go (``cp_cache.document_layout``): the balanced placement against its
 objective and against per-document head-tail, the configuration, and TND CP attention on
 the balanced placement's uneven shards at W = 2 and 4 against dense float64 (one head_tail
-case alongside)."""
+case alongside), and packed documents at a fixed shape (a capacity: every rank's shard padded to
+the same rows)."""
 
 from __future__ import annotations
 
@@ -114,6 +115,72 @@ def test_environment_variable(monkeypatch):
     monkeypatch.setenv("CP_CACHE_DOCUMENTS", "everywhere")
     with pytest.raises(ValueError, match=r"CP_CACHE_DOCUMENTS='everywhere' is not a cp_cache document placement"):
         resolve_config()
+
+
+def test_capacity_layout_pads_every_rank_to_the_same_rows():
+    rng = random.Random(11)
+    for _ in range(20):
+        cu = _cumulative([rng.choice((1, 3, 8, 16, 40, 64)) for _ in range(rng.randint(1, 9))])
+        for world in (1, 2, 3, 4):
+            for placement in PLACEMENTS:
+                try:
+                    placed = cp_cache.document_layout(cu, world, placement=placement)
+                except ValueError:
+                    continue
+                least = max(p.numel() for p in placed)
+                for capacity in (least, least + 5):
+                    layout = cp_cache.document_layout(cu, world, placement=placement, capacity=capacity)
+                    assert [p.numel() for p in layout] == [capacity] * world
+                    # the placed tokens first, then the padding: positions T.., rank 0's first
+                    assert all(torch.equal(p[:q.numel()], q) for p, q in zip(layout, placed))
+                    padding = torch.cat([p[q.numel():] for p, q in zip(layout, placed)])
+                    assert torch.equal(padding, torch.arange(cu[-1], world * capacity)), (cu, world, placement)
+
+
+def test_capacity_bad_values_name_them():
+    cu = _cumulative(MIX)
+    least = max(p.numel() for p in cp_cache.document_layout(cu, 2, placement="balanced"))
+    for bad in (0, -3, 2.5, True, "64"):
+        with pytest.raises(ValueError, match=re.escape(f"capacity={bad!r} must be a positive integer")):
+            cp_cache.document_layout(cu, 2, placement="balanced", capacity=bad)
+    with pytest.raises(ValueError, match=rf"capacity={least - 1} is smaller than rank \d's {least} tokens under "
+                                         rf"placement 'balanced' .* the least capacity for these documents is {least}"):
+        cp_cache.document_layout(cu, 2, placement="balanced", capacity=least - 1)
+
+
+def test_capacity_configuration_and_environment(monkeypatch):
+    from cp_cache.config import resolve_config
+
+    assert resolve_config().document_capacity is None
+    assert resolve_config(document_capacity=96).document_capacity == 96
+    with pytest.raises(ValueError, match=r"document_capacity=0 must be a positive integer"):
+        cp_cache.CPConfig(document_capacity=0)
+    monkeypatch.setenv("CP_CACHE_DOCUMENT_CAPACITY", "130")  # more than T: fits any placement
+    assert resolve_config().document_capacity == 130
+    assert resolve_config(document_capacity=72).document_capacity == 72  # the argument wins
+    assert [p.numel() for p in cp_cache.document_layout(_cumulative(MIX), 2, placement="balanced")] == [130, 130]
+    monkeypatch.setenv("CP_CACHE_DOCUMENT_CAPACITY", "many")
+    with pytest.raises(ValueError, match=r"CP_CACHE_DOCUMENT_CAPACITY='many': use a positive integer"):
+        resolve_config()
+    monkeypatch.setenv("CP_CACHE_DOCUMENT_CAPACITY", "")
+    assert resolve_config().document_capacity is None
+
+
+def test_capacity_global_length_is_checked_against_w_times_capacity():
+    from cp_cache.documents import check_packed_tokens
+    from cp_cache.plan import CallPlan
+
+    from dataclasses import replace
+
+    least = max(p.numel() for p in cp_cache.document_layout(_cumulative(MIX), 2, placement="balanced"))
+    plan = CallPlan(world_size=2, rank=0, layout="TND", head_num=2, scale=1.0, keep_prob=1.0, placement="balanced",
+                    documents=tuple(_cumulative(MIX)), capacity=least + 1)
+    check_packed_tokens(plan, 2 * least + 2)
+    with pytest.raises(ValueError, match=rf"document_capacity={least + 1} gives each of W=2 ranks {least + 1} rows, "
+                                         rf"a global sequence of {2 * least + 2}; the query has 128"):
+        check_packed_tokens(plan, 128)
+    with pytest.raises(ValueError, match=rf"document_capacity={least - 1} is smaller than rank \d's {least} tokens"):
+        check_packed_tokens(replace(plan, capacity=least - 1), 2 * least - 2)
 
 
 # ---------------------------------------------------------------- TND CP attention on the placement, W = 2 and 4
