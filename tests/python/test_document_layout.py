@@ -10,6 +10,7 @@ import math
 import random
 import re
 from dataclasses import dataclass
+from typing import Optional
 
 import pytest
 import torch
@@ -193,10 +194,12 @@ class Case:
     placement: str = "balanced"
     nq: int = 2
     nkv: int = 2
+    padding: Optional[int] = None  # a capacity: this many rows more than the least at the run's W
 
     @property
     def name(self) -> str:
-        return f"{self.placement}-{'causal' if self.causal else 'full'}-{self.nq}x{self.nkv}"
+        capacity = "" if self.padding is None else f"-capacity+{self.padding}"
+        return f"{self.placement}-{'causal' if self.causal else 'full'}-{self.nq}x{self.nkv}{capacity}"
 
     @property
     def cu(self) -> list[int]:
@@ -206,6 +209,9 @@ class Case:
 MIX = (5, 13, 9, 21, 3, 30, 7, 40)  # any lengths: 128 tokens, one long document
 CASES = [Case(MIX, True), Case(MIX, False), Case(MIX, True, nq=4, nkv=2),
          Case((8, 24, 16, 16, 32, 32), True, "head_tail")]
+# the same calls at a fixed shape: every rank padded to the capacity (the least, or 3 rows more)
+CAPACITY_CASES = [Case(MIX, True, padding=3), Case(MIX, False, padding=0), Case(MIX, True, nq=4, nkv=2, padding=3),
+                  Case((8, 24, 16, 16, 32, 32), True, "head_tail", padding=3)]
 
 
 def _global_inputs(case: Case):
@@ -216,35 +222,92 @@ def _global_inputs(case: Case):
     return [t.float().double() for t in (q, k, v, dout)]
 
 
-def _run_case(case: Case, mesh) -> dict:
+def _attend(case: Case, local: list, mesh, shapes) -> dict:
+    """The TND op on this rank's shards ``local`` (q, k, v, dout), forward and backward: the local
+    out, dq, dk, dv and LSE. ``shapes``: the global shapes (uneven shards), or None (even ones)."""
     from torch.distributed.tensor import DTensor, Shard
 
     from cp_cache.npu_ops import causal_mask
 
-    cp_cache.enable(documents=case.placement)
-    full = _global_inputs(case)
-    local = [cp_cache.shard_documents(t, case.cu, mesh).float() for t in full]
-
-    def dtensor(t, whole):  # local lengths differ between ranks: the global shape is given
+    def dtensor(t, whole):
+        if whole is None:
+            return DTensor.from_local(t, mesh, [Shard(0)])
         return DTensor.from_local(t, mesh, [Shard(0)], shape=whole.shape, stride=whole.stride())
 
-    qd, kd, vd = (dtensor(t.clone(), w).requires_grad_() for t, w in zip(local[:3], full[:3]))
+    qd, kd, vd = (dtensor(t.clone(), w).requires_grad_() for t, w in zip(local[:3], shapes or [None] * 3))
     kw = dict(scale=1.0 / math.sqrt(D), actual_seq_qlen=torch.tensor(case.cu), actual_seq_kvlen=torch.tensor(case.cu))
     if case.causal:
         kw.update(atten_mask=causal_mask("cpu"), sparse_mode=3, next_tockens=0)
     res = torch.ops.npu.npu_fusion_attention_v3(qd, kd, vd, case.nq, "TND", **kw)
-    res[0].backward(dtensor(local[3], full[3]))
+    res[0].backward(dtensor(local[3], None if shapes is None else shapes[3]))
     got = {"out": res[0], "dq": qd.grad, "dk": kd.grad, "dv": vd.grad}
-    got = {n: cp_cache.unshard_documents(t.to_local(), case.cu, mesh).double() for n, t in got.items()}
-    lse = cp_cache.unshard_documents(res[1].to_local()[..., 0].contiguous(), case.cu, mesh)
+    got = {n: t.to_local().detach() for n, t in got.items()}
+    got["lse"] = res[1].to_local()[..., 0].contiguous()
+    return got
+
+
+def _run_case(case: Case, mesh) -> dict:
+    cp_cache.enable(documents=case.placement)
+    full = _global_inputs(case)
+    local = [cp_cache.shard_documents(t, case.cu, mesh).float() for t in full]
+    got = {n: cp_cache.unshard_documents(t, case.cu, mesh) for n, t in _attend(case, local, mesh, full).items()}
+    if case.padding is not None:
+        return _with_capacity(case, mesh, full, got)
+    return _errors(case, full, got, local_rows=local[0].size(0))
+
+
+def _errors(case: Case, full: list, got: dict, **more) -> dict:
     mode = "left_up" if case.causal else "full"
     ref = dense_tnd_attention(*full, case.cu, case.cu, mode)
     low = dense_tnd_attention(*full, case.cu, case.cu, mode, dtype=torch.float32)  # the bounds' reference error
-    errors = {n: (rel_err(got[n], ref[n]), rel_err(low[n].double(), ref[n])) for n in ("out", "dq", "dk", "dv")}
-    errors["lse"] = (float((lse.double() - ref["lse"]).abs().max()), float((low["lse"] - ref["lse"]).abs().max()))
-    del res, qd, kd, vd, got
-    return dict(errors=errors, lse_scale=float(ref["lse"].abs().max()), local_rows=local[0].size(0),
-                live=cp_cache.stats()["live_entries"])
+    errors = {n: (rel_err(got[n].double(), ref[n]), rel_err(low[n].double(), ref[n])) for n in ("out", "dq", "dk", "dv")}
+    errors["lse"] = (float((got["lse"].double() - ref["lse"]).abs().max()),
+                     float((low["lse"] - ref["lse"]).abs().max()))
+    return dict(errors=errors, lse_scale=float(ref["lse"].abs().max()), live=cp_cache.stats()["live_entries"], **more)
+
+
+def _with_capacity(case: Case, mesh, full: list, without: dict) -> dict:
+    """``case`` again with every rank's shard padded to the capacity (the least at this W plus
+    ``case.padding``; random padding rows in q, k, v and dout): against dense float64 on the
+    real tokens, against ``without`` (the call without a capacity: the same real rows, bit for
+    bit), and the padding rows' results (out and gradients 0, LSE -inf)."""
+    world, rank = mesh.size(), mesh.get_local_rank()
+    held = [p.numel() for p in cp_cache.document_layout(case.cu, world, placement=case.placement)]
+    capacity = max(held) + case.padding
+    cp_cache.enable(documents=case.placement, document_capacity=capacity)
+    g = torch.Generator().manual_seed(world)
+    padded = [torch.cat([t, torch.randn(world * capacity - t.size(0), *t.shape[1:], generator=g, dtype=t.dtype)])
+              for t in full]  # W x capacity rows: the shards' padding rows are random
+    local = [cp_cache.shard_documents(t, case.cu, mesh).float() for t in padded]
+    attended = _attend(case, local, mesh, None)
+    got = {n: cp_cache.unshard_documents(t, case.cu, mesh) for n, t in attended.items()}
+    real = held[rank]
+    padding_rows = {n: t[real:] for n, t in attended.items()}
+    cp_cache.enable(documents=case.placement)
+    return _errors(case, full, got, local_rows=capacity, real_rows=real,
+                   same_as_without=[n for n in got if not torch.equal(got[n], without[n])],
+                   padding_nonzero=[n for n, t in padding_rows.items() if n != "lse" and bool(t.ne(0).any())],
+                   padding_lse_finite=bool(padding_rows["lse"].isfinite().any()))
+
+
+def _capacity_shards(mesh) -> dict:
+    """shard_documents with a capacity from a T-token tensor (padding rows of zeros) and from a W x
+    capacity one; unshard_documents back to the T tokens; a shard of the wrong length refused."""
+    from cp_cache.testing.multiprocess import capture
+
+    cu, world = _cumulative(MIX), mesh.size()
+    capacity = max(p.numel() for p in cp_cache.document_layout(cu, world, placement="balanced")) + 2
+    tokens = torch.arange(1, cu[-1] + 1) * 10
+    padded = torch.cat([tokens, -torch.ones(world * capacity - cu[-1], dtype=tokens.dtype)])  # an ignore index
+    kw = dict(placement="balanced", capacity=capacity)
+    from_tokens, from_padded = (cp_cache.shard_documents(t, cu, mesh, **kw) for t in (tokens, padded))
+    real = (from_tokens != 0).sum().item()
+    return dict(rows=(from_tokens.numel(), from_padded.numel(), capacity),
+                same_real=torch.equal(from_tokens[:real], from_padded[:real]),
+                padding=(from_tokens[real:].tolist(), from_padded[real:].tolist()),
+                round_trip=torch.equal(cp_cache.unshard_documents(from_tokens, cu, mesh, **kw), tokens),
+                wrong_length=capture(lambda: cp_cache.shard_documents(tokens[:-1], cu, mesh, **kw)),
+                wrong_shard=capture(lambda: cp_cache.unshard_documents(from_tokens[:-1], cu, mesh, **kw)))
 
 
 def _disagreeing_placements(mesh, rank: int) -> tuple[str, str]:
@@ -273,8 +336,9 @@ def _ranks(rank: int, world: int) -> dict:
     _cp_options.enable_load_balance = True
     mesh = init_device_mesh("cpu", (world,))
     with cp_cache.context_parallel(mesh):  # cp_cache serves sequence-sharded calls inside a CP region
-        results = {case.name: _run_case(case, mesh) for case in CASES}
+        results = {case.name: _run_case(case, mesh) for case in CASES + CAPACITY_CASES}
         results["disagree"] = _disagreeing_placements(mesh, rank)
+        results["capacity_shards"] = _capacity_shards(mesh)
         cp_cache.enable()  # the default placement under load balancing: balanced
         results["layout"] = [p.tolist() for p in cp_cache.document_layout(_cumulative(MIX), world)]
     results["live_after"] = cp_cache.stats()["live_entries"]
@@ -307,12 +371,49 @@ def test_tnd_attention_matches_dense_float64(world, case):
 
 
 @pytest.mark.parametrize("world", (2, 4))
+@pytest.mark.parametrize("case", CAPACITY_CASES, ids=[c.name for c in CAPACITY_CASES])
+def test_tnd_attention_at_a_capacity(world, case):
+    """Every rank's shard padded to the capacity (even shards, global length W x capacity): the real
+    tokens' output, LSE and gradients match dense float64 and equal the call without a capacity bit
+    for bit; the padding rows' output and q/k/v gradients are 0 and their LSE -inf, whatever their
+    inputs and incoming gradient."""
+    results = _results(world)
+    for rank, res in enumerate(results):
+        r = res[case.name]
+        for name, (err, dense) in r["errors"].items():
+            bound = error_bound(dense, scale=r["lse_scale"]) if name == "lse" else error_bound(dense)
+            assert err <= bound, (case.name, rank, name, err, bound)
+        assert r["same_as_without"] == [], (case.name, rank, r)
+        assert r["padding_nonzero"] == [] and not r["padding_lse_finite"], (case.name, rank, r)
+        assert r["live"] == 0
+    assert len({res[case.name]["local_rows"] for res in results}) == 1  # one local shape on every rank
+    if case.padding:
+        assert all(res[case.name]["real_rows"] < res[case.name]["local_rows"] for res in results)
+
+
+@pytest.mark.parametrize("world", (2, 4))
 def test_every_rank_computed_the_same_layout_and_nothing_stays_alive(world):
     results = _results(world)
     assert all(res["layout"] == results[0]["layout"] for res in results)
     assert results[0]["layout"] == [p.tolist() for p in cp_cache.document_layout(_cumulative(MIX), world,
                                                                                 placement="balanced")]
     assert all(res["live_after"] == 0 for res in results)
+
+
+@pytest.mark.parametrize("world", (2, 4))
+def test_shard_and_unshard_at_a_capacity(world):
+    for rank, res in enumerate(_results(world)):
+        r = res["capacity_shards"]
+        assert r["rows"][0] == r["rows"][1] == r["rows"][2], (rank, r)
+        assert r["same_real"] and r["round_trip"], (rank, r)
+        zeros, ignored = r["padding"]
+        assert zeros == [0] * len(zeros) and ignored == [-1] * len(ignored), (rank, r)
+        assert r["wrong_length"][0] == "ValueError" and re.search(
+            r"capacity=\d+ over W=\d ranks takes a tensor of T=128 tokens .* or W x capacity = \d+ rows along dim 0, "
+            r"got 127", r["wrong_length"][1]), r
+        assert r["wrong_shard"][0] == "ValueError" and "gives rank" in r["wrong_shard"][1], r
+    capacity = _results(world)[0]["capacity_shards"]["rows"][2]
+    assert sum(len(res["capacity_shards"]["padding"][0]) for res in _results(world)) == world * capacity - 128
 
 
 @pytest.mark.parametrize("world", (2, 4))
