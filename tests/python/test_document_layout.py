@@ -195,11 +195,13 @@ class Case:
     nq: int = 2
     nkv: int = 2
     padding: Optional[int] = None  # a capacity: this many rows more than the least at the run's W
+    sink: bool = False  # attention sinks (a plain float32 [nq] tensor)
 
     @property
     def name(self) -> str:
         capacity = "" if self.padding is None else f"-capacity+{self.padding}"
-        return f"{self.placement}-{'causal' if self.causal else 'full'}-{self.nq}x{self.nkv}{capacity}"
+        sink = "-sink" if self.sink else ""
+        return f"{self.placement}-{'causal' if self.causal else 'full'}-{self.nq}x{self.nkv}{capacity}{sink}"
 
     @property
     def cu(self) -> list[int]:
@@ -211,7 +213,7 @@ CASES = [Case(MIX, True), Case(MIX, False), Case(MIX, True, nq=4, nkv=2),
          Case((8, 24, 16, 16, 32, 32), True, "head_tail")]
 # the same calls at a fixed shape: every rank padded to the capacity (the least, or 3 rows more)
 CAPACITY_CASES = [Case(MIX, True, padding=3), Case(MIX, False, padding=0), Case(MIX, True, nq=4, nkv=2, padding=3),
-                  Case((8, 24, 16, 16, 32, 32), True, "head_tail", padding=3)]
+                  Case((8, 24, 16, 16, 32, 32), True, "head_tail", padding=3), Case(MIX, True, padding=3, sink=True)]
 
 
 def _global_inputs(case: Case):
@@ -222,9 +224,19 @@ def _global_inputs(case: Case):
     return [t.float().double() for t in (q, k, v, dout)]
 
 
+def _sink(case: Case) -> Optional[torch.Tensor]:
+    """The case's attention sinks [nq] (float32 values, held in float64), or None."""
+    if not case.sink:
+        return None
+    return (torch.randn(case.nq, generator=torch.Generator().manual_seed(case.nq), dtype=torch.float64) * 2).float().double()
+
+
 def _attend(case: Case, local: list, mesh, shapes) -> dict:
     """The TND op on this rank's shards ``local`` (q, k, v, dout), forward and backward: the local
-    out, dq, dk, dv and LSE. ``shapes``: the global shapes (uneven shards), or None (even ones)."""
+    out, dq, dk, dv and LSE (and with a sink, its gradient summed over the ranks). ``shapes``: the
+    global shapes (uneven shards), or None (even ones)."""
+    import torch.distributed as dist
+
     from torch.distributed.tensor import DTensor, Shard
 
     from cp_cache.npu_ops import causal_mask
@@ -238,11 +250,15 @@ def _attend(case: Case, local: list, mesh, shapes) -> dict:
     kw = dict(scale=1.0 / math.sqrt(D), actual_seq_qlen=torch.tensor(case.cu), actual_seq_kvlen=torch.tensor(case.cu))
     if case.causal:
         kw.update(atten_mask=causal_mask("cpu"), sparse_mode=3, next_tockens=0)
-    res = torch.ops.npu.npu_fusion_attention_v3(qd, kd, vd, case.nq, "TND", **kw)
+    sink = None if _sink(case) is None else _sink(case).float().requires_grad_()
+    res = torch.ops.npu.npu_fusion_attention_v3(qd, kd, vd, case.nq, "TND", sink=sink, **kw)
     res[0].backward(dtensor(local[3], None if shapes is None else shapes[3]))
     got = {"out": res[0], "dq": qd.grad, "dk": kd.grad, "dv": vd.grad}
     got = {n: t.to_local().detach() for n, t in got.items()}
-    got["lse"] = res[1].to_local()[..., 0].contiguous()
+    got["lse"] = (res[1].to_local()[..., 0] + res[2].to_local()[..., 0].log()).contiguous()
+    if sink is not None:  # each rank's share of the sink's gradient
+        dist.all_reduce(sink.grad, group=mesh.get_group())
+        got["dsink"] = sink.grad
     return got
 
 
@@ -250,7 +266,8 @@ def _run_case(case: Case, mesh) -> dict:
     cp_cache.enable(documents=case.placement)
     full = _global_inputs(case)
     local = [cp_cache.shard_documents(t, case.cu, mesh).float() for t in full]
-    got = {n: cp_cache.unshard_documents(t, case.cu, mesh) for n, t in _attend(case, local, mesh, full).items()}
+    got = {n: t if n == "dsink" else cp_cache.unshard_documents(t, case.cu, mesh)
+           for n, t in _attend(case, local, mesh, full).items()}
     if case.padding is not None:
         return _with_capacity(case, mesh, full, got)
     return _errors(case, full, got, local_rows=local[0].size(0))
@@ -258,9 +275,11 @@ def _run_case(case: Case, mesh) -> dict:
 
 def _errors(case: Case, full: list, got: dict, **more) -> dict:
     mode = "left_up" if case.causal else "full"
-    ref = dense_tnd_attention(*full, case.cu, case.cu, mode)
-    low = dense_tnd_attention(*full, case.cu, case.cu, mode, dtype=torch.float32)  # the bounds' reference error
-    errors = {n: (rel_err(got[n].double(), ref[n]), rel_err(low[n].double(), ref[n])) for n in ("out", "dq", "dk", "dv")}
+    ref = dense_tnd_attention(*full, case.cu, case.cu, mode, sink=_sink(case))
+    low = dense_tnd_attention(*full, case.cu, case.cu, mode, dtype=torch.float32,
+                              sink=_sink(case))  # the bounds' reference error
+    grads = ("out", "dq", "dk", "dv") + (("dsink",) if case.sink else ())
+    errors = {n: (rel_err(got[n].double(), ref[n]), rel_err(low[n].double(), ref[n])) for n in grads}
     errors["lse"] = (float((got["lse"].double() - ref["lse"]).abs().max()),
                      float((low["lse"] - ref["lse"]).abs().max()))
     return dict(errors=errors, lse_scale=float(ref["lse"].abs().max()), live=cp_cache.stats()["live_entries"], **more)
@@ -270,7 +289,8 @@ def _with_capacity(case: Case, mesh, full: list, without: dict) -> dict:
     """``case`` again with every rank's shard padded to the capacity (the least at this W plus
     ``case.padding``; random padding rows in q, k, v and dout): against dense float64 on the
     real tokens, against ``without`` (the call without a capacity: the same real rows, bit for
-    bit), and the padding rows' results (out and gradients 0, LSE -inf)."""
+    bit; with a sink, its gradient within rounding: a sum over more rows), and the padding rows'
+    results (out and gradients 0, LSE -inf, or the sink with one)."""
     world, rank = mesh.size(), mesh.get_local_rank()
     held = [p.numel() for p in cp_cache.document_layout(case.cu, world, placement=case.placement)]
     capacity = max(held) + case.padding
@@ -280,14 +300,15 @@ def _with_capacity(case: Case, mesh, full: list, without: dict) -> dict:
               for t in full]  # W x capacity rows: the shards' padding rows are random
     local = [cp_cache.shard_documents(t, case.cu, mesh).float() for t in padded]
     attended = _attend(case, local, mesh, None)
-    got = {n: cp_cache.unshard_documents(t, case.cu, mesh) for n, t in attended.items()}
+    got = {n: t if n == "dsink" else cp_cache.unshard_documents(t, case.cu, mesh) for n, t in attended.items()}
     real = held[rank]
-    padding_rows = {n: t[real:] for n, t in attended.items()}
+    padding_rows = {n: t[real:] for n, t in attended.items() if n != "dsink"}
+    no_key = torch.full((case.nq,), float("-inf")) if _sink(case) is None else _sink(case).float()
     cp_cache.enable(documents=case.placement)
     return _errors(case, full, got, local_rows=capacity, real_rows=real,
-                   same_as_without=[n for n in got if not torch.equal(got[n], without[n])],
+                   same_as_without=[n for n in got if n != "dsink" and not torch.equal(got[n], without[n])],
                    padding_nonzero=[n for n, t in padding_rows.items() if n != "lse" and bool(t.ne(0).any())],
-                   padding_lse_finite=bool(padding_rows["lse"].isfinite().any()))
+                   padding_lse_as_no_key=torch.equal(padding_rows["lse"], no_key.expand_as(padding_rows["lse"])))
 
 
 def _capacity_shards(mesh) -> dict:
@@ -375,8 +396,8 @@ def test_tnd_attention_matches_dense_float64(world, case):
 def test_tnd_attention_at_a_capacity(world, case):
     """Every rank's shard padded to the capacity (even shards, global length W x capacity): the real
     tokens' output, LSE and gradients match dense float64 and equal the call without a capacity bit
-    for bit; the padding rows' output and q/k/v gradients are 0 and their LSE -inf, whatever their
-    inputs and incoming gradient."""
+    for bit; the padding rows' output and q/k/v gradients are 0 and their LSE that of a row seeing
+    no key (-inf; with a sink, the sink), whatever their inputs and incoming gradient."""
     results = _results(world)
     for rank, res in enumerate(results):
         r = res[case.name]
@@ -384,7 +405,7 @@ def test_tnd_attention_at_a_capacity(world, case):
             bound = error_bound(dense, scale=r["lse_scale"]) if name == "lse" else error_bound(dense)
             assert err <= bound, (case.name, rank, name, err, bound)
         assert r["same_as_without"] == [], (case.name, rank, r)
-        assert r["padding_nonzero"] == [] and not r["padding_lse_finite"], (case.name, rank, r)
+        assert r["padding_nonzero"] == [] and r["padding_lse_as_no_key"], (case.name, rank, r)
         assert r["live"] == 0
     assert len({res[case.name]["local_rows"] for res in results}) == 1  # one local shape on every rank
     if case.padding:
