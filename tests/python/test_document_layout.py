@@ -331,6 +331,28 @@ def _capacity_shards(mesh) -> dict:
                 wrong_shard=capture(lambda: cp_cache.unshard_documents(from_tokens[:-1], cu, mesh, **kw)))
 
 
+def _capacity_refusals(mesh) -> dict:
+    """A configured capacity refuses, on every rank before anything moves: shards laid out without
+    it (the global length T, not W x capacity), and a capacity below a rank's placed tokens."""
+    from torch.distributed.tensor import DTensor, Shard
+
+    from cp_cache.testing.multiprocess import capture
+
+    case, world = CASES[0], mesh.size()
+    q = _global_inputs(case)[0].float()
+    least = max(p.numel() for p in cp_cache.document_layout(case.cu, world, placement="balanced"))
+    lengths = dict(actual_seq_qlen=torch.tensor(case.cu), actual_seq_kvlen=torch.tensor(case.cu))
+    uneven = DTensor.from_local(cp_cache.shard_documents(q, case.cu, mesh, placement="balanced"), mesh, [Shard(0)],
+                                shape=q.shape, stride=q.stride())
+    small = DTensor.from_local(torch.zeros(least - 1, *q.shape[1:]), mesh, [Shard(0)])  # W x (least - 1) rows
+    refused = {}
+    for name, capacity, x in (("uneven", least, uneven), ("too_small", least - 1, small)):
+        cp_cache.enable(document_capacity=capacity)
+        refused[name] = capture(lambda: torch.ops.npu.npu_fusion_attention_v3(x, x, x, case.nq, "TND", **lengths))
+    cp_cache.enable()
+    return dict(least=least, **refused)
+
+
 def _disagreeing_placements(mesh, rank: int) -> tuple[str, str]:
     """Rank 0 configured with head_tail, the others with balanced, each sharding by its own: refused
     on every rank before anything moves, naming the placements."""
@@ -360,6 +382,7 @@ def _ranks(rank: int, world: int) -> dict:
         results = {case.name: _run_case(case, mesh) for case in CASES + CAPACITY_CASES}
         results["disagree"] = _disagreeing_placements(mesh, rank)
         results["capacity_shards"] = _capacity_shards(mesh)
+        results["capacity_refusals"] = _capacity_refusals(mesh)
         cp_cache.enable()  # the default placement under load balancing: balanced
         results["layout"] = [p.tolist() for p in cp_cache.document_layout(_cumulative(MIX), world)]
     results["live_after"] = cp_cache.stats()["live_entries"]
@@ -435,6 +458,19 @@ def test_shard_and_unshard_at_a_capacity(world):
         assert r["wrong_shard"][0] == "ValueError" and "gives rank" in r["wrong_shard"][1], r
     capacity = _results(world)[0]["capacity_shards"]["rows"][2]
     assert sum(len(res["capacity_shards"]["padding"][0]) for res in _results(world)) == world * capacity - 128
+
+
+@pytest.mark.parametrize("world", (2, 4))
+def test_a_capacity_refuses_what_does_not_fit_on_every_rank(world):
+    for rank, res in enumerate(_results(world)):
+        r = res["capacity_refusals"]
+        least = r["least"]
+        assert r["uneven"][0] == "ValueError" and re.search(
+            rf"document_capacity={least} gives each of W={world} ranks {least} rows, a global sequence of "
+            rf"{world * least}; the query has 128", r["uneven"][1]), (rank, r)
+        assert r["too_small"][0] == "ValueError" and re.search(
+            rf"document_capacity={least - 1} is smaller than rank \d's {least} tokens under placement 'balanced' of "
+            rf"actual_seq_qlen=.* the least capacity for these documents is {least}", r["too_small"][1]), (rank, r)
 
 
 @pytest.mark.parametrize("world", (2, 4))
