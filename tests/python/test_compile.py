@@ -508,8 +508,10 @@ W1_ITEMS = ["block", "traced", *W1_CASES]
 # symbolic; the plan holds no length), so Dynamo compiles it once, where it compiled one graph per
 # length before. The same for packed documents (TND, causal) under the balanced placement, six
 # document sets of one total length whose local lengths differ (before: one graph for even local
-# lengths, one for uneven ones). Output and gradients equal the eager block's bit for bit (the same
-# custom op on the same shards).
+# lengths, one for uneven ones). At a capacity (every rank padded to the same rows), static shapes
+# with only the lengths tensor's size marked dynamic: one graph for six document sets that change
+# count and total. Output and gradients equal the eager block's bit for bit (the same custom op on
+# the same shards).
 LOCAL_LENGTHS = (6, 8, 10, 12, 14, 16)  # head-tail needs even local lengths; none equals N or D
 LENGTH_HEADS, LENGTH_HEAD_DIM = 4, 16
 LENGTH_ALGORITHMS = ("ring", "ulysses")
