@@ -36,6 +36,7 @@ __all__ = [
     "check_local_length",
     "check_capacity",
     "check_capacity_fits",
+    "check_capacity_rows",
     "capacity_positions",
     "same_documents",
     "check_packed_tokens",
@@ -159,6 +160,17 @@ def check_capacity_fits(cu: Sequence[int], world_size: int, placement: str, capa
     return held
 
 
+def check_capacity_rows(plan, *local_rows: int) -> list[int]:
+    """Each rank's placed tokens under a CallPlan's capacity, after checking that this rank's
+    ``local_rows`` are the capacity and that every rank's placed tokens fit in it."""
+    for rows in local_rows:
+        if rows != plan.capacity:
+            raise ValueError(f"rank {plan.rank} holds {rows} local tokens, but document_capacity={plan.capacity} "
+                             f"gives every rank {plan.capacity} rows")
+    return check_capacity_fits(plan.documents, plan.world_size, plan.document_placement, plan.capacity,
+                               "actual_seq_qlen", "document_capacity")
+
+
 def capacity_positions(cu: Sequence[int], world_size: int, placement: str, capacity: int) -> list[Tensor]:
     """Every rank's ``capacity`` global positions in local order: its placed tokens' positions,
     then its padding rows' (positions T.. of a W x capacity sequence, rank 0's padding first)."""
@@ -193,8 +205,7 @@ def check_packed_tokens(plan, total: int) -> None:
                              f"{plan.capacity} rows, a global sequence of {plan.world_size * plan.capacity}; the "
                              f"query has {total} (cp_cache.shard_documents(..., capacity=...) lays a tensor out)")
         if plan.documents:
-            check_capacity_fits(plan.documents, plan.world_size, plan.document_placement, plan.capacity,
-                                "actual_seq_qlen", "document_capacity")
+            check_capacity_rows(plan)
         return
     if plan.documents:
         check_documents(plan.documents, total, plan.world_size, plan.document_placement, name="actual_seq_qlen")
@@ -210,10 +221,7 @@ def read_documents(plan, qlen: Optional[Tensor], kvlen: Optional[Tensor], local_
     plan = replace(plan, documents=same_documents(qlen, kvlen))
     placement = plan.document_placement
     if plan.capacity is not None:  # even shards of capacity rows, the placed tokens first
-        if local_rows != plan.capacity:
-            raise ValueError(f"rank {plan.rank} holds {local_rows} local tokens, but document_capacity="
-                             f"{plan.capacity} gives every rank {plan.capacity} rows")
-        check_packed_tokens(plan, local_rows * plan.world_size)
+        check_capacity_rows(plan, local_rows)
         return plan
     if placement != BALANCED:  # even shards: T = W * local rows
         check_packed_tokens(plan, local_rows * plan.world_size)

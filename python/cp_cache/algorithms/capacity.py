@@ -12,7 +12,7 @@ from dataclasses import replace
 import torch
 from torch import Tensor
 
-from ..documents import local_lengths
+from ..documents import check_capacity_rows
 from ..engine.loop import BackwardResult, ForwardResult
 from ..plan import CallPlan
 
@@ -20,12 +20,9 @@ __all__ = ["WithCapacity"]
 
 
 def _placed_rows(plan: CallPlan, *tensors: Tensor) -> int:
-    """This rank's placed tokens, after checking that each of ``tensors`` has the plan's capacity rows."""
-    for t in tensors:
-        if t.size(0) != plan.capacity:
-            raise ValueError(f"rank {plan.rank} holds {t.size(0)} local tokens, but document_capacity="
-                             f"{plan.capacity} gives every rank {plan.capacity} rows")
-    return local_lengths(plan.documents, plan.world_size, plan.document_placement)[plan.rank]
+    """This rank's placed tokens, after checking that each of ``tensors`` has the plan's capacity
+    rows and that every rank's placed tokens fit in them."""
+    return check_capacity_rows(plan, *(t.size(0) for t in tensors))[plan.rank]
 
 
 def _placed(rows: int, *tensors: Tensor) -> tuple[Tensor, ...]:
