@@ -72,7 +72,9 @@ class MaskSpec:
 
     causal: lower-triangular (torch's ring rules); window: the band
     pre_tockens / next_tockens applies; given: an explicit mask is passed with the call
-    (its rows for the local queries, its columns for the whole sequence).
+    (its rows for the local queries, its columns for the whole sequence). band_document
+    (packed documents, sparse_mode 7 / 8): "" the band applies in every document, "last" /
+    "first" only in the last / first document, the others causal.
     """
 
     causal: bool = False
@@ -80,10 +82,18 @@ class MaskSpec:
     pre_tockens: int = INT_MAX
     next_tockens: int = INT_MAX
     given: bool = False
+    band_document: str = ""
 
     def __post_init__(self):
         if self.causal and (self.window or self.given):
             raise ValueError(f"a causal MaskSpec takes no window and no given mask: {self}")
+        if self.band_document not in ("", "first", "last") or (self.band_document and not self.window):
+            raise ValueError(f"band_document must be '', 'first' or 'last', and set only with a window: {self}")
+
+    def band_document_index(self, documents: int) -> Optional[int]:
+        """The one document of ``documents`` that takes the band while the others are causal, or
+        None when the band applies in every document."""
+        return {"": None, "first": 0, "last": documents - 1}[self.band_document]
 
     @property
     def positional(self) -> bool:

@@ -812,19 +812,42 @@ def test_demo_compile_runs(tmp_path, capsys, monkeypatch):
 
 
 
+def _lengths_rank(rank: int, world: int) -> dict:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from cp_cache.testing import install_npu_emulator
+
+    install_npu_emulator(route_sdpa=True)
+    return _lengths_compiled(init_device_mesh("cpu", (world,)), rank)
+
+
+_LENGTHS: dict[int, list[dict]] = {}
+
+
+def _length_results(world: int) -> list[dict]:
+    """W = 2: from the pair of ranks that does every other check; W = 4: a group of its own."""
+    if world == 2:
+        return [res["lengths"] for res in _results(2)]
+    if world not in _LENGTHS:
+        _LENGTHS[world] = run_ranks(_lengths_rank, world, timeout=600.0)
+    return _LENGTHS[world]
+
+
+@pytest.mark.parametrize("world", (2, 4))
 @pytest.mark.parametrize("algorithm", (*LENGTH_ALGORITHMS, "packed", "packed_capacity"))
-def test_one_graph_for_every_length(algorithm):
-    """W = 2, ``dynamic=True``: dense causal head-tail at six local lengths (ring, Ulysses), packed
+def test_one_graph_for_every_length(algorithm, world):
+    """``dynamic=True``: dense causal head-tail at six local lengths (ring, Ulysses), packed
     documents at six document sets (local lengths that differ between sets and ranks): one graph
     each (before: one per length; packed: one for even and one for uneven local lengths), equal to
     eager, no cache left alive. At a capacity, static shapes (only the lengths tensor's size marked
     dynamic): one graph for six document sets of different counts and totals."""
-    for rank, res in enumerate(_results(2)):
-        r = res["lengths"][algorithm]
+    results = _length_results(world)
+    for rank, res in enumerate(results):
+        r = res[algorithm]
         assert r["graphs"] == 1, (rank, algorithm, r)
         assert r["differing"] == [], (rank, algorithm, r)
         assert r["live"] == 0, (rank, algorithm, r)
     if algorithm == "packed":  # the document sets did change the local lengths
-        assert len({n for res in _results(2) for n in res["lengths"]["packed"]["lengths"]}) > 1
+        assert len({n for res in results for n in res["packed"]["lengths"]}) > 1
     if algorithm == "packed_capacity":  # one local shape for every document set
-        assert {n for res in _results(2) for n in res["lengths"][algorithm]["lengths"]} == {CAPACITY}
+        assert {n for res in results for n in res[algorithm]["lengths"]} == {CAPACITY}

@@ -349,6 +349,12 @@ def _capacity_refusals(mesh) -> dict:
     for name, capacity, x in (("uneven", least, uneven), ("too_small", least - 1, small)):
         cp_cache.enable(document_capacity=capacity)
         refused[name] = capture(lambda: torch.ops.npu.npu_fusion_attention_v3(x, x, x, case.nq, "TND", **lengths))
+
+    def enter_documents_region():
+        with cp_cache.context_parallel(mesh, documents=case.cu):
+            pass
+
+    refused["documents_region"] = capture(enter_documents_region)  # the transformers layout takes no capacity
     cp_cache.enable()
     return dict(least=least, **refused)
 
@@ -471,6 +477,8 @@ def test_a_capacity_refuses_what_does_not_fit_on_every_rank(world):
         assert r["too_small"][0] == "ValueError" and re.search(
             rf"document_capacity={least - 1} is smaller than rank \d's {least} tokens under placement 'balanced' of "
             rf"actual_seq_qlen=.* the least capacity for these documents is {least}", r["too_small"][1]), (rank, r)
+        assert r["documents_region"][0] == "NotImplementedError" and re.search(
+            rf"documents= with document_capacity={least - 1} is not supported yet", r["documents_region"][1]), r
 
 
 @pytest.mark.parametrize("world", (2, 4))

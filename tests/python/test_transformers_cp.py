@@ -34,6 +34,7 @@ CASES = [
     tc.Case("qwen3", "qwen3"),
     tc.Case("gemma3", "gemma3"),
     tc.Case("packed", "llama", packed=True),
+    tc.Case("packed_documents", "llama", packed=True, documents=True),
     tc.Case("packed_contiguous", "llama", packed=True, load_balance=False),
     tc.Case("packed_gemma3", "gemma3", packed=True),
     tc.Case("gpt_oss", "gpt_oss"),
@@ -41,6 +42,9 @@ CASES = [
     tc.Case("deepseek_v3", "deepseek_v3"),
     tc.Case("packed_deepseek_v3", "deepseek_v3", packed=True, load_balance=False),
 ]
+# W = 2 only (a compile per rank is the suite's slowest part): a new sequence length every step
+COMPILED = tc.Case("llama_compiled", "llama", lengths=(32, 48, 64), compiled=True)
+CASES_AT = {2: CASES + [COMPILED], 4: CASES}
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -104,7 +108,7 @@ _SINGLE: dict[str, dict] = {}
 
 def _results(world: int) -> list[dict]:
     if world not in _RESULTS:
-        _RESULTS[world] = run_ranks(_rank, world, CASES, timeout=600.0)
+        _RESULTS[world] = run_ranks(_rank, world, CASES_AT[world], timeout=600.0)
     return _RESULTS[world]
 
 
@@ -124,6 +128,15 @@ def test_training_matches_eager(world, case):
     print(f"{case.name} W={world}: " + "; ".join(
         f"step {i}: loss {r['loss']:.2e} <= {r['loss_bound']:.2e}, grad {r['grad']:.2e} <= {r['grad_bound']:.2e}"
         for i, r in enumerate(rows)))
+
+
+def test_compiled_training_at_varying_lengths():
+    """Llama compiled whole (dynamic=True, aot_eager) under CP at W = 2, sequence lengths 32, 48
+    and 64 in three AdamW steps: one graph, no graph break, the loss and the gradients of the
+    eager single process (check_training asserts the graph count)."""
+    rows = tc.check_training(_results(2), COMPILED, _single(COMPILED))
+    print("; ".join(f"S={s}: loss {r['loss']:.2e} <= {r['loss_bound']:.2e}, grad {r['grad']:.2e} <= "
+                    f"{r['grad_bound']:.2e}" for s, r in zip(COMPILED.lengths, rows)))
 
 
 @pytest.mark.parametrize("world", WORLDS)
@@ -231,6 +244,23 @@ def test_refusal_in_a_model():
     m = tc.make_model(case, NAME)
     kind, message = capture(lambda: m(input_ids=batch["input_ids"], position_ids=batch["position_ids"]))
     assert kind == "ValueError" and "cu_seq_lens_q/k" in message, (kind, message)
+
+
+def test_compiled_position_check():
+    """Compiled, the position check is an assertion inside the graph (no host read while
+    tracing): right positions pass, wrong ones fail when the graph runs."""
+    import torch._dynamo
+
+    q, k, v = _qkv()
+    call = torch.compile(lambda pos: attention_forward(_Layer(), q, k, v, None, position_ids=pos)[0],
+                         backend="aot_eager", fullgraph=True)
+    try:
+        out = call(torch.arange(8)[None])
+        assert torch.equal(out, attention_forward(_Layer(), q, k, v, None)[0])
+        kind, message = capture(lambda: call(torch.arange(8)[None] + 1))
+    finally:
+        torch._dynamo.reset()
+    assert kind == "RuntimeError" and "position_ids" in message, (kind, message)
 
 
 def test_import_cp_cache_does_not_import_transformers():

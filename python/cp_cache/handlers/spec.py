@@ -436,10 +436,13 @@ def whole_mask(mask: Any, query: DTensor, layout: str):
 _PACKED_UNSUPPORTED_WHEN_SET = ("pse", "padding_mask", "prefix")
 _TND_PLACEMENTS = (Shard(0),)
 _LENGTHS = ("actual_seq_qlen", "actual_seq_kvlen")
+_SPLIT_MODES = {SparseMode.RIGHT_DOWN_CAUSAL_BAND: "last", SparseMode.BAND_LEFT_UP_CAUSAL: "first"}
 
 
 def packed_mask(a: dict[str, Any]) -> MaskSpec:
-    """Causal per document or full; anything else unsupported raises naming it."""
+    """Causal per document, a band inside each document (sparse_mode 4) or inside the last /
+    first document with the others causal (7 / 8: the op's varlen external-split modes), or
+    full; anything else unsupported raises naming it."""
     for name in _PACKED_UNSUPPORTED_WHEN_SET:
         if a[name] is not None:
             raise NotImplementedError(f"cp_cache ring attention does not support {name}={describe(a[name])} yet")
@@ -451,11 +454,18 @@ def packed_mask(a: dict[str, Any]) -> MaskSpec:
         return MaskSpec()  # the op computes full attention (per document) whatever sparse_mode says
     if mode in CAUSAL_MODES and is_compressed_mask(mask):
         return MaskSpec(causal=True)
+    if mode == SparseMode.BAND and is_compressed_mask(mask):
+        return MaskSpec(window=True, pre_tockens=int(a["pre_tockens"]), next_tockens=int(a["next_tockens"]))
+    if mode in _SPLIT_MODES and is_compressed_mask(mask):  # the band in one document, the others causal
+        return MaskSpec(window=True, pre_tockens=int(a["pre_tockens"]), next_tockens=int(a["next_tockens"]),
+                        band_document=_SPLIT_MODES[mode])
     raise NotImplementedError(
-        f"cp_cache ring attention with input_layout='TND' supports full attention (no atten_mask) and causal "
+        f"cp_cache ring attention with input_layout='TND' supports full attention (no atten_mask), causal "
         f"attention per document (sparse_mode {int(SparseMode.LEFT_UP_CAUSAL)} or "
-        f"{int(SparseMode.RIGHT_DOWN_CAUSAL)} with the compressed 2048x2048 mask), not sparse_mode={mode} with "
-        f"atten_mask={describe(mask)}")
+        f"{int(SparseMode.RIGHT_DOWN_CAUSAL)}) and a band inside each document (sparse_mode "
+        f"{int(SparseMode.BAND)} with pre_tockens/next_tockens; 7 / 8: inside the last / first document, the "
+        f"others causal), each with the compressed 2048x2048 mask; not sparse_mode={mode} with "
+        f"atten_mask={describe(mask)} (explicit masks are not taken with packed documents)")
 
 
 def packed_documents(a: dict[str, Any]) -> tuple[tuple[int, ...], tuple[Optional[Tensor], Optional[Tensor]]]:
