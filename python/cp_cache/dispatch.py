@@ -197,7 +197,8 @@ def _enable_config(config: CPConfig) -> None:
 
 def enable(policy: str | None = None, *, kernel: str | None = None, fused_merge: bool | None = None,
            algorithm: str | None = None, exchange: str | None = None, documents: str | None = None,
-           keep_kv: bool | None = None, grad_partials: str | None = None) -> None:
+           keep_kv: bool | None = None, grad_partials: str | None = None,
+           document_capacity: int | None = None) -> None:
     """Register the CP handlers for the NPU attention ops (idempotent; a new configuration
     replaces the handlers).
 
@@ -216,13 +217,17 @@ def enable(policy: str | None = None, *, kernel: str | None = None, fused_merge:
     ``grad_partials``: the dtype of the dK/dV partials the ring's backward returns, "float32"
     (default) or "input" (K/V's dtype: half the bytes in bf16/fp16, one rounding per partial;
     docs/benchmarks.md measures the error); None reads CP_CACHE_GRAD_PARTIALS. Needs the direct exchange.
+    ``document_capacity``: packed documents (TND) at a fixed shape: every rank holds this many rows
+    (its placed tokens, then padding), the global sequence W x capacity; None reads
+    CP_CACHE_DOCUMENT_CAPACITY (default none: the rows the placement gives; docs/documents.md).
 
     Call it after ``import torch_npu``: torch_npu's import replaces torch's CP dispatcher
     switches and its handler table, and cp_cache wraps what it finds.
     """
     global _registered
     config = resolve_config(policy, kernel=kernel, fused_merge=fused_merge, algorithm=algorithm, exchange=exchange,
-                            documents=documents, keep_kv=keep_kv, grad_partials=grad_partials)
+                            documents=documents, keep_kv=keep_kv, grad_partials=grad_partials,
+                            document_capacity=document_capacity)
     handlers = AttentionHandlers(config, _call_log)
     if not handlers.table():
         raise RuntimeError(
@@ -404,15 +409,20 @@ def _region_documents(documents, mesh) -> tuple[tuple[int, ...] | None, str | No
     if documents is None:
         return None, None
     from .documents import cumulative_lengths
-    from .packing import _placement
+    from .packing import configured_placement
 
     if mesh.ndim != 1:
         raise ValueError(f"context_parallel: documents= lays buffers out over a 1-D mesh, got a {mesh.ndim}-D "
                          f"mesh {mesh}")
+    capacity = active_config().document_capacity
+    if capacity is not None:  # the integration reads each rank's placed tokens, not padded shards
+        raise NotImplementedError(f"context_parallel: documents= with document_capacity={capacity} is not supported "
+                                  "yet (the transformers integration takes each rank's placed tokens, unpadded); "
+                                  "enable cp_cache without a capacity for this region")
     ends = documents.tolist() if isinstance(documents, torch.Tensor) else list(documents)
     if ends[:1] == [0]:
         ends = ends[1:]
-    return cumulative_lengths(ends, "documents"), _placement(None, None)
+    return cumulative_lengths(ends, "documents"), configured_placement(None, None)
 
 
 @contextlib.contextmanager

@@ -143,6 +143,8 @@ class CallPlan:
         backward uses them instead of receiving them again (the direct exchange only).
     grad_partials: "float32" or "input": the dtype of the dK/dV partials the ring's backward
         returns to their owners (the direct exchange only).
+    capacity: TND: the rows every rank holds (its placed tokens first, then padding that attends
+        to nothing), the global length W x capacity; None: the rows its placement gives it.
     """
 
     world_size: int
@@ -163,6 +165,7 @@ class CallPlan:
     sink: bool = False
     keep_kv: bool = False
     grad_partials: str = "float32"
+    capacity: Optional[int] = None
 
     def __post_init__(self):
         check_exchange_options(self.exchange, self.keep_kv, self.grad_partials)
@@ -230,7 +233,7 @@ class CallPlan:
         """Why a backward whose arguments give ``called`` cannot use this recorded forward plan,
         or None. The grad op repeats the forward's arguments; the mesh must be the same; with a
         given mask, so must the algorithm and the load balancing that picked the mask's rows."""
-        keys = ("layout", "head_num", "scale", "keep_prob", "mask", "documents", "placement", "sink")
+        keys = ("layout", "head_num", "scale", "keep_prob", "mask", "documents", "placement", "capacity", "sink")
         keys += ("algorithm",) if self.mask.given else ()
         mine, theirs = ({k: getattr(p, k) for k in keys} for p in (self, called))
         if mine != theirs:

@@ -176,8 +176,8 @@ def _read_packed(a: dict[str, Any], cp: CPConfig, scale: float) -> CallSpec:
     plan = CallPlan(world_size=sharding.size, rank=sharding.rank, layout=L.TND, head_num=int(a["head_num"]),
                     scale=scale, keep_prob=float(a["keep_prob"]), mask=spec, load_balance=load_balance,
                     algorithm="ring", cp_sizes=tuple(sharding.cp_sizes), documents=documents,
-                    placement=document_placement(cp.documents, load_balance), sink=sink is not None,
-                    **_execution(cp))
+                    placement=document_placement(cp.documents, load_balance), capacity=cp.document_capacity,
+                    sink=sink is not None, **_execution(cp))
     # on global lengths, the same on every rank: every rank refuses together
     check_packed_tokens(plan, a["query"].size(0))
     return CallSpec(a, plan, sharding, None, lengths, sink)
