@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from typing import Optional
 
+from .documents import check_capacity
 from .kernels import KERNEL_NAMES
 from .placement import BALANCED, CONTIGUOUS, HEAD_TAIL
 from .plan import ALGORITHMS, EXCHANGES, GRAD_PARTIALS, check_exchange_options
@@ -27,10 +29,12 @@ __all__ = [
     "EXCHANGE_ENV",
     "DOCUMENT_PLACEMENTS",
     "DOCUMENTS_ENV",
+    "DOCUMENT_CAPACITY_ENV",
     "CPConfig",
     "resolve_config",
     "document_placement",
     "documents_from_env",
+    "document_capacity_from_env",
 ]
 
 POLICY_ENV = "CP_CACHE_POLICY"
@@ -40,6 +44,7 @@ ALGORITHM_ENV = "CP_CACHE_ALGORITHM"
 EXCHANGE_ENV = "CP_CACHE_EXCHANGE"
 DOCUMENT_PLACEMENTS = (BALANCED, HEAD_TAIL)  # under load balancing; without it, contiguous
 DOCUMENTS_ENV = "CP_CACHE_DOCUMENTS"
+DOCUMENT_CAPACITY_ENV = "CP_CACHE_DOCUMENT_CAPACITY"
 KEEP_KV_ENV = "CP_CACHE_KEEP_KV"
 GRAD_PARTIALS_ENV = "CP_CACHE_GRAD_PARTIALS"
 
@@ -61,6 +66,9 @@ class CPConfig:
     documents: where packed documents (TND) go under load balancing: "balanced" (whole
         documents where the balance allows, long ones head-tail over as few ranks as needed)
         or "head_tail" (every document over all ranks); without load balancing, contiguous.
+    document_capacity: packed documents (TND) at a fixed shape: every rank holds this many rows,
+        its placed tokens first, then padding (attending to nothing, zero gradients), and the
+        global sequence is W x capacity rows; None: each rank holds what its placement gives it.
     keep_kv: the ring's forward keeps the K/V rows it received (in the step cache) for its
         backward, which then receives no K/V and sends only the dK/dV partials: memory for
         traffic (the direct exchange only; Ulysses' all-to-alls keep nothing).
@@ -77,9 +85,11 @@ class CPConfig:
     documents: str = BALANCED
     keep_kv: bool = False
     grad_partials: str = "float32"
+    document_capacity: Optional[int] = None
 
     def __post_init__(self) -> None:
         check_exchange_options(self.exchange, self.keep_kv, self.grad_partials)
+        check_capacity(self.document_capacity, "document_capacity")
         _check_choice("policy", self.policy, POLICIES)
         if self.kernel is not None:
             _check_choice("kernel", self.kernel, KERNELS)
@@ -95,17 +105,20 @@ def _check_choice(name: str, value, choices: tuple, what: str = "") -> None:
 def resolve_config(policy: str | None = None, *, kernel: str | None = None,
                    fused_merge: bool | None = None, algorithm: str | None = None,
                    exchange: str | None = None, documents: str | None = None,
-                   keep_kv: bool | None = None, grad_partials: str | None = None) -> CPConfig:
+                   keep_kv: bool | None = None, grad_partials: str | None = None,
+                   document_capacity: int | None = None) -> CPConfig:
     """A CPConfig from explicit arguments, falling back on the environment (CP_CACHE_POLICY,
     CP_CACHE_FUSED_MERGE: "0" turns the fused merge off, CP_CACHE_ALGORITHM, CP_CACHE_EXCHANGE,
     CP_CACHE_DOCUMENTS, CP_CACHE_KEEP_KV: "1" keeps the received K/V for the backward,
-    CP_CACHE_GRAD_PARTIALS: "float32" or "input")."""
+    CP_CACHE_GRAD_PARTIALS: "float32" or "input", CP_CACHE_DOCUMENT_CAPACITY: rows per rank)."""
     if exchange is None:
         exchange = _from_env(EXCHANGE_ENV, "direct", EXCHANGES, "exchange")
     if algorithm is None:
         algorithm = _from_env(ALGORITHM_ENV, "ring", ALGORITHMS, "algorithm")
     if documents is None:
         documents = documents_from_env()
+    if document_capacity is None:
+        document_capacity = document_capacity_from_env()
     if policy is None:
         policy = os.environ.get(POLICY_ENV, HANDLE_POLICY)
         if policy not in POLICIES:
@@ -119,7 +132,8 @@ def resolve_config(policy: str | None = None, *, kernel: str | None = None,
     if grad_partials is None:
         grad_partials = _from_env(GRAD_PARTIALS_ENV, "float32", GRAD_PARTIALS, "grad_partials")
     return CPConfig(policy=policy, kernel=kernel, fused_merge=fused_merge, algorithm=algorithm, exchange=exchange,
-                    documents=documents, keep_kv=keep_kv, grad_partials=grad_partials)
+                    documents=documents, keep_kv=keep_kv, grad_partials=grad_partials,
+                    document_capacity=document_capacity)
 
 
 def _flag_from_env(name: str, default: bool) -> bool:
@@ -132,6 +146,17 @@ def _flag_from_env(name: str, default: bool) -> bool:
 def documents_from_env() -> str:
     """CP_CACHE_DOCUMENTS, default "balanced"."""
     return _from_env(DOCUMENTS_ENV, BALANCED, DOCUMENT_PLACEMENTS, "document placement")
+
+
+def document_capacity_from_env() -> Optional[int]:
+    """CP_CACHE_DOCUMENT_CAPACITY: a positive integer, or unset / empty for none."""
+    value = os.environ.get(DOCUMENT_CAPACITY_ENV, "").strip()
+    if not value:
+        return None
+    if not value.isdigit() or int(value) < 1:
+        raise ValueError(f"environment variable {DOCUMENT_CAPACITY_ENV}={value!r}: use a positive integer (rows "
+                         "per rank), or leave it unset")
+    return int(value)
 
 
 def _from_env(name: str, default: str, choices: tuple, what: str) -> str:

@@ -167,8 +167,19 @@ class _Registration:
 _registered: _Registration | None = None
 # Measurements of every call, kept across enable()/disable() so they can be read afterwards.
 _call_log = CALL_LOG
-# The meshes of the cp_cache.context_parallel() regions entered and not yet left, innermost last.
-_active_meshes: list = []
+
+
+@dataclasses.dataclass(frozen=True)
+class _Region:
+    """A ``cp_cache.context_parallel()`` region entered and not yet left."""
+
+    mesh: object
+    documents: tuple[int, ...] | None  # the packed documents its buffers were laid out by (cumulative ends)
+    placement: str | None  # their placement
+
+
+# The cp_cache.context_parallel() regions entered and not yet left, innermost last.
+_active_regions: list[_Region] = []
 
 
 def _forget_restored(wrapped) -> None:
@@ -186,7 +197,8 @@ def _enable_config(config: CPConfig) -> None:
 
 def enable(policy: str | None = None, *, kernel: str | None = None, fused_merge: bool | None = None,
            algorithm: str | None = None, exchange: str | None = None, documents: str | None = None,
-           keep_kv: bool | None = None, grad_partials: str | None = None) -> None:
+           keep_kv: bool | None = None, grad_partials: str | None = None,
+           document_capacity: int | None = None) -> None:
     """Register the CP handlers for the NPU attention ops (idempotent; a new configuration
     replaces the handlers).
 
@@ -205,13 +217,17 @@ def enable(policy: str | None = None, *, kernel: str | None = None, fused_merge:
     ``grad_partials``: the dtype of the dK/dV partials the ring's backward returns, "float32"
     (default) or "input" (K/V's dtype: half the bytes in bf16/fp16, one rounding per partial;
     docs/benchmarks.md measures the error); None reads CP_CACHE_GRAD_PARTIALS. Needs the direct exchange.
+    ``document_capacity``: packed documents (TND) at a fixed shape: every rank holds this many rows
+    (its placed tokens, then padding), the global sequence W x capacity; None reads
+    CP_CACHE_DOCUMENT_CAPACITY (default none: the rows the placement gives; docs/documents.md).
 
     Call it after ``import torch_npu``: torch_npu's import replaces torch's CP dispatcher
     switches and its handler table, and cp_cache wraps what it finds.
     """
     global _registered
     config = resolve_config(policy, kernel=kernel, fused_merge=fused_merge, algorithm=algorithm, exchange=exchange,
-                            documents=documents, keep_kv=keep_kv, grad_partials=grad_partials)
+                            documents=documents, keep_kv=keep_kv, grad_partials=grad_partials,
+                            document_capacity=document_capacity)
     handlers = AttentionHandlers(config, _call_log)
     if not handlers.table():
         raise RuntimeError(
@@ -274,7 +290,15 @@ def active_config() -> CPConfig | None:
 def active_mesh():
     """The mesh of the innermost ``cp_cache.context_parallel()`` region now active, or None
     outside one (a region entered through torch's ``context_parallel()`` alone is not seen)."""
-    return _active_meshes[-1] if _active_meshes else None
+    return _active_regions[-1].mesh if _active_regions else None
+
+
+def active_documents() -> tuple[tuple[int, ...], str] | None:
+    """The documents (cumulative ends, last = T) and the placement that the innermost
+    ``cp_cache.context_parallel(..., documents=...)`` region laid its buffers out by; None
+    outside one, or in a region without documents."""
+    region = _active_regions[-1] if _active_regions else None
+    return None if region is None or region.documents is None else (region.documents, region.placement)
 
 
 def in_cp_region() -> bool:
@@ -306,15 +330,21 @@ def context_parallel(
     buffer_seq_dims: list[int] | None = None,
     no_restore_buffers: set[torch.Tensor] | None = None,
     algorithm: str | None = None,
+    documents=None,
 ) -> Iterator[None]:
     """torch's ``context_parallel()`` with the cp_cache handlers active inside.
 
     Enables cp_cache (default policy) when it is not enabled, and disables it again
     on exit in that case. ``algorithm`` (None: as enabled, or CP_CACHE_ALGORITHM) applies
     inside; the configuration before entry comes back on exit.
+
+    ``documents``: a packed batch's cumulative document ends (a tensor or list, with or
+    without the leading 0, e.g. ``cu_seq_lens_q``): the buffers are then laid out by cp_cache's
+    document placement (``cp_cache.shard_documents``, the placement the TND handlers use)
+    instead of torch's sequence sharding, and restored on exit as torch restores them; the
+    transformers integration then runs the batch's attention as packed documents (TND).
     """
     from torch.distributed.tensor.experimental import context_parallel as torch_context_parallel
-    from torch.distributed.tensor.experimental._context_parallel import _attention
 
     was_enabled = enabled()
     outer_config = _registered.handlers.config if was_enabled else None
@@ -325,9 +355,18 @@ def context_parallel(
             log.warning("cp_cache: torch's CP dispatcher switches were replaced after cp_cache.enable() "
                         "(torch_npu imported late?); enabling again on top of them")
         _enable_config(dataclasses.replace(outer_config, algorithm=algorithm or outer_config.algorithm))
-    _active_meshes.append(mesh)
     try:
-        if buffers:
+        region = _Region(mesh, *_region_documents(documents, mesh))
+    except BaseException:
+        _leave(was_enabled, outer_config)
+        raise
+    _active_regions.append(region)
+    try:
+        if buffers and documents is not None:
+            with _documents_buffers(region, buffers, buffer_seq_dims, no_restore_buffers):
+                with _dispatcher_only(mesh):
+                    yield
+        elif buffers:
             with torch_context_parallel(
                 mesh, buffers=buffers, buffer_seq_dims=buffer_seq_dims, no_restore_buffers=no_restore_buffers
             ):
@@ -335,19 +374,77 @@ def context_parallel(
                 yield
             _forget_restored(wrapped)
         else:
-            # torch's context_parallel() needs a buffer to shard; without one, only the
-            # dispatcher part of it (SDPA patch and handler table) is entered.
-            _attention._dispatch_mode = _attention._DispatchMode.MONKEY_PATCH
-            _attention._enable_context_parallel_dispatcher_impl(seq_dim=2, mesh=mesh)
-            wrapped = torch.nn.functional.scaled_dot_product_attention
-            try:
+            with _dispatcher_only(mesh):
                 yield
-            finally:
-                _attention._disable_context_parallel_dispatcher_impl()
-                _forget_restored(wrapped)
     finally:
-        _active_meshes.pop()
-        if not was_enabled:
-            disable()
-        elif _registered is not None and _registered.handlers.config != outer_config:
-            _enable_config(outer_config)
+        _active_regions.pop()
+        _leave(was_enabled, outer_config)
+
+
+def _leave(was_enabled: bool, outer_config) -> None:
+    if not was_enabled:
+        disable()
+    elif _registered is not None and _registered.handlers.config != outer_config:
+        _enable_config(outer_config)
+
+
+@contextlib.contextmanager
+def _dispatcher_only(mesh) -> Iterator[None]:
+    """torch's context_parallel() without buffers to shard: only its dispatcher part (the SDPA
+    patch and the handler table)."""
+    from torch.distributed.tensor.experimental._context_parallel import _attention
+
+    _attention._dispatch_mode = _attention._DispatchMode.MONKEY_PATCH
+    _attention._enable_context_parallel_dispatcher_impl(seq_dim=2, mesh=mesh)
+    wrapped = torch.nn.functional.scaled_dot_product_attention
+    try:
+        yield
+    finally:
+        _attention._disable_context_parallel_dispatcher_impl()
+        _forget_restored(wrapped)
+
+
+def _region_documents(documents, mesh) -> tuple[tuple[int, ...] | None, str | None]:
+    """The region's documents (cumulative ends, a leading 0 dropped) and their placement."""
+    if documents is None:
+        return None, None
+    from .documents import cumulative_lengths
+    from .packing import configured_placement
+
+    if mesh.ndim != 1:
+        raise ValueError(f"context_parallel: documents= lays buffers out over a 1-D mesh, got a {mesh.ndim}-D "
+                         f"mesh {mesh}")
+    capacity = active_config().document_capacity
+    if capacity is not None:  # the integration reads each rank's placed tokens, not padded shards
+        raise NotImplementedError(f"context_parallel: documents= with document_capacity={capacity} is not supported "
+                                  "yet (the transformers integration takes each rank's placed tokens, unpadded); "
+                                  "enable cp_cache without a capacity for this region")
+    ends = documents.tolist() if isinstance(documents, torch.Tensor) else list(documents)
+    if ends[:1] == [0]:
+        ends = ends[1:]
+    return cumulative_lengths(ends, "documents"), configured_placement(None, None)
+
+
+@contextlib.contextmanager
+def _documents_buffers(region: _Region, buffers, seq_dims, no_restore) -> Iterator[None]:
+    """Each buffer replaced in place by this rank's shard of it under the region's document
+    placement (``shard_documents``), put back on exit unless in ``no_restore``."""
+    from .packing import shard_documents
+
+    seq_dims = list(seq_dims) if seq_dims is not None else [0] * len(buffers)
+    if len(seq_dims) != len(buffers):
+        raise ValueError(f"context_parallel: buffer_seq_dims={seq_dims} must give one dimension for each of the "
+                         f"{len(buffers)} buffers")
+    shards = [shard_documents(b, region.documents, region.mesh, dim, placement=region.placement)
+              for b, dim in zip(buffers, seq_dims)]
+    kept = [None if no_restore and b in no_restore else b.clone() for b in buffers]
+    for buffer, shard in zip(buffers, shards):
+        buffer.resize_(shard.shape)
+        buffer.copy_(shard)
+    try:
+        yield
+    finally:
+        for buffer, original in zip(buffers, kept):
+            if original is not None:
+                buffer.resize_(original.shape)
+                buffer.copy_(original)

@@ -42,6 +42,10 @@ __all__ = [
     "mesh_sizes",
     "local_lengths",
     "check_local_length",
+    "check_capacity",
+    "check_capacity_fits",
+    "check_capacity_rows",
+    "capacity_positions",
     "same_documents",
     "check_packed_tokens",
     "read_documents",
@@ -194,6 +198,51 @@ def local_lengths(cu: Sequence[int], world_size: World, placement: str) -> list[
     return [stop - start for share in shares for start, stop in _slices(share, sizes[1])]
 
 
+# ---------------------------------------------------------------- a fixed shape: the capacity
+
+
+def check_capacity(capacity: Any, name: str = "capacity") -> Optional[int]:
+    """``capacity`` (rows every rank holds) when it is None or a positive int; ValueError naming it."""
+    if capacity is not None and (isinstance(capacity, bool) or not isinstance(capacity, int) or capacity < 1):
+        raise ValueError(f"{name}={capacity!r} must be a positive integer (the rows every rank holds) or None")
+    return capacity
+
+
+def check_capacity_fits(cu: Sequence[int], world_size: int, placement: str, capacity: int,
+                        name: str = "cu_seqlens", what: str = "capacity") -> list[int]:
+    """Each rank's placed tokens (``local_lengths``), after checking that every rank's fit in
+    ``capacity`` rows; ValueError naming the first rank that holds more and the least capacity."""
+    held = local_lengths(cu, world_size, placement)
+    over = [rank for rank, n in enumerate(held) if n > capacity]
+    if over:
+        raise ValueError(f"{what}={capacity} is smaller than rank {over[0]}'s {held[over[0]]} tokens under placement "
+                         f"{placement!r} of {name}={list(cu)} over W={world_size} ranks; the least capacity for "
+                         f"these documents is {max(held)}")
+    return held
+
+
+def check_capacity_rows(plan, *local_rows: int) -> list[int]:
+    """Each rank's placed tokens under a CallPlan's capacity, after checking that this rank's
+    ``local_rows`` are the capacity and that every rank's placed tokens fit in it."""
+    for rows in local_rows:
+        if rows != plan.capacity:
+            raise ValueError(f"rank {plan.rank} holds {rows} local tokens, but document_capacity={plan.capacity} "
+                             f"gives every rank {plan.capacity} rows")
+    return check_capacity_fits(plan.documents, plan.world_size, plan.document_placement, plan.capacity,
+                               "actual_seq_qlen", "document_capacity")
+
+
+def capacity_positions(cu: Sequence[int], world_size: int, placement: str, capacity: int) -> list[Tensor]:
+    """Every rank's ``capacity`` global positions in local order: its placed tokens' positions,
+    then its padding rows' (positions T.. of a W x capacity sequence, rank 0's padding first)."""
+    held = check_capacity_fits(cu, world_size, placement, capacity)
+    positions, padding = [], cu[-1]
+    for real, n in zip(placement_positions(cu, world_size, placement), held):
+        positions.append(torch.cat([real, torch.arange(padding, padding + capacity - n)]))
+        padding += capacity - n
+    return positions
+
+
 # ---------------------------------------------------------------- the op's documents
 
 
@@ -210,7 +259,16 @@ def same_documents(qlen: Any, kvlen: Any) -> tuple[int, ...]:
 def check_packed_tokens(plan, total: int) -> None:
     """The global T against a CallPlan's documents and placement when known (ValueError naming
     them), else from the shapes alone: contiguous slices need T divisible by W (on a (W0, W1)
-    mesh: by W0, the ranks the placement is over)."""
+    mesh: by W0, the ranks the placement is over). With a capacity, the global length is W x
+    capacity and the documents' placed tokens fit each rank's rows."""
+    if plan.capacity is not None:
+        if total != plan.world_size * plan.capacity:
+            raise ValueError(f"document_capacity={plan.capacity} gives each of W={plan.world_size} ranks "
+                             f"{plan.capacity} rows, a global sequence of {plan.world_size * plan.capacity}; the "
+                             f"query has {total} (cp_cache.shard_documents(..., capacity=...) lays a tensor out)")
+        if plan.documents:
+            check_capacity_rows(plan)
+        return
     if plan.documents:
         check_documents(plan.documents, total, plan.document_mesh, plan.document_placement, name="actual_seq_qlen")
     elif plan.document_placement == CONTIGUOUS and total % plan.document_mesh[0]:
@@ -224,6 +282,9 @@ def read_documents(plan, qlen: Optional[Tensor], kvlen: Optional[Tensor], local_
     (a CPU tensor: no device sync), and a graph records the op, not the values."""
     plan = replace(plan, documents=same_documents(qlen, kvlen))
     placement, mesh = plan.document_placement, plan.document_mesh
+    if plan.capacity is not None:  # even shards of capacity rows, the placed tokens first
+        check_capacity_rows(plan, local_rows)
+        return plan
     if placement != BALANCED and len(mesh) == 1:  # even shards: T = W * local rows
         check_packed_tokens(plan, local_rows * plan.world_size)
     check_documents(plan.documents, plan.documents[-1], mesh, placement, name="actual_seq_qlen")

@@ -5,11 +5,13 @@ out and gather back a packed tensor by it) and ``pad_documents``. Exported as
 
 The placement is the configured one (``cp_cache.enable(documents=...)``, else
 CP_CACHE_DOCUMENTS, default "balanced") under torch's load balancing, contiguous without:
-the rule the TND handlers follow (``config.document_placement``).
+the rule the TND handlers follow (``config.document_placement``). The capacity (rows every rank
+holds, its placed tokens first, then padding) is the configured one
+(``enable(document_capacity=...)``, else CP_CACHE_DOCUMENT_CAPACITY, default none) unless given.
 
 A two-dimensional mesh (hybrid: both dimensions carry the sequence) takes the documents as
 ``documents.py`` lays them over (W0, W1): placed over the outer dimension, each outer share
-cut contiguously over the inner one.
+cut contiguously over the inner one (no capacity there yet).
 """
 
 from __future__ import annotations
@@ -19,11 +21,11 @@ from typing import Any, Optional
 import torch
 from torch import Tensor
 
-from .config import document_placement, documents_from_env
+from .config import document_capacity_from_env, document_placement, documents_from_env
 from .dispatch import active_config
 from .layout import load_balance_enabled
-from .documents import (check_documents, cumulative_lengths, document_positions, local_lengths, mesh_sizes,
-                        placement_positions)
+from .documents import (capacity_positions, check_capacity, check_capacity_fits, check_documents, cumulative_lengths,
+                        document_positions, local_lengths, mesh_sizes, placement_positions)
 from .placement import check_placement
 
 __all__ = ["document_layout", "shard_documents", "unshard_documents", "pad_documents"]
@@ -40,7 +42,7 @@ def _mesh_coordinates(mesh) -> tuple[int, tuple[int, ...]]:
     return mesh.get_local_rank(0) * sizes[1] + mesh.get_local_rank(1), sizes
 
 
-def _placement(placement: Optional[str], load_balance: Optional[bool]) -> str:
+def configured_placement(placement: Optional[str], load_balance: Optional[bool]) -> str:
     """``placement`` when given, else the configured one under load balancing (``load_balance``,
     None: torch's option), contiguous without."""
     if placement is not None:
@@ -50,53 +52,91 @@ def _placement(placement: Optional[str], load_balance: Optional[bool]) -> str:
                               load_balance_enabled() if load_balance is None else load_balance)
 
 
+def _capacity(capacity: Optional[int], sizes: tuple[int, ...] = (1,)) -> Optional[int]:
+    """``capacity`` when given, else the configured one (None: none); ValueError for one on a
+    two-dimensional mesh (``sizes``), whose layout takes none yet."""
+    if capacity is None:
+        config = active_config()
+        capacity = config.document_capacity if config is not None else document_capacity_from_env()
+    capacity = check_capacity(capacity)
+    if capacity is not None and len(sizes) == 2:
+        raise ValueError(f"document capacity={capacity} lays packed documents out over a 1-D mesh; the 2-D "
+                         f"(hybrid) layout over {sizes[0]}x{sizes[1]} ranks takes none yet (enable(document_capacity="
+                         "None))")
+    return capacity
+
+
 def document_layout(cu_seqlens: Any, world, *, placement: Optional[str] = None,
-                    load_balance: Optional[bool] = None) -> list[Tensor]:
+                    load_balance: Optional[bool] = None, capacity: Optional[int] = None) -> list[Tensor]:
     """For each of ``world`` ranks, the int64 tensor of the global token positions it holds, in
     local order, for the documents ending at ``cu_seqlens`` (global cumulative ends, last = T).
     ``world``: W, or the sizes (W0, W1) of a two-dimensional CP mesh (hybrid; W0*W1 tensors,
     rank i*W1 + j for mesh coordinate (i, j)). ``placement``: "balanced", "head_tail" or
     "contiguous"; None: as the TND handlers place them (the configured placement under load
-    balancing, contiguous without). The same on every rank: a function of the ends, W and the
-    placement only."""
+    balancing, contiguous without). ``capacity``: rows per rank (None: the configured one, if
+    any; one dimension only): each rank's placed positions, then its padding's, positions T.. of
+    a W x capacity sequence, rank 0's padding first. The same on every rank: a function of the
+    ends, W, the placement and the capacity only."""
     cu = cumulative_lengths(cu_seqlens)
-    chosen = _placement(placement, load_balance)
     sizes = mesh_sizes(world)
+    chosen, rows = configured_placement(placement, load_balance), _capacity(capacity, sizes)
     check_documents(cu, cu[-1], sizes, chosen)
+    if rows is not None:
+        return capacity_positions(cu, sizes[0], chosen, rows)
     return placement_positions(cu, sizes, chosen)
 
 
-def shard_documents(tensor: Tensor, cu_seqlens: Any, mesh, dim: int = 0, *,
-                    load_balance: Optional[bool] = None, placement: Optional[str] = None) -> Tensor:
+def shard_documents(tensor: Tensor, cu_seqlens: Any, mesh, dim: int = 0, *, load_balance: Optional[bool] = None,
+                    placement: Optional[str] = None, capacity: Optional[int] = None) -> Tensor:
     """This rank's shard of a packed full-sequence ``tensor`` (documents along ``dim``): its
-    positions of ``document_layout`` (same ``placement`` / ``load_balance``; a 2-D ``mesh``: the
-    hybrid layout over its two dimensions). Returns a plain tensor; local lengths may differ
-    between ranks, so make the op's input with ``DTensor.from_local(shard, mesh, [Shard(dim)] *
-    mesh.ndim, shape=tensor.shape, stride=tensor.stride())``."""
+    positions of ``document_layout`` (same ``placement`` / ``load_balance`` / ``capacity``; a 2-D
+    ``mesh``: the hybrid layout over its two dimensions). Returns a plain tensor; local lengths
+    may differ between ranks, so make the op's input with ``DTensor.from_local(shard, mesh,
+    [Shard(dim)] * mesh.ndim, shape=tensor.shape, stride=tensor.stride())``. With a capacity
+    every shard has ``capacity`` rows (``from_local`` needs no shape; the global length is W x
+    capacity): ``tensor`` holds the T tokens (the padding rows are zeros) or W x capacity rows
+    (positions T.. are the padding, e.g. labels padded with an ignore index)."""
     cu = cumulative_lengths(cu_seqlens)
-    rank, world = _mesh_coordinates(mesh)
-    chosen = _placement(placement, load_balance)
-    check_documents(cu, tensor.size(dim), world, chosen)
-    return tensor.index_select(dim, document_positions(cu, rank, world, chosen).to(tensor.device))
+    rank, sizes = _mesh_coordinates(mesh)
+    chosen, rows = configured_placement(placement, load_balance), _capacity(capacity, sizes)
+    if rows is None:
+        check_documents(cu, tensor.size(dim), sizes, chosen)
+        return tensor.index_select(dim, document_positions(cu, rank, sizes, chosen).to(tensor.device))
+    world = sizes[0]
+    check_documents(cu, cu[-1], world, chosen)
+    if tensor.size(dim) not in (cu[-1], world * rows):
+        raise ValueError(f"shard_documents: capacity={rows} over W={world} ranks takes a tensor of T={cu[-1]} "
+                         f"tokens (cu_seqlens={list(cu)}) or W x capacity = {world * rows} rows along dim {dim}, "
+                         f"got {tensor.size(dim)}")
+    positions = capacity_positions(cu, world, chosen, rows)[rank].to(tensor.device)
+    if tensor.size(dim) == cu[-1]:
+        padding = [0] * (2 * (tensor.dim() - 1 - dim)) + [0, world * rows - cu[-1]]
+        tensor = torch.nn.functional.pad(tensor, padding)
+    return tensor.index_select(dim, positions)
 
 
-def unshard_documents(local: Tensor, cu_seqlens: Any, mesh, dim: int = 0, *,
-                      load_balance: Optional[bool] = None, placement: Optional[str] = None) -> Tensor:
-    """The full packed sequence from every rank's shard (``shard_documents``'s layout): an
-    all-gather on the mesh's group (shards padded to the longest), then each rank's tokens put
-    back at their positions. A DTensor ``local`` is taken by its local tensor."""
+def unshard_documents(local: Tensor, cu_seqlens: Any, mesh, dim: int = 0, *, load_balance: Optional[bool] = None,
+                      placement: Optional[str] = None, capacity: Optional[int] = None) -> Tensor:
+    """The full packed sequence of T tokens from every rank's shard (``shard_documents``'s
+    layout): an all-gather on the mesh's group (shards padded to the longest), then each rank's
+    tokens put back at their positions; with a capacity, shards of ``capacity`` rows whose
+    padding rows are dropped. A DTensor ``local`` is taken by its local tensor."""
     from torch.distributed.tensor import DTensor
 
     if isinstance(local, DTensor):
         local = local.to_local()
     cu = cumulative_lengths(cu_seqlens)
     rank, world = _mesh_coordinates(mesh)
-    chosen = _placement(placement, load_balance)
+    chosen, rows = configured_placement(placement, load_balance), _capacity(capacity, world)
     check_documents(cu, cu[-1], world, chosen)
-    held = local_lengths(cu, world, chosen)
-    if local.size(dim) != held[rank]:
+    held = local_lengths(cu, world, chosen) if rows is None else check_capacity_fits(cu, world[0], chosen, rows)
+    expected = held[rank] if rows is None else rows
+    if local.size(dim) != expected:
+        given = f"placement {chosen!r}" if rows is None else f"capacity={rows} with placement {chosen!r}"
         raise ValueError(f"unshard_documents: the local shard has {local.size(dim)} tokens along dim {dim}, but "
-                         f"placement {chosen!r} of cu_seqlens={list(cu)} gives rank {rank} {held[rank]} tokens")
+                         f"{given} of cu_seqlens={list(cu)} gives rank {rank} {expected} rows")
+    if rows is not None:
+        local = local.narrow(dim, 0, held[rank])
     shards = _all_gather_uneven(local, dim, held, mesh)
     shape = list(local.shape)
     shape[dim] = cu[-1]

@@ -94,7 +94,19 @@ def sequence_pieces(rank: int, world: int, local_length: int, load_balance: bool
     2W-1-r of 2W), else contiguous. Every dense position rule asks this."""
     if local_length == 0:
         return ()
-    return _pieces((world * local_length,), world, HEAD_TAIL if load_balance else CONTIGUOUS)[rank]
+    if not load_balance or world == 1:
+        return (Piece(0, 0, rank * local_length, local_length),)
+
+    # a formula, not the placement search: the length may be symbolic (torch.compile, dynamic)
+    def bound(chunk: int):  # where chunk ``chunk`` of 2W starts (chunks differ by at most one)
+        return chunk * local_length // 2
+
+    tail = 2 * world - 1 - rank
+    if tail == rank + 1:  # the middle rank's two chunks touch: one piece
+        return (Piece(0, 0, bound(rank), bound(rank + 2) - bound(rank)),)
+    head = bound(rank + 1) - bound(rank)
+    pieces = (Piece(0, 0, bound(rank), head), Piece(0, head, bound(tail), bound(tail + 1) - bound(tail)))
+    return tuple(p for p in pieces if not (isinstance(p.length, int) and p.length == 0))
 
 
 @functools.lru_cache(maxsize=64)  # the same documents in every layer of a step

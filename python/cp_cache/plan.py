@@ -72,7 +72,9 @@ class MaskSpec:
 
     causal: lower-triangular (torch's ring rules); window: the band
     pre_tockens / next_tockens applies; given: an explicit mask is passed with the call
-    (its rows for the local queries, its columns for the whole sequence).
+    (its rows for the local queries, its columns for the whole sequence). band_document
+    (packed documents, sparse_mode 7 / 8): "" the band applies in every document, "last" /
+    "first" only in the last / first document, the others causal.
     """
 
     causal: bool = False
@@ -80,10 +82,18 @@ class MaskSpec:
     pre_tockens: int = INT_MAX
     next_tockens: int = INT_MAX
     given: bool = False
+    band_document: str = ""
 
     def __post_init__(self):
         if self.causal and (self.window or self.given):
             raise ValueError(f"a causal MaskSpec takes no window and no given mask: {self}")
+        if self.band_document not in ("", "first", "last") or (self.band_document and not self.window):
+            raise ValueError(f"band_document must be '', 'first' or 'last', and set only with a window: {self}")
+
+    def band_document_index(self, documents: int) -> Optional[int]:
+        """The one document of ``documents`` that takes the band while the others are causal, or
+        None when the band applies in every document."""
+        return {"": None, "first": 0, "last": documents - 1}[self.band_document]
 
     @property
     def positional(self) -> bool:
@@ -133,6 +143,8 @@ class CallPlan:
         backward uses them instead of receiving them again (the direct exchange only).
     grad_partials: "float32" or "input": the dtype of the dK/dV partials the ring's backward
         returns to their owners (the direct exchange only).
+    capacity: TND: the rows every rank holds (its placed tokens first, then padding that attends
+        to nothing), the global length W x capacity; None: the rows its placement gives it.
     """
 
     world_size: int
@@ -153,6 +165,7 @@ class CallPlan:
     sink: bool = False
     keep_kv: bool = False
     grad_partials: str = "float32"
+    capacity: Optional[int] = None
 
     def __post_init__(self):
         check_exchange_options(self.exchange, self.keep_kv, self.grad_partials)
@@ -232,7 +245,7 @@ class CallPlan:
         """Why a backward whose arguments give ``called`` cannot use this recorded forward plan,
         or None. The grad op repeats the forward's arguments; the mesh must be the same; with a
         given mask, so must the algorithm and the load balancing that picked the mask's rows."""
-        keys = ("layout", "head_num", "scale", "keep_prob", "mask", "documents", "placement", "sink")
+        keys = ("layout", "head_num", "scale", "keep_prob", "mask", "documents", "placement", "capacity", "sink")
         keys += ("algorithm",) if self.mask.given else ()
         mine, theirs = ({k: getattr(p, k) for k in keys} for p in (self, called))
         if mine != theirs:

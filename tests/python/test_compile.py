@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import copy
 from dataclasses import dataclass
+from typing import Optional
 
 import pytest
 import torch
@@ -507,12 +508,17 @@ W1_ITEMS = ["block", "traced", *W1_CASES]
 # symbolic; the plan holds no length), so Dynamo compiles it once, where it compiled one graph per
 # length before. The same for packed documents (TND, causal) under the balanced placement, six
 # document sets of one total length whose local lengths differ (before: one graph for even local
-# lengths, one for uneven ones). Output and gradients equal the eager block's bit for bit (the same
-# custom op on the same shards).
+# lengths, one for uneven ones). At a capacity (every rank padded to the same rows), static shapes
+# with only the lengths tensor's size marked dynamic: one graph for six document sets that change
+# count and total. Output and gradients equal the eager block's bit for bit (the same custom op on
+# the same shards).
 LOCAL_LENGTHS = (6, 8, 10, 12, 14, 16)  # head-tail needs even local lengths; none equals N or D
 LENGTH_HEADS, LENGTH_HEAD_DIM = 4, 16
 LENGTH_ALGORITHMS = ("ring", "ulysses")
 DOCUMENT_SETS = ((10, 20, 34), (5, 30, 29), (40, 8, 16), (3, 3, 58), (16, 16, 32), (7, 50, 7))  # 64 tokens each
+# at a capacity of 40 rows per rank: documents that change count and total (48 to 72 tokens)
+CAPACITY, CAPACITY_DOCUMENT_SETS = 40, ((10, 20, 34), (5, 30, 29, 6), (40, 8), (3, 3, 58, 2, 4), (16, 16, 32),
+                                        (7, 50, 7, 3, 1, 2))
 
 
 def _lengths_compiled(mesh, rank: int) -> dict:
@@ -555,6 +561,7 @@ def _lengths_compiled(mesh, rank: int) -> dict:
             results[algorithm] = dict(graphs=torch._dynamo.utils.counters["stats"]["unique_graphs"],
                                       differing=differing, live=cp_cache.stats()["live_entries"])
         results["packed"] = _documents_compiled(mesh, rank)
+        results["packed_capacity"] = _documents_compiled(mesh, rank, CAPACITY)
     finally:
         _cp_options.enable_load_balance = balance
         torch._dynamo.reset()
@@ -562,8 +569,10 @@ def _lengths_compiled(mesh, rank: int) -> dict:
     return results
 
 
-def _documents_compiled(mesh, rank: int) -> dict:
-    """The balanced placement's TND block over ``DOCUMENT_SETS``, eager and compiled with dynamic=True."""
+def _documents_compiled(mesh, rank: int, capacity: Optional[int] = None) -> dict:
+    """The balanced placement's TND block over ``DOCUMENT_SETS``, eager and compiled with dynamic=True;
+    with a ``capacity``, over ``CAPACITY_DOCUMENT_SETS`` at that capacity, compiled with static shapes
+    (the lengths tensor's size, the number of documents, marked dynamic)."""
     import itertools
 
     import torch._dynamo
@@ -571,31 +580,35 @@ def _documents_compiled(mesh, rank: int) -> dict:
 
     from cp_cache.npu_ops import causal_mask
 
+    sets = DOCUMENT_SETS if capacity is None else CAPACITY_DOCUMENT_SETS
     total = sum(DOCUMENT_SETS[0])
     shape = torch.Size((total, LENGTH_HEADS, LENGTH_HEAD_DIM))
+    given = {} if capacity else dict(shape=shape, stride=(shape[1] * shape[2], shape[2], 1))  # uneven shards
 
     def block(q, k, v, cu):
-        qd, kd, vd = (DTensor.from_local(t, mesh, [Shard(0)], shape=shape, stride=(shape[1] * shape[2], shape[2], 1))
-                      for t in (q, k, v))
+        qd, kd, vd = (DTensor.from_local(t, mesh, [Shard(0)], **given) for t in (q, k, v))
         return torch.ops.npu.npu_fusion_attention_v3(
             qd, kd, vd, LENGTH_HEADS, "TND", scale=LENGTH_HEAD_DIM ** -0.5, atten_mask=causal_mask("cpu"),
             sparse_mode=3, next_tockens=0, actual_seq_qlen=cu, actual_seq_kvlen=cu)[0].to_local()
 
-    cp_cache.enable("handle", documents="balanced")
+    cp_cache.enable("handle", documents="balanced", document_capacity=capacity)
     torch._dynamo.reset()
     torch._dynamo.utils.counters.clear()
-    compiled = torch.compile(block, dynamic=True, backend="aot_eager")
+    compiled = torch.compile(block, dynamic=True if capacity is None else None, backend="aot_eager")
     differing, lengths = [], []
     with cp_cache.context_parallel(mesh):
-        for docs in DOCUMENT_SETS:
+        for docs in sets:
             cu = list(itertools.accumulate(docs))
             g = torch.Generator().manual_seed(len(lengths))
-            local = [cp_cache.shard_documents(torch.randn(shape, generator=g), cu, mesh) for _ in range(4)]
+            local = [cp_cache.shard_documents(torch.randn(cu[-1], *shape[1:], generator=g), cu, mesh) for _ in range(4)]
             lengths.append(local[0].size(0))
             got = []
             for fn in (block, compiled):
                 q, k, v = (t.clone().requires_grad_() for t in local[:3])
-                out = fn(q, k, v, torch.tensor(cu))
+                cu_tensor = torch.tensor(cu)
+                if capacity:
+                    torch._dynamo.mark_dynamic(cu_tensor, 0)
+                out = fn(q, k, v, cu_tensor)
                 out.backward(local[3])
                 got.append((out.detach(), q.grad, k.grad, v.grad))
             differing += [(docs, name) for name, a, b in zip(("out", "dq", "dk", "dv"), *got) if not torch.equal(a, b)]
@@ -799,16 +812,42 @@ def test_demo_compile_runs(tmp_path, capsys, monkeypatch):
 
 
 
-@pytest.mark.parametrize("algorithm", (*LENGTH_ALGORITHMS, "packed"))
-def test_one_graph_for_every_length(algorithm):
-    """W = 2, ``dynamic=True``: dense causal head-tail at six local lengths (ring, Ulysses), packed
+def _lengths_rank(rank: int, world: int) -> dict:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from cp_cache.testing import install_npu_emulator
+
+    install_npu_emulator(route_sdpa=True)
+    return _lengths_compiled(init_device_mesh("cpu", (world,)), rank)
+
+
+_LENGTHS: dict[int, list[dict]] = {}
+
+
+def _length_results(world: int) -> list[dict]:
+    """W = 2: from the pair of ranks that does every other check; W = 4: a group of its own."""
+    if world == 2:
+        return [res["lengths"] for res in _results(2)]
+    if world not in _LENGTHS:
+        _LENGTHS[world] = run_ranks(_lengths_rank, world, timeout=600.0)
+    return _LENGTHS[world]
+
+
+@pytest.mark.parametrize("world", (2, 4))
+@pytest.mark.parametrize("algorithm", (*LENGTH_ALGORITHMS, "packed", "packed_capacity"))
+def test_one_graph_for_every_length(algorithm, world):
+    """``dynamic=True``: dense causal head-tail at six local lengths (ring, Ulysses), packed
     documents at six document sets (local lengths that differ between sets and ranks): one graph
     each (before: one per length; packed: one for even and one for uneven local lengths), equal to
-    eager, no cache left alive."""
-    for rank, res in enumerate(_results(2)):
-        r = res["lengths"][algorithm]
+    eager, no cache left alive. At a capacity, static shapes (only the lengths tensor's size marked
+    dynamic): one graph for six document sets of different counts and totals."""
+    results = _length_results(world)
+    for rank, res in enumerate(results):
+        r = res[algorithm]
         assert r["graphs"] == 1, (rank, algorithm, r)
         assert r["differing"] == [], (rank, algorithm, r)
         assert r["live"] == 0, (rank, algorithm, r)
     if algorithm == "packed":  # the document sets did change the local lengths
-        assert len({n for res in _results(2) for n in res["lengths"]["packed"]["lengths"]}) > 1
+        assert len({n for res in results for n in res["packed"]["lengths"]}) > 1
+    if algorithm == "packed_capacity":  # one local shape for every document set
+        assert {n for res in results for n in res[algorithm]["lengths"]} == {CAPACITY}

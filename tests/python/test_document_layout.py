@@ -1,7 +1,8 @@
 """Where packed documents go (``cp_cache.document_layout``): the balanced placement against its
 objective and against per-document head-tail, the configuration, and TND CP attention on
 the balanced placement's uneven shards at W = 2 and 4 against dense float64 (one head_tail
-case alongside)."""
+case alongside), and packed documents at a fixed shape (a capacity: every rank's shard padded to
+the same rows)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import math
 import random
 import re
 from dataclasses import dataclass
+from typing import Optional
 
 import pytest
 import torch
@@ -116,6 +118,72 @@ def test_environment_variable(monkeypatch):
         resolve_config()
 
 
+def test_capacity_layout_pads_every_rank_to_the_same_rows():
+    rng = random.Random(11)
+    for _ in range(20):
+        cu = _cumulative([rng.choice((1, 3, 8, 16, 40, 64)) for _ in range(rng.randint(1, 9))])
+        for world in (1, 2, 3, 4):
+            for placement in PLACEMENTS:
+                try:
+                    placed = cp_cache.document_layout(cu, world, placement=placement)
+                except ValueError:
+                    continue
+                least = max(p.numel() for p in placed)
+                for capacity in (least, least + 5):
+                    layout = cp_cache.document_layout(cu, world, placement=placement, capacity=capacity)
+                    assert [p.numel() for p in layout] == [capacity] * world
+                    # the placed tokens first, then the padding: positions T.., rank 0's first
+                    assert all(torch.equal(p[:q.numel()], q) for p, q in zip(layout, placed))
+                    padding = torch.cat([p[q.numel():] for p, q in zip(layout, placed)])
+                    assert torch.equal(padding, torch.arange(cu[-1], world * capacity)), (cu, world, placement)
+
+
+def test_capacity_bad_values_name_them():
+    cu = _cumulative(MIX)
+    least = max(p.numel() for p in cp_cache.document_layout(cu, 2, placement="balanced"))
+    for bad in (0, -3, 2.5, True, "64"):
+        with pytest.raises(ValueError, match=re.escape(f"capacity={bad!r} must be a positive integer")):
+            cp_cache.document_layout(cu, 2, placement="balanced", capacity=bad)
+    with pytest.raises(ValueError, match=rf"capacity={least - 1} is smaller than rank \d's {least} tokens under "
+                                         rf"placement 'balanced' .* the least capacity for these documents is {least}"):
+        cp_cache.document_layout(cu, 2, placement="balanced", capacity=least - 1)
+
+
+def test_capacity_configuration_and_environment(monkeypatch):
+    from cp_cache.config import resolve_config
+
+    assert resolve_config().document_capacity is None
+    assert resolve_config(document_capacity=96).document_capacity == 96
+    with pytest.raises(ValueError, match=r"document_capacity=0 must be a positive integer"):
+        cp_cache.CPConfig(document_capacity=0)
+    monkeypatch.setenv("CP_CACHE_DOCUMENT_CAPACITY", "130")  # more than T: fits any placement
+    assert resolve_config().document_capacity == 130
+    assert resolve_config(document_capacity=72).document_capacity == 72  # the argument wins
+    assert [p.numel() for p in cp_cache.document_layout(_cumulative(MIX), 2, placement="balanced")] == [130, 130]
+    monkeypatch.setenv("CP_CACHE_DOCUMENT_CAPACITY", "many")
+    with pytest.raises(ValueError, match=r"CP_CACHE_DOCUMENT_CAPACITY='many': use a positive integer"):
+        resolve_config()
+    monkeypatch.setenv("CP_CACHE_DOCUMENT_CAPACITY", "")
+    assert resolve_config().document_capacity is None
+
+
+def test_capacity_global_length_is_checked_against_w_times_capacity():
+    from cp_cache.documents import check_packed_tokens
+    from cp_cache.plan import CallPlan
+
+    from dataclasses import replace
+
+    least = max(p.numel() for p in cp_cache.document_layout(_cumulative(MIX), 2, placement="balanced"))
+    plan = CallPlan(world_size=2, rank=0, layout="TND", head_num=2, scale=1.0, keep_prob=1.0, placement="balanced",
+                    documents=tuple(_cumulative(MIX)), capacity=least + 1)
+    check_packed_tokens(plan, 2 * least + 2)
+    with pytest.raises(ValueError, match=rf"document_capacity={least + 1} gives each of W=2 ranks {least + 1} rows, "
+                                         rf"a global sequence of {2 * least + 2}; the query has 128"):
+        check_packed_tokens(plan, 128)
+    with pytest.raises(ValueError, match=rf"document_capacity={least - 1} is smaller than rank \d's {least} tokens"):
+        check_packed_tokens(replace(plan, capacity=least - 1), 2 * least - 2)
+
+
 # ---------------------------------------------------------------- TND CP attention on the placement, W = 2 and 4
 
 
@@ -126,10 +194,14 @@ class Case:
     placement: str = "balanced"
     nq: int = 2
     nkv: int = 2
+    padding: Optional[int] = None  # a capacity: this many rows more than the least at the run's W
+    sink: bool = False  # attention sinks (a plain float32 [nq] tensor)
 
     @property
     def name(self) -> str:
-        return f"{self.placement}-{'causal' if self.causal else 'full'}-{self.nq}x{self.nkv}"
+        capacity = "" if self.padding is None else f"-capacity+{self.padding}"
+        sink = "-sink" if self.sink else ""
+        return f"{self.placement}-{'causal' if self.causal else 'full'}-{self.nq}x{self.nkv}{capacity}{sink}"
 
     @property
     def cu(self) -> list[int]:
@@ -139,6 +211,9 @@ class Case:
 MIX = (5, 13, 9, 21, 3, 30, 7, 40)  # any lengths: 128 tokens, one long document
 CASES = [Case(MIX, True), Case(MIX, False), Case(MIX, True, nq=4, nkv=2),
          Case((8, 24, 16, 16, 32, 32), True, "head_tail")]
+# the same calls at a fixed shape: every rank padded to the capacity (the least, or 3 rows more)
+CAPACITY_CASES = [Case(MIX, True, padding=3), Case(MIX, False, padding=0), Case(MIX, True, nq=4, nkv=2, padding=3),
+                  Case((8, 24, 16, 16, 32, 32), True, "head_tail", padding=3), Case(MIX, True, padding=3, sink=True)]
 
 
 def _global_inputs(case: Case):
@@ -149,35 +224,139 @@ def _global_inputs(case: Case):
     return [t.float().double() for t in (q, k, v, dout)]
 
 
-def _run_case(case: Case, mesh) -> dict:
+def _sink(case: Case) -> Optional[torch.Tensor]:
+    """The case's attention sinks [nq] (float32 values, held in float64), or None."""
+    if not case.sink:
+        return None
+    return (torch.randn(case.nq, generator=torch.Generator().manual_seed(case.nq), dtype=torch.float64) * 2).float().double()
+
+
+def _attend(case: Case, local: list, mesh, shapes) -> dict:
+    """The TND op on this rank's shards ``local`` (q, k, v, dout), forward and backward: the local
+    out, dq, dk, dv and LSE (and with a sink, its gradient summed over the ranks). ``shapes``: the
+    global shapes (uneven shards), or None (even ones)."""
+    import torch.distributed as dist
+
     from torch.distributed.tensor import DTensor, Shard
 
     from cp_cache.npu_ops import causal_mask
 
-    cp_cache.enable(documents=case.placement)
-    full = _global_inputs(case)
-    local = [cp_cache.shard_documents(t, case.cu, mesh).float() for t in full]
-
-    def dtensor(t, whole):  # local lengths differ between ranks: the global shape is given
+    def dtensor(t, whole):
+        if whole is None:
+            return DTensor.from_local(t, mesh, [Shard(0)])
         return DTensor.from_local(t, mesh, [Shard(0)], shape=whole.shape, stride=whole.stride())
 
-    qd, kd, vd = (dtensor(t.clone(), w).requires_grad_() for t, w in zip(local[:3], full[:3]))
+    qd, kd, vd = (dtensor(t.clone(), w).requires_grad_() for t, w in zip(local[:3], shapes or [None] * 3))
     kw = dict(scale=1.0 / math.sqrt(D), actual_seq_qlen=torch.tensor(case.cu), actual_seq_kvlen=torch.tensor(case.cu))
     if case.causal:
         kw.update(atten_mask=causal_mask("cpu"), sparse_mode=3, next_tockens=0)
-    res = torch.ops.npu.npu_fusion_attention_v3(qd, kd, vd, case.nq, "TND", **kw)
-    res[0].backward(dtensor(local[3], full[3]))
+    sink = None if _sink(case) is None else _sink(case).float().requires_grad_()
+    res = torch.ops.npu.npu_fusion_attention_v3(qd, kd, vd, case.nq, "TND", sink=sink, **kw)
+    res[0].backward(dtensor(local[3], None if shapes is None else shapes[3]))
     got = {"out": res[0], "dq": qd.grad, "dk": kd.grad, "dv": vd.grad}
-    got = {n: cp_cache.unshard_documents(t.to_local(), case.cu, mesh).double() for n, t in got.items()}
-    lse = cp_cache.unshard_documents(res[1].to_local()[..., 0].contiguous(), case.cu, mesh)
+    got = {n: t.to_local().detach() for n, t in got.items()}
+    got["lse"] = (res[1].to_local()[..., 0] + res[2].to_local()[..., 0].log()).contiguous()
+    if sink is not None:  # each rank's share of the sink's gradient
+        dist.all_reduce(sink.grad, group=mesh.get_group())
+        got["dsink"] = sink.grad
+    return got
+
+
+def _run_case(case: Case, mesh) -> dict:
+    cp_cache.enable(documents=case.placement)
+    full = _global_inputs(case)
+    local = [cp_cache.shard_documents(t, case.cu, mesh).float() for t in full]
+    got = {n: t if n == "dsink" else cp_cache.unshard_documents(t, case.cu, mesh)
+           for n, t in _attend(case, local, mesh, full).items()}
+    if case.padding is not None:
+        return _with_capacity(case, mesh, full, got)
+    return _errors(case, full, got, local_rows=local[0].size(0))
+
+
+def _errors(case: Case, full: list, got: dict, **more) -> dict:
     mode = "left_up" if case.causal else "full"
-    ref = dense_tnd_attention(*full, case.cu, case.cu, mode)
-    low = dense_tnd_attention(*full, case.cu, case.cu, mode, dtype=torch.float32)  # the bounds' reference error
-    errors = {n: (rel_err(got[n], ref[n]), rel_err(low[n].double(), ref[n])) for n in ("out", "dq", "dk", "dv")}
-    errors["lse"] = (float((lse.double() - ref["lse"]).abs().max()), float((low["lse"] - ref["lse"]).abs().max()))
-    del res, qd, kd, vd, got
-    return dict(errors=errors, lse_scale=float(ref["lse"].abs().max()), local_rows=local[0].size(0),
-                live=cp_cache.stats()["live_entries"])
+    ref = dense_tnd_attention(*full, case.cu, case.cu, mode, sink=_sink(case))
+    low = dense_tnd_attention(*full, case.cu, case.cu, mode, dtype=torch.float32,
+                              sink=_sink(case))  # the bounds' reference error
+    grads = ("out", "dq", "dk", "dv") + (("dsink",) if case.sink else ())
+    errors = {n: (rel_err(got[n].double(), ref[n]), rel_err(low[n].double(), ref[n])) for n in grads}
+    errors["lse"] = (float((got["lse"].double() - ref["lse"]).abs().max()),
+                     float((low["lse"] - ref["lse"]).abs().max()))
+    return dict(errors=errors, lse_scale=float(ref["lse"].abs().max()), live=cp_cache.stats()["live_entries"], **more)
+
+
+def _with_capacity(case: Case, mesh, full: list, without: dict) -> dict:
+    """``case`` again with every rank's shard padded to the capacity (the least at this W plus
+    ``case.padding``; random padding rows in q, k, v and dout): against dense float64 on the
+    real tokens, against ``without`` (the call without a capacity: the same real rows, bit for
+    bit; with a sink, its gradient within rounding: a sum over more rows), and the padding rows'
+    results (out and gradients 0, LSE -inf, or the sink with one)."""
+    world, rank = mesh.size(), mesh.get_local_rank()
+    held = [p.numel() for p in cp_cache.document_layout(case.cu, world, placement=case.placement)]
+    capacity = max(held) + case.padding
+    cp_cache.enable(documents=case.placement, document_capacity=capacity)
+    g = torch.Generator().manual_seed(world)
+    padded = [torch.cat([t, torch.randn(world * capacity - t.size(0), *t.shape[1:], generator=g, dtype=t.dtype)])
+              for t in full]  # W x capacity rows: the shards' padding rows are random
+    local = [cp_cache.shard_documents(t, case.cu, mesh).float() for t in padded]
+    attended = _attend(case, local, mesh, None)
+    got = {n: t if n == "dsink" else cp_cache.unshard_documents(t, case.cu, mesh) for n, t in attended.items()}
+    real = held[rank]
+    padding_rows = {n: t[real:] for n, t in attended.items() if n != "dsink"}
+    no_key = torch.full((case.nq,), float("-inf")) if _sink(case) is None else _sink(case).float()
+    cp_cache.enable(documents=case.placement)
+    return _errors(case, full, got, local_rows=capacity, real_rows=real,
+                   same_as_without=[n for n in got if n != "dsink" and not torch.equal(got[n], without[n])],
+                   padding_nonzero=[n for n, t in padding_rows.items() if n != "lse" and bool(t.ne(0).any())],
+                   padding_lse_as_no_key=torch.equal(padding_rows["lse"], no_key.expand_as(padding_rows["lse"])))
+
+
+def _capacity_shards(mesh) -> dict:
+    """shard_documents with a capacity from a T-token tensor (padding rows of zeros) and from a W x
+    capacity one; unshard_documents back to the T tokens; a shard of the wrong length refused."""
+    from cp_cache.testing.multiprocess import capture
+
+    cu, world = _cumulative(MIX), mesh.size()
+    capacity = max(p.numel() for p in cp_cache.document_layout(cu, world, placement="balanced")) + 2
+    tokens = torch.arange(1, cu[-1] + 1) * 10
+    padded = torch.cat([tokens, -torch.ones(world * capacity - cu[-1], dtype=tokens.dtype)])  # an ignore index
+    kw = dict(placement="balanced", capacity=capacity)
+    from_tokens, from_padded = (cp_cache.shard_documents(t, cu, mesh, **kw) for t in (tokens, padded))
+    real = (from_tokens != 0).sum().item()
+    return dict(rows=(from_tokens.numel(), from_padded.numel(), capacity),
+                same_real=torch.equal(from_tokens[:real], from_padded[:real]),
+                padding=(from_tokens[real:].tolist(), from_padded[real:].tolist()),
+                round_trip=torch.equal(cp_cache.unshard_documents(from_tokens, cu, mesh, **kw), tokens),
+                wrong_length=capture(lambda: cp_cache.shard_documents(tokens[:-1], cu, mesh, **kw)),
+                wrong_shard=capture(lambda: cp_cache.unshard_documents(from_tokens[:-1], cu, mesh, **kw)))
+
+
+def _capacity_refusals(mesh) -> dict:
+    """A configured capacity refuses, on every rank before anything moves: shards laid out without
+    it (the global length T, not W x capacity), and a capacity below a rank's placed tokens."""
+    from torch.distributed.tensor import DTensor, Shard
+
+    from cp_cache.testing.multiprocess import capture
+
+    case, world = CASES[0], mesh.size()
+    q = _global_inputs(case)[0].float()
+    least = max(p.numel() for p in cp_cache.document_layout(case.cu, world, placement="balanced"))
+    lengths = dict(actual_seq_qlen=torch.tensor(case.cu), actual_seq_kvlen=torch.tensor(case.cu))
+    uneven = DTensor.from_local(cp_cache.shard_documents(q, case.cu, mesh, placement="balanced"), mesh, [Shard(0)],
+                                shape=q.shape, stride=q.stride())
+    small = DTensor.from_local(torch.zeros(least - 1, *q.shape[1:]), mesh, [Shard(0)])  # W x (least - 1) rows
+    refused = {}
+    for name, capacity, x in (("uneven", least, uneven), ("too_small", least - 1, small)):
+        cp_cache.enable(document_capacity=capacity)
+        refused[name] = capture(lambda: torch.ops.npu.npu_fusion_attention_v3(x, x, x, case.nq, "TND", **lengths))
+
+    def enter_documents_region():
+        with cp_cache.context_parallel(mesh, documents=case.cu):
+            pass
+
+    refused["documents_region"] = capture(enter_documents_region)  # the transformers layout takes no capacity
+    cp_cache.enable()
+    return dict(least=least, **refused)
 
 
 def _disagreeing_placements(mesh, rank: int) -> tuple[str, str]:
@@ -206,8 +385,10 @@ def _ranks(rank: int, world: int) -> dict:
     _cp_options.enable_load_balance = True
     mesh = init_device_mesh("cpu", (world,))
     with cp_cache.context_parallel(mesh):  # cp_cache serves sequence-sharded calls inside a CP region
-        results = {case.name: _run_case(case, mesh) for case in CASES}
+        results = {case.name: _run_case(case, mesh) for case in CASES + CAPACITY_CASES}
         results["disagree"] = _disagreeing_placements(mesh, rank)
+        results["capacity_shards"] = _capacity_shards(mesh)
+        results["capacity_refusals"] = _capacity_refusals(mesh)
         cp_cache.enable()  # the default placement under load balancing: balanced
         results["layout"] = [p.tolist() for p in cp_cache.document_layout(_cumulative(MIX), world)]
     results["live_after"] = cp_cache.stats()["live_entries"]
@@ -240,12 +421,64 @@ def test_tnd_attention_matches_dense_float64(world, case):
 
 
 @pytest.mark.parametrize("world", (2, 4))
+@pytest.mark.parametrize("case", CAPACITY_CASES, ids=[c.name for c in CAPACITY_CASES])
+def test_tnd_attention_at_a_capacity(world, case):
+    """Every rank's shard padded to the capacity (even shards, global length W x capacity): the real
+    tokens' output, LSE and gradients match dense float64 and equal the call without a capacity bit
+    for bit; the padding rows' output and q/k/v gradients are 0 and their LSE that of a row seeing
+    no key (-inf; with a sink, the sink), whatever their inputs and incoming gradient."""
+    results = _results(world)
+    for rank, res in enumerate(results):
+        r = res[case.name]
+        for name, (err, dense) in r["errors"].items():
+            bound = error_bound(dense, scale=r["lse_scale"]) if name == "lse" else error_bound(dense)
+            assert err <= bound, (case.name, rank, name, err, bound)
+        assert r["same_as_without"] == [], (case.name, rank, r)
+        assert r["padding_nonzero"] == [] and r["padding_lse_as_no_key"], (case.name, rank, r)
+        assert r["live"] == 0
+    assert len({res[case.name]["local_rows"] for res in results}) == 1  # one local shape on every rank
+    if case.padding:
+        assert all(res[case.name]["real_rows"] < res[case.name]["local_rows"] for res in results)
+
+
+@pytest.mark.parametrize("world", (2, 4))
 def test_every_rank_computed_the_same_layout_and_nothing_stays_alive(world):
     results = _results(world)
     assert all(res["layout"] == results[0]["layout"] for res in results)
     assert results[0]["layout"] == [p.tolist() for p in cp_cache.document_layout(_cumulative(MIX), world,
                                                                                 placement="balanced")]
     assert all(res["live_after"] == 0 for res in results)
+
+
+@pytest.mark.parametrize("world", (2, 4))
+def test_shard_and_unshard_at_a_capacity(world):
+    for rank, res in enumerate(_results(world)):
+        r = res["capacity_shards"]
+        assert r["rows"][0] == r["rows"][1] == r["rows"][2], (rank, r)
+        assert r["same_real"] and r["round_trip"], (rank, r)
+        zeros, ignored = r["padding"]
+        assert zeros == [0] * len(zeros) and ignored == [-1] * len(ignored), (rank, r)
+        assert r["wrong_length"][0] == "ValueError" and re.search(
+            r"capacity=\d+ over W=\d ranks takes a tensor of T=128 tokens .* or W x capacity = \d+ rows along dim 0, "
+            r"got 127", r["wrong_length"][1]), r
+        assert r["wrong_shard"][0] == "ValueError" and "gives rank" in r["wrong_shard"][1], r
+    capacity = _results(world)[0]["capacity_shards"]["rows"][2]
+    assert sum(len(res["capacity_shards"]["padding"][0]) for res in _results(world)) == world * capacity - 128
+
+
+@pytest.mark.parametrize("world", (2, 4))
+def test_a_capacity_refuses_what_does_not_fit_on_every_rank(world):
+    for rank, res in enumerate(_results(world)):
+        r = res["capacity_refusals"]
+        least = r["least"]
+        assert r["uneven"][0] == "ValueError" and re.search(
+            rf"document_capacity={least} gives each of W={world} ranks {least} rows, a global sequence of "
+            rf"{world * least}; the query has 128", r["uneven"][1]), (rank, r)
+        assert r["too_small"][0] == "ValueError" and re.search(
+            rf"document_capacity={least - 1} is smaller than rank \d's {least} tokens under placement 'balanced' of "
+            rf"actual_seq_qlen=.* the least capacity for these documents is {least}", r["too_small"][1]), (rank, r)
+        assert r["documents_region"][0] == "NotImplementedError" and re.search(
+            rf"documents= with document_capacity={least - 1} is not supported yet", r["documents_region"][1]), r
 
 
 @pytest.mark.parametrize("world", (2, 4))

@@ -7,7 +7,8 @@ BSND, BSH, SBH and TND (random document mixes under the "balanced", "head_tail" 
 contiguous placements); MHA and GQA (down to one K/V head); MLA head sizes (V's smaller or
 larger than Q/K's); every mask kind: none (whatever sparse_mode says), causal sparse_mode 2
 and 3 with the compressed mask, a band (sparse_mode 4, random pre/next_tockens: inside a
-shard, across shards, beside the diagonal, the whole sequence), given masks (sparse_mode 1,
+shard, across shards, beside the diagonal, the whole sequence; TND: inside each document,
+or with 7 / 8 inside the last / first document, the others causal), given masks (sparse_mode 1,
 or 0 with a band) as [S, S] bool or uint8, [B, 1, S, S], [B, N, S, S] or sharded on the query
 dimension, with and without fully masked rows; torch's load balancing on and off; uneven
 shards; the algorithms ring / ulysses / hybrid (a 2 x 2 mesh at W = 4, 4 x 2 at W = 8) /
@@ -193,7 +194,8 @@ REFUSALS = {
     "lb_length": ("ValueError", r"load balancing .* query sequence length \d+ is not divisible by \d+"),
     "uneven_positional": ("RuntimeError", r"disagree on local query shape.*only for full or causal attention "
                                           r"without load balancing"),
-    "tnd_mask": ("NotImplementedError", r"input_layout='TND' supports .*not sparse_mode=[014]"),
+    "tnd_mask": ("NotImplementedError", r"input_layout='TND' supports .*not sparse_mode=[01] with "
+                                        r"atten_mask=<tensor of shape \(\d+, \d+\)"),
     "tnd_head_tail": ("ValueError", r"document \d+ of actual_seq_qlen has length \d+, not divisible by 2\*W"),
     "tnd_contiguous": ("ValueError", r"(actual_seq_qlen=\[.*does not divide into W=\d contiguous slices|"
                                      r"input_layout='TND' without load balancing .* T=\d+ tokens do not divide by W)"),
@@ -313,7 +315,7 @@ def _draw(seed: int, world: int, **force) -> Draw:
              fused_merge=pick("fused_merge", (True, False), [2, 1]),
              run=pick("run", ("eager", "checkpoint"), [4, 1]),
              sink="bad" if refusal == "sink_shape" else pick("sink", ("", "plain", "dtensor"), [4, 1, 1]))
-    f.update(_draw_tnd(pick, rng, world, refusal) if tnd else _draw_dense(pick, rng, world, refusal, f))
+    f.update(_draw_tnd(pick, rng, world, refusal, seed) if tnd else _draw_dense(pick, rng, world, refusal, f))
     # keep_kv from the seed, not the stream: every other dimension draws as before it existed
     direct = force.get("exchange", f["exchange"]) == "direct"
     f["keep_kv"] = direct and seed % 3 == 0
@@ -321,7 +323,7 @@ def _draw(seed: int, world: int, **force) -> Draw:
     return _settle(Draw(**{k: force.get(k, v) for k, v in f.items()}))
 
 
-def _draw_tnd(pick: _Picker, rng: random.Random, world: int, refusal: str) -> dict:
+def _draw_tnd(pick: _Picker, rng: random.Random, world: int, refusal: str, seed: int) -> dict:
     lb = {"tnd_head_tail": True, "tnd_contiguous": False}.get(refusal, pick("lb", (True, False)))
     placement = pick("placement", ("balanced", "head_tail")) if lb else "contiguous"
     if refusal == "tnd_head_tail":
@@ -338,10 +340,21 @@ def _draw_tnd(pick: _Picker, rng: random.Random, world: int, refusal: str) -> di
     mask = pick("mask", ("none", "causal"), [1, 2])
     sparse_mode = pick("sparse_mode", (2, 3)) if mask == "causal" else pick("sparse_mode", (0, 1, 2, 3))
     pre = nxt = INT_MAX
-    if refusal == "tnd_mask":
-        mask = rng.choice(("band", "given"))
-        sparse_mode = 4 if mask == "band" else rng.choice((0, 1))
-        pre, nxt = (3, 0) if mask == "band" else (INT_MAX, INT_MAX)
+    # a band inside each document (sparse_mode 4) in some causal draws (not those forced causal), from
+    # the seed's own stream: the draws that stay causal draw what they drew before bands existed
+    band = random.Random(zlib.crc32(f"tnd-band/{seed}".encode()))
+    if mask == "band" or (mask == "causal" and "mask" not in pick.force and not refusal and band.random() < 0.4):
+        longest = max(docs)
+        pre = band.choice((0, 1, 2, 3, longest // 3, longest - 1, longest + 2, INT_MAX))
+        nxt = band.choice((0, 0, 1, 3, longest // 2, INT_MAX))
+        if pre == INT_MAX and nxt == INT_MAX:
+            nxt = 0
+        if band.random() < 0.15:  # a band beside the diagonal: some rows see no key
+            pre, nxt = band.choice(((-1, 3), (4, -2), (-2, 2)))
+        # 7 / 8: the band in the last / first document, the others causal
+        mask, sparse_mode = "band", band.choice((4, 4, 7, 8))
+    if refusal == "tnd_mask":  # explicit masks stay refused with packed documents
+        mask, sparse_mode = "given", rng.choice((0, 1))
     return dict(layout=L.TND, lb=lb, placement=placement, docs=docs, S=sum(docs), mask=mask,
                 sparse_mode=sparse_mode, pre=pre, nxt=nxt)
 
@@ -488,6 +501,19 @@ CORNERS = [
     # test_sinks' ring-causal-contiguous-gqa at W >= 2
     (4, dict(refusal="", tnd=False, mesh2d=False, algorithm="ring", layout="BSND", mask="causal", lb=False,
              sink="plain", gqa=True)),
+    # packed documents with a band (sparse_mode 4) inside each document: every placement at W = 2, 3, 4,
+    # with dropout, sinks, MLA and GQA
+    (2, dict(refusal="", tnd=True, placement="head_tail", lb=True, mask="band", dropout=True, kernel="npu")),
+    (3, dict(refusal="", tnd=True, placement="balanced", lb=True, mask="band", sink="plain", mla=True)),
+    (4, dict(refusal="", tnd=True, lb=False, mask="band", exchange="direct", dropout=True, kernel="npu",
+             sink="dtensor")),
+    (4, dict(refusal="", tnd=True, placement="head_tail", lb=True, mask="band", gqa=True, exchange="direct")),
+    (3, dict(refusal="", tnd=True, lb=False, mask="band", mla=True, run="checkpoint")),
+    (2, dict(refusal="", tnd=True, placement="balanced", lb=True, mask="band", exchange="direct", kernel="reference")),
+    # sparse_mode 7 / 8 (the band in the last / first document, the others causal)
+    (3, dict(refusal="", tnd=True, placement="head_tail", lb=True, mask="band", sparse_mode=7, exchange="direct")),
+    (4, dict(refusal="", tnd=True, placement="balanced", lb=True, mask="band", sparse_mode=8, dropout=True,
+             kernel="npu", exchange="direct")),
     # packed documents under Ulysses and hybrid (test_ulysses has the placements' numbers without the rest):
     # dropout, sinks, the reference kernel, checkpointing under the stack policy, bfloat16
     (4, dict(refusal="", tnd=True, mesh2d=False, algorithm="ulysses", placement="balanced", lb=True, mask="causal",
@@ -517,7 +543,7 @@ def _problem(draw: Draw) -> dict:
     """The draw's full-sequence inputs (float64 [B, N, S, D] with values of the draw's dtype;
     TND: batch 1), the given mask, the reference's mask (True = masked out, broadcastable to
     [B, N, S, S]) and the sinks, all from the draw's seed."""
-    from cp_cache.testing.varlen_reference import document_masked
+    from cp_cache.testing.varlen_reference import band_modes, document_masked
 
     g = torch.Generator().manual_seed(draw.seed)
     B, S = (1 if draw.tnd else draw.B), draw.S
@@ -529,7 +555,9 @@ def _problem(draw: Draw) -> dict:
     sink = (torch.randn(draw.nq, generator=g, dtype=torch.float64) * 2).float().double() if draw.sink else None
     given = masked = None
     if draw.tnd:
-        masked = document_masked(draw.cu, draw.cu, "left_up" if draw.mask == "causal" else "full")
+        mode = band_modes(len(draw.docs), draw.sparse_mode) if draw.mask == "band" else (
+            "left_up" if draw.mask == "causal" else "full")
+        masked = document_masked(draw.cu, draw.cu, mode, draw.pre, draw.nxt)
     elif draw.mask == "causal":
         masked = torch.ones(S, S, dtype=torch.bool).triu(1)
     elif draw.given:
@@ -1058,6 +1086,8 @@ def test_the_net_covers_the_space():
         seen = {getattr(d, name) for d in ran}
         assert values <= seen, (name, values - seen)
     assert {d.sparse_mode for d in ran if d.mask == "causal"} == {2, 3}
+    assert {d.placement for d in ran if d.tnd and d.mask == "band"} == {"balanced", "head_tail", "contiguous"}
+    assert {d.sparse_mode for d in ran if d.tnd and d.mask == "band"} == {4, 7, 8}
     assert {d.resolved() for d in ran if d.algorithm == "auto"} >= {"ring", "ulysses", "hybrid"}
     assert any(d.keep_prob < 1 for d in ran) and any(d.dv < d.d for d in ran) and any(d.dv > d.d for d in ran)
     assert any(d.nkv == 1 < d.nq for d in ran) and any(1 < d.nkv < d.nq for d in ran)

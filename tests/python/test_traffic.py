@@ -7,7 +7,8 @@ One spawned group of W = 4 ranks (N = 4, D = 16, S = 128, float32) runs every ca
 exchanges: causal (contiguous and head-tail), full, windows (head-tail and contiguous, a band
 both ways), given masks (a block-diagonal mask of 4 documents on contiguous shards, a random
 mask under head-tail, ``sparse_mode=0`` with a band), packed documents (TND, head-tail,
-contiguous, and the balanced placement's uneven local lengths) and the ring inside hybrid (2 x 2: causal, a window).
+contiguous, and the balanced placement's uneven local lengths; causal, full, and a band inside
+each document) and the ring inside hybrid (2 x 2: causal, a window).
 Each case runs a third time with ``keep_kv`` (the direct exchange whose forward keeps the rows it
 received for its backward): the same results, and a backward that receives no K/V.
 
@@ -38,7 +39,7 @@ DOCS = (20, 64, 100, 128)  # four documents crossing the contiguous shards
 TND_DOCS = (24, 64, 96, 128)  # lengths divisible by 2W: per-document head-tail
 GRADS = ("out", "dq", "dk", "dv")
 # the issue's targets: bytes received per call within these multiples of the forward lower bound
-TARGETS = ("causal-lb", "window12-lb", "given-docs-contig", "tnd-causal-lb")
+TARGETS = ("causal-lb", "window12-lb", "given-docs-contig", "tnd-causal-lb", "tnd-window12-lb")
 FORWARD_FACTOR, BACKWARD_FACTOR = 1.05, 2.1
 
 # name: (kind, fields): kind "dense" (BNSD ring), "given", "tnd", "hybrid"
@@ -54,7 +55,13 @@ CASES = {
     "given-band-lb": ("given", dict(window=True, pre_tockens=9, next_tockens=2, load_balance=True)),
     "tnd-causal-lb": ("tnd", dict(causal=True, load_balance=True)),
     "tnd-full-contig": ("tnd", dict(causal=False, load_balance=False)),
+    "tnd-causal-contig": ("tnd", dict(causal=True, load_balance=False)),
     "tnd-causal-balanced": ("tnd", dict(causal=True, load_balance=True, placement="balanced")),
+    "tnd-window12-lb": ("tnd", dict(window=True, pre_tockens=11, next_tockens=0, load_balance=True)),
+    "tnd-window12-balanced": ("tnd", dict(window=True, pre_tockens=11, next_tockens=0, load_balance=True,
+                                          placement="balanced")),
+    "tnd-window12-contig": ("tnd", dict(window=True, pre_tockens=11, next_tockens=0, load_balance=False)),
+    "tnd-band5x3-lb": ("tnd", dict(window=True, pre_tockens=5, next_tockens=3, load_balance=True)),
     "hybrid-causal": ("hybrid", dict(causal=True)),
     "hybrid-window12": ("hybrid", dict(window=True, pre_tockens=11, next_tockens=0)),
 }
@@ -90,7 +97,9 @@ def _masked(name: str) -> torch.Tensor:
     """The case's [S, S] mask, True = masked out."""
     kind, f = CASES[name]
     if kind == "tnd":
-        return document_masked(TND_DOCS, TND_DOCS, "left_up" if f["causal"] else "full")
+        if f.get("window"):
+            return document_masked(TND_DOCS, TND_DOCS, "band", f["pre_tockens"], f["next_tockens"])
+        return document_masked(TND_DOCS, TND_DOCS, "left_up" if f.get("causal") else "full")
     if f.get("causal"):
         return torch.ones(S, S, dtype=torch.bool).triu(1)
     masked = torch.zeros(S, S, dtype=torch.bool)
@@ -298,6 +307,21 @@ def test_targets_are_below_the_whole_block_ring():
             direct = sum(res[name]["direct"]["counted"][direction][1] for res in _results())
             ring = sum(res[name]["ring"]["counted"][direction][1] for res in _results())
             assert direct < ring, (name, direction, direct, ring)
+
+
+@pytest.mark.parametrize("placement", ("lb", "balanced", "contig"))
+def test_tnd_window_moves_less_than_causal(placement):
+    """Packed documents with a causal window of 12 tokens: every rank receives no more K/V than
+    under causal attention per document, forward and backward, and the ranks together less where
+    documents are split into pieces far apart (contiguous slices cut these documents once, within
+    12 tokens of the cut: the same rows)."""
+    causal = {"lb": "tnd-causal-lb", "balanced": "tnd-causal-balanced", "contig": "tnd-causal-contig"}[placement]
+    window = f"tnd-window12-{placement}"
+    for direction in ("forward", "backward"):
+        got = [res[window]["direct"]["counted"][direction][1] for res in _results()]
+        wider = [res[causal]["direct"]["counted"][direction][1] for res in _results()]
+        assert all(g <= w for g, w in zip(got, wider)), (placement, direction, got, wider)
+        assert sum(got) < sum(wider) or placement == "contig", (placement, direction, got, wider)
 
 
 @pytest.mark.parametrize("name", HYBRID)

@@ -1,18 +1,21 @@
 """cp_cache.integrations.transformers: tiny Llama, Qwen3, Gemma-3 (sliding window 3, smaller
 than a head-tail chunk), gpt-oss (attention sinks on every layer, sliding window 5 on the first),
 DeepSeek-V3 (MLA: q/k head dim 12, v head dim 6) and packed batches (DataCollatorWithFlattening's
-cu_seq_lens; head-tail buffers: the documents as an explicit mask; contiguous buffers: the packed
-layout; with Gemma-3's window, gpt-oss's sinks, DeepSeek-V3's MLA) train 2 AdamW steps with attn_implementation="cp_cache" under cp_cache.context_parallel
-at W = 2 and 4 (gloo, one spawned rank group per world size) with the loss and the gradients of
-one process with "eager", in float32, within error_bound of the eager float32 model's own error
-against float64. Outside a CP region the same models equal "eager" (KV-cache decoding included);
-each refusal raises naming what it refuses.
+cu_seq_lens: buffers laid out by cp_cache's document placement through
+context_parallel(documents=): packed documents (TND) with no [S, S] mask, with Gemma-3's window
+and gpt-oss's sinks and window; head-tail buffers: the documents as an explicit [S, S] mask;
+contiguous buffers: the packed layout, with Gemma-3's window and DeepSeek-V3's MLA) train 2 AdamW steps with
+attn_implementation="cp_cache" under cp_cache.context_parallel at W = 2 and 4 (gloo, one
+spawned rank group per world size) with the loss and the gradients of one process with "eager",
+in float32, within error_bound of the eager float32 model's own error against float64; Llama
+compiled (dynamic=True) at three sequence lengths at W = 2. Outside a CP region the same models
+equal "eager" (KV-cache decoding included); each refusal raises naming what it refuses.
 
-Packed gpt-oss (sinks with documents and a window: the explicit-mask path) has no eager
-reference: transformers 5.24's gpt-oss builds its eager masks without the position ids, so its
-eager attention crosses the documents of a packed batch (flash attention and cp_cache follow
-cu_seq_lens). Its CP run is held against "cp_cache" in one process instead (float32 and
-float64), whose sinks, documents and windows the other cases hold against eager.
+Packed gpt-oss has no eager reference: transformers 5.24's gpt-oss builds its eager masks
+without the position ids, so its eager attention crosses the documents of a packed batch (flash
+attention and cp_cache follow cu_seq_lens). Its CP run is held against "cp_cache" in one process
+instead (float32 and float64), whose sinks, documents and windows the other cases hold against
+eager.
 """
 
 from __future__ import annotations
@@ -34,13 +37,19 @@ CASES = [
     tc.Case("qwen3", "qwen3"),
     tc.Case("gemma3", "gemma3"),
     tc.Case("packed", "llama", packed=True),
+    tc.Case("packed_documents", "llama", packed=True, documents=True),
     tc.Case("packed_contiguous", "llama", packed=True, load_balance=False),
-    tc.Case("packed_gemma3", "gemma3", packed=True),
+    tc.Case("packed_gemma3", "gemma3", packed=True, documents=True),
+    tc.Case("packed_gemma3_mask", "gemma3", packed=True),
+    tc.Case("packed_gemma3_contiguous", "gemma3", packed=True, load_balance=False),
     tc.Case("gpt_oss", "gpt_oss"),
-    tc.Case("packed_gpt_oss", "gpt_oss", packed=True, reference="cp_cache"),
+    tc.Case("packed_gpt_oss", "gpt_oss", packed=True, documents=True, reference="cp_cache"),
     tc.Case("deepseek_v3", "deepseek_v3"),
     tc.Case("packed_deepseek_v3", "deepseek_v3", packed=True, load_balance=False),
 ]
+# W = 2 only (a compile per rank is the suite's slowest part): a new sequence length every step
+COMPILED = tc.Case("llama_compiled", "llama", lengths=(32, 48, 64), compiled=True)
+CASES_AT = {2: CASES + [COMPILED], 4: CASES}
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -83,6 +92,21 @@ def _cp_refusals(mesh) -> dict:
             res["torch_region"] = capture(lambda: model(input_ids=ids))
     finally:
         cp_cache.disable()
+    packed = tc.Case("packed", "llama", packed=True)
+    for name, change in (("documents_missing", ("cu_seq_lens_q", "cu_seq_lens_k")),
+                         ("documents_differ", ())):
+        batch = tc.make_batch(packed, 0)
+        cu = batch["cu_seq_lens_q"]
+        region = cu if not change else cu.clone()
+        if not change:  # the region's documents are not the batch's
+            region = torch.tensor([0, int(cu[1]) + 1, *cu[2:].tolist()], dtype=cu.dtype)
+        kwargs = {k: v for k, v in batch.items() if k not in change and k not in ("shift_labels", "num_items_in_batch")}
+        buffers = [kwargs["input_ids"], kwargs["position_ids"]]
+        with cp_cache.context_parallel(mesh, buffers=buffers, buffer_seq_dims=[1, 1], documents=region):
+            res[name] = capture(lambda: model(**kwargs))
+    ids = tc.make_batch(packed, 0)["input_ids"]
+    res["documents_length"] = capture(lambda: cp_cache.context_parallel(
+        mesh, buffers=[ids], buffer_seq_dims=[1], documents=[0, 5, 40]).__enter__())
     res["live"] = cp_cache.stats()["live_entries"]
     return res
 
@@ -104,7 +128,7 @@ _SINGLE: dict[str, dict] = {}
 
 def _results(world: int) -> list[dict]:
     if world not in _RESULTS:
-        _RESULTS[world] = run_ranks(_rank, world, CASES, timeout=600.0)
+        _RESULTS[world] = run_ranks(_rank, world, CASES_AT[world], timeout=600.0)
     return _RESULTS[world]
 
 
@@ -126,6 +150,15 @@ def test_training_matches_eager(world, case):
         for i, r in enumerate(rows)))
 
 
+def test_compiled_training_at_varying_lengths():
+    """Llama compiled whole (dynamic=True, aot_eager) under CP at W = 2, sequence lengths 32, 48
+    and 64 in three AdamW steps: one graph, no graph break, the loss and the gradients of the
+    eager single process (check_training asserts the graph count)."""
+    rows = tc.check_training(_results(2), COMPILED, _single(COMPILED))
+    print("; ".join(f"S={s}: loss {r['loss']:.2e} <= {r['loss_bound']:.2e}, grad {r['grad']:.2e} <= "
+                    f"{r['grad_bound']:.2e}" for s, r in zip(COMPILED.lengths, rows)))
+
+
 @pytest.mark.parametrize("world", WORLDS)
 def test_refusals_under_cp_reach_every_rank(world):
     for r, res in enumerate(_results(world)):
@@ -133,6 +166,12 @@ def test_refusals_under_cp_reach_every_rank(world):
         assert kind in ("ValueError", "RuntimeError") and "position_ids" in message, (r, kind, message)
         kind, message = res["refusals"]["torch_region"]
         assert kind == "RuntimeError" and "cp_cache.context_parallel" in message, (r, kind, message)
+        kind, message = res["refusals"]["documents_missing"]
+        assert kind == "ValueError" and "cu_seq_lens_q/k" in message and "documents=" in message, (r, message)
+        kind, message = res["refusals"]["documents_differ"]
+        assert kind == "ValueError" and "cu_seq_lens_q=" in message and "documents=" in message, (r, message)
+        kind, message = res["refusals"]["documents_length"]  # the documents end at 40, the buffer has 32 tokens
+        assert kind == "ValueError" and "40" in message and "32" in message, (r, message)
         assert res["refusals"]["live"] == 0
 
 
@@ -231,6 +270,23 @@ def test_refusal_in_a_model():
     m = tc.make_model(case, NAME)
     kind, message = capture(lambda: m(input_ids=batch["input_ids"], position_ids=batch["position_ids"]))
     assert kind == "ValueError" and "cu_seq_lens_q/k" in message, (kind, message)
+
+
+def test_compiled_position_check():
+    """Compiled, the position check is an assertion inside the graph (no host read while
+    tracing): right positions pass, wrong ones fail when the graph runs."""
+    import torch._dynamo
+
+    q, k, v = _qkv()
+    call = torch.compile(lambda pos: attention_forward(_Layer(), q, k, v, None, position_ids=pos)[0],
+                         backend="aot_eager", fullgraph=True)
+    try:
+        out = call(torch.arange(8)[None])
+        assert torch.equal(out, attention_forward(_Layer(), q, k, v, None)[0])
+        kind, message = capture(lambda: call(torch.arange(8)[None] + 1))
+    finally:
+        torch._dynamo.reset()
+    assert kind == "RuntimeError" and "position_ids" in message, (kind, message)
 
 
 def test_import_cp_cache_does_not_import_transformers():

@@ -50,7 +50,8 @@ def _rank_errors(rank: int, world: int) -> dict:
         errors["missing_kvlen"] = capture(lambda: torch.ops.npu.npu_fusion_attention_v3(
             q, k, v, N, "TND", actual_seq_qlen=torch.tensor([T])))
         errors["float_lengths"] = capture(call(torch.tensor([8.0, T])))
-        errors["band"] = capture(call([T], sparse_mode=4))
+        # a band takes the compressed mask, as for the other layouts; explicit masks are refused
+        errors["band_uncompressed"] = capture(call([T], atten_mask=torch.zeros(T, T, dtype=torch.bool), sparse_mode=4))
         errors["explicit_mask"] = capture(call([T], atten_mask=torch.zeros(T, T, dtype=torch.bool), sparse_mode=1))
         # ranks that disagree on the documents (each list valid on its own): every rank refuses
         per_rank = [4 * world, T] if rank == 0 else [8 * world, T]
@@ -89,8 +90,10 @@ EXPECTED = [
     ("q_kv_differ", "ValueError", r"actual_seq_qlen=\[8, {T}\] and actual_seq_kvlen=\[16, {T}\] differ"),
     ("missing_kvlen", "ValueError", r"needs actual_seq_kvlen"),
     ("float_lengths", "ValueError", r"actual_seq_qlen must be a 1-D integer tensor.*torch.float32"),
-    ("band", "NotImplementedError", r"input_layout='TND'.*not sparse_mode=4"),
-    ("explicit_mask", "NotImplementedError", r"input_layout='TND'.*not sparse_mode=1"),
+    ("band_uncompressed", "NotImplementedError",
+     r"input_layout='TND'.*not sparse_mode=4 with atten_mask=<tensor of shape \({T}, {T}\)"),
+    ("explicit_mask", "NotImplementedError",
+     r"input_layout='TND'.*not sparse_mode=1 with atten_mask=<tensor of shape \({T}, {T}\).*explicit masks"),
     ("ranks_disagree", "RuntimeError", r"ranks disagree on packed documents: rank 0 2 documents.*rank 1 2 documents"),
     ("backward_other_documents", "RuntimeError",
      r"backward called with .*'documents': \({4W}, {T}\).* but its forward ran with .*'documents': \({8W}, {T}\)"),

@@ -158,6 +158,31 @@ def test_fakes_equal_wheel_meta(dtype, nkv):
         assert sig(ours) == sig(theirs), name
 
 
+BAND = dict(pre_tockens=3, next_tockens=-1)  # a band beside the diagonal, anchored at each segment's bottom right
+
+
+@pytest.mark.parametrize("sparse_mode, modes", [(4, "band"), (7, ("right_down",) * 3 + ("band",)),
+                                                (8, ("band",) + ("left_up",) * 3)], ids=["4", "7", "8"])
+@pytest.mark.parametrize("segments", ["equal", "cross"])  # cross: q/kv lengths differ, segment 2 has no queries
+def test_band_modes_match_dense_block_diagonal(sparse_mode, modes, segments):
+    """sparse_mode 4: the band of pre/next_tockens in every segment, anchored at its bottom-right
+    corner (non-square segments shift it); 7 and 8 (the op's varlen external-split modes): the
+    last (7) or first (8) segment with queries takes the band, the others right-down (7) or
+    left-up (8) causal."""
+    cu_q, cu_kv = SEGMENTS[segments]
+    q, k, v, dout = _inputs(cu_q[-1], cu_kv[-1], 4, 2)
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    res = torch.ops.npu.npu_fusion_attention_v3(
+        *leaves, 4, "TND", scale=1 / math.sqrt(D), actual_seq_qlen=torch.tensor(cu_q),
+        actual_seq_kvlen=torch.tensor(cu_kv), **_mask_kwargs(sparse_mode), **BAND)
+    res[0].backward(dout)
+    ref = dense_tnd_attention(q, k, v, dout, cu_q, cu_kv, modes, **BAND)
+    assert rel_err(res[0].detach(), ref["out"]) < F64
+    assert torch.equal(torch.isfinite(lse_from_stats(res[1], res[2])), torch.isfinite(ref["lse"]))
+    for name, leaf in zip(("dq", "dk", "dv"), leaves):
+        assert rel_err(leaf.grad, ref[name]) < F64, name
+
+
 def test_band_per_segment():
     """sparse_mode 4 in TND: the band of each segment, anchored at its own corner (square
     segments: query i sees key j of its segment iff i - pre <= j <= i + next)."""

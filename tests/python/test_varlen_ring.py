@@ -10,13 +10,19 @@ placement's uneven shards on the fixed mix: test_document_layout.py)."""
 
 from __future__ import annotations
 
+import itertools
+import random
+
 import pytest
 import torch
 
 from cp_cache.documents import document_positions
 from cp_cache.testing.multiprocess import run_ranks
-from cp_cache.testing.reference import error_bound, rel_err
-from cp_cache.testing.varlen_reference import document_masked
+from cp_cache.engine.steps import exchange_plan
+from cp_cache.npu_ops import INT_MAX
+from cp_cache.plan import CallPlan, MaskSpec
+from cp_cache.testing.reference import error_bound, exchanged_rows, rel_err
+from cp_cache.testing.varlen_reference import band_modes, document_masked
 from cp_cache.algorithms.packed import plan_varlen_step, step_pairs
 
 pytestmark = pytest.mark.slow  # exhaustive sweeps: left out of make matrix's fast subset
@@ -27,27 +33,36 @@ D = 8
 # ---------------------------------------------------------------- the plan, without processes
 
 
-def _covered(cu, world, causal, placement):
-    """Every (query, key) global pair the ring's steps compute, counted, and pairs per rank."""
+def _covered(cu, world, causal, placement, window=None, band_document=None):
+    """Every (query, key) global pair the ring's steps compute, counted, pairs per rank, and the
+    number of kernel calls; each call's segments must not share query rows (they merge row by row)."""
     T = cu[-1]
     count = torch.zeros(T, T, dtype=torch.int64)
-    per_rank = []
+    per_rank, calls = [], 0
     for rank in range(world):
         qpos = document_positions(cu, rank, world, placement)
         pairs = 0
         for index in range(world):
-            step = plan_varlen_step(cu, rank, index, world, causal, placement)
+            step = plan_varlen_step(cu, rank, index, world, causal, placement, window, band_document)
             kpos = document_positions(cu, (rank - index) % world, world, placement)
-            for s in step.segments:
-                qi = qpos[s.q_start:s.q_start + s.q_len]
-                ki = kpos[s.kv_start:s.kv_start + s.kv_len]
-                block = torch.ones(s.q_len, s.kv_len, dtype=torch.int64)
-                if step.mask.kind == "causal":
-                    block = block.tril()
-                count[qi.view(-1, 1), ki.view(1, -1)] += block
+            calls += len(step.calls)
+            for call in step.calls:
+                rows = [r for s in call.segments for r in range(s.q_start, s.q_start + s.q_len)]
+                assert len(rows) == len(set(rows)), (rank, index, call)
+                for s in call.segments:
+                    qi = qpos[s.q_start:s.q_start + s.q_len]
+                    ki = kpos[s.kv_start:s.kv_start + s.kv_len]
+                    masked = document_masked([s.q_len], [s.kv_len], _MODES[call.mask.kind], call.mask.pre_tockens,
+                                             call.mask.next_tockens)
+                    count[qi.view(-1, 1), ki.view(1, -1)] += (~masked).long()
             pairs += step_pairs(step)
         per_rank.append(pairs)
-    return count, per_rank
+    return count, per_rank, calls
+
+
+# the op's mask of a call on one segment, as the reference spells it (the TND kernel's causal is
+# right-down; the ring's causal segments are square)
+_MODES = {"none": "full", "causal": "right_down", "band": "band"}
 
 
 PLAN_DOCS = {"mixed": [8, 32, 40, 64], "one": [64], "many_short": list(range(8, 72, 8)),
@@ -64,12 +79,69 @@ PLAN_CASES = [(docs, p) for docs in PLAN_DOCS for p in PLACEMENTS if not (p == "
 @pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
 def test_plan_covers_the_block_diagonal_exactly_once(world, docs, placement, causal):
     cu = PLAN_DOCS[docs]
-    count, per_rank = _covered(cu, world, causal, placement)
+    count, per_rank, _ = _covered(cu, world, causal, placement)
     allowed = ~document_masked(cu, cu, "left_up" if causal else "full")
     assert torch.equal(count, allowed.long())  # every pair once, nothing outside
     assert sum(per_rank) == int(allowed.sum())  # FLOPs counted from the segments = the block-diagonal minimum
     if placement == "head_tail":  # every rank computes the same number of pairs
         assert len(set(per_rank)) == 1, per_rank
+
+
+def _band_cases(count: int, seed: int = 29) -> list:
+    """Seeded draws of (W, placement, document lengths, pre_tockens, next_tockens): windows inside a
+    piece, across pieces and documents, beside the diagonal, covering whole documents."""
+    rng = random.Random(seed)
+    cases = []
+    for _ in range(count):
+        world, placement = rng.choice((2, 3, 4)), rng.choice(PLACEMENTS)
+        if placement == "head_tail":
+            docs = [2 * world * rng.randint(1, 4) for _ in range(rng.randint(1, 4))]
+        else:
+            docs = [rng.randint(1, 30) for _ in range(rng.randint(1, 6))]
+            while placement == "contiguous" and sum(docs) % world or sum(docs) < 2 * world:
+                docs.append(rng.randint(1, 9))
+        longest = max(docs)
+        pre = rng.choice((0, 1, 2, 3, longest // 3, longest - 1, longest + 2, INT_MAX))
+        nxt = rng.choice((0, 0, 1, 4, longest // 2, INT_MAX))
+        if rng.random() < 0.2:  # a band beside the diagonal
+            pre, nxt = rng.choice(((-1, 3), (4, -2), (-2, 2)))
+        mode = rng.choice((4, 4, 7, 8))
+        cases.append((world, placement, tuple(itertools.accumulate(docs)), pre, nxt, mode))
+    return cases
+
+
+BAND_CASES = _band_cases(24)
+BAND_DOCUMENT = {4: "", 7: "last", 8: "first"}  # sparse_mode 7 / 8: the band in the last / first document
+
+
+@pytest.mark.parametrize("world, placement, cu, pre, nxt, mode", BAND_CASES,
+                         ids=[f"W{w}-{p}-{len(cu)}docs-pre{a}-next{b}-mode{m}" for w, p, cu, a, b, m in BAND_CASES])
+def test_band_plan_covers_the_band_inside_documents_exactly_once(world, placement, cu, pre, nxt, mode):
+    """sparse_mode 4 with packed documents (7 / 8: in the last / first document, the others
+    causal): every pair of the mask computed once and nothing else, and the direct exchange
+    moves exactly the rows the mask needs."""
+    spec = MaskSpec(window=True, pre_tockens=pre, next_tockens=nxt, band_document=BAND_DOCUMENT[mode])
+    count, per_rank, calls = _covered(cu, world, False, placement, (pre, nxt), spec.band_document_index(len(cu)))
+    allowed = ~document_masked(cu, cu, band_modes(len(cu), mode), pre, nxt)
+    assert torch.equal(count, allowed.long())
+    assert sum(per_rank) == int(allowed.sum())
+    held = [document_positions(cu, r, world, placement) for r in range(world)]
+    sent, received = exchanged_rows(~allowed, held)
+    for rank in range(world):
+        plan = CallPlan(world_size=world, rank=rank, layout="TND", head_num=1, scale=1.0, keep_prob=1.0, mask=spec,
+                        load_balance=placement != "contiguous", documents=cu, placement=placement)
+        exchange = exchange_plan(plan, [(len(p), len(p)) for p in held])
+        assert (exchange.rows_sent, exchange.rows_received) == (sent[rank], received[rank]), rank
+
+
+def test_band_bytes_below_causal_under_every_placement():
+    """A causal window of w tokens needs fewer K/V rows than causal attention per document."""
+    cu = tuple(itertools.accumulate([40, 96, 24, 64]))  # lengths divisible by 2W = 8
+    for placement in PLACEMENTS:
+        held = [document_positions(cu, r, 4, placement) for r in range(4)]
+        causal = sum(exchanged_rows(document_masked(cu, cu, "left_up"), held)[1])
+        window = sum(exchanged_rows(document_masked(cu, cu, "band", 7, 0), held)[1])
+        assert window < causal, (placement, window, causal)
 
 
 def test_steps_without_work_make_no_kernel_call():
@@ -78,7 +150,7 @@ def test_steps_without_work_make_no_kernel_call():
     for rank in range(4):
         for index in range(1, 4):
             step = plan_varlen_step(cu, rank, index, 4, True, "contiguous")
-            assert step.part == "skip" and step.segments == ()
+            assert step.part == "skip" and step.calls == ()
 
 
 # ---------------------------------------------------------------- the README's training step

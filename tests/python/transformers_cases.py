@@ -33,7 +33,14 @@ class Case:
     model: str  # llama | qwen3 | gemma3 | gpt_oss | deepseek_v3
     packed: bool = False
     load_balance: bool = True  # head-tail buffers (torch's default); False: contiguous
+    documents: bool = False  # packed: buffers laid out by cp_cache's placement (context_parallel(documents=))
     reference: str = "eager"  # the single process's attention implementation
+    lengths: tuple[int, ...] = (SEQ,) * STEPS  # each step's sequence length (not packed)
+    compiled: bool = False  # CP side: torch.compile(model, dynamic=True, backend="aot_eager")
+
+    @property
+    def steps(self) -> int:
+        return len(self.lengths)
 
 
 def _config(model: str):
@@ -78,13 +85,14 @@ def make_batch(case: Case, step: int) -> dict:
     from transformers import DataCollatorWithFlattening
 
     g = torch.Generator().manual_seed(100 + step)
+    seq = case.lengths[step]
     if case.packed:
         features = [{"input_ids": torch.randint(0, VOCAB, (n,), generator=g).tolist()} for n in DOCUMENTS]
         batch = DataCollatorWithFlattening(return_flash_attn_kwargs=True)(features)
         batch = {k: batch[k] for k in ("input_ids", "position_ids", "labels", "cu_seq_lens_q", "cu_seq_lens_k")}
     else:
-        ids = torch.randint(0, VOCAB, (2, SEQ), generator=g)
-        batch = {"input_ids": ids, "position_ids": torch.arange(SEQ).expand(2, SEQ).contiguous(),
+        ids = torch.randint(0, VOCAB, (2, seq), generator=g)
+        batch = {"input_ids": ids, "position_ids": torch.arange(seq).expand(2, seq).contiguous(),
                  "labels": ids.clone()}
     labels = batch.pop("labels")
     batch["shift_labels"] = F.pad(labels, (0, 1), value=-100)[:, 1:].contiguous()
@@ -111,7 +119,7 @@ def train_single(case: Case) -> dict:
     ref = make_model(case, case.reference)
     truth = copy.deepcopy(ref).double()
     opts = [_optimizer(ref), _optimizer(truth)]
-    for step in range(STEPS):
+    for step in range(case.steps):
         batch = make_batch(case, step)
         for model, tag in ((ref, "ref"), (truth, "truth")):
             loss = _loss(model, batch)
@@ -126,25 +134,39 @@ def train_single(case: Case) -> dict:
 
 def train_cp(case: Case, mesh) -> dict:
     """Rank side: the same steps with "cp_cache" under cp_cache.context_parallel; the loss and
-    the gradients all-reduced (summed) over the ranks; the live step caches after each step."""
+    the gradients all-reduced (summed) over the ranks; the live step caches after each step;
+    compiled, Dynamo's graph count after each step and its graph breaks."""
+    import torch._dynamo
     import torch.distributed as dist
     from torch.distributed.tensor.experimental._context_parallel._attention import _cp_options
 
     model = make_model(case, "cp_cache")
     opt = _optimizer(model)
-    out = {"loss": [], "grads": [], "live": [], "calls": []}
-    for step in range(STEPS):
+    run = model
+    if case.compiled:
+        torch._dynamo.reset()
+        torch._dynamo.utils.counters.clear()
+        run = torch.compile(model, dynamic=True, backend="aot_eager")
+    from cp_cache.integrations.transformers import _document_mask
+
+    out = {"loss": [], "grads": [], "live": [], "calls": [], "graphs": [], "dense_masks": []}
+    for step in range(case.steps):
         batch = make_batch(case, step)
         buffers = [batch["input_ids"], batch["position_ids"], batch["shift_labels"]]
         calls = cp_cache.call_stats()["forward"]["calls"]
+        masks = _document_mask.cache_info()
         before, _cp_options.enable_load_balance = _cp_options.enable_load_balance, case.load_balance
         try:
-            with cp_cache.context_parallel(mesh, buffers=buffers, buffer_seq_dims=[1, 1, 1]):
-                loss = _loss(model, batch)
+            documents = batch["cu_seq_lens_q"] if case.documents else None
+            with cp_cache.context_parallel(mesh, buffers=buffers, buffer_seq_dims=[1, 1, 1], documents=documents):
+                loss = _loss(run, batch)
                 loss.backward()
         finally:
             _cp_options.enable_load_balance = before
+        out["graphs"].append(torch._dynamo.utils.counters["stats"]["unique_graphs"])
         out["calls"].append(cp_cache.call_stats()["forward"]["calls"] - calls)
+        now = _document_mask.cache_info()
+        out["dense_masks"].append(now.hits + now.misses - masks.hits - masks.misses)
         loss = loss.detach()
         dist.all_reduce(loss)
         for p in model.parameters():
@@ -154,6 +176,9 @@ def train_cp(case: Case, mesh) -> dict:
         opt.step()
         opt.zero_grad()
         out["live"].append(cp_cache.stats()["live_entries"])
+    if case.compiled:
+        out["graph_breaks"] = sum(torch._dynamo.utils.counters["graph_break"].values())
+        torch._dynamo.reset()
     return out
 
 
@@ -162,7 +187,7 @@ def errors(cp: dict, single: dict) -> list[dict]:
     float64 truth, and their bounds (error_bound of the reference's worst error so far: the
     steps compound the rounding)."""
     rows = []
-    for step in range(STEPS):
+    for step in range(len(cp["loss"])):
         truth = single["truth_loss"][step]
         ref_loss = max(abs(a - b) for a, b in zip(single["ref_loss"][:step + 1], single["truth_loss"][:step + 1]))
         ref_grad = max(max(rel_err(a, b) for a, b in zip(r, t))
@@ -187,8 +212,14 @@ def check_training(per_rank: list[dict], case: Case, single: dict) -> list[dict]
         for step, row in enumerate(errors(cp, single)):
             assert row["loss"] <= row["loss_bound"], (case.name, r, step, row)
             assert row["grad"] <= row["grad_bound"], (case.name, r, step, row)
-        assert cp["calls"] == [layers] * STEPS, (case.name, r, cp["calls"])
-        assert cp["live"] == [0] * STEPS, (case.name, r, cp["live"])
+        assert cp["calls"] == [layers] * case.steps, (case.name, r, cp["calls"])
+        assert cp["live"] == [0] * case.steps, (case.name, r, cp["live"])
+        if case.documents or (case.packed and not case.load_balance):  # TND: no [S, S] mask built
+            assert cp["dense_masks"] == [0] * case.steps, (case.name, r, cp["dense_masks"])
+        elif case.packed and case.load_balance:  # head-tail buffers: the documents as an [S, S] mask
+            assert all(cp["dense_masks"]), (case.name, r, cp["dense_masks"])
+        if case.compiled:  # one graph for the whole model, whatever the length, and no break
+            assert (cp["graphs"], cp["graph_breaks"]) == ([1] * case.steps, 0), (case.name, r, cp)
         assert cp["loss"] == per_rank[0]["train"][case.name]["loss"], (case.name, r)
     assert single["ref_loss"][-1] != single["ref_loss"][0]  # the optimizer stepped
     return errors(per_rank[0]["train"][case.name], single)

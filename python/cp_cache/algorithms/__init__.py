@@ -12,7 +12,9 @@ calls the agreement: its driver does (the custom ops, ``handlers/ops.py``; ``run
   the ring it is given (``Ulysses(inner=RING)``);
 * ``packed``: packed documents (TND) on the ring's loop; Ulysses and hybrid over them are
   Ulysses around it (``Ulysses(inner=PACKED)``: on one CP dimension a packed ring of one rank);
-* ``sinks``: attention sinks around whichever of them runs (``WithSink``), once on its result.
+* ``sinks``: attention sinks around whichever of them runs (``WithSink``), once on its result;
+* ``capacity``: packed documents at a fixed shape (``WithCapacity`` around ``packed``: the
+  placed rows computed, the padding rows given zeros).
 
 ``groups`` are the CP process groups, outer first: a strategy takes the innermost as its
 own and gives an inner strategy the rest. None imports another's private names; what they
@@ -30,13 +32,14 @@ from ..engine.agreement import open_agreement
 from ..engine.loop import BackwardResult, ForwardResult
 from ..engine.transport import group_info
 from ..plan import CallPlan
+from .capacity import WithCapacity
 from .packed import PACKED, PackedDocuments
 from .ring import RING, Ring
 from .sinks import WithSink
 from .ulysses import ULYSSES, Ulysses
 
-__all__ = ["Ring", "Ulysses", "PackedDocuments", "WithSink", "RING", "ULYSSES", "PACKED", "HYBRID", "PACKED_ULYSSES",
-           "strategy_for", "run_forward", "run_backward"]
+__all__ = ["Ring", "Ulysses", "PackedDocuments", "WithSink", "WithCapacity", "RING", "ULYSSES", "PACKED", "HYBRID",
+           "PACKED_ULYSSES", "strategy_for", "run_forward", "run_backward"]
 
 HYBRID = Ulysses(inner=RING)
 PACKED_ULYSSES = Ulysses(inner=PACKED)  # packed documents under "ulysses" and "hybrid"
@@ -45,7 +48,10 @@ PACKED_ULYSSES = Ulysses(inner=PACKED)  # packed documents under "ulysses" and "
 def strategy_for(plan: CallPlan, sink: Optional[Tensor] = None):
     """The strategy that runs ``plan``; with ``sink`` (this rank's heads), wrapped in ``WithSink``."""
     if plan.layout == L.TND:  # packed documents
-        strategy = PACKED_ULYSSES if plan.algorithm in ("ulysses", "hybrid") else PACKED
+        if plan.algorithm in ("ulysses", "hybrid"):
+            strategy = PACKED_ULYSSES
+        else:
+            strategy = PACKED if plan.capacity is None else WithCapacity(PACKED)
     elif plan.algorithm == "ulysses":
         strategy = ULYSSES
     elif plan.algorithm == "hybrid":

@@ -14,12 +14,19 @@ each ring step computes, per document, what that document's pieces on the two ra
   higher rank, the tail chunk's queries against all that rank's keys ("q_tail"); with
   contiguous slices, a lower rank's keys in full and a higher rank's not at all; a
   document held whole by one rank makes no work on another rank's block;
-* non-causal: full for every document both blocks hold.
+* non-causal: full for every document both blocks hold;
+* a band (sparse_mode 4: pre/next_tockens inside each document): per (query piece, key
+  piece) pair of a document both blocks hold, the band shifted by the pieces' global offsets
+  (``engine.steps.band_task``, as for the dense layouts), none where it covers the pair,
+  nothing where it misses it; sparse_mode 7 / 8: so in the last / first document only, the
+  others causal.
 
 A step's documents become the segments of ONE kernel call in TND (its
-``actual_seq_qlen/kvlen``), so the kernel does the masking; the rows a step uses are
-gathered (``index_select``) only when they are not the whole block. Documents with no
-work on a step are left out, and a step with none makes no kernel call. The softmax
+``actual_seq_qlen/kvlen``), so the kernel does the masking; a band's segments need one
+call per distinct shifted band (a call takes one pre/next_tockens), and segments sharing
+query rows go to different calls (each call's result merges row by row). The rows a call
+uses are gathered (``index_select``) only when they are not the whole block. Documents
+with no work on a step are left out, and a step with none makes no kernel call. The softmax
 statistics are ``[T, N]`` LSEs (the ops' ``[T, N, 8]``). Step results merge into float32
 accumulators in plain torch or, with ``fused_merge``, by ``npu_ring_attention_update`` in
 TND (the engine's merge, at the gathered rows).
@@ -39,14 +46,14 @@ from ..documents import check_documents, check_local_length, cumulative_lengths,
 from ..engine.loop import (BackwardResult, ForwardResult, RingStep, backward_ring, check_backward_operands,
                            check_keep_prob, check_step, check_steps, empty_outputs, forward_ring, kept_rows,
                            partials_dtype)
-from ..engine.steps import exchange_plan
+from ..engine.steps import band_task, exchange_plan
 from ..engine.merge import merge_into
 from ..engine.transport import group_info, own_group
 from ..kernels import StepForward, StepKernel, StepMask
 from ..placement import CONTIGUOUS
 from ..plan import CallPlan
 
-__all__ = ["Segment", "VarlenStep", "plan_varlen_step", "step_pairs", "PackedDocuments", "PACKED"]
+__all__ = ["Segment", "VarlenCall", "VarlenStep", "plan_varlen_step", "step_pairs", "PackedDocuments", "PACKED"]
 
 log = logging.getLogger("cp_cache")
 
@@ -72,10 +79,22 @@ class Segment:
 
 
 @dataclass(frozen=True)
+class VarlenCall:
+    """One TND kernel call of a step: its mask (the same for every segment: the op takes one
+    sparse_mode and one pre/next_tockens) and its segments, whose query rows never overlap."""
+
+    mask: StepMask
+    segments: tuple[Segment, ...]
+
+
+@dataclass(frozen=True)
 class VarlenStep:
     part: str  # one of engine.steps.PARTS
-    mask: StepMask  # the same for every segment of the step: "causal" (step 0) or "none"
-    segments: tuple[Segment, ...]
+    calls: tuple[VarlenCall, ...]  # none when the step has no work
+
+    @property
+    def segments(self) -> tuple[Segment, ...]:
+        return tuple(s for call in self.calls for s in call.segments)
 
 
 def _doc_pieces(cu: Sequence[int], rank: int, world_size: int, placement: str) -> dict[int, list[tuple[int, int, int]]]:
@@ -108,12 +127,51 @@ def _earlier_keys(doc: int, mine: list[tuple[int, int, int]], theirs: list[tuple
     return Segment(doc, q_start, q_len, kv_start, kv_len)
 
 
+def _band_calls(mine: dict, theirs: dict, pre: int, nxt: int) -> tuple[VarlenCall, ...]:
+    """The band inside each document both ranks hold: one segment per (query piece, key piece)
+    pair the band touches, with the band shifted by the pieces' global offsets (``band_task``),
+    or no mask where it covers the pair. Segments of equal masks share a call unless they share
+    query rows (a call's outputs merge row by row)."""
+    calls: list[tuple[StepMask, list[Segment], set[int]]] = []
+    for doc, pieces in mine.items():
+        for q_piece in pieces:
+            for kv_piece in theirs.get(doc, ()):
+                task = band_task(q_piece, kv_piece, pre, nxt)
+                if task is None:
+                    continue
+                segment = Segment(doc, *task.q_rows, *task.kv_rows)
+                call = next((c for c in calls if c[0] == task.mask and segment.q_start not in c[2]), None)
+                if call is None:
+                    call = (task.mask, [], set())
+                    calls.append(call)
+                call[1].append(segment)
+                call[2].add(segment.q_start)
+    return tuple(VarlenCall(mask, tuple(segments)) for mask, segments, _ in calls)
+
+
 def plan_varlen_step(cu: Sequence[int], rank: int, index: int, world_size: int, causal: bool,
-                     placement: str) -> VarlenStep:
-    """What step ``index`` on ``rank`` computes for each document (see the module docstring)."""
+                     placement: str, window: Optional[tuple[int, int]] = None,
+                     band_document: Optional[int] = None) -> VarlenStep:
+    """What step ``index`` on ``rank`` computes for each document (see the module docstring);
+    ``window``: (pre_tockens, next_tockens) of a band inside each document (``causal`` False), or
+    only inside document ``band_document``, the others causal (sparse_mode 7 / 8)."""
     source = (rank - index) % world_size
     mine = _doc_pieces(cu, rank, world_size, placement)
     theirs = mine if source == rank else _doc_pieces(cu, source, world_size, placement)
+    if window is None:
+        return _whole_documents_step(mine, theirs, rank, source, index, causal, placement)
+    banded = mine if band_document is None else {d: p for d, p in mine.items() if d == band_document}
+    calls = _band_calls(banded, theirs, *window)
+    if band_document is None:
+        return VarlenStep("band" if calls else "skip", calls)
+    others = _whole_documents_step({d: p for d, p in mine.items() if d != band_document}, theirs, rank, source,
+                                   index, True, placement)
+    return VarlenStep("band" if calls else others.part, others.calls + calls)
+
+
+def _whole_documents_step(mine: dict, theirs: dict, rank: int, source: int, index: int, causal: bool,
+                          placement: str) -> VarlenStep:
+    """Causal or full attention in every document of ``mine`` (one kernel call)."""
     if not causal:
         part, mask = "full", _FULL
     elif index == 0:
@@ -133,16 +191,32 @@ def plan_varlen_step(cu: Sequence[int], rank: int, index: int, world_size: int, 
             if segment is not None:
                 segments.append(segment)
     if not segments:
-        part = "skip"
-    return VarlenStep(part, mask, tuple(segments))
+        return VarlenStep("skip", ())
+    return VarlenStep(part, (VarlenCall(mask, tuple(segments)),))
+
+
+def _band_pairs(s: Segment, mask: StepMask) -> int:
+    """(query, key) pairs of a segment under the op's band, anchored at its bottom-right corner."""
+    d = s.kv_len - s.q_len
+    i = torch.arange(s.q_len, dtype=torch.int64)
+    first = (i - mask.pre_tockens + d).clamp(min=0)
+    last = (i + mask.next_tockens + d).clamp(max=s.kv_len - 1)
+    return int((last - first + 1).clamp(min=0).sum())
 
 
 def step_pairs(step: VarlenStep) -> int:
-    """(query, key) pairs the step's kernel call computes: its attention FLOPs are
+    """(query, key) pairs the step's kernel calls compute: its attention FLOPs are
     4 * pairs * N * D forward (QK^T and PV)."""
-    if step.mask.kind == "causal":
-        return sum(s.q_len * (s.q_len + 1) // 2 for s in step.segments)
-    return sum(s.q_len * s.kv_len for s in step.segments)
+    pairs = 0
+    for call in step.calls:
+        for s in call.segments:
+            if call.mask.kind == "causal":
+                pairs += s.q_len * (s.q_len + 1) // 2
+            elif call.mask.kind == "band":
+                pairs += _band_pairs(s, call.mask)
+            else:
+                pairs += s.q_len * s.kv_len
+    return pairs
 
 
 # ---------------------------------------------------------------- checks
@@ -190,12 +264,12 @@ def _cumulative(lengths: list[int]) -> Tensor:
 
 
 class _StepOperands:
-    """A step's gathered rows and its segments' cumulative ends (``q_rows``: the local queries,
-    ``kv_rows``: the K/V block's rows, the source rank's length: under the balanced placement
-    ranks hold different lengths)."""
+    """A kernel call's gathered rows and its segments' cumulative ends (``q_rows``: the local
+    queries, ``kv_rows``: the K/V block's rows, the source rank's length: under the balanced
+    placement ranks hold different lengths)."""
 
-    def __init__(self, step: VarlenStep, q_rows: int, kv_rows: int, device):
-        segs = step.segments
+    def __init__(self, call: VarlenCall, q_rows: int, kv_rows: int, device):
+        segs = call.segments
         self.q_index = _rows_index([(s.q_start, s.q_len) for s in segs], q_rows, device)
         self.kv_index = _rows_index([(s.kv_start, s.kv_len) for s in segs], kv_rows, device)
         self.q_lens = [s.q_len for s in segs]
@@ -241,7 +315,9 @@ def _add_rows(acc: Tensor, index: Optional[Tensor], value: Tensor) -> None:
 
 
 def _plan_step(plan: CallPlan, cu, index: int) -> VarlenStep:
-    return plan_varlen_step(cu, plan.rank, index, plan.world_size, plan.causal, plan.document_placement)
+    window = (plan.mask.pre_tockens, plan.mask.next_tockens) if plan.mask.window else None
+    return plan_varlen_step(cu, plan.rank, index, plan.world_size, plan.causal, plan.document_placement, window,
+                            plan.mask.band_document_index(len(cu)))
 
 
 def _ring_lengths(plan: CallPlan, cu) -> list[tuple[int, int]]:
@@ -263,7 +339,7 @@ def _check_records(steps: list[RingStep], plan: CallPlan, cu) -> list[VarlenStep
     check_steps(steps, plan.rank, plan.world_size, plan.world_size)
     planned = [_plan_step(plan, cu, i) for i in range(len(steps))]
     for st, step in zip(steps, planned):
-        check_step(st, plan.rank, step.part, 1 if step.segments else 0)
+        check_step(st, plan.rank, step.part, len(step.calls))
     return planned
 
 
@@ -307,10 +383,10 @@ class PackedDocuments:
         def compute(i: int, cur_k: Tensor, cur_v: Tensor) -> tuple[str, list]:
             step = _plan_step(plan, cu, i)
             rng = []
-            if step.segments:
-                ops = _StepOperands(step, rows, cur_k.size(0), q.device)
+            for call in step.calls:
+                ops = _StepOperands(call, rows, cur_k.size(0), q.device)
                 res = _segments_forward(kernel, _take(q, ops.q_index), _take(cur_k, ops.kv_index),
-                                        _take(cur_v, ops.kv_index), ops, step.mask, _kernel_args(plan))
+                                        _take(cur_v, ops.kv_index), ops, call.mask, _kernel_args(plan))
                 if res.seed is not None:
                     rng.append((res.seed, res.offset))
                 merge_into(acc_out, acc_lse, res.out, res.lse, L.TND, plan.head_num, fused=plan.fused_merge,
@@ -337,17 +413,17 @@ class PackedDocuments:
         dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
 
         def compute(i: int, cur_k: Tensor, cur_v: Tensor) -> list:
-            step = planned[i]
-            if not step.segments:
-                return []
-            ops = _StepOperands(step, rows, cur_k.size(0), q.device)
-            seed, offset = steps[i].rng[0] if steps[i].rng else (None, None)
-            qi = ops.q_index
-            grads = _segments_backward(
-                kernel, _take(q, qi), _take(cur_k, ops.kv_index), _take(cur_v, ops.kv_index), _take(dout, qi),
-                _take(out, qi), _take(lse, qi), ops, step.mask, seed, offset, _kernel_args(plan))
-            _add_rows(dq, qi, grads[0])
-            return [(ops.kv_index, grads[1], grads[2])]
+            partials = []
+            for c, call in enumerate(planned[i].calls):
+                ops = _StepOperands(call, rows, cur_k.size(0), q.device)
+                seed, offset = steps[i].rng[c] if steps[i].rng else (None, None)
+                qi = ops.q_index
+                grads = _segments_backward(
+                    kernel, _take(q, qi), _take(cur_k, ops.kv_index), _take(cur_v, ops.kv_index), _take(dout, qi),
+                    _take(out, qi), _take(lse, qi), ops, call.mask, seed, offset, _kernel_args(plan))
+                _add_rows(dq, qi, grads[0])
+                partials.append((ops.kv_index, grads[1], grads[2]))
+            return partials
 
         dk, dv, traffic, compute_s, wait_s, _ = backward_ring(k, v, L.seq_dim(L.TND), size - 1, compute, _add_rows,
                                                               _ready(plan, cu, agreement), group=group, rank=rank,

@@ -92,13 +92,13 @@ def _check_layout(input_layout: str) -> None:
         )
 
 
-def _check_sparse_mode(sparse_mode: int) -> None:
+def _check_sparse_mode(sparse_mode: int, supported: Sequence[int] = (0, 1, 2, 3, 4)) -> None:
     if sparse_mode < 0 or sparse_mode > 8:
         raise ValueError(f"npu_fusion_attention: unknown sparse_mode={sparse_mode}; expected 0..8")
-    if sparse_mode >= 5:
+    if sparse_mode not in supported:
         raise NotImplementedError(
             f"npu emulator: sparse_mode={sparse_mode} (prefix/varlen modes) is not supported; "
-            "supported: 0, 1, 2, 3, 4"
+            f"supported: {', '.join(map(str, supported))}"
         )
 
 

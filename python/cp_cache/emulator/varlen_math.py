@@ -4,10 +4,12 @@ q ``[T, Nq, D]``, k ``[Tkv, Nkv, D]``, v ``[Tkv, Nkv, Dv]`` (Dv may differ from 
 output is ``[T, Nq, Dv]``); ``actual_seq_qlen`` / ``actual_seq_kvlen`` are the
 cumulative end offsets of the segments (a 1-D int64 tensor in v3, a list in v1), the same
 count for both, non-decreasing, the last equal to T (resp. Tkv). Query segment i attends
-only to key segment i; inside a segment the sparse mode applies as in the 4-D layouts
-(0/1 without a mask: full; 2: left-up causal; 3: right-down causal; 4: band), anchored at
-the segment's own first row and column. Rows of an empty key segment see no key
-(out 0, LSE -inf).
+only to key segment i; inside a segment the sparse mode applies as in the 4-D layouts, in
+the segment's own rows and columns (0/1 without a mask: full; 2: left-up causal; 3:
+right-down causal; 4: band, anchored at the segment's bottom-right corner; 7 / 8, the op's
+"varlen external split" modes: the last / first segment with queries takes the band, the
+others right-down / left-up causal). Rows of an empty key segment see no key (out 0, LSE
+-inf).
 
 The math runs segment by segment (``attention_math`` as for BNSD with B = 1 on each
 segment's rows), so the work is the segments' own blocks, as on the NPU, and dropout, GQA
@@ -30,7 +32,10 @@ from . import attention_math as M
 __all__ = ["LAYOUT", "TndDims", "check_tnd_call", "tnd_forward", "tnd_backward", "segment_lengths"]
 
 LAYOUT = L.TND
-_TND_MODES = (0, 1, 2, 3, 4)
+_TND_MODES = (0, 1, 2, 3, 4, 7, 8)
+# sparse_mode 7 / 8 (the op's "varlen external split" modes): one segment takes the band of
+# pre/next_tockens (mode 4), the others causal: (the band's segment, the others' mode)
+_SPLIT_MODES = {7: ("last", 3), 8: ("first", 2)}
 
 
 class TndDims(M._Dims):
@@ -99,9 +104,7 @@ def _check_tnd_shapes(query, key, value, head_num) -> tuple[int, int, int, int, 
 
 
 def _check_tnd_mask(atten_mask, sparse_mode) -> None:
-    M._check_sparse_mode(sparse_mode)
-    if sparse_mode not in _TND_MODES:
-        raise NotImplementedError(f"npu emulator: sparse_mode={sparse_mode} with input_layout='TND'")
+    M._check_sparse_mode(sparse_mode, _TND_MODES)
     if sparse_mode in (0, 1) and atten_mask is not None:
         raise NotImplementedError(
             f"npu emulator: input_layout='TND' with sparse_mode={sparse_mode} and an explicit atten_mask "
@@ -150,9 +153,18 @@ def _segments(d: TndDims):
         q0, k0 = q1, k1
 
 
-def _segment_mask(atten_mask, sparse_mode: int):
-    # modes 0/1 come without a mask here (check_tnd_call): full attention in the segment
-    return (atten_mask, sparse_mode) if sparse_mode in (2, 3, 4) else (None, 1)
+def _segment_modes(d: TndDims, atten_mask, sparse_mode: int) -> dict[int, tuple]:
+    """{segment index: (its mask, its sparse mode)} for the segments with queries. Modes 0/1 come
+    without a mask here (check_tnd_call): full attention in the segment. Modes 7 and 8: the last
+    (7) or first (8) segment with queries takes the band (sparse_mode 4), the others right-down
+    (7) or left-up (8) causal."""
+    with_queries = [i for i, _, _, _ in _segments(d)]
+    if sparse_mode not in _SPLIT_MODES:
+        mode = (atten_mask, sparse_mode) if sparse_mode in (2, 3, 4) else (None, 1)
+        return dict.fromkeys(with_queries, mode)
+    which, others = _SPLIT_MODES[sparse_mode]
+    band = with_queries[-1 if which == "last" else 0] if with_queries else None
+    return {i: (atten_mask, 4 if i == band else others) for i in with_queries}
 
 
 def _bnsd(x: Tensor) -> Tensor:
@@ -177,10 +189,11 @@ def tnd_forward(query, key, value, d: TndDims, atten_mask, scale, keep_prob, pre
     if sink is not None:
         smax[:] = sink.to(sdt).view(1, -1, 1)
         ssum.fill_(1.0)
-    mask, mode = _segment_mask(atten_mask, sparse_mode)
+    modes = _segment_modes(d, atten_mask, sparse_mode)
     for i, qs, ks, seg in _segments(d):
         if seg.Skv == 0:
             continue
+        mask, mode = modes[i]
         o, m, l = M.forward_math(_bnsd(query[qs]), _bnsd(key[ks]), _bnsd(value[ks]), seg, "BNSD", mask, scale,
                                  keep_prob, pre_tockens, next_tockens, mode, seed, offset + i, sink)
         out[qs], smax[qs], ssum[qs] = _tnd(o), _tnd(m), _tnd(l)
@@ -193,10 +206,11 @@ def tnd_backward(query, key, value, dy, d: TndDims, atten_mask, softmax_max, sof
     sink; rows of an empty key segment have out 0, so add nothing to it)."""
     dq, dk, dv = (torch.zeros_like(t, memory_format=torch.contiguous_format) for t in (query, key, value))
     dsink = None if sink is None else torch.zeros_like(sink)
-    mask, mode = _segment_mask(atten_mask, sparse_mode)
+    modes = _segment_modes(d, atten_mask, sparse_mode)
     for i, qs, ks, seg in _segments(d):
         if seg.Skv == 0:
             continue
+        mask, mode = modes[i]
         stats = [None if s is None else _bnsd(s[qs]) for s in (softmax_max, softmax_sum)]
         given_out = None if attention_in is None else _bnsd(attention_in[qs])
         g = M.backward_math(_bnsd(query[qs]), _bnsd(key[ks]), _bnsd(value[ks]), _bnsd(dy[qs]), seg, "BNSD", mask,

@@ -26,7 +26,8 @@ no others. The mask decides, on global positions:
   blocks wholly before, on or after the diagonal, head-tail chunks included);
 * band (``pre_tockens`` / ``next_tockens``): the keys within the band of some query;
 * packed documents: the keys of the documents the rank's queries are in (causal: up to the
-  rank's last query of that document);
+  rank's last query of that document; band: within the band of one of its queries of that
+  document);
 * a given mask: the columns with an unmasked entry in the rank's rows (``given_columns`` reads
   them once per call, and the ranks share them over the CPU side group: each rank holds only
   its own rows).
@@ -53,7 +54,7 @@ from ..placement import sequence_pieces
 from ..plan import CallPlan, MaskSpec
 from .transport import side_group
 
-__all__ = ["BlockTask", "step_part", "plan_step", "hops_needed", "chunks", "given_columns", "PARTS", "needed_keys",
+__all__ = ["BlockTask", "band_task", "step_part", "plan_step", "hops_needed", "chunks", "given_columns", "PARTS", "needed_keys",
            "rank_positions", "StageRows", "ExchangePlan", "exchange_plan"]
 
 PARTS = ("causal", "full", "q_tail", "kv_head", "band", "masked", "skip")
@@ -103,8 +104,9 @@ def _shift(tockens: int, by: int) -> int:
     return INT_MAX if tockens >= INT_MAX else min(tockens + by, INT_MAX)
 
 
-def _band_task(q_chunk, kv_chunk, pre: int, nxt: int) -> Optional[BlockTask]:
-    """The band's part of one (query chunk, key chunk) pair, or None when it misses it."""
+def band_task(q_chunk, kv_chunk, pre: int, nxt: int) -> Optional[BlockTask]:
+    """The band's part of one (query chunk, key chunk) pair, each (local start, global start,
+    length), or None when it misses it."""
     (q_local, q_global, lq), (k_local, k_global, lk) = q_chunk, kv_chunk
     delta = q_global - k_global
     # in block coordinates, query i' sees key j' iff -(pre - delta) <= j' - i' <= next + delta
@@ -178,7 +180,7 @@ def _planned_step(rank: int, index: int, world_size: int, load_balance: bool, sp
             if spec.given:
                 task = _given_task(mask_rows, q_chunk, kv_chunk, spec)
             else:
-                task = _band_task(q_chunk, kv_chunk, spec.pre_tockens, spec.next_tockens)
+                task = band_task(q_chunk, kv_chunk, spec.pre_tockens, spec.next_tockens)
             if task is not None:
                 tasks.append(task)
     if not tasks:
@@ -214,22 +216,35 @@ def needed_keys(spec: MaskSpec, q_pos: Tensor, k_pos: Tensor, documents: tuple =
     if spec.causal:
         return k_pos <= q_pos.max()
     if spec.window:
-        q_sorted = q_pos.sort().values
         # some query i with k - next <= i <= k + pre
-        first = torch.searchsorted(q_sorted, k_pos - spec.next_tockens)
-        past = torch.searchsorted(q_sorted, k_pos + spec.pre_tockens, right=True)
-        return past > first
+        return _some_query_within(q_pos, k_pos - spec.next_tockens, k_pos + spec.pre_tockens)
     return torch.ones(k_pos.numel(), dtype=torch.bool)
+
+
+def _some_query_within(q_pos: Tensor, low: Tensor, high: Tensor) -> Tensor:
+    """bool per entry: whether some position of ``q_pos`` lies in [low, high]."""
+    q_sorted = q_pos.sort().values
+    return torch.searchsorted(q_sorted, high, right=True) > torch.searchsorted(q_sorted, low)
 
 
 def _document_need(spec: MaskSpec, q_pos: Tensor, k_pos: Tensor, documents: tuple) -> Tensor:
     ends = torch.tensor(documents, dtype=torch.int64)
-    q_doc = torch.searchsorted(ends, q_pos, right=True)
     k_doc = torch.searchsorted(ends, k_pos, right=True)
+    q_doc = torch.searchsorted(ends, q_pos, right=True)
     # the last query position of each document on this rank (-1: none)
     last = torch.full((len(documents),), -1, dtype=torch.int64).scatter_reduce(0, q_doc, q_pos, "amax")
     reach = last[k_doc]
-    return (reach >= k_pos) if spec.causal else (reach >= 0)
+    if not spec.window:
+        return (reach >= k_pos) if spec.causal else (reach >= 0)
+    # the band inside the key's document: its queries from k - next to k + pre
+    starts = torch.cat([ends.new_zeros(1), ends[:-1]])
+    low = torch.maximum(k_pos - spec.next_tockens, starts[k_doc])
+    high = torch.minimum(k_pos + spec.pre_tockens, ends[k_doc] - 1)
+    banded = _some_query_within(q_pos, low, high)
+    band_document = spec.band_document_index(len(documents))
+    if band_document is None:
+        return banded
+    return torch.where(k_doc == band_document, banded, reach >= k_pos)  # sparse_mode 7 / 8: the others causal
 
 
 def rank_positions(plan: CallPlan, lengths: list) -> list[tuple[Tensor, Tensor]]:

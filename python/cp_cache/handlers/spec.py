@@ -178,8 +178,11 @@ def _read_packed(a: dict[str, Any], cp: CPConfig, scale: float, backward: bool) 
     plan = CallPlan(world_size=sharding.size, rank=sharding.rank, layout=L.TND, head_num=int(a["head_num"]),
                     scale=scale, keep_prob=float(a["keep_prob"]), mask=spec, load_balance=load_balance,
                     algorithm=algorithm, cp_sizes=tuple(sharding.cp_sizes), documents=documents,
-                    placement=document_placement(cp.documents, load_balance), sink=sink is not None,
-                    **_execution(cp))
+                    placement=document_placement(cp.documents, load_balance), capacity=cp.document_capacity,
+                    sink=sink is not None, **_execution(cp))
+    if plan.capacity is not None and algorithm != "ring":
+        raise NotImplementedError(f"cp_cache document_capacity={plan.capacity} runs on the packed-documents ring; "
+                                  f"algorithm={algorithm!r} takes packed documents without a capacity yet")
     # on global lengths, the same on every rank: every rank refuses together
     check_packed_tokens(plan, a["query"].size(0))
     return CallSpec(a, plan, sharding, None, lengths, sink)
@@ -438,10 +441,13 @@ def whole_mask(mask: Any, query: DTensor, layout: str):
 _PACKED_UNSUPPORTED_WHEN_SET = ("pse", "padding_mask", "prefix")
 _TND_PLACEMENT = (Shard(0),)
 _LENGTHS = ("actual_seq_qlen", "actual_seq_kvlen")
+_SPLIT_MODES = {SparseMode.RIGHT_DOWN_CAUSAL_BAND: "last", SparseMode.BAND_LEFT_UP_CAUSAL: "first"}
 
 
 def packed_mask(a: dict[str, Any]) -> MaskSpec:
-    """Causal per document or full; anything else unsupported raises naming it."""
+    """Causal per document, a band inside each document (sparse_mode 4) or inside the last /
+    first document with the others causal (7 / 8: the op's varlen external-split modes), or
+    full; anything else unsupported raises naming it."""
     for name in _PACKED_UNSUPPORTED_WHEN_SET:
         if a[name] is not None:
             raise NotImplementedError(f"cp_cache ring attention does not support {name}={describe(a[name])} yet")
@@ -453,11 +459,18 @@ def packed_mask(a: dict[str, Any]) -> MaskSpec:
         return MaskSpec()  # the op computes full attention (per document) whatever sparse_mode says
     if mode in CAUSAL_MODES and is_compressed_mask(mask):
         return MaskSpec(causal=True)
+    if mode == SparseMode.BAND and is_compressed_mask(mask):
+        return MaskSpec(window=True, pre_tockens=int(a["pre_tockens"]), next_tockens=int(a["next_tockens"]))
+    if mode in _SPLIT_MODES and is_compressed_mask(mask):  # the band in one document, the others causal
+        return MaskSpec(window=True, pre_tockens=int(a["pre_tockens"]), next_tockens=int(a["next_tockens"]),
+                        band_document=_SPLIT_MODES[mode])
     raise NotImplementedError(
-        f"cp_cache ring attention with input_layout='TND' supports full attention (no atten_mask) and causal "
+        f"cp_cache ring attention with input_layout='TND' supports full attention (no atten_mask), causal "
         f"attention per document (sparse_mode {int(SparseMode.LEFT_UP_CAUSAL)} or "
-        f"{int(SparseMode.RIGHT_DOWN_CAUSAL)} with the compressed 2048x2048 mask), not sparse_mode={mode} with "
-        f"atten_mask={describe(mask)}")
+        f"{int(SparseMode.RIGHT_DOWN_CAUSAL)}) and a band inside each document (sparse_mode "
+        f"{int(SparseMode.BAND)} with pre_tockens/next_tockens; 7 / 8: inside the last / first document, the "
+        f"others causal), each with the compressed 2048x2048 mask; not sparse_mode={mode} with "
+        f"atten_mask={describe(mask)} (explicit masks are not taken with packed documents)")
 
 
 def packed_documents(a: dict[str, Any]) -> tuple[tuple[int, ...], tuple[Optional[Tensor], Optional[Tensor]]]:

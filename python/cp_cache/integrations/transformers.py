@@ -28,9 +28,9 @@ import torch
 from torch import Tensor
 
 from .. import layout as L
-from ..dispatch import active_mesh, in_cp_region
+from ..dispatch import active_documents, active_mesh, in_cp_region
 from ..engine.agreement import CHECK_ERRORS, agree_on_refusal
-from ..documents import sequence_positions
+from ..documents import document_positions, sequence_positions
 from ..npu_ops import SparseMode, band_arguments, causal_arguments, describe
 
 __all__ = ["NAME", "register", "attention_forward", "mask_hook"]
@@ -81,6 +81,8 @@ class _Sharding:
     held: Optional[Tensor]  # the global positions of the local tokens (CPU int64); None: KV cache
     seq: int  # the global sequence length
     load_balance: bool
+    documents: Optional[tuple[int, ...]] = None  # the region's documents its buffers were laid out by (ends)
+    placement: Optional[str] = None  # and their placement
 
     @property
     def contiguous(self) -> bool:
@@ -105,6 +107,10 @@ def attention_forward(module: torch.nn.Module, query: Tensor, key: Tensor, value
         causal = _causal(module, kwargs)
         mask = _Mask(causal=causal, window=_window(sliding_window, causal),
                      documents=_CHECKED.documents(kwargs, sharding))
+        if sharding.documents is not None and mask.documents is None:
+            raise ValueError(f"cp_cache attention: the CP region laid its buffers out by documents="
+                             f"{list(sharding.documents)}, but the call has no cu_seq_lens_q/k (pass the packed "
+                             "batch's cu_seq_lens_q and cu_seq_lens_k to the model)")
         if mask.documents is not None and query.size(0) != 1:
             raise NotImplementedError(f"cp_cache attention: packed documents (cu_seq_lens_q/k) need batch size 1 "
                                       f"(the documents flattened into one row), got query {describe(query)}")
@@ -114,7 +120,7 @@ def attention_forward(module: torch.nn.Module, query: Tensor, key: Tensor, value
         if mesh is not None and mesh.ndim == 1:  # a refusal on one rank is raised on every rank, not left waiting
             agree_on_refusal("forward", [mesh.get_group()], error)
         raise
-    if mask.documents is not None and mask.window is None and s_aux is None and sharding.contiguous:
+    if mask.documents is not None and (sharding.documents is not None or sharding.contiguous):
         out = _packed_call(query, key, value, mask, sharding, options)
     else:
         out = _dense_call(query, key, value, mask, sharding, options)
@@ -181,6 +187,15 @@ def _sharding(mesh, query: Tensor, key: Tensor) -> _Sharding:
         raise NotImplementedError(f"cp_cache attention under CP: query length {s_q} != key length {s_kv} "
                                   "(a KV cache, or cross-attention) is not supported")
     world, rank, load_balance = mesh.size(), mesh.get_local_rank(), L.load_balance_enabled()
+    region = active_documents()
+    if region is not None:  # the buffers were laid out by cp_cache's document placement
+        documents, placement = region
+        held = document_positions(documents, rank, world, placement)
+        if s_q != held.numel():
+            raise ValueError(f"cp_cache attention: the local sequence has {s_q} tokens, but the region's documents="
+                             f"{list(documents)} under placement {placement!r} give rank {rank} {held.numel()}: "
+                             "pass the batch's input_ids, position_ids and labels as the region's buffers")
+        return _Sharding(mesh, held, documents[-1], load_balance, documents, placement)
     return _Sharding(mesh, sequence_positions(rank, world, s_q, load_balance), s_q * world, load_balance)
 
 
@@ -200,7 +215,12 @@ class _Checked:
 
     def documents(self, kwargs: dict, sharding: _Sharding) -> Optional[tuple[int, ...]]:
         given = (kwargs.get("position_ids"), kwargs.get("cu_seq_lens_q"), kwargs.get("cu_seq_lens_k"))
-        key = (tuple(_identity(t) for t in given), sharding.seq,
+        if torch.compiler.is_compiling():  # no cache (its key would pin the lengths) and no host read of positions
+            documents = _read_documents(given[1], given[2], sharding)
+            if given[0] is not None and sharding.held is not None:
+                _assert_positions(given[0], sharding, documents)
+            return documents
+        key = (tuple(_identity(t) for t in given), sharding.seq, sharding.documents, sharding.placement,
                None if sharding.held is None else tuple(sharding.held[:1].tolist() + [len(sharding.held)]),
                sharding.load_balance, None if sharding.mesh is None else sharding.mesh.get_local_rank())
         if key == self._key and all(ref() is t for ref, t in zip(self._refs, given) if isinstance(t, Tensor)):
@@ -232,6 +252,10 @@ def _read_documents(cu_q: Any, cu_k: Any, sharding: _Sharding) -> Optional[tuple
     if sharding.held is None:
         raise NotImplementedError("cp_cache attention: packed documents (cu_seq_lens_q/k) with a query shorter "
                                   "than the keys (a KV cache) are not supported")
+    if sharding.documents is not None and tuple(q[1:]) != sharding.documents:
+        raise ValueError(f"cp_cache attention: cu_seq_lens_q={q} are not the documents the CP region laid its "
+                         f"buffers out by (documents={list(sharding.documents)}); pass the batch's cu_seq_lens_q "
+                         "to cp_cache.context_parallel(..., documents=...)")
     if len(q) < 2 or q[0] != 0 or q[-1] != sharding.seq or any(b <= a for a, b in zip(q, q[1:])):
         raise ValueError(f"cp_cache attention: cu_seq_lens_q={q} must be the cumulative document lengths of the "
                          f"whole sequence: 0 first, strictly increasing, the last = {sharding.seq} (the global "
@@ -239,10 +263,17 @@ def _read_documents(cu_q: Any, cu_k: Any, sharding: _Sharding) -> Optional[tuple
     return tuple(q)
 
 
-def _check_positions(position_ids: Tensor, sharding: _Sharding, documents: Optional[tuple[int, ...]]) -> None:
-    """The model's RoPE reads ``position_ids``; the mask here follows the tokens' places in the
-    sequence (and the documents): the two must agree, else a packed batch without its
-    cu_seq_lens (or an unsharded position_ids under CP) would silently get another mask."""
+_POSITIONS_HINT = ("Under cp_cache.context_parallel pass position_ids among its buffers (sharded with input_ids); "
+                   "packed documents (position_ids restarting at 0) need cu_seq_lens_q/k "
+                   "(DataCollatorWithFlattening(return_flash_attn_kwargs=True))")
+
+
+def _positions_against(position_ids: Tensor, sharding: _Sharding,
+                       documents: Optional[tuple[int, ...]]) -> tuple[Tensor, Tensor]:
+    """(the given position ids [B, S] int64, the expected ones [S]): the model's RoPE reads
+    ``position_ids``; the mask here follows the tokens' places in the sequence (and the
+    documents): the two must agree, else a packed batch without its cu_seq_lens (or an
+    unsharded position_ids under CP) would silently get another mask."""
     held = sharding.held
     expected = held
     if documents is not None:
@@ -253,16 +284,27 @@ def _check_positions(position_ids: Tensor, sharding: _Sharding, documents: Optio
     if got.dim() != 2 or got.size(-1) != held.numel():
         raise ValueError(f"cp_cache attention: position_ids={describe(position_ids)} must be [B, S] over the "
                          f"{held.numel()} local tokens")
+    return got, expected
+
+
+def _check_positions(position_ids: Tensor, sharding: _Sharding, documents: Optional[tuple[int, ...]]) -> None:
+    got, expected = _positions_against(position_ids, sharding, documents)
     wrong = (got != expected).any(0).nonzero().flatten()
     if wrong.numel():
         at = int(wrong[0])
         raise ValueError(
             f"cp_cache attention: position_ids={describe(position_ids)} are not the positions of the tokens in "
-            f"their {'documents' if documents else 'sequence'}: local token {at} (global position {int(held[at])}) "
-            f"has position id {got[:, at].tolist()}, expected {int(expected[at])}. Under "
-            "cp_cache.context_parallel pass position_ids among its buffers "
-            "(sharded with input_ids); packed documents (position_ids restarting at 0) need cu_seq_lens_q/k "
-            "(DataCollatorWithFlattening(return_flash_attn_kwargs=True))")
+            f"their {'documents' if documents else 'sequence'}: local token {at} (global position "
+            f"{int(sharding.held[at])}) has position id {got[:, at].tolist()}, expected {int(expected[at])}. "
+            + _POSITIONS_HINT)
+
+
+def _assert_positions(position_ids: Tensor, sharding: _Sharding, documents: Optional[tuple[int, ...]]) -> None:
+    """``_check_positions`` inside a compiled graph: the comparison is an assertion in the graph
+    (no host read while tracing; it fails when the graph runs)."""
+    got, expected = _positions_against(position_ids, sharding, documents)
+    torch._assert_async((got == expected).all(), "cp_cache attention: position_ids are not the positions of the "
+                        "tokens in their sequence or documents. " + _POSITIONS_HINT)
 
 
 _CHECKED = _Checked()
@@ -309,10 +351,12 @@ def _dense_call(query: Tensor, key: Tensor, value: Tensor, mask: _Mask, sharding
 
 def _packed_call(query: Tensor, key: Tensor, value: Tensor, mask: _Mask, sharding: _Sharding,
                  options: dict) -> Tensor:
-    """Packed documents on contiguous shards: the op's packed layout ``[T, N, D]`` with the
-    documents' cumulative ends (what the buffers hold: contiguous slices of the sequence)."""
+    """Packed documents in the op's packed layout ``[T, N, D]`` with the documents' cumulative
+    ends, on buffers laid out by the region's documents or on contiguous slices of the
+    sequence: the causal rule, a window as the band inside each document, sinks as the op's
+    ``sink``."""
     ends = torch.tensor(mask.documents[1:], dtype=torch.int64)
-    mask_args = _band(_Mask(mask.causal, None, None), query.device)
+    mask_args = _band(_Mask(mask.causal, mask.window, None), query.device)
     q, k, v = (_sharded(t[0].transpose(0, 1).contiguous(), sharding, 0) for t in (query, key, value))
     out = _op()(q, k, v, query.size(1), L.TND, **mask_args, actual_seq_qlen=ends, actual_seq_kvlen=ends,
                 **_given(options))[0]
@@ -328,7 +372,21 @@ def _sharded(t: Tensor, sharding: _Sharding, seq_dim: int) -> Tensor:
         return t
     from torch.distributed.tensor import DTensor, Shard
 
-    return DTensor.from_local(t, sharding.mesh, [Shard(seq_dim)], run_check=False)
+    if sharding.documents is None:  # even shards
+        return DTensor.from_local(t, sharding.mesh, [Shard(seq_dim)], run_check=False)
+    shape = list(t.shape)
+    shape[seq_dim] = sharding.seq
+    stride = _contiguous_strides(shape)
+    return DTensor.from_local(t, sharding.mesh, [Shard(seq_dim)], run_check=False, shape=torch.Size(shape),
+                              stride=stride)
+
+
+def _contiguous_strides(shape: list) -> tuple[int, ...]:
+    strides, step = [], 1
+    for size in reversed(shape):
+        strides.append(step)
+        step *= size
+    return tuple(reversed(strides))
 
 
 def _local(t: Tensor) -> Tensor:
