@@ -558,12 +558,13 @@ class PackedCase:
     nq: int = 4
     nkv: int = 4
     mesh: tuple = (0,)  # sizes; 0 = the world size
+    band: tuple = ()  # (pre_tockens, next_tockens): a band inside each document (sparse_mode 4)
 
     @property
     def name(self) -> str:
         mesh = "x".join(str(s or "W") for s in self.mesh)
-        return (f"tnd-{self.algorithm}-{mesh}-{self.placement}-{'causal' if self.causal else 'full'}-"
-                f"q{self.nq}kv{self.nkv}")
+        mask = f"band{self.band[0]}x{self.band[1]}" if self.band else "causal" if self.causal else "full"
+        return f"tnd-{self.algorithm}-{mesh}-{self.placement}-{mask}-q{self.nq}kv{self.nkv}"
 
     @property
     def cu(self) -> list[int]:
@@ -582,12 +583,17 @@ class PackedCase:
 
 def _packed_matrix(world: int) -> list[PackedCase]:
     """Every placement, causal and full, with GQA (K/V heads repeated where Nkv < W): Ulysses at
-    W = 2 and 4, hybrid on the 2 x 2 mesh; "auto" on both meshes."""
+    W = 2 and 4, hybrid on the 2 x 2 mesh; bands inside the documents (a causal window of 12,
+    5 back and 3 ahead); "auto" on both meshes."""
     placements = ("balanced", "head_tail", "contiguous")
     out = [PackedCase("ulysses", p, causal, nkv=2 if causal else 4) for p in placements for causal in (True, False)]
+    out += [PackedCase("ulysses", "balanced", False, band=(5, 3)),
+            PackedCase("ulysses", "head_tail", False, band=(11, 0))]
     if world == 4:
         out += [PackedCase("hybrid", p, causal, nkv=2 if causal else 4, mesh=(2, 2))
                 for p in placements for causal in (True, False)]
+        out += [PackedCase("hybrid", "balanced", False, nkv=2, mesh=(2, 2), band=(5, 3)),
+                PackedCase("hybrid", "contiguous", False, mesh=(2, 2), band=(11, 0))]
         out.append(PackedCase("auto", "balanced", True, mesh=(2, 2)))
     else:
         out.append(PackedCase("auto", "balanced", True))
@@ -618,6 +624,9 @@ def _packed_kwargs(case: PackedCase, cu) -> dict:
     kw = dict(scale=8 ** -0.5, actual_seq_qlen=torch.tensor(cu), actual_seq_kvlen=torch.tensor(cu))
     if case.causal:
         kw.update(atten_mask=torch.ones(MASK, MASK, dtype=torch.bool).triu(1), sparse_mode=3, next_tockens=0)
+    elif case.band:
+        kw.update(atten_mask=torch.ones(MASK, MASK, dtype=torch.bool).triu(1), sparse_mode=4, pre_tockens=case.band[0],
+                  next_tockens=case.band[1])
     return kw
 
 
@@ -650,9 +659,10 @@ def _run_packed(case: PackedCase, rank: int, world: int) -> dict:
     got = {n: cp_cache.unshard_documents(t.to_local(), cu, mesh).double() for n, t in got.items()}
     lse = (out[1].to_local()[..., 0].double() + out[2].to_local()[..., 0].double().log()).contiguous()
     got["lse"] = cp_cache.unshard_documents(lse, cu, mesh)
-    mode = "left_up" if case.causal else "full"
-    ref = dense_tnd_attention(*full, cu, cu, mode)
-    low = dense_tnd_attention(*full, cu, cu, mode, dtype=torch.float32)  # the bounds' reference error
+    mode = "band" if case.band else "left_up" if case.causal else "full"
+    band = dict(pre_tockens=case.band[0], next_tockens=case.band[1]) if case.band else {}
+    ref = dense_tnd_attention(*full, cu, cu, mode, **band)
+    low = dense_tnd_attention(*full, cu, cu, mode, dtype=torch.float32, **band)  # the bounds' reference error
     res["errors"] = {n: (rel_err(got[n], ref[n]), rel_err(low[n].double(), ref[n])) for n in ("out", "dq", "dk", "dv")}
     res["errors"]["lse"] = (float((got["lse"] - ref["lse"]).abs().max()),
                             float((low["lse"].double() - ref["lse"]).abs().max()))
