@@ -559,11 +559,14 @@ class PackedCase:
     nkv: int = 4
     mesh: tuple = (0,)  # sizes; 0 = the world size
     band: tuple = ()  # (pre_tockens, next_tockens): a band inside each document (sparse_mode 4)
+    band_mode: int = 4  # 7 / 8: the band in the last / first document only, the others causal
 
     @property
     def name(self) -> str:
         mesh = "x".join(str(s or "W") for s in self.mesh)
-        mask = f"band{self.band[0]}x{self.band[1]}" if self.band else "causal" if self.causal else "full"
+        mask = "causal" if self.causal else "full"
+        if self.band:
+            mask = f"band{self.band[0]}x{self.band[1]}m{self.band_mode}"
         return f"tnd-{self.algorithm}-{mesh}-{self.placement}-{mask}-q{self.nq}kv{self.nkv}"
 
     @property
@@ -588,12 +591,14 @@ def _packed_matrix(world: int) -> list[PackedCase]:
     placements = ("balanced", "head_tail", "contiguous")
     out = [PackedCase("ulysses", p, causal, nkv=2 if causal else 4) for p in placements for causal in (True, False)]
     out += [PackedCase("ulysses", "balanced", False, band=(5, 3)),
-            PackedCase("ulysses", "head_tail", False, band=(11, 0))]
+            PackedCase("ulysses", "head_tail", False, band=(11, 0)),
+            PackedCase("ulysses", "balanced", False, band=(5, 3), band_mode=7)]
     if world == 4:
         out += [PackedCase("hybrid", p, causal, nkv=2 if causal else 4, mesh=(2, 2))
                 for p in placements for causal in (True, False)]
         out += [PackedCase("hybrid", "balanced", False, nkv=2, mesh=(2, 2), band=(5, 3)),
-                PackedCase("hybrid", "contiguous", False, mesh=(2, 2), band=(11, 0))]
+                PackedCase("hybrid", "contiguous", False, mesh=(2, 2), band=(11, 0)),
+                PackedCase("hybrid", "balanced", False, mesh=(2, 2), band=(5, 3), band_mode=8)]
         out.append(PackedCase("auto", "balanced", True, mesh=(2, 2)))
     else:
         out.append(PackedCase("auto", "balanced", True))
@@ -625,8 +630,8 @@ def _packed_kwargs(case: PackedCase, cu) -> dict:
     if case.causal:
         kw.update(atten_mask=torch.ones(MASK, MASK, dtype=torch.bool).triu(1), sparse_mode=3, next_tockens=0)
     elif case.band:
-        kw.update(atten_mask=torch.ones(MASK, MASK, dtype=torch.bool).triu(1), sparse_mode=4, pre_tockens=case.band[0],
-                  next_tockens=case.band[1])
+        kw.update(atten_mask=torch.ones(MASK, MASK, dtype=torch.bool).triu(1), sparse_mode=case.band_mode,
+                  pre_tockens=case.band[0], next_tockens=case.band[1])
     return kw
 
 
@@ -637,7 +642,7 @@ def _packed_call(case: PackedCase, mesh, full, local, cu):
 
 
 def _run_packed(case: PackedCase, rank: int, world: int) -> dict:
-    from cp_cache.testing.varlen_reference import dense_tnd_attention
+    from cp_cache.testing.varlen_reference import band_modes, dense_tnd_attention
 
     _set_lb(case.placement != "contiguous")
     documents = "balanced" if case.placement == "contiguous" else case.placement  # contiguous: load balancing off
@@ -659,7 +664,7 @@ def _run_packed(case: PackedCase, rank: int, world: int) -> dict:
     got = {n: cp_cache.unshard_documents(t.to_local(), cu, mesh).double() for n, t in got.items()}
     lse = (out[1].to_local()[..., 0].double() + out[2].to_local()[..., 0].double().log()).contiguous()
     got["lse"] = cp_cache.unshard_documents(lse, cu, mesh)
-    mode = "band" if case.band else "left_up" if case.causal else "full"
+    mode = band_modes(len(cu), case.band_mode) if case.band else "left_up" if case.causal else "full"
     band = dict(pre_tockens=case.band[0], next_tockens=case.band[1]) if case.band else {}
     ref = dense_tnd_attention(*full, cu, cu, mode, **band)
     low = dense_tnd_attention(*full, cu, cu, mode, dtype=torch.float32, **band)  # the bounds' reference error
