@@ -692,6 +692,12 @@ def _packed_rejections(rank: int, world: int) -> dict:
         full = _packed_inputs(case)
         local = [cp_cache.shard_documents(t, case.cu, mesh).float() for t in full]
         got[name] = capture(lambda: _packed_call(case, mesh, full, local, case.cu))
+    case = PackedCase("ulysses", "balanced", True)  # a document capacity runs on the ring only
+    cp_cache.enable(algorithm="ulysses", document_capacity=72)
+    mesh = _mesh_of(case.sizes(world))
+    full = _packed_inputs(case)
+    local = [cp_cache.shard_documents(t, case.cu, mesh).float() for t in full]
+    got["capacity"] = capture(lambda: _packed_call(case, mesh, full, local, case.cu))
     if world == 4:
         case = PackedCase("ring", "balanced", True, mesh=(2, 2))
         cp_cache.enable(algorithm="ring")
@@ -929,6 +935,9 @@ def test_packed_documents_refusals_name_the_values(world):
         assert kind == "ValueError" and f"N=3, Nkv=3, W={world}" in message, message
         kind, message = e["hybrid_one_dim"]
         assert kind == "NotImplementedError" and "algorithm='hybrid' runs over 2" in message, message
+        kind, message = e["capacity"]
+        assert kind == "NotImplementedError" and "document_capacity=72" in message, message
+        assert "algorithm='ulysses'" in message, message
         if world == 4:
             kind, message = e["ring_two_dims"]
             assert kind == "NotImplementedError" and "use algorithm='hybrid'" in message, message
@@ -954,6 +963,8 @@ def test_packed_layout_on_two_dimensions():
         cp_cache.document_layout([4], (2, 3), placement="contiguous")
     with pytest.raises(ValueError, match=r"world=\(2, 2, 2\)"):
         cp_cache.document_layout(cu, (2, 2, 2))
+    with pytest.raises(ValueError, match=r"document capacity=72 .* the 2-D \(hybrid\) layout over 2x2 ranks"):
+        cp_cache.document_layout(cu, (2, 2), capacity=72)
 
 
 # ---------------------------------------------------------------- no ranks: selection
