@@ -24,6 +24,8 @@ adjacent, and causal order within the rank is causal order globally):
 from __future__ import annotations
 
 import functools
+import heapq
+import logging
 import math
 from dataclasses import dataclass
 from typing import Sequence
@@ -33,6 +35,8 @@ __all__ = ["PLACEMENTS", "BALANCED", "HEAD_TAIL", "CONTIGUOUS", "BALANCE_TOLERAN
 
 BALANCED, HEAD_TAIL, CONTIGUOUS = "balanced", "head_tail", "contiguous"
 PLACEMENTS = (BALANCED, HEAD_TAIL, CONTIGUOUS)
+_log = logging.getLogger("cp_cache")
+
 BALANCE_TOLERANCE = 1.05  # max/mean of tokens and of work per rank the balanced placement aims under
 
 
@@ -155,6 +159,368 @@ def _merge_adjacent(spans: list[tuple[int, int, int]]) -> list[tuple[int, int, i
     return out
 
 
+# ---------------------------------------------------------------- the balanced placement's search
+
+
+def _balanced(cu: tuple[int, ...], world: int) -> list[tuple[int, ...]]:
+    """The group of ranks of every document (one rank: whole): ``_Search`` with the documents it
+    must split over the fewest ranks, then widened (``_WIDEN``) while that misses the tolerance;
+    where every run misses it, the widening greedy (``_widening``) too, and the most even."""
+    lengths = [end - start for start, end in zip((0,) + cu[:-1], cu)]
+    best = None
+    for widen in _WIDEN:
+        search = _Search(lengths, world, widen)
+        groups = search.run()
+        peak = search.peak_of(groups)
+        if peak <= 1.0:
+            return groups
+        if best is None or peak < best[0]:
+            best = (peak, groups)
+    fallback = _widening(lengths, world)
+    fallback_peak = search.peak_of(fallback)
+    _log.debug("balanced placement of %d documents over W=%d: the search reaches %.4f of the tolerance, "
+               "the widening greedy %.4f", len(lengths), world, best[0], fallback_peak)
+    return fallback if fallback_peak < best[0] else best[1]
+
+
+def _capacity(total: int, world: int) -> int:
+    """The most of ``total`` one of ``world`` ranks may hold within ``BALANCE_TOLERANCE`` of the
+    mean, tested as ``PlacementCost`` computes its ratios (within here is within there)."""
+    mean = total / world
+    cap = int(BALANCE_TOLERANCE * mean) + 1
+    while cap / mean > BALANCE_TOLERANCE:
+        cap -= 1
+    return cap
+
+
+@functools.lru_cache(maxsize=4096)
+def _shares(length: int, k: int) -> tuple[tuple[int, int], ...]:
+    """(tokens, causal work) of each of the k members, in rank order, of a document of ``length``
+    split head-tail over k ranks, as ``_split`` cuts it."""
+    if k == 1:
+        return ((length, causal_pairs(0, length)),)
+    bounds = [j * length // (2 * k) for j in range(2 * k + 1)]
+    return tuple((bounds[i + 1] - bounds[i] + bounds[2 * k - i] - bounds[2 * k - 1 - i],
+                  causal_pairs(bounds[i], bounds[i + 1] - bounds[i])
+                  + causal_pairs(bounds[2 * k - 1 - i], bounds[2 * k - i] - bounds[2 * k - 1 - i]))
+                 for i in range(k))
+
+
+def _rows(length: int, k: int) -> int:
+    """K/V rows the k members of a document of ``length`` split head-tail need from each other:
+    member i misses, before its last query, all but its own chunk i (0.75 * length * (k-1))."""
+    bounds = [j * length // (2 * k) for j in range(2 * k + 1)]
+    return sum(bounds[2 * k - 1 - i] - bounds[i + 1] + bounds[i] for i in range(k)) if k > 1 else 0
+
+
+_BUDGET = 8_000  # moves and swaps weighed, DFS placements tried per search: bounds its time (~1-5 us each)
+_PACKED = 2_048  # whole documents x ranks up to which the search tries depth-first packings
+_PACK_HALVES = 8  # depth-first packings with one document halved (the shortest first)
+
+
+class _Search:
+    """The balanced placement's search over every document's group of ranks. Loads are integers
+    (tokens and causal pairs per rank); a rank's level is the larger of its tokens and its work as
+    fractions of their capacities (``_capacity``): the objective is every level at most 1, then the
+    fewest K/V rows (``_rows``). Documents of no tokens are left out (rank 0 keeps them).
+
+    ``run``: a first pass (largest documents first, each whole on the rank it raises least, split
+    only where no rank, even an empty one, can take it whole); while a rank is above its
+    capacities, a descent (moves of whole documents and swaps of two between ranks), a
+    depth-first packing of the whole documents (small mixes: also with one document halved, the
+    shortest first), and one more rank at a time for a document of the busiest rank, the fewest
+    added rows first. Every step is deterministic (ties go to the lower document or rank)."""
+
+    def __init__(self, lengths: Sequence[int], world: int, widen: float = 1.0):
+        self.lengths, self.world, self.widen = list(lengths), world, widen
+        self.pairs = [causal_pairs(0, n) for n in lengths]
+        self.cap_tokens = _capacity(sum(lengths), world)
+        self.cap_work = _capacity(max(sum(self.pairs), 1), world)
+        self.docs = [d for d, n in enumerate(lengths) if n > 0]
+        self.tokens, self.work = [0] * world, [0] * world
+        self.groups: list[tuple[int, ...]] = [() if n else (0,) for n in lengths]
+        self.whole: list[set[int]] = [set() for _ in range(world)]  # documents a rank holds whole
+        self.count = [0] * world  # documents a rank holds some of
+        self.split_tokens, self.split_work = [0] * world, [0] * world  # of the documents split
+        self.budget = _BUDGET
+
+    # -- loads
+    def level(self, r: int) -> float:
+        return max(self.tokens[r] / self.cap_tokens, self.work[r] / self.cap_work)
+
+    def level_with(self, r: int, tokens: int, work: int) -> float:
+        return max((self.tokens[r] + tokens) / self.cap_tokens, (self.work[r] + work) / self.cap_work)
+
+    def size(self, doc: int) -> float:
+        return max(self.lengths[doc] / self.cap_tokens, self.pairs[doc] / self.cap_work)
+
+    def most_ranks(self, doc: int) -> int:
+        """The widest group of a document: every member holds tokens (two chunks of at least one)."""
+        return min(self.world, max(1, self.lengths[doc] // 2))
+
+    def peak(self) -> float:
+        return max(self.level(r) for r in range(self.world)) if all(self.count) else math.inf
+
+    def excess(self) -> float:
+        return sum(max(0, t - self.cap_tokens) / self.cap_tokens + max(0, w - self.cap_work) / self.cap_work
+                   for t, w in zip(self.tokens, self.work))
+
+    def rows(self) -> int:
+        return sum(_rows(self.lengths[d], len(self.groups[d])) for d in self.docs)
+
+    def peak_of(self, groups: Sequence[tuple[int, ...]]) -> float:
+        """The peak level of ``groups`` (inf where a rank holds no tokens)."""
+        saved = list(self.groups)
+        self.assign(groups)
+        peak = self.peak()
+        self.assign(saved)
+        return peak
+
+    # -- changes
+    def place(self, doc: int, group: tuple[int, ...], sign: int = 1) -> None:
+        split = len(group) > 1
+        for r, (tokens, work) in zip(group, _shares(self.lengths[doc], len(group))):
+            self.tokens[r] += sign * tokens
+            self.work[r] += sign * work
+            self.count[r] += sign
+            if split:
+                self.split_tokens[r] += sign * tokens
+                self.split_work[r] += sign * work
+        if len(group) == 1:
+            (self.whole[group[0]].add if sign > 0 else self.whole[group[0]].discard)(doc)
+
+    def move(self, doc: int, group: tuple[int, ...]) -> None:
+        if self.groups[doc]:
+            self.place(doc, self.groups[doc], -1)
+        self.groups[doc] = group
+        self.place(doc, group)
+
+    def assign(self, groups: Sequence[tuple[int, ...]]) -> None:
+        for d in self.docs:
+            if self.groups[d] != groups[d]:
+                self.place(d, self.groups[d], -1)
+                self.groups[d] = ()
+        for d in self.docs:
+            if not self.groups[d]:
+                self.groups[d] = groups[d]
+                self.place(d, groups[d])
+
+    # -- the search
+    def run(self) -> list[tuple[int, ...]]:
+        """The groups within the capacities at the fewest rows found (none: the lowest peak)."""
+        self.first_pass()
+        if self.peak() > 1.0:
+            self.descend()
+        if self.peak() > 1.0 and sum(len(g) == 1 for g in self.groups) * self.world <= _PACKED:
+            self.pack_whole()
+        best = None
+        while True:
+            peak = self.peak()
+            key = (peak > 1.0, peak if peak > 1.0 else 0.0, self.rows())
+            if best is None or key < best[0]:
+                best = (key, list(self.groups))
+            if peak <= 1.0 or self.budget <= 0 or not self.widen_one():
+                break
+            self.descend()
+        return best[1]
+
+    def first_pass(self) -> None:
+        """Documents largest first: one no rank could take whole over the fewest ranks that stay
+        within the capacities (``group_for``); every other whole on the rank it raises least among
+        the lowest in level, in tokens and in work (any rank when none of those stays within)."""
+        heaps: list[list[tuple[float, int]]] = [[(0.0, r) for r in range(self.world)] for _ in range(3)]
+        current = (self.level, lambda r: self.tokens[r] / self.cap_tokens, lambda r: self.work[r] / self.cap_work)
+        rooms = {(self.cap_tokens, self.cap_work)}  # what ranks have left beside the split documents
+        for doc in sorted(self.docs, key=lambda d: (-self.size(d), d)):
+            n, work = self.lengths[doc], self.pairs[doc]
+            if self.most_ranks(doc) > 1 and not any(n <= t and work <= w for t, w in rooms):
+                group = self.group_for(doc)
+            else:
+                candidates = set()
+                for heap, value in zip(heaps, current):
+                    while heap[0][0] != value(heap[0][1]):  # entries of ranks loaded since: stale
+                        heapq.heappop(heap)
+                    candidates.add(heap[0][1])
+                group = (min(candidates, key=lambda q: (self.level_with(q, n, work), q)),)
+            self.move(doc, group)
+            if len(group) > 1:
+                rooms = {(self.cap_tokens - t, self.cap_work - w) for t, w in zip(self.split_tokens, self.split_work)}
+            for r in group:
+                for heap, value in zip(heaps, current):
+                    heapq.heappush(heap, (value(r), r))
+
+    def group_for(self, doc: int) -> tuple[int, ...]:
+        """The fewest ranks a document split over stays within the capacities on (the k ranks its
+        share raises least; a bisection: the peak mostly falls as k grows), times ``widen``; none
+        within: the group of the lower peak of the narrowest and the widest."""
+        most = self.most_ranks(doc)
+        low = min(most, max(2, math.ceil(self.size(doc))))
+        narrowest, widest = self.lowest(doc, low), self.lowest(doc, most)
+        if narrowest[0] > 1.0 and widest[0] > 1.0:
+            return min(narrowest, widest)[1]
+        high = most
+        while low < high and narrowest[0] > 1.0:
+            middle = (low + high) // 2
+            if self.lowest(doc, middle)[0] <= 1.0:
+                high = middle
+            else:
+                low = middle + 1
+        k = most if self.widen >= most else min(most, math.ceil(low * self.widen))
+        return self.lowest(doc, k)[1]
+
+    def lowest(self, doc: int, k: int) -> tuple[float, tuple[int, ...]]:
+        """The peak level and the k ranks (in rank order) a document split over k raises least."""
+        shares = _shares(self.lengths[doc], k)
+        tokens, work = max(s[0] for s in shares), max(s[1] for s in shares)
+        after = sorted((self.level_with(r, tokens, work), r) for r in range(self.world))[:k]
+        return after[-1][0], tuple(sorted(r for _, r in after))
+
+    def descend(self) -> None:
+        """While a rank is above its capacities: the move of one whole document to another rank
+        or the swap of two that lowers the excess over the capacities most, or keeps it and lowers
+        the sum of the squared levels (room gathered on fewer ranks), the busiest ranks' largest
+        documents first. Stops where none does or the budget is spent."""
+        while self.budget > 0 and self.excess() > 0:
+            change = self.improvement()
+            if change is None:
+                return
+            a, p, q, b = change
+            self.move(a, (q,))
+            if b >= 0:
+                self.move(b, (p,))
+
+    def improvement(self) -> tuple[int, int, int, int] | None:
+        ct, cw = self.cap_tokens, self.cap_work
+        t = [x / ct for x in self.tokens]
+        w = [x / cw for x in self.work]
+
+        def excess(tr: float, wr: float) -> float:
+            return max(0.0, tr - 1.0) + max(0.0, wr - 1.0)
+
+        for p in sorted(range(self.world), key=lambda r: (-max(t[r], w[r]), r)):
+            for a in sorted(self.whole[p], key=lambda d: (-self.size(d), d)):
+                ta, wa = self.lengths[a] / ct, self.pairs[a] / cw
+                best = None  # (excess change, squares change, rank, document swapped back or -1)
+                for q in range(self.world):
+                    if q == p:
+                        continue
+                    base_excess = excess(t[p], w[p]) + excess(t[q], w[q])
+                    base_squares = t[p] * t[p] + w[p] * w[p] + t[q] * t[q] + w[q] * w[q]
+                    options = [(ta, wa, -1)] if self.count[p] > 1 else []
+                    options += [(ta - self.lengths[b] / ct, wa - self.pairs[b] / cw, b)
+                                for b in sorted(self.whole[q]) if self.lengths[b] != self.lengths[a]]
+                    self.budget -= len(options)
+                    for dt, dw, b in options:
+                        tp, wp, tq, wq = t[p] - dt, w[p] - dw, t[q] + dt, w[q] + dw
+                        d_excess = excess(tp, wp) + excess(tq, wq) - base_excess
+                        d_squares = tp * tp + wp * wp + tq * tq + wq * wq - base_squares
+                        if d_excess < -1e-12 or (d_excess <= 1e-12 and d_squares < -1e-12):
+                            key = (round(d_excess, 12), d_squares, q, b)
+                            if best is None or key < best:
+                                best = key
+                if best is not None:
+                    return a, p, best[2], best[3]
+                if self.budget <= 0:
+                    return None
+        return None
+
+    def pack_whole(self) -> None:
+        """A depth-first packing of the whole documents within the capacities (``pack``); none
+        found: the same with one of them halved over two ranks, the shortest first."""
+        whole = [d for d in self.docs if len(self.groups[d]) == 1]
+        found = self.pack(whole, None)
+        halves = sorted((d for d in whole if self.most_ranks(d) > 1), key=lambda d: (self.lengths[d], d))
+        for half in halves[:_PACK_HALVES]:
+            if found is not None or self.budget <= 0:
+                break
+            found = self.pack([d for d in whole if d != half], half)
+        if found is not None:
+            groups = list(self.groups)
+            for d, group in found.items():
+                groups[d] = group
+            self.assign(groups)
+
+    def pack(self, docs: Sequence[int], half: int | None) -> dict[int, tuple[int, ...]] | None:
+        """Groups for ``docs`` (whole) and ``half`` (over two ranks) within the capacities on top
+        of the other documents' loads: items largest first, each on a rank in increasing level,
+        ranks of equal loads tried once. None: none within the budget."""
+        ct, cw, world = self.cap_tokens, self.cap_work, self.world
+        items = [(self.lengths[d], self.pairs[d], d) for d in docs]
+        if half is not None:
+            items += [share + (half,) for share in _shares(self.lengths[half], 2)]
+        items.sort(key=lambda i: (-max(i[0] / ct, i[1] / cw), i[2]))
+        tokens, work = list(self.tokens), list(self.work)
+        for d in list(docs) + ([half] if half is not None else []):
+            for r, (n, c) in zip(self.groups[d], _shares(self.lengths[d], len(self.groups[d]))):
+                tokens[r] -= n
+                work[r] -= c
+        chosen: list[int] = []
+
+        def search(i: int) -> bool:
+            if i == len(items):
+                return True
+            n, c, d = items[i]
+            tried = set()
+            for r in sorted(range(world), key=lambda q: (max(tokens[q] / ct, work[q] / cw), q)):
+                if (tokens[r], work[r]) in tried or tokens[r] + n > ct or work[r] + c > cw:
+                    continue
+                if d == half and r in [q for (_, _, e), q in zip(items, chosen) if e == half]:
+                    continue
+                tried.add((tokens[r], work[r]))
+                self.budget -= 1
+                if self.budget < 0:
+                    return False
+                tokens[r] += n
+                work[r] += c
+                chosen.append(r)
+                if search(i + 1):
+                    return True
+                chosen.pop()
+                tokens[r] -= n
+                work[r] -= c
+            return False
+
+        if not search(0):
+            return None
+        ranks: dict[int, list[int]] = {}
+        for (_, _, d), r in zip(items, chosen):
+            ranks.setdefault(d, []).append(r)
+        return {d: tuple(sorted(rs)) for d, rs in ranks.items()}
+
+    def widen_one(self) -> bool:
+        """One document of the busiest rank over one more rank (a whole one over two): the one
+        that lowers the excess of its group at the fewest added rows. False when none lowers it."""
+        p = max(range(self.world), key=lambda r: (self.level(r), -r))
+        ct, cw = self.cap_tokens, self.cap_work
+
+        def excess(r: int, tokens: int = 0, work: int = 0) -> float:
+            return max(0, self.tokens[r] + tokens - ct) / ct + max(0, self.work[r] + work - cw) / cw
+
+        best = None
+        for doc in sorted(d for d in self.docs if p in self.groups[d]):
+            group, n = self.groups[doc], self.lengths[doc]
+            if len(group) >= self.most_ranks(doc):
+                continue
+            added = _rows(n, len(group) + 1) - _rows(n, len(group))
+            shares = _shares(n, len(group) + 1)
+            self.place(doc, group, -1)
+            before = sum(excess(r, *s) for r, s in zip(group, _shares(n, len(group))))
+            self.budget -= self.world
+            for q in range(self.world):
+                if q in group:
+                    continue
+                wider = tuple(sorted(group + (q,)))
+                change = sum(excess(r, *s) for r, s in zip(wider, shares)) - before - excess(q)
+                key = (added, change, doc, q)
+                if change < -1e-12 and (best is None or key < best[0]):
+                    best = (key, doc, wider)
+            self.place(doc, group)
+        if best is None:
+            return False
+        self.move(best[1], best[2])
+        return True
+
+
 class _Loads:
     """Tokens and causal work per rank while the greedy places documents, as fractions of the
     final means (a rank's level: the larger of the two)."""
@@ -189,11 +555,10 @@ class _Loads:
             self.work[r] += work
 
 
-def _balanced(cu: tuple[int, ...], world: int) -> list[tuple[int, ...]]:
-    """The group of ranks of every document (one rank: whole). The greedy (``_greedy``) runs
-    with settings from the fewest split ranks up; the first whose tokens and work per rank are
-    within ``BALANCE_TOLERANCE`` of the mean wins (none: the most even)."""
-    lengths = [end - start for start, end in zip((0,) + cu[:-1], cu)]
+def _widening(lengths: Sequence[int], world: int) -> list[tuple[int, ...]]:
+    """The greedy placement of issue 23 (``_greedy``), run with settings from the fewest split
+    ranks up; the first within ``BALANCE_TOLERANCE`` wins (none: the most even). The search's
+    fallback where it misses the tolerance."""
     best, best_peak = None, None
     for widen in _WIDEN:
         groups = _greedy(lengths, world, _AIM, widen)
