@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import functools
 import heapq
+import itertools
 import logging
 import math
 from dataclasses import dataclass
@@ -163,24 +164,31 @@ def _merge_adjacent(spans: list[tuple[int, int, int]]) -> list[tuple[int, int, i
 
 
 def _balanced(cu: tuple[int, ...], world: int) -> list[tuple[int, ...]]:
-    """The group of ranks of every document (one rank: whole): ``_Search`` with the documents it
-    must split over the fewest ranks, then widened (``_WIDEN``) while that misses the tolerance;
-    where every run misses it, the widening greedy (``_widening``) too, and the most even."""
+    """The group of ranks of every document (one rank: whole), from ``_Search``: its first pass
+    and descent with the documents no rank can take whole split over the fewest ranks, then over
+    more (``_WIDEN``), the first within the tolerance winning; none: the repair of the one of least
+    excess, and where that misses too, the widening greedy (``_widening``) if it is more even."""
     lengths = [end - start for start, end in zip((0,) + cu[:-1], cu)]
-    best = None
+    budgets, searches = _Budgets(), []
     for widen in _WIDEN:
-        search = _Search(lengths, world, widen)
-        groups = search.run()
-        peak = search.peak_of(groups)
-        if peak <= 1.0:
-            return groups
-        if best is None or peak < best[0]:
-            best = (peak, groups)
+        search = _Search(lengths, world, widen, budgets)
+        search.first_pass()
+        search.descend(budgets.moves // 4 if search.forced else None)  # widened runs may follow
+        if search.peak() <= 1.0:
+            return search.groups
+        searches.append(search)
+        if not search.forced:  # nothing to widen
+            break
+    search = min(searches, key=lambda s: s.excess())
+    search.repair()
+    peak = search.peak()
+    if peak <= 1.0:
+        return search.groups
     fallback = _widening(lengths, world)
     fallback_peak = search.peak_of(fallback)
     _log.debug("balanced placement of %d documents over W=%d: the search reaches %.4f of the tolerance, "
-               "the widening greedy %.4f", len(lengths), world, best[0], fallback_peak)
-    return fallback if fallback_peak < best[0] else best[1]
+               "the widening greedy %.4f", len(lengths), world, peak, fallback_peak)
+    return fallback if fallback_peak < peak else search.groups
 
 
 def _capacity(total: int, world: int) -> int:
@@ -213,9 +221,17 @@ def _rows(length: int, k: int) -> int:
     return sum(bounds[2 * k - 1 - i] - bounds[i + 1] + bounds[i] for i in range(k)) if k > 1 else 0
 
 
-_BUDGET = 8_000  # moves and swaps weighed, DFS placements tried per search: bounds its time (~1-5 us each)
+@dataclass
+class _Budgets:
+    """What the searches of one placement may still weigh: bounds its time."""
+
+    moves: int = 16_000  # moves, swaps and widenings (~1-2 us each)
+    packing: int = 160_000  # ranks weighed by the depth-first packings (~0.5 us each)
+
 _PACKED = 2_048  # whole documents x ranks up to which the search tries depth-first packings
-_PACK_HALVES = 8  # depth-first packings with one document halved (the shortest first)
+_PACK_PAIRED = 24  # the cheapest single splits the packings pair up
+_PACK_TRIES = 150  # placements one depth-first packing tries
+_WIDEN_TRIES = 3  # documents widened by one rank (each followed by the descent) weighed per step
 
 
 class _Search:
@@ -231,8 +247,8 @@ class _Search:
     shortest first), and one more rank at a time for a document of the busiest rank, the fewest
     added rows first. Every step is deterministic (ties go to the lower document or rank)."""
 
-    def __init__(self, lengths: Sequence[int], world: int, widen: float = 1.0):
-        self.lengths, self.world, self.widen = list(lengths), world, widen
+    def __init__(self, lengths: Sequence[int], world: int, widen: float, budgets: _Budgets):
+        self.lengths, self.world, self.widen, self.budgets = list(lengths), world, widen, budgets
         self.pairs = [causal_pairs(0, n) for n in lengths]
         self.cap_tokens = _capacity(sum(lengths), world)
         self.cap_work = _capacity(max(sum(self.pairs), 1), world)
@@ -242,7 +258,7 @@ class _Search:
         self.whole: list[set[int]] = [set() for _ in range(world)]  # documents a rank holds whole
         self.count = [0] * world  # documents a rank holds some of
         self.split_tokens, self.split_work = [0] * world, [0] * world  # of the documents split
-        self.budget = _BUDGET
+        self.forced = False  # whether the first pass split a document no rank could take whole
 
     # -- loads
     def level(self, r: int) -> float:
@@ -306,48 +322,50 @@ class _Search:
                 self.place(d, groups[d])
 
     # -- the search
-    def run(self) -> list[tuple[int, ...]]:
-        """The groups within the capacities at the fewest rows found (none: the lowest peak)."""
-        self.first_pass()
-        if self.peak() > 1.0:
-            self.descend()
-        if self.peak() > 1.0 and sum(len(g) == 1 for g in self.groups) * self.world <= _PACKED:
-            self.pack_whole()
-        best = None
-        while True:
-            peak = self.peak()
-            key = (peak > 1.0, peak if peak > 1.0 else 0.0, self.rows())
-            if best is None or key < best[0]:
-                best = (key, list(self.groups))
-            if peak <= 1.0 or self.budget <= 0 or not self.widen_one():
-                break
-            self.descend()
-        return best[1]
+    def repair(self) -> None:
+        """After the first pass and the descent, while a rank is above its capacities: depth-first
+        packings with up to two documents split (small mixes), then one more rank at a time for a
+        document of the busiest rank, each followed by the descent (and by a packing)."""
+        small = len(self.docs) * self.world <= _PACKED
+        if self.peak() > 1.0 and small:
+            self.pack_splits(paired=True)
+        while self.peak() > 1.0 and self.budgets.moves > 0 and self.widen_one():
+            if self.peak() > 1.0 and small:
+                self.pack_splits(paired=False)
 
     def first_pass(self) -> None:
-        """Documents largest first: one no rank could take whole over the fewest ranks that stay
-        within the capacities (``group_for``); every other whole on the rank it raises least among
-        the lowest in level, in tokens and in work (any rank when none of those stays within)."""
-        heaps: list[list[tuple[float, int]]] = [[(0.0, r) for r in range(self.world)] for _ in range(3)]
-        current = (self.level, lambda r: self.tokens[r] / self.cap_tokens, lambda r: self.work[r] / self.cap_work)
+        """Documents largest first: one no rank could take whole beside the documents split so far
+        over the fewest ranks that stay within the capacities (``group_for``); every other whole on
+        the rank it raises least among the lowest in level, in tokens and in work."""
+        # three heaps of (level, tokens or work; rank; the rank's version when pushed): entries of
+        # ranks loaded since are stale
+        heaps: list[list[tuple]] = [[(0, r, 0) for r in range(self.world)] for _ in range(3)]
+        version = [0] * self.world
         rooms = {(self.cap_tokens, self.cap_work)}  # what ranks have left beside the split documents
-        for doc in sorted(self.docs, key=lambda d: (-self.size(d), d)):
+        roomiest = 1.0  # the largest size every room takes
+        sizes = {d: self.size(d) for d in self.docs}
+        for doc in sorted(self.docs, key=lambda d: (-sizes[d], d)):
             n, work = self.lengths[doc], self.pairs[doc]
-            if self.most_ranks(doc) > 1 and not any(n <= t and work <= w for t, w in rooms):
+            if sizes[doc] > roomiest and self.most_ranks(doc) > 1 and \
+                    not any(n <= t and work <= w for t, w in rooms):
                 group = self.group_for(doc)
+                self.forced = True
             else:
-                candidates = set()
-                for heap, value in zip(heaps, current):
-                    while heap[0][0] != value(heap[0][1]):  # entries of ranks loaded since: stale
+                best = None
+                for heap in heaps:
+                    while heap[0][2] != version[heap[0][1]]:
                         heapq.heappop(heap)
-                    candidates.add(heap[0][1])
-                group = (min(candidates, key=lambda q: (self.level_with(q, n, work), q)),)
+                    key = (self.level_with(heap[0][1], n, work), heap[0][1])
+                    best = key if best is None or key < best else best
+                group = (best[1],)
             self.move(doc, group)
             if len(group) > 1:
                 rooms = {(self.cap_tokens - t, self.cap_work - w) for t, w in zip(self.split_tokens, self.split_work)}
+                roomiest = min(min(t / self.cap_tokens, w / self.cap_work) for t, w in rooms)
             for r in group:
-                for heap, value in zip(heaps, current):
-                    heapq.heappush(heap, (value(r), r))
+                version[r] += 1
+                for heap, key in zip(heaps, (self.level(r), self.tokens[r], self.work[r])):
+                    heapq.heappush(heap, (key, r, version[r]))
 
     def group_for(self, doc: int) -> tuple[int, ...]:
         """The fewest ranks a document split over stays within the capacities on (the k ranks its
@@ -372,16 +390,19 @@ class _Search:
         """The peak level and the k ranks (in rank order) a document split over k raises least."""
         shares = _shares(self.lengths[doc], k)
         tokens, work = max(s[0] for s in shares), max(s[1] for s in shares)
-        after = sorted((self.level_with(r, tokens, work), r) for r in range(self.world))[:k]
-        return after[-1][0], tuple(sorted(r for _, r in after))
+        ct, cw = self.cap_tokens, self.cap_work
+        after = [max((t + tokens) / ct, (w + work) / cw) for t, w in zip(self.tokens, self.work)]
+        group = sorted(range(self.world), key=lambda r: (after[r], r))[:k]
+        return after[group[-1]], tuple(sorted(group))
 
-    def descend(self) -> None:
+    def descend(self, budget: int | None = None) -> None:
         """While a rank is above its capacities: the move of one whole document to another rank
         or the swap of two that lowers the excess over the capacities most, or keeps it and lowers
         the sum of the squared levels (room gathered on fewer ranks), the busiest ranks' largest
-        documents first. Stops where none does or the budget is spent."""
-        while self.budget > 0 and self.excess() > 0:
-            change = self.improvement()
+        documents first. Stops where none does or ``budget`` (default: all that is left) is spent."""
+        stop = self.budgets.moves - budget if budget is not None else 0
+        while self.budgets.moves > stop and self.excess() > 0:
+            change = self.improvement(stop)
             if change is None:
                 return
             a, p, q, b = change
@@ -389,7 +410,7 @@ class _Search:
             if b >= 0:
                 self.move(b, (p,))
 
-    def improvement(self) -> tuple[int, int, int, int] | None:
+    def improvement(self, stop: int) -> tuple[int, int, int, int] | None:
         ct, cw = self.cap_tokens, self.cap_work
         t = [x / ct for x in self.tokens]
         w = [x / cw for x in self.work]
@@ -409,7 +430,7 @@ class _Search:
                     options = [(ta, wa, -1)] if self.count[p] > 1 else []
                     options += [(ta - self.lengths[b] / ct, wa - self.pairs[b] / cw, b)
                                 for b in sorted(self.whole[q]) if self.lengths[b] != self.lengths[a]]
-                    self.budget -= len(options)
+                    self.budgets.moves -= len(options)
                     for dt, dw, b in options:
                         tp, wp, tq, wq = t[p] - dt, w[p] - dw, t[q] + dt, w[q] + dw
                         d_excess = excess(tp, wp) + excess(tq, wq) - base_excess
@@ -420,83 +441,94 @@ class _Search:
                                 best = key
                 if best is not None:
                     return a, p, best[2], best[3]
-                if self.budget <= 0:
+                if self.budgets.moves <= stop:
                     return None
         return None
 
-    def pack_whole(self) -> None:
-        """A depth-first packing of the whole documents within the capacities (``pack``); none
-        found: the same with one of them halved over two ranks, the shortest first."""
-        whole = [d for d in self.docs if len(self.groups[d]) == 1]
-        found = self.pack(whole, None)
-        halves = sorted((d for d in whole if self.most_ranks(d) > 1), key=lambda d: (self.lengths[d], d))
-        for half in halves[:_PACK_HALVES]:
-            if found is not None or self.budget <= 0:
-                break
-            found = self.pack([d for d in whole if d != half], half)
-        if found is not None:
-            groups = list(self.groups)
-            for d, group in found.items():
-                groups[d] = group
-            self.assign(groups)
+    def pack_splits(self, paired: bool) -> None:
+        """Depth-first packings (``pack``) of the whole documents: as they are, then (``paired``)
+        with one of them split over 2 to 4 ranks or two of the shortest halved, in increasing added
+        rows; the first found is kept."""
+        lengths, whole = self.lengths, [d for d in self.docs if len(self.groups[d]) == 1]
+        splittable = [d for d in whole if self.most_ranks(d) > 1] if paired else []
+        singles = sorted((_rows(lengths[d], k), ((d, k),))
+                         for d in splittable for k in range(2, min(self.most_ranks(d), 4) + 1))
+        options = [(0, ())] + singles + [(a[0] + b[0], a[1] + b[1])
+                                         for a, b in itertools.combinations(singles[:_PACK_PAIRED], 2)
+                                         if a[1][0][0] != b[1][0][0]]
+        for _, splits in sorted(options):
+            if self.budgets.packing <= 0:
+                return
+            found = self.pack(whole, dict(splits))
+            if found is not None:
+                groups = list(self.groups)
+                for d, group in found.items():
+                    groups[d] = group
+                self.assign(groups)
+                return
 
-    def pack(self, docs: Sequence[int], half: int | None) -> dict[int, tuple[int, ...]] | None:
-        """Groups for ``docs`` (whole) and ``half`` (over two ranks) within the capacities on top
-        of the other documents' loads: items largest first, each on a rank in increasing level,
-        ranks of equal loads tried once. None: none within the budget."""
+    def pack(self, docs: Sequence[int], splits: dict[int, int]) -> dict[int, tuple[int, ...]] | None:
+        """Groups for ``docs`` (whole, or over k ranks where ``splits`` maps them to k) within the
+        capacities on top of the other documents' loads: items (a document, or each member's
+        largest share of a split one) largest first, each on a rank in increasing level, ranks of
+        equal loads tried once. None: none within ``_PACK_TRIES`` placements or the packing budget."""
         ct, cw, world = self.cap_tokens, self.cap_work, self.world
-        items = [(self.lengths[d], self.pairs[d], d) for d in docs]
-        if half is not None:
-            items += [share + (half,) for share in _shares(self.lengths[half], 2)]
+        items = []
+        for d in docs:
+            shares = _shares(self.lengths[d], splits.get(d, 1))
+            items += [(max(n for n, _ in shares), max(c for _, c in shares), d)] * len(shares)
         items.sort(key=lambda i: (-max(i[0] / ct, i[1] / cw), i[2]))
         tokens, work = list(self.tokens), list(self.work)
-        for d in list(docs) + ([half] if half is not None else []):
+        for d in docs:
             for r, (n, c) in zip(self.groups[d], _shares(self.lengths[d], len(self.groups[d]))):
                 tokens[r] -= n
                 work[r] -= c
+        self.budgets.packing -= len(items) * self.world  # setting up: about a node per item
         chosen: list[int] = []
+        held: dict[int, set[int]] = {d: set() for d in docs}
+        tries = [min(self.budgets.packing // self.world, _PACK_TRIES)]
 
         def search(i: int) -> bool:
             if i == len(items):
                 return True
+            tries[0] -= 1
             n, c, d = items[i]
             tried = set()
             for r in sorted(range(world), key=lambda q: (max(tokens[q] / ct, work[q] / cw), q)):
-                if (tokens[r], work[r]) in tried or tokens[r] + n > ct or work[r] + c > cw:
-                    continue
-                if d == half and r in [q for (_, _, e), q in zip(items, chosen) if e == half]:
+                if (tokens[r], work[r]) in tried or tokens[r] + n > ct or work[r] + c > cw or r in held[d]:
                     continue
                 tried.add((tokens[r], work[r]))
-                self.budget -= 1
-                if self.budget < 0:
+                tries[0] -= 1
+                if tries[0] < 0:
                     return False
                 tokens[r] += n
                 work[r] += c
                 chosen.append(r)
+                held[d].add(r)
                 if search(i + 1):
                     return True
+                held[d].discard(r)
                 chosen.pop()
                 tokens[r] -= n
                 work[r] -= c
             return False
 
-        if not search(0):
-            return None
-        ranks: dict[int, list[int]] = {}
-        for (_, _, d), r in zip(items, chosen):
-            ranks.setdefault(d, []).append(r)
-        return {d: tuple(sorted(rs)) for d, rs in ranks.items()}
+        found = search(0)
+        self.budgets.packing -= (min(self.budgets.packing // self.world, _PACK_TRIES) - max(tries[0], 0)) * self.world
+        return {d: tuple(sorted(held[d])) for d in docs} if found else None
 
     def widen_one(self) -> bool:
-        """One document of the busiest rank over one more rank (a whole one over two): the one
-        that lowers the excess of its group at the fewest added rows. False when none lowers it."""
+        """One document of the busiest rank over one more rank (a whole one over two) followed by
+        the descent, kept where that lowers the excess over the capacities: the candidates with
+        the fewest added rows first (of equal rows: the larger drop of their group's excess), at
+        most ``_WIDEN_TRIES``. False when none is kept."""
         p = max(range(self.world), key=lambda r: (self.level(r), -r))
         ct, cw = self.cap_tokens, self.cap_work
 
         def excess(r: int, tokens: int = 0, work: int = 0) -> float:
             return max(0, self.tokens[r] + tokens - ct) / ct + max(0, self.work[r] + work - cw) / cw
 
-        best = None
+        candidates = []
         for doc in sorted(d for d in self.docs if p in self.groups[d]):
             group, n = self.groups[doc], self.lengths[doc]
             if len(group) >= self.most_ranks(doc):
@@ -505,20 +537,21 @@ class _Search:
             shares = _shares(n, len(group) + 1)
             self.place(doc, group, -1)
             before = sum(excess(r, *s) for r, s in zip(group, _shares(n, len(group))))
-            self.budget -= self.world
+            self.budgets.moves -= self.world
             for q in range(self.world):
-                if q in group:
-                    continue
-                wider = tuple(sorted(group + (q,)))
-                change = sum(excess(r, *s) for r, s in zip(wider, shares)) - before - excess(q)
-                key = (added, change, doc, q)
-                if change < -1e-12 and (best is None or key < best[0]):
-                    best = (key, doc, wider)
+                if q not in group:
+                    wider = tuple(sorted(group + (q,)))
+                    change = sum(excess(r, *s) for r, s in zip(wider, shares)) - before - excess(q)
+                    candidates.append((added, change, doc, wider))
             self.place(doc, group)
-        if best is None:
-            return False
-        self.move(best[1], best[2])
-        return True
+        start_excess, start_groups = self.excess(), list(self.groups)
+        for _, _, doc, wider in sorted(candidates)[:_WIDEN_TRIES]:
+            self.move(doc, wider)
+            self.descend()
+            if self.excess() < start_excess - 1e-12:
+                return True
+            self.assign(start_groups)
+        return False
 
 
 class _Loads:
