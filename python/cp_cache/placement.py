@@ -109,15 +109,22 @@ def _pieces(cu: tuple[int, ...], world: int, placement: str) -> tuple[tuple[Piec
     else:
         groups = _balanced(cu, world) if placement == BALANCED else [tuple(range(world))] * len(cu)
         spans = _split(cu, world, groups)
+    out = _as_pieces(spans)
+    for rank, pieces in enumerate(out):
+        if not pieces:
+            raise ValueError(f"placement {placement!r} of cu_seqlens={list(cu)} over W={world} ranks leaves rank "
+                             f"{rank} without tokens: pack more tokens or use fewer ranks")
+    return out
+
+
+def _as_pieces(spans: Sequence[Sequence[tuple[int, int, int]]]) -> tuple[tuple[Piece, ...], ...]:
+    """Each rank's (document, global start, length) spans as pieces in local order."""
     out = []
-    for rank, held in enumerate(spans):
+    for held in spans:
         local, pieces = 0, []
         for doc, start, length in sorted(held, key=lambda s: s[1]):
             pieces.append(Piece(doc, local, start, length))
             local += length
-        if not pieces:
-            raise ValueError(f"placement {placement!r} of cu_seqlens={list(cu)} over W={world} ranks leaves rank "
-                             f"{rank} without tokens: pack more tokens or use fewer ranks")
         out.append(tuple(pieces))
     return tuple(out)
 
@@ -167,28 +174,33 @@ def _balanced(cu: tuple[int, ...], world: int) -> list[tuple[int, ...]]:
     """The group of ranks of every document (one rank: whole), from ``_Search``: its first pass
     and descent with the documents no rank can take whole split over the fewest ranks, then over
     more (``_WIDEN``), the first within the tolerance winning; none: the repair of the one of least
-    excess, and where that misses too, the widening greedy (``_widening``) if it is more even."""
+    excess. On small mixes (documents x ranks up to ``_PACKED``), and wherever the search misses
+    the tolerance, the widening greedy (``_widening``) too: the better of the two (within the
+    tolerance at fewer rows, else the lower peak)."""
     lengths = [end - start for start, end in zip((0,) + cu[:-1], cu)]
-    budgets, searches = _Budgets(), []
+    budgets, searches, found = _Budgets(), [], None
     for widen in _WIDEN:
         search = _Search(lengths, world, widen, budgets)
         search.first_pass()
         search.descend(budgets.moves // 4 if search.forced else None)  # widened runs may follow
         if search.peak() <= 1.0:
-            return search.groups
+            found = search
+            break
         searches.append(search)
         if not search.forced:  # nothing to widen
             break
-    search = min(searches, key=lambda s: s.excess())
-    search.repair()
-    peak = search.peak()
-    if peak <= 1.0:
-        return search.groups
+    if found is None:
+        found = min(searches, key=lambda s: s.excess())
+        found.repair()
+    searched = found.standing(found.groups)
+    if not searched[0] and len(lengths) * world > _PACKED:
+        return found.groups
     fallback = _widening(lengths, world)
-    fallback_peak = search.peak_of(fallback)
-    _log.debug("balanced placement of %d documents over W=%d: the search reaches %.4f of the tolerance, "
-               "the widening greedy %.4f", len(lengths), world, peak, fallback_peak)
-    return fallback if fallback_peak < peak else search.groups
+    if found.standing(fallback) < searched:
+        _log.debug("balanced placement of %d documents over W=%d: the widening greedy (%s) beats the search (%s)",
+                   len(lengths), world, found.standing(fallback), searched)
+        return fallback
+    return found.groups
 
 
 def _capacity(total: int, world: int) -> int:
@@ -284,13 +296,14 @@ class _Search:
     def rows(self) -> int:
         return sum(_rows(self.lengths[d], len(self.groups[d])) for d in self.docs)
 
-    def peak_of(self, groups: Sequence[tuple[int, ...]]) -> float:
-        """The peak level of ``groups`` (inf where a rank holds no tokens)."""
+    def standing(self, groups: Sequence[tuple[int, ...]]) -> tuple[bool, float, int]:
+        """How good ``groups`` are, lower better: (above the tolerance, the peak level if so, the
+        rows); the peak is inf where a rank holds no tokens."""
         saved = list(self.groups)
         self.assign(groups)
-        peak = self.peak()
+        peak, rows = self.peak(), self.rows()
         self.assign(saved)
-        return peak
+        return peak > 1.0, peak if peak > 1.0 else 0.0, rows
 
     # -- changes
     def place(self, doc: int, group: tuple[int, ...], sign: int = 1) -> None:
@@ -607,6 +620,14 @@ _AIM = 1.02  # the level the greedy accepts without splitting further: room for 
 _WIDEN = (1.0, 1.5, 2.0, 4.0, float("inf"))  # a split document goes over this many times the fewest ranks
 
 
+def _widening_cost(cu: Sequence[int], world: int) -> PlacementCost:
+    """What the widening greedy alone (the balanced placement before the search) would cost: the
+    bench's and the tests' reference."""
+    cu = tuple(int(x) for x in cu)
+    lengths = [end - start for start, end in zip((0,) + cu[:-1], cu)]
+    return _cost(cu, _as_pieces(_split(cu, world, _widening(lengths, world))))
+
+
 def _greedy(lengths: Sequence[int], world: int, aim: float, widen: float) -> list[tuple[int, ...]]:
     """Documents longest first, each whole on the rank it raises least if that stays within
     ``aim`` of the means, else head-tail over the fewest ranks that stay within it (times
@@ -676,9 +697,13 @@ def placement_cost(cu: Sequence[int], world: int, placement: str) -> PlacementCo
     """Tokens, causal work and K/V rows needed per rank of ``placement`` (causal attention
     within documents)."""
     cu = tuple(int(x) for x in cu)
+    return _cost(cu, placement_pieces(cu, world, placement))
+
+
+def _cost(cu: tuple[int, ...], placed: Sequence[Sequence[Piece]]) -> PlacementCost:
     starts = (0,) + cu[:-1]
     tokens, work, rows = [], [], []
-    for pieces in placement_pieces(cu, world, placement):
+    for pieces in placed:
         tokens.append(sum(p.length for p in pieces))
         work.append(sum(causal_pairs(p.start - starts[p.document], p.length) for p in pieces))
         last: dict[int, int] = {}  # document -> the last position this rank holds of it
