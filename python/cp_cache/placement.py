@@ -173,8 +173,9 @@ def _merge_adjacent(spans: list[tuple[int, int, int]]) -> list[tuple[int, int, i
 def _balanced(cu: tuple[int, ...], world: int) -> list[tuple[int, ...]]:
     """The group of ranks of every document (one rank: whole), from ``_Search``: its first pass
     and descent with the documents no rank can take whole split over the fewest ranks, then over
-    more (``_WIDEN``), the first within the tolerance winning; none: the repair of the one of least
-    excess. On small mixes (documents x ranks up to ``_PACKED``), and wherever the search misses
+    more (``_WIDEN``), the first within the tolerance winning (small mixes: each repaired before
+    the next); none: their repairs in the same order while the budgets last, the first within
+    winning, else the lowest peak. On small mixes (up to ``_COMPARED`` documents), and wherever the search misses
     the tolerance, the widening greedy (``_widening``) too: the better of the two (within the
     tolerance at fewer rows, else the lower peak)."""
     lengths = [end - start for start, end in zip((0,) + cu[:-1], cu)]
@@ -183,17 +184,23 @@ def _balanced(cu: tuple[int, ...], world: int) -> list[tuple[int, ...]]:
         search = _Search(lengths, world, widen, budgets)
         search.first_pass()
         search.descend(budgets.moves // 4 if search.forced else None)  # widened runs may follow
+        if search.peak() > 1.0 and search.small:  # repaired first: it splits least
+            search.repair()
         if search.peak() <= 1.0:
             found = search
             break
         searches.append(search)
         if not search.forced:  # nothing to widen
             break
-    if found is None:
-        found = min(searches, key=lambda s: s.excess())
-        found.repair()
+    for search in searches if found is None else ():
+        if not search.small:
+            search.repair()
+        if found is None or search.standing(search.groups) < found.standing(found.groups):
+            found = search
+        if found.peak() <= 1.0:
+            break
     searched = found.standing(found.groups)
-    if not searched[0] and len(lengths) * world > _PACKED:
+    if not searched[0] and len(lengths) > _COMPARED:
         return found.groups
     fallback = _widening(lengths, world)
     if found.standing(fallback) < searched:
@@ -240,7 +247,8 @@ class _Budgets:
     moves: int = 16_000  # moves, swaps and widenings (~1-2 us each)
     packing: int = 160_000  # ranks weighed by the depth-first packings (~0.5 us each)
 
-_PACKED = 2_048  # whole documents x ranks up to which the search tries depth-first packings
+_PACKED = 2_048  # documents x ranks up to which the search tries depth-first packings
+_COMPARED = 128  # documents up to which the widening greedy runs beside a search within the tolerance
 _PACK_PAIRED = 24  # the cheapest single splits the packings pair up
 _PACK_TRIES = 150  # placements one depth-first packing tries
 _WIDEN_TRIES = 3  # documents widened by one rank (each followed by the descent) weighed per step
@@ -271,6 +279,7 @@ class _Search:
         self.count = [0] * world  # documents a rank holds some of
         self.split_tokens, self.split_work = [0] * world, [0] * world  # of the documents split
         self.forced = False  # whether the first pass split a document no rank could take whole
+        self.small = len(self.docs) * world <= _PACKED  # depth-first packings weighed
 
     # -- loads
     def level(self, r: int) -> float:
@@ -339,11 +348,10 @@ class _Search:
         """After the first pass and the descent, while a rank is above its capacities: depth-first
         packings with up to two documents split (small mixes), then one more rank at a time for a
         document of the busiest rank, each followed by the descent (and by a packing)."""
-        small = len(self.docs) * self.world <= _PACKED
-        if self.peak() > 1.0 and small:
+        if self.peak() > 1.0 and self.small:
             self.pack_splits(paired=True)
         while self.peak() > 1.0 and self.budgets.moves > 0 and self.widen_one():
-            if self.peak() > 1.0 and small:
+            if self.peak() > 1.0 and self.small:
                 self.pack_splits(paired=False)
 
     def first_pass(self) -> None:
