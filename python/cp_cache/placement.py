@@ -306,18 +306,21 @@ class _Search:
         return sum(_rows(self.lengths[d], len(self.groups[d])) for d in self.docs)
 
     def standing(self, groups: Sequence[tuple[int, ...]]) -> tuple[bool, float, int]:
-        """How good ``groups`` are, lower better: (above the tolerance, the peak level if so, the
-        rows); the peak is inf where a rank holds no tokens."""
+        """How good ``groups`` are, lower better: (above the tolerance, if so the larger max/mean
+        of tokens and work as ``PlacementCost`` computes them (inf where a rank holds no tokens),
+        the rows)."""
         saved = list(self.groups)
         self.assign(groups)
-        peak, rows = self.peak(), self.rows()
+        above, rows = self.peak() > 1.0, self.rows()
+        worst = max(max(self.tokens) * self.world / sum(self.tokens), max(self.work) * self.world / sum(self.work))
+        ratio = worst if all(self.count) else math.inf
         self.assign(saved)
-        return peak > 1.0, peak if peak > 1.0 else 0.0, rows
+        return above, ratio if above else 0.0, rows
 
     # -- changes
     def place(self, doc: int, group: tuple[int, ...], sign: int = 1) -> None:
         split = len(group) > 1
-        for r, (tokens, work) in zip(group, _shares(self.lengths[doc], len(group))):
+        for r, (tokens, work) in zip(group, _shares(self.lengths[doc], len(group)) if group else ()):
             self.tokens[r] += sign * tokens
             self.work[r] += sign * work
             self.count[r] += sign
@@ -335,7 +338,7 @@ class _Search:
 
     def assign(self, groups: Sequence[tuple[int, ...]]) -> None:
         for d in self.docs:
-            if self.groups[d] != groups[d]:
+            if self.groups[d] != groups[d] and self.groups[d]:
                 self.place(d, self.groups[d], -1)
                 self.groups[d] = ()
         for d in self.docs:
