@@ -8,13 +8,19 @@ holds its pieces in increasing global position (a document's pieces on a rank ar
 adjacent, and causal order within the rank is causal order globally):
 
 * ``"balanced"``: whole documents on one rank where the balance allows; a document that
-  does not fit goes head-tail over as few ranks as needed (cut into 2k chunks whose sizes
-  differ by at most one; the i-th of its k ranks, in rank order, holds chunks i and
-  2k-1-i). Objective: tokens and causal attention work per rank each within
-  ``BALANCE_TOLERANCE`` of the mean, then the fewest K/V rows needed from other ranks. A
-  greedy: documents longest first, each whole on the rank where it raises the load least,
-  split over the fewest ranks only when no rank can take it whole; rerun with splits
-  widened when that leaves the later documents too little room (``_balanced``);
+  must be split goes head-tail over as few ranks as possible (cut into 2k chunks whose sizes
+  differ by at most one; the i-th of its k ranks, in rank order, holds chunks i and 2k-1-i).
+  Objective: tokens and causal attention work per rank each within ``BALANCE_TOLERANCE`` of
+  the mean, then the fewest K/V rows needed from other ranks (``_rows``: 0.75 L (k-1) for a
+  document of L tokens over k ranks). A search (``_Search``, ``_balanced``): largest documents
+  first, each whole on the rank it raises least, split only where no rank could take it whole
+  beside the documents split so far; then moves and swaps of whole documents between ranks,
+  depth-first packings with up to two documents split (small mixes), and one more rank at a
+  time for a document of the busiest rank, while a rank is above the tolerance. The documents
+  it must split are widened (1.5x, 2x, 4x, every rank) where the fewest ranks leave the rest
+  no room. The widening greedy of issue 23 (``_widening``) runs beside it on small mixes and
+  wherever it misses: the better one wins. Integer loads and bounded budgets (``_Budgets``):
+  the same result on every rank, in bounded time;
 * ``"head_tail"``: every document cut into 2W equal chunks, rank r holding chunks r and
   2W-1-r of each (every length must divide by 2W);
 * ``"contiguous"``: T/W consecutive tokens per rank (T must divide by W); documents may
