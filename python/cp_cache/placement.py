@@ -181,9 +181,9 @@ def _balanced(cu: tuple[int, ...], world: int) -> list[tuple[int, ...]]:
     and descent with the documents no rank can take whole split over the fewest ranks, then over
     more (``_WIDEN``), the first within the tolerance winning (small mixes: each repaired before
     the next); none: their repairs in the same order while the budgets last, the first within
-    winning, else the lowest peak. On small mixes (up to ``_COMPARED`` documents), and wherever the search misses
-    the tolerance, the widening greedy (``_widening``) too: the better of the two (within the
-    tolerance at fewer rows, else the lower peak)."""
+    winning, else the lowest peak. On small mixes (up to ``_COMPARED`` documents), and wherever
+    the search misses the tolerance, the widening greedy (``_widening``) too: the better of the
+    two (within the tolerance at fewer rows, else the lower peak)."""
     lengths = [end - start for start, end in zip((0,) + cu[:-1], cu)]
     budgets, searches, found = _Budgets(), [], None
     for widen in _WIDEN:
@@ -253,6 +253,7 @@ class _Budgets:
     moves: int = 16_000  # moves, swaps and widenings (~1-2 us each)
     packing: int = 160_000  # ranks weighed by the depth-first packings (~0.5 us each)
 
+
 _PACKED = 2_048  # documents x ranks up to which the search tries depth-first packings
 _COMPARED = 128  # documents up to which the widening greedy runs beside a search within the tolerance
 _PACK_PAIRED = 24  # the cheapest single splits the packings pair up
@@ -266,12 +267,12 @@ class _Search:
     fractions of their capacities (``_capacity``): the objective is every level at most 1, then the
     fewest K/V rows (``_rows``). Documents of no tokens are left out (rank 0 keeps them).
 
-    ``run``: a first pass (largest documents first, each whole on the rank it raises least, split
-    only where no rank, even an empty one, can take it whole); while a rank is above its
-    capacities, a descent (moves of whole documents and swaps of two between ranks), a
-    depth-first packing of the whole documents (small mixes: also with one document halved, the
-    shortest first), and one more rank at a time for a document of the busiest rank, the fewest
-    added rows first. Every step is deterministic (ties go to the lower document or rank)."""
+    ``first_pass`` (largest documents first, each whole on the rank it raises least, split only
+    where no rank could take it whole beside the documents split so far), ``descend`` (moves of
+    whole documents and swaps of two between ranks) and, while a rank is above its capacities,
+    ``repair`` (depth-first packings with up to two documents split on small mixes, and one more
+    rank at a time for a document of the busiest rank, the fewest added rows first). Every step
+    is deterministic (ties go to the lower document or rank) and charges ``budgets``."""
 
     def __init__(self, lengths: Sequence[int], world: int, widen: float, budgets: _Budgets):
         self.lengths, self.world, self.widen, self.budgets = list(lengths), world, widen, budgets
@@ -441,6 +442,8 @@ class _Search:
                 self.move(b, (p,))
 
     def improvement(self, stop: int) -> tuple[int, int, int, int] | None:
+        """(document, its rank, the rank it goes to, the document swapped back or -1) of the
+        descent's next change; None: none, or the budget is down to ``stop``."""
         ct, cw = self.cap_tokens, self.cap_work
         t = [x / ct for x in self.tokens]
         w = [x / cw for x in self.work]
@@ -477,8 +480,8 @@ class _Search:
 
     def pack_splits(self, paired: bool) -> None:
         """Depth-first packings (``pack``) of the whole documents: as they are, then (``paired``)
-        with one of them split over 2 to 4 ranks or two of the shortest halved, in increasing added
-        rows; the first found is kept."""
+        with one of them split over 2 to 4 ranks or two of the ``_PACK_PAIRED`` cheapest such
+        splits, in increasing added rows; the first found is kept."""
         lengths, whole = self.lengths, [d for d in self.docs if len(self.groups[d]) == 1]
         splittable = [d for d in whole if self.most_ranks(d) > 1] if paired else []
         singles = sorted((_rows(lengths[d], k), ((d, k),))
@@ -514,7 +517,6 @@ class _Search:
                 tokens[r] -= n
                 work[r] -= c
         self.budgets.packing -= len(items) * self.world  # setting up: about a node per item
-        chosen: list[int] = []
         held: dict[int, set[int]] = {d: set() for d in docs}
         tries = [min(self.budgets.packing // self.world, _PACK_TRIES)]
 
@@ -533,12 +535,10 @@ class _Search:
                     return False
                 tokens[r] += n
                 work[r] += c
-                chosen.append(r)
                 held[d].add(r)
                 if search(i + 1):
                     return True
                 held[d].discard(r)
-                chosen.pop()
                 tokens[r] -= n
                 work[r] -= c
             return False
