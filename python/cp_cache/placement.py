@@ -8,13 +8,19 @@ holds its pieces in increasing global position (a document's pieces on a rank ar
 adjacent, and causal order within the rank is causal order globally):
 
 * ``"balanced"``: whole documents on one rank where the balance allows; a document that
-  does not fit goes head-tail over as few ranks as needed (cut into 2k chunks whose sizes
-  differ by at most one; the i-th of its k ranks, in rank order, holds chunks i and
-  2k-1-i). Objective: tokens and causal attention work per rank each within
-  ``BALANCE_TOLERANCE`` of the mean, then the fewest K/V rows needed from other ranks. A
-  greedy: documents longest first, each whole on the rank where it raises the load least,
-  split over the fewest ranks only when no rank can take it whole; rerun with splits
-  widened when that leaves the later documents too little room (``_balanced``);
+  must be split goes head-tail over as few ranks as possible (cut into 2k chunks whose sizes
+  differ by at most one; the i-th of its k ranks, in rank order, holds chunks i and 2k-1-i).
+  Objective: tokens and causal attention work per rank each within ``BALANCE_TOLERANCE`` of
+  the mean, then the fewest K/V rows needed from other ranks (``_rows``: 0.75 L (k-1) for a
+  document of L tokens over k ranks). A search (``_Search``, ``_balanced``): largest documents
+  first, each whole on the rank it raises least, split only where no rank could take it whole
+  beside the documents split so far; then moves and swaps of whole documents between ranks,
+  depth-first packings with up to two documents split (small mixes), and one more rank at a
+  time for a document of the busiest rank, while a rank is above the tolerance. The documents
+  it must split are widened (1.5x, 2x, 4x, every rank) where the fewest ranks leave the rest
+  no room. The widening greedy of issue 23 (``_widening``) runs beside it on small mixes and
+  wherever it misses: the better one wins. Integer loads and bounded budgets (``_Budgets``):
+  the same result on every rank, in bounded time;
 * ``"head_tail"``: every document cut into 2W equal chunks, rank r holding chunks r and
   2W-1-r of each (every length must divide by 2W);
 * ``"contiguous"``: T/W consecutive tokens per rank (T must divide by W); documents may
@@ -24,6 +30,9 @@ adjacent, and causal order within the rank is causal order globally):
 from __future__ import annotations
 
 import functools
+import heapq
+import itertools
+import logging
 import math
 from dataclasses import dataclass
 from typing import Sequence
@@ -33,6 +42,8 @@ __all__ = ["PLACEMENTS", "BALANCED", "HEAD_TAIL", "CONTIGUOUS", "BALANCE_TOLERAN
 
 BALANCED, HEAD_TAIL, CONTIGUOUS = "balanced", "head_tail", "contiguous"
 PLACEMENTS = (BALANCED, HEAD_TAIL, CONTIGUOUS)
+_log = logging.getLogger("cp_cache")
+
 BALANCE_TOLERANCE = 1.05  # max/mean of tokens and of work per rank the balanced placement aims under
 
 
@@ -116,15 +127,22 @@ def _pieces(cu: tuple[int, ...], world: int, placement: str) -> tuple[tuple[Piec
     else:
         groups = _balanced(cu, world) if placement == BALANCED else [tuple(range(world))] * len(cu)
         spans = _split(cu, world, groups)
+    out = _as_pieces(spans)
+    for rank, pieces in enumerate(out):
+        if not pieces:
+            raise ValueError(f"placement {placement!r} of cu_seqlens={list(cu)} over W={world} ranks leaves rank "
+                             f"{rank} without tokens: pack more tokens or use fewer ranks")
+    return out
+
+
+def _as_pieces(spans: Sequence[Sequence[tuple[int, int, int]]]) -> tuple[tuple[Piece, ...], ...]:
+    """Each rank's (document, global start, length) spans as pieces in local order."""
     out = []
-    for rank, held in enumerate(spans):
+    for held in spans:
         local, pieces = 0, []
         for doc, start, length in sorted(held, key=lambda s: s[1]):
             pieces.append(Piece(doc, local, start, length))
             local += length
-        if not pieces:
-            raise ValueError(f"placement {placement!r} of cu_seqlens={list(cu)} over W={world} ranks leaves rank "
-                             f"{rank} without tokens: pack more tokens or use fewer ranks")
         out.append(tuple(pieces))
     return tuple(out)
 
@@ -167,6 +185,417 @@ def _merge_adjacent(spans: list[tuple[int, int, int]]) -> list[tuple[int, int, i
     return out
 
 
+# ---------------------------------------------------------------- the balanced placement's search
+
+
+def _balanced(cu: tuple[int, ...], world: int) -> list[tuple[int, ...]]:
+    """The group of ranks of every document (one rank: whole), from ``_Search``: its first pass
+    and descent with the documents no rank can take whole split over the fewest ranks, then over
+    more (``_WIDEN``), the first within the tolerance winning (small mixes: each repaired before
+    the next); none: their repairs in the same order while the budgets last, the first within
+    winning, else the lowest peak. On small mixes (up to ``_COMPARED`` documents), and wherever
+    the search misses the tolerance, the widening greedy (``_widening``) too: the better of the
+    two (within the tolerance at fewer rows, else the lower peak)."""
+    lengths = [end - start for start, end in zip((0,) + cu[:-1], cu)]
+    budgets, searches, found = _Budgets(), [], None
+    for widen in _WIDEN:
+        search = _Search(lengths, world, widen, budgets)
+        search.first_pass()
+        search.descend(budgets.moves // 4 if search.forced else None)  # widened runs may follow
+        if search.peak() > 1.0 and search.small:  # repaired first: it splits least
+            search.repair()
+        if search.peak() <= 1.0:
+            found = search
+            break
+        searches.append(search)
+        if not search.forced:  # nothing to widen
+            break
+    for search in searches if found is None else ():
+        if not search.small:
+            search.repair()
+        if found is None or search.standing(search.groups) < found.standing(found.groups):
+            found = search
+        if found.peak() <= 1.0:
+            break
+    searched = found.standing(found.groups)
+    if not searched[0] and len(lengths) > _COMPARED:
+        return found.groups
+    fallback = _widening(lengths, world)
+    if found.standing(fallback) < searched:
+        _log.debug("balanced placement of %d documents over W=%d: the widening greedy (%s) beats the search (%s)",
+                   len(lengths), world, found.standing(fallback), searched)
+        return fallback
+    return found.groups
+
+
+def _capacity(total: int, world: int) -> int:
+    """The most of ``total`` one of ``world`` ranks may hold within ``BALANCE_TOLERANCE`` of the
+    mean, tested as ``PlacementCost`` computes its ratios (within here is within there)."""
+    mean = total / world
+    cap = int(BALANCE_TOLERANCE * mean) + 1
+    while cap / mean > BALANCE_TOLERANCE:
+        cap -= 1
+    return cap
+
+
+@functools.lru_cache(maxsize=4096)
+def _shares(length: int, k: int) -> tuple[tuple[int, int], ...]:
+    """(tokens, causal work) of each of the k members, in rank order, of a document of ``length``
+    split head-tail over k ranks, as ``_split`` cuts it."""
+    if k == 1:
+        return ((length, causal_pairs(0, length)),)
+    bounds = [j * length // (2 * k) for j in range(2 * k + 1)]
+    return tuple((bounds[i + 1] - bounds[i] + bounds[2 * k - i] - bounds[2 * k - 1 - i],
+                  causal_pairs(bounds[i], bounds[i + 1] - bounds[i])
+                  + causal_pairs(bounds[2 * k - 1 - i], bounds[2 * k - i] - bounds[2 * k - 1 - i]))
+                 for i in range(k))
+
+
+def _rows(length: int, k: int) -> int:
+    """K/V rows the k members of a document of ``length`` split head-tail need from each other:
+    member i misses, before its last query, all but its own chunk i (0.75 * length * (k-1))."""
+    bounds = [j * length // (2 * k) for j in range(2 * k + 1)]
+    return sum(bounds[2 * k - 1 - i] - bounds[i + 1] + bounds[i] for i in range(k)) if k > 1 else 0
+
+
+@dataclass
+class _Budgets:
+    """What the searches of one placement may still weigh: bounds its time."""
+
+    moves: int = 16_000  # moves, swaps and widenings (~1-2 us each)
+    packing: int = 160_000  # ranks weighed by the depth-first packings (~0.5 us each)
+
+
+_PACKED = 2_048  # documents x ranks up to which the search tries depth-first packings
+_COMPARED = 128  # documents up to which the widening greedy runs beside a search within the tolerance
+_PACK_PAIRED = 24  # the cheapest single splits the packings pair up
+_PACK_TRIES = 150  # placements one depth-first packing tries
+_WIDEN_TRIES = 3  # documents widened by one rank (each followed by the descent) weighed per step
+
+
+class _Search:
+    """The balanced placement's search over every document's group of ranks. Loads are integers
+    (tokens and causal pairs per rank); a rank's level is the larger of its tokens and its work as
+    fractions of their capacities (``_capacity``): the objective is every level at most 1, then the
+    fewest K/V rows (``_rows``). Documents of no tokens are left out (rank 0 keeps them).
+
+    ``first_pass`` (largest documents first, each whole on the rank it raises least, split only
+    where no rank could take it whole beside the documents split so far), ``descend`` (moves of
+    whole documents and swaps of two between ranks) and, while a rank is above its capacities,
+    ``repair`` (depth-first packings with up to two documents split on small mixes, and one more
+    rank at a time for a document of the busiest rank, the fewest added rows first). Every step
+    is deterministic (ties go to the lower document or rank) and charges ``budgets``."""
+
+    def __init__(self, lengths: Sequence[int], world: int, widen: float, budgets: _Budgets):
+        self.lengths, self.world, self.widen, self.budgets = list(lengths), world, widen, budgets
+        self.pairs = [causal_pairs(0, n) for n in lengths]
+        self.cap_tokens = _capacity(sum(lengths), world)
+        self.cap_work = _capacity(max(sum(self.pairs), 1), world)
+        self.docs = [d for d, n in enumerate(lengths) if n > 0]
+        self.tokens, self.work = [0] * world, [0] * world
+        self.groups: list[tuple[int, ...]] = [() if n else (0,) for n in lengths]
+        self.whole: list[set[int]] = [set() for _ in range(world)]  # documents a rank holds whole
+        self.count = [0] * world  # documents a rank holds some of
+        self.split_tokens, self.split_work = [0] * world, [0] * world  # of the documents split
+        self.forced = False  # whether the first pass split a document no rank could take whole
+        self.small = len(self.docs) * world <= _PACKED  # depth-first packings weighed
+
+    # -- loads
+    def level(self, r: int) -> float:
+        return max(self.tokens[r] / self.cap_tokens, self.work[r] / self.cap_work)
+
+    def level_with(self, r: int, tokens: int, work: int) -> float:
+        return max((self.tokens[r] + tokens) / self.cap_tokens, (self.work[r] + work) / self.cap_work)
+
+    def size(self, doc: int) -> float:
+        return max(self.lengths[doc] / self.cap_tokens, self.pairs[doc] / self.cap_work)
+
+    def most_ranks(self, doc: int) -> int:
+        """The widest group of a document: every member holds tokens (two chunks of at least one)."""
+        return min(self.world, max(1, self.lengths[doc] // 2))
+
+    def peak(self) -> float:
+        return max(self.level(r) for r in range(self.world)) if all(self.count) else math.inf
+
+    def excess(self) -> float:
+        return sum(max(0, t - self.cap_tokens) / self.cap_tokens + max(0, w - self.cap_work) / self.cap_work
+                   for t, w in zip(self.tokens, self.work))
+
+    def rows(self) -> int:
+        return sum(_rows(self.lengths[d], len(self.groups[d])) for d in self.docs)
+
+    def standing(self, groups: Sequence[tuple[int, ...]]) -> tuple[bool, float, int]:
+        """How good ``groups`` are, lower better: (above the tolerance, if so the larger max/mean
+        of tokens and work as ``PlacementCost`` computes them (inf where a rank holds no tokens),
+        the rows)."""
+        saved = list(self.groups)
+        self.assign(groups)
+        above, rows = self.peak() > 1.0, self.rows()
+        worst = max(max(self.tokens) * self.world / sum(self.tokens), max(self.work) * self.world / sum(self.work))
+        ratio = worst if all(self.count) else math.inf
+        self.assign(saved)
+        return above, ratio if above else 0.0, rows
+
+    # -- changes
+    def place(self, doc: int, group: tuple[int, ...], sign: int = 1) -> None:
+        split = len(group) > 1
+        for r, (tokens, work) in zip(group, _shares(self.lengths[doc], len(group)) if group else ()):
+            self.tokens[r] += sign * tokens
+            self.work[r] += sign * work
+            self.count[r] += sign
+            if split:
+                self.split_tokens[r] += sign * tokens
+                self.split_work[r] += sign * work
+        if len(group) == 1:
+            (self.whole[group[0]].add if sign > 0 else self.whole[group[0]].discard)(doc)
+
+    def move(self, doc: int, group: tuple[int, ...]) -> None:
+        if self.groups[doc]:
+            self.place(doc, self.groups[doc], -1)
+        self.groups[doc] = group
+        self.place(doc, group)
+
+    def assign(self, groups: Sequence[tuple[int, ...]]) -> None:
+        for d in self.docs:
+            if self.groups[d] != groups[d] and self.groups[d]:
+                self.place(d, self.groups[d], -1)
+                self.groups[d] = ()
+        for d in self.docs:
+            if not self.groups[d]:
+                self.groups[d] = groups[d]
+                self.place(d, groups[d])
+
+    # -- the search
+    def repair(self) -> None:
+        """After the first pass and the descent, while a rank is above its capacities: depth-first
+        packings with up to two documents split (small mixes), then one more rank at a time for a
+        document of the busiest rank, each followed by the descent (and by a packing)."""
+        if self.peak() > 1.0 and self.small:
+            self.pack_splits(paired=True)
+        while self.peak() > 1.0 and self.budgets.moves > 0 and self.widen_one():
+            if self.peak() > 1.0 and self.small:
+                self.pack_splits(paired=False)
+
+    def first_pass(self) -> None:
+        """Documents largest first: one no rank could take whole beside the documents split so far
+        over the fewest ranks that stay within the capacities (``group_for``); every other whole on
+        the rank it raises least among the lowest in level, in tokens and in work."""
+        # three heaps of (level, tokens or work; rank; the rank's version when pushed): entries of
+        # ranks loaded since are stale
+        heaps: list[list[tuple]] = [[(0, r, 0) for r in range(self.world)] for _ in range(3)]
+        version = [0] * self.world
+        rooms = {(self.cap_tokens, self.cap_work)}  # what ranks have left beside the split documents
+        roomiest = 1.0  # the largest size every room takes
+        sizes = {d: self.size(d) for d in self.docs}
+        for doc in sorted(self.docs, key=lambda d: (-sizes[d], d)):
+            n, work = self.lengths[doc], self.pairs[doc]
+            if sizes[doc] > roomiest and self.most_ranks(doc) > 1 and \
+                    not any(n <= t and work <= w for t, w in rooms):
+                group = self.group_for(doc)
+                self.forced = True
+            else:
+                best = None
+                for heap in heaps:
+                    while heap[0][2] != version[heap[0][1]]:
+                        heapq.heappop(heap)
+                    key = (self.level_with(heap[0][1], n, work), heap[0][1])
+                    best = key if best is None or key < best else best
+                group = (best[1],)
+            self.move(doc, group)
+            if len(group) > 1:
+                rooms = {(self.cap_tokens - t, self.cap_work - w) for t, w in zip(self.split_tokens, self.split_work)}
+                roomiest = min(min(t / self.cap_tokens, w / self.cap_work) for t, w in rooms)
+            for r in group:
+                version[r] += 1
+                for heap, key in zip(heaps, (self.level(r), self.tokens[r], self.work[r])):
+                    heapq.heappush(heap, (key, r, version[r]))
+
+    def group_for(self, doc: int) -> tuple[int, ...]:
+        """The fewest ranks a document split over stays within the capacities on (the k ranks its
+        share raises least; a bisection: the peak mostly falls as k grows), times ``widen``; none
+        within: the group of the lower peak of the narrowest and the widest."""
+        most = self.most_ranks(doc)
+        low = min(most, max(2, math.ceil(self.size(doc))))
+        narrowest, widest = self.lowest(doc, low), self.lowest(doc, most)
+        if narrowest[0] > 1.0 and widest[0] > 1.0:
+            return min(narrowest, widest)[1]
+        high = most
+        while low < high and narrowest[0] > 1.0:
+            middle = (low + high) // 2
+            if self.lowest(doc, middle)[0] <= 1.0:
+                high = middle
+            else:
+                low = middle + 1
+        k = most if self.widen >= most else min(most, math.ceil(low * self.widen))
+        return self.lowest(doc, k)[1]
+
+    def lowest(self, doc: int, k: int) -> tuple[float, tuple[int, ...]]:
+        """The peak level and the k ranks (in rank order) a document split over k raises least."""
+        shares = _shares(self.lengths[doc], k)
+        tokens, work = max(s[0] for s in shares), max(s[1] for s in shares)
+        ct, cw = self.cap_tokens, self.cap_work
+        after = [max((t + tokens) / ct, (w + work) / cw) for t, w in zip(self.tokens, self.work)]
+        group = sorted(range(self.world), key=lambda r: (after[r], r))[:k]
+        return after[group[-1]], tuple(sorted(group))
+
+    def descend(self, budget: int | None = None) -> None:
+        """While a rank is above its capacities: the move of one whole document to another rank
+        or the swap of two that lowers the excess over the capacities most, or keeps it and lowers
+        the sum of the squared levels (room gathered on fewer ranks), the busiest ranks' largest
+        documents first. Stops where none does or ``budget`` (default: all that is left) is spent."""
+        stop = self.budgets.moves - budget if budget is not None else 0
+        while self.budgets.moves > stop and self.excess() > 0:
+            change = self.improvement(stop)
+            if change is None:
+                return
+            a, p, q, b = change
+            self.move(a, (q,))
+            if b >= 0:
+                self.move(b, (p,))
+
+    def improvement(self, stop: int) -> tuple[int, int, int, int] | None:
+        """(document, its rank, the rank it goes to, the document swapped back or -1) of the
+        descent's next change; None: none, or the budget is down to ``stop``."""
+        ct, cw = self.cap_tokens, self.cap_work
+        t = [x / ct for x in self.tokens]
+        w = [x / cw for x in self.work]
+
+        def excess(tr: float, wr: float) -> float:
+            return max(0.0, tr - 1.0) + max(0.0, wr - 1.0)
+
+        for p in sorted(range(self.world), key=lambda r: (-max(t[r], w[r]), r)):
+            for a in sorted(self.whole[p], key=lambda d: (-self.size(d), d)):
+                ta, wa = self.lengths[a] / ct, self.pairs[a] / cw
+                best = None  # (excess change, squares change, rank, document swapped back or -1)
+                for q in range(self.world):
+                    if q == p:
+                        continue
+                    base_excess = excess(t[p], w[p]) + excess(t[q], w[q])
+                    base_squares = t[p] * t[p] + w[p] * w[p] + t[q] * t[q] + w[q] * w[q]
+                    options = [(ta, wa, -1)] if self.count[p] > 1 else []
+                    options += [(ta - self.lengths[b] / ct, wa - self.pairs[b] / cw, b)
+                                for b in sorted(self.whole[q]) if self.lengths[b] != self.lengths[a]]
+                    self.budgets.moves -= len(options)
+                    for dt, dw, b in options:
+                        tp, wp, tq, wq = t[p] - dt, w[p] - dw, t[q] + dt, w[q] + dw
+                        d_excess = excess(tp, wp) + excess(tq, wq) - base_excess
+                        d_squares = tp * tp + wp * wp + tq * tq + wq * wq - base_squares
+                        if d_excess < -1e-12 or (d_excess <= 1e-12 and d_squares < -1e-12):
+                            key = (round(d_excess, 12), d_squares, q, b)
+                            if best is None or key < best:
+                                best = key
+                if best is not None:
+                    return a, p, best[2], best[3]
+                if self.budgets.moves <= stop:
+                    return None
+        return None
+
+    def pack_splits(self, paired: bool) -> None:
+        """Depth-first packings (``pack``) of the whole documents: as they are, then (``paired``)
+        with one of them split over 2 to 4 ranks or two of the ``_PACK_PAIRED`` cheapest such
+        splits, in increasing added rows; the first found is kept."""
+        lengths, whole = self.lengths, [d for d in self.docs if len(self.groups[d]) == 1]
+        splittable = [d for d in whole if self.most_ranks(d) > 1] if paired else []
+        singles = sorted((_rows(lengths[d], k), ((d, k),))
+                         for d in splittable for k in range(2, min(self.most_ranks(d), 4) + 1))
+        options = [(0, ())] + singles + [(a[0] + b[0], a[1] + b[1])
+                                         for a, b in itertools.combinations(singles[:_PACK_PAIRED], 2)
+                                         if a[1][0][0] != b[1][0][0]]
+        for _, splits in sorted(options):
+            if self.budgets.packing <= 0:
+                return
+            found = self.pack(whole, dict(splits))
+            if found is not None:
+                groups = list(self.groups)
+                for d, group in found.items():
+                    groups[d] = group
+                self.assign(groups)
+                return
+
+    def pack(self, docs: Sequence[int], splits: dict[int, int]) -> dict[int, tuple[int, ...]] | None:
+        """Groups for ``docs`` (whole, or over k ranks where ``splits`` maps them to k) within the
+        capacities on top of the other documents' loads: items (a document, or each member's
+        largest share of a split one) largest first, each on a rank in increasing level, ranks of
+        equal loads tried once. None: none within ``_PACK_TRIES`` placements or the packing budget."""
+        ct, cw, world = self.cap_tokens, self.cap_work, self.world
+        items = []
+        for d in docs:
+            shares = _shares(self.lengths[d], splits.get(d, 1))
+            items += [(max(n for n, _ in shares), max(c for _, c in shares), d)] * len(shares)
+        items.sort(key=lambda i: (-max(i[0] / ct, i[1] / cw), i[2]))
+        tokens, work = list(self.tokens), list(self.work)
+        for d in docs:
+            for r, (n, c) in zip(self.groups[d], _shares(self.lengths[d], len(self.groups[d]))):
+                tokens[r] -= n
+                work[r] -= c
+        self.budgets.packing -= len(items) * self.world  # setting up: about a node per item
+        held: dict[int, set[int]] = {d: set() for d in docs}
+        tries = [min(self.budgets.packing // self.world, _PACK_TRIES)]
+
+        def search(i: int) -> bool:
+            if i == len(items):
+                return True
+            tries[0] -= 1
+            n, c, d = items[i]
+            tried = set()
+            for r in sorted(range(world), key=lambda q: (max(tokens[q] / ct, work[q] / cw), q)):
+                if (tokens[r], work[r]) in tried or tokens[r] + n > ct or work[r] + c > cw or r in held[d]:
+                    continue
+                tried.add((tokens[r], work[r]))
+                tries[0] -= 1
+                if tries[0] < 0:
+                    return False
+                tokens[r] += n
+                work[r] += c
+                held[d].add(r)
+                if search(i + 1):
+                    return True
+                held[d].discard(r)
+                tokens[r] -= n
+                work[r] -= c
+            return False
+
+        found = search(0)
+        self.budgets.packing -= (min(self.budgets.packing // self.world, _PACK_TRIES) - max(tries[0], 0)) * self.world
+        return {d: tuple(sorted(held[d])) for d in docs} if found else None
+
+    def widen_one(self) -> bool:
+        """One document of the busiest rank over one more rank (a whole one over two) followed by
+        the descent, kept where that lowers the excess over the capacities: the candidates with
+        the fewest added rows first (of equal rows: the larger drop of their group's excess), at
+        most ``_WIDEN_TRIES``. False when none is kept."""
+        p = max(range(self.world), key=lambda r: (self.level(r), -r))
+        ct, cw = self.cap_tokens, self.cap_work
+
+        def excess(r: int, tokens: int = 0, work: int = 0) -> float:
+            return max(0, self.tokens[r] + tokens - ct) / ct + max(0, self.work[r] + work - cw) / cw
+
+        candidates = []
+        for doc in sorted(d for d in self.docs if p in self.groups[d]):
+            group, n = self.groups[doc], self.lengths[doc]
+            if len(group) >= self.most_ranks(doc):
+                continue
+            added = _rows(n, len(group) + 1) - _rows(n, len(group))
+            shares = _shares(n, len(group) + 1)
+            self.place(doc, group, -1)
+            before = sum(excess(r, *s) for r, s in zip(group, _shares(n, len(group))))
+            self.budgets.moves -= self.world
+            for q in range(self.world):
+                if q not in group:
+                    wider = tuple(sorted(group + (q,)))
+                    change = sum(excess(r, *s) for r, s in zip(wider, shares)) - before - excess(q)
+                    candidates.append((added, change, doc, wider))
+            self.place(doc, group)
+        start_excess, start_groups = self.excess(), list(self.groups)
+        for _, _, doc, wider in sorted(candidates)[:_WIDEN_TRIES]:
+            self.move(doc, wider)
+            self.descend()
+            if self.excess() < start_excess - 1e-12:
+                return True
+            self.assign(start_groups)
+        return False
+
+
 class _Loads:
     """Tokens and causal work per rank while the greedy places documents, as fractions of the
     final means (a rank's level: the larger of the two)."""
@@ -201,11 +630,10 @@ class _Loads:
             self.work[r] += work
 
 
-def _balanced(cu: tuple[int, ...], world: int) -> list[tuple[int, ...]]:
-    """The group of ranks of every document (one rank: whole). The greedy (``_greedy``) runs
-    with settings from the fewest split ranks up; the first whose tokens and work per rank are
-    within ``BALANCE_TOLERANCE`` of the mean wins (none: the most even)."""
-    lengths = [end - start for start, end in zip((0,) + cu[:-1], cu)]
+def _widening(lengths: Sequence[int], world: int) -> list[tuple[int, ...]]:
+    """The greedy placement of issue 23 (``_greedy``), run with settings from the fewest split
+    ranks up; the first within ``BALANCE_TOLERANCE`` wins (none: the most even). The search's
+    fallback where it misses the tolerance."""
     best, best_peak = None, None
     for widen in _WIDEN:
         groups = _greedy(lengths, world, _AIM, widen)
@@ -219,6 +647,14 @@ def _balanced(cu: tuple[int, ...], world: int) -> list[tuple[int, ...]]:
 
 _AIM = 1.02  # the level the greedy accepts without splitting further: room for the documents to come
 _WIDEN = (1.0, 1.5, 2.0, 4.0, float("inf"))  # a split document goes over this many times the fewest ranks
+
+
+def _widening_cost(cu: Sequence[int], world: int) -> PlacementCost:
+    """What the widening greedy alone (the balanced placement before the search) would cost: the
+    bench's and the tests' reference."""
+    cu = tuple(int(x) for x in cu)
+    lengths = [end - start for start, end in zip((0,) + cu[:-1], cu)]
+    return _cost(cu, _as_pieces(_split(cu, world, _widening(lengths, world))))
 
 
 def _greedy(lengths: Sequence[int], world: int, aim: float, widen: float) -> list[tuple[int, ...]]:
@@ -290,9 +726,13 @@ def placement_cost(cu: Sequence[int], world: int, placement: str) -> PlacementCo
     """Tokens, causal work and K/V rows needed per rank of ``placement`` (causal attention
     within documents)."""
     cu = tuple(int(x) for x in cu)
+    return _cost(cu, placement_pieces(cu, world, placement))
+
+
+def _cost(cu: tuple[int, ...], placed: Sequence[Sequence[Piece]]) -> PlacementCost:
     starts = (0,) + cu[:-1]
     tokens, work, rows = [], [], []
-    for pieces in placement_pieces(cu, world, placement):
+    for pieces in placed:
         tokens.append(sum(p.length for p in pieces))
         work.append(sum(causal_pairs(p.start - starts[p.document], p.length) for p in pieces))
         last: dict[int, int] = {}  # document -> the last position this rank holds of it

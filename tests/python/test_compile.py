@@ -521,45 +521,59 @@ CAPACITY, CAPACITY_DOCUMENT_SETS = 40, ((10, 20, 34), (5, 30, 29, 6), (40, 8), (
                                         (7, 50, 7, 3, 1, 2))
 
 
-def _lengths_compiled(mesh, rank: int) -> dict:
+def _dense_lengths(algorithm: str, mesh, placements: list, load_balance: bool, rank: int) -> dict:
+    """The dense causal BNSD block under ``algorithm`` over ``LOCAL_LENGTHS``, eager and compiled
+    with dynamic=True."""
     import torch._dynamo
-    from torch.distributed.tensor import DTensor, Shard
+    from torch.distributed.tensor import DTensor
     from torch.distributed.tensor.experimental._context_parallel._attention import _cp_options
 
     from cp_cache.npu_ops import causal_arguments
 
     causal = causal_arguments("cpu")
-    balance = _cp_options.enable_load_balance
-    _cp_options.enable_load_balance = True
 
     def block(q, k, v):
-        qd, kd, vd = (DTensor.from_local(t, mesh, [Shard(2)]) for t in (q, k, v))
+        qd, kd, vd = (DTensor.from_local(t, mesh, placements) for t in (q, k, v))
         out = torch.ops.npu.npu_fusion_attention_v3(qd, kd, vd, LENGTH_HEADS, "BNSD", scale=LENGTH_HEAD_DIM ** -0.5,
                                                     **causal)[0]
         return out.to_local()
 
+    cp_cache.enable("handle", algorithm=algorithm)
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    compiled = torch.compile(block, dynamic=True, backend="aot_eager")
+    differing = []
+    with cp_cache.context_parallel(mesh):
+        _cp_options.enable_load_balance = load_balance
+        for s in LOCAL_LENGTHS:
+            g = torch.Generator().manual_seed(s * 10 + rank)
+            x = [torch.randn(1, LENGTH_HEADS, s, LENGTH_HEAD_DIM, generator=g) for _ in range(4)]
+            got = []
+            for fn in (block, compiled):
+                q, k, v = (t.clone().requires_grad_() for t in x[:3])
+                out = fn(q, k, v)
+                out.backward(x[3])
+                got.append((out.detach(), q.grad, k.grad, v.grad))
+            differing += [(s, name) for name, a, b in zip(("out", "dq", "dk", "dv"), *got) if not torch.equal(a, b)]
+    return dict(graphs=torch._dynamo.utils.counters["stats"]["unique_graphs"], differing=differing,
+                live=cp_cache.stats()["live_entries"])
+
+
+def _lengths_compiled(mesh, rank: int, grid=None) -> dict:
+    """Every length check on the 1-D ``mesh`` (head-tail); with a 2-D ``grid``, hybrid over it too
+    (contiguous shards: hybrid takes no head-tail)."""
+    import torch._dynamo
+    from torch.distributed.tensor import Shard
+    from torch.distributed.tensor.experimental._context_parallel._attention import _cp_options
+
+    balance = _cp_options.enable_load_balance
     results = {}
     try:
         for algorithm in LENGTH_ALGORITHMS:
-            cp_cache.enable("handle", algorithm=algorithm)
-            torch._dynamo.reset()
-            torch._dynamo.utils.counters.clear()
-            compiled = torch.compile(block, dynamic=True, backend="aot_eager")
-            differing = []
-            with cp_cache.context_parallel(mesh):
-                for s in LOCAL_LENGTHS:
-                    g = torch.Generator().manual_seed(s * 10 + rank)
-                    x = [torch.randn(1, LENGTH_HEADS, s, LENGTH_HEAD_DIM, generator=g) for _ in range(4)]
-                    got = []
-                    for fn in (block, compiled):
-                        q, k, v = (t.clone().requires_grad_() for t in x[:3])
-                        out = fn(q, k, v)
-                        out.backward(x[3])
-                        got.append((out.detach(), q.grad, k.grad, v.grad))
-                    differing += [(s, name) for name, a, b in zip(("out", "dq", "dk", "dv"), *got)
-                                  if not torch.equal(a, b)]
-            results[algorithm] = dict(graphs=torch._dynamo.utils.counters["stats"]["unique_graphs"],
-                                      differing=differing, live=cp_cache.stats()["live_entries"])
+            results[algorithm] = _dense_lengths(algorithm, mesh, [Shard(2)], True, rank)
+        if grid is not None:
+            results["hybrid"] = _dense_lengths("hybrid", grid, [Shard(2), Shard(2)], False, rank)
+        _cp_options.enable_load_balance = True
         results["packed"] = _documents_compiled(mesh, rank)
         results["packed_capacity"] = _documents_compiled(mesh, rank, CAPACITY)
     finally:
@@ -818,7 +832,8 @@ def _lengths_rank(rank: int, world: int) -> dict:
     from cp_cache.testing import install_npu_emulator
 
     install_npu_emulator(route_sdpa=True)
-    return _lengths_compiled(init_device_mesh("cpu", (world,)), rank)
+    grid = init_device_mesh("cpu", (2, world // 2)) if world == 4 else None
+    return _lengths_compiled(init_device_mesh("cpu", (world,)), rank, grid)
 
 
 _LENGTHS: dict[int, list[dict]] = {}
@@ -833,10 +848,11 @@ def _length_results(world: int) -> list[dict]:
     return _LENGTHS[world]
 
 
-@pytest.mark.parametrize("world", (2, 4))
-@pytest.mark.parametrize("algorithm", (*LENGTH_ALGORITHMS, "packed", "packed_capacity"))
+@pytest.mark.parametrize("world,algorithm", [(w, a) for w in (2, 4) for a in (*LENGTH_ALGORITHMS, "packed",
+                                                                              "packed_capacity")] + [(4, "hybrid")])
 def test_one_graph_for_every_length(algorithm, world):
-    """``dynamic=True``: dense causal head-tail at six local lengths (ring, Ulysses), packed
+    """``dynamic=True``: dense causal head-tail at six local lengths (ring, Ulysses; at W = 4 hybrid
+    on a 2 x 2 mesh too, contiguous), packed
     documents at six document sets (local lengths that differ between sets and ranks): one graph
     each (before: one per length; packed: one for even and one for uneven local lengths), equal to
     eager, no cache left alive. At a capacity, static shapes (only the lengths tensor's size marked
