@@ -104,13 +104,13 @@ def attention_forward(module: torch.nn.Module, query: Tensor, key: Tensor, value
         _refuse(attention_mask, kwargs)
         _check_qkv(query, key, value, s_aux)
         sharding = _sharding(mesh, query, key)
-        causal = _causal(module, kwargs)
-        mask = _Mask(causal=causal, window=_window(sliding_window, causal),
-                     documents=_CHECKED.documents(kwargs, sharding))
-        if sharding.documents is not None and mask.documents is None:
+        if sharding.documents is not None and kwargs.get("cu_seq_lens_q") is None:
             raise ValueError(f"cp_cache attention: the CP region laid its buffers out by documents="
                              f"{list(sharding.documents)}, but the call has no cu_seq_lens_q/k (pass the packed "
                              "batch's cu_seq_lens_q and cu_seq_lens_k to the model)")
+        causal = _causal(module, kwargs)
+        mask = _Mask(causal=causal, window=_window(sliding_window, causal),
+                     documents=_CHECKED.documents(kwargs, sharding))
         if mask.documents is not None and query.size(0) != 1:
             raise NotImplementedError(f"cp_cache attention: packed documents (cu_seq_lens_q/k) need batch size 1 "
                                       f"(the documents flattened into one row), got query {describe(query)}")
