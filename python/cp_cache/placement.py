@@ -188,6 +188,10 @@ def _merge_adjacent(spans: list[tuple[int, int, int]]) -> list[tuple[int, int, i
 # ---------------------------------------------------------------- the balanced placement's search
 
 
+def _document_lengths(cu: Sequence[int]) -> list[int]:
+    return [end - start for start, end in zip((0,) + tuple(cu[:-1]), cu)]
+
+
 def _balanced(cu: tuple[int, ...], world: int) -> list[tuple[int, ...]]:
     """The group of ranks of every document (one rank: whole), from ``_Search``: its first pass
     and descent with the documents no rank can take whole split over the fewest ranks, then over
@@ -196,7 +200,7 @@ def _balanced(cu: tuple[int, ...], world: int) -> list[tuple[int, ...]]:
     winning, else the lowest peak. On small mixes (up to ``_COMPARED`` documents), and wherever
     the search misses the tolerance, the widening greedy (``_widening``) too: the better of the
     two (within the tolerance at fewer rows, else the lower peak)."""
-    lengths = [end - start for start, end in zip((0,) + cu[:-1], cu)]
+    lengths = _document_lengths(cu)
     budgets, searches, found = _Budgets(), [], None
     for widen in _WIDEN:
         search = _Search(lengths, world, widen, budgets)
@@ -228,7 +232,7 @@ def _balanced(cu: tuple[int, ...], world: int) -> list[tuple[int, ...]]:
     return found.groups
 
 
-def _capacity(total: int, world: int) -> int:
+def _tolerated_load(total: int, world: int) -> int:
     """The most of ``total`` one of ``world`` ranks may hold within ``BALANCE_TOLERANCE`` of the
     mean, tested as ``PlacementCost`` computes its ratios (within here is within there)."""
     mean = total / world
@@ -276,7 +280,7 @@ _WIDEN_TRIES = 3  # documents widened by one rank (each followed by the descent)
 class _Search:
     """The balanced placement's search over every document's group of ranks. Loads are integers
     (tokens and causal pairs per rank); a rank's level is the larger of its tokens and its work as
-    fractions of their capacities (``_capacity``): the objective is every level at most 1, then the
+    fractions of their capacities (``_tolerated_load``): the objective is every level at most 1, then the
     fewest K/V rows (``_rows``). Documents of no tokens are left out (rank 0 keeps them).
 
     ``first_pass`` (largest documents first, each whole on the rank it raises least, split only
@@ -289,8 +293,8 @@ class _Search:
     def __init__(self, lengths: Sequence[int], world: int, widen: float, budgets: _Budgets):
         self.lengths, self.world, self.widen, self.budgets = list(lengths), world, widen, budgets
         self.pairs = [causal_pairs(0, n) for n in lengths]
-        self.cap_tokens = _capacity(sum(lengths), world)
-        self.cap_work = _capacity(max(sum(self.pairs), 1), world)
+        self.cap_tokens = _tolerated_load(sum(lengths), world)
+        self.cap_work = _tolerated_load(max(sum(self.pairs), 1), world)
         self.docs = [d for d, n in enumerate(lengths) if n > 0]
         self.tokens, self.work = [0] * world, [0] * world
         self.groups: list[tuple[int, ...]] = [() if n else (0,) for n in lengths]
@@ -653,7 +657,7 @@ def _widening_cost(cu: Sequence[int], world: int) -> PlacementCost:
     """What the widening greedy alone (the balanced placement before the search) would cost: the
     bench's and the tests' reference."""
     cu = tuple(int(x) for x in cu)
-    lengths = [end - start for start, end in zip((0,) + cu[:-1], cu)]
+    lengths = _document_lengths(cu)
     return _cost(cu, _as_pieces(_split(cu, world, _widening(lengths, world))))
 
 
