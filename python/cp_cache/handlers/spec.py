@@ -459,11 +459,10 @@ def packed_mask(a: dict[str, Any]) -> MaskSpec:
         return MaskSpec()  # the op computes full attention (per document) whatever sparse_mode says
     if mode in CAUSAL_MODES and is_compressed_mask(mask):
         return MaskSpec(causal=True)
-    if mode == SparseMode.BAND and is_compressed_mask(mask):
-        return MaskSpec(window=True, pre_tockens=int(a["pre_tockens"]), next_tockens=int(a["next_tockens"]))
-    if mode in _SPLIT_MODES and is_compressed_mask(mask):  # the band in one document, the others causal
+    if (mode == SparseMode.BAND or mode in _SPLIT_MODES) and is_compressed_mask(mask):
+        # 7 / 8: the band in one document, the others causal
         return MaskSpec(window=True, pre_tockens=int(a["pre_tockens"]), next_tockens=int(a["next_tockens"]),
-                        band_document=_SPLIT_MODES[mode])
+                        band_document=_SPLIT_MODES.get(mode, ""))
     raise NotImplementedError(
         f"cp_cache ring attention with input_layout='TND' supports full attention (no atten_mask), causal "
         f"attention per document (sparse_mode {int(SparseMode.LEFT_UP_CAUSAL)} or "
