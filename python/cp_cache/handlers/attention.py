@@ -107,8 +107,8 @@ class AttentionHandlers:
             share_refusal("forward", a, error)
             raise
         q, k, v = call.local("query", "key", "value")
-        out, lse, seed = ops.ring_forward(q, k, v, call.mask, call.groups, call.plan.encode(), self.config.policy,
-                                          *call.lengths, call.sink)
+        out, lse, seed = ops.run_forward(q, k, v, call.mask, call.groups, call.plan, self.config.policy,
+                                         *call.lengths, call.sink)
         outputs = (
             *call.wrap_forward(out, lse),
             torch.empty(0, dtype=q.dtype, device=q.device),
@@ -135,8 +135,8 @@ class AttentionHandlers:
             share_refusal("backward", a, error)
             raise
         dy, q, k, v, out = call.local("dy", "query", "key", "value", "attention_in")
-        dq, dk, dv, dsink = ops.ring_backward(dy, q, k, v, out, lse, a["seed"], call.mask, call.groups,
-                                              call.plan.encode(), self.config.policy, *call.lengths, call.sink)
+        dq, dk, dv, dsink = ops.run_backward(dy, q, k, v, out, lse, a["seed"], call.mask, call.groups, call.plan,
+                                             self.config.policy, *call.lengths, call.sink)
         outputs = (
             *call.wrap_grads(dq, dk, dv),
             torch.empty(0, dtype=q.dtype, device=q.device),  # dpse: no pse

@@ -10,7 +10,8 @@ tensors (it cannot: the store, the collectives and the skipped steps need real
 data) and the compiled graph would not contain it. So the handlers do their checks
 and the DTensor wrapping in Python and hand the local work to these ops:
 
-* eagerly, the op's kernel runs the ring now (the same code as ever);
+* eagerly, the handlers call the ops' Python body (``forward_local`` / ``backward_local``)
+  directly, through ``run_forward`` / ``run_backward``: the op's dispatch only serves a tracer;
 * under fake tensors, its fake kernel returns outputs of the right shapes, dtypes and
   devices: no ring, no store, no collective, no real tensor;
 * the traced graph records the op, so the compiled forward runs the ring and creates
@@ -45,6 +46,7 @@ from typing import Any, Optional
 
 import torch
 from torch import Tensor
+from torch.utils._python_dispatch import _get_current_dispatch_mode as _current_dispatch_mode
 
 from .. import step_cache
 from ..algorithms import strategy_for
@@ -54,14 +56,52 @@ from ..kernels import KERNEL_BY_NAME
 from ..npu_ops import describe
 from ..plan import CallPlan
 
-__all__ = ["ring_forward", "ring_backward", "check_seed", "CallRecord", "CallLog", "CALL_LOG"]
+__all__ = ["run_forward", "run_backward", "ring_forward", "ring_backward", "check_seed", "CallRecord", "CallLog", "CALL_LOG"]
 
 
 def _groups(names: str) -> list:
-    """The process groups named in ``names`` (``CallSpec.groups``: comma-separated, outer first)."""
+    """The process groups named in ``names`` (comma-separated, outer first, as ``run_forward`` names them)."""
     from torch.distributed.distributed_c10d import _resolve_process_group
 
     return [_resolve_process_group(name) for name in names.split(",")]
+
+
+def _traced(tensors) -> bool:
+    """Whether these tensors' operations are traced or only propagate shapes (fake, functional or
+    meta tensors, or a dispatch mode such as make_fx's proxy mode): then the local work runs as
+    the custom op, which a trace records and whose fake kernel gives the shapes; eagerly it runs
+    now, without the op's dispatch."""
+    return _current_dispatch_mode() is not None or any(
+        t is not None and (type(t) is not Tensor or t.is_meta) for t in tensors)
+
+
+def run_forward(query: Tensor, key: Tensor, value: Tensor, mask_rows: Optional[Tensor], process_groups: list,
+                call: CallPlan, policy: str, actual_seq_qlen: Optional[Tensor] = None,
+                actual_seq_kvlen: Optional[Tensor] = None, sink: Optional[Tensor] = None):
+    """The forward's local work: ``forward_local`` now, or ``ring_forward`` where traced."""
+    tensors = (query, key, value, mask_rows, actual_seq_qlen, actual_seq_kvlen, sink)
+    if not _traced(tensors):
+        return forward_local(query, key, value, mask_rows, process_groups, call, policy, actual_seq_qlen,
+                             actual_seq_kvlen, sink)
+    return ring_forward(query, key, value, mask_rows, _group_names(process_groups), call.encode(), policy,
+                        actual_seq_qlen, actual_seq_kvlen, sink)
+
+
+def run_backward(dy: Tensor, query: Tensor, key: Tensor, value: Tensor, out: Tensor, lse: Tensor, seed: Tensor,
+                 mask_rows: Optional[Tensor], process_groups: list, called: CallPlan, policy: str,
+                 actual_seq_qlen: Optional[Tensor] = None, actual_seq_kvlen: Optional[Tensor] = None,
+                 sink: Optional[Tensor] = None):
+    """The backward's local work: ``backward_local`` now, or ``ring_backward`` where traced."""
+    tensors = (dy, query, key, value, out, lse, seed, mask_rows, actual_seq_qlen, actual_seq_kvlen, sink)
+    if not _traced(tensors):
+        return backward_local(dy, query, key, value, out, lse, seed, mask_rows, process_groups, called, policy,
+                              actual_seq_qlen, actual_seq_kvlen, sink)
+    return ring_backward(dy, query, key, value, out, lse, seed, mask_rows, _group_names(process_groups),
+                         called.encode(), policy, actual_seq_qlen, actual_seq_kvlen, sink)
+
+
+def _group_names(process_groups: list) -> str:
+    return ",".join(g.group_name for g in process_groups)
 
 
 # ---------------------------------------------------------------- forward
@@ -80,8 +120,16 @@ def ring_forward(query: Tensor, key: Tensor, value: Tensor, mask_rows: Optional[
     (stack). ``mask_rows``: the given mask's rows of this rank (ring) or the whole mask (Ulysses).
     ``actual_seq_qlen/kvlen``: packed documents' lengths, read and checked here (``read_documents``).
     ``sink``: the attention sinks of this rank's heads [N], merged once into the result."""
+    return forward_local(query, key, value, mask_rows, _groups(groups), CallPlan.decode(plan), policy,
+                         actual_seq_qlen, actual_seq_kvlen, sink)
+
+
+def forward_local(query: Tensor, key: Tensor, value: Tensor, mask_rows: Optional[Tensor], process_groups: list,
+                  call: CallPlan, policy: str, actual_seq_qlen: Optional[Tensor] = None,
+                  actual_seq_kvlen: Optional[Tensor] = None,
+                  sink: Optional[Tensor] = None) -> tuple[Tensor, Tensor, Tensor]:
+    """What ``ring_forward`` runs, on its groups and plan as objects."""
     started = time.perf_counter()
-    process_groups, call = _groups(groups), CallPlan.decode(plan)
     try:
         if actual_seq_qlen is not None or actual_seq_kvlen is not None:
             call = read_documents(call, actual_seq_qlen, actual_seq_kvlen, query.size(0))
@@ -124,10 +172,18 @@ def ring_backward(dy: Tensor, query: Tensor, key: Tensor, value: Tensor, out: Te
     give (with the documents of ``actual_seq_qlen/kvlen``), is checked against it. ``out``/``lse``:
     the forward's results (with the sink merged in); dsink: this rank's rows' share of the sink's
     gradient, a float32 0-d zero without a sink."""
+    return backward_local(dy, query, key, value, out, lse, seed, mask_rows, _groups(groups), CallPlan.decode(plan),
+                          policy, actual_seq_qlen, actual_seq_kvlen, sink)
+
+
+def backward_local(dy: Tensor, query: Tensor, key: Tensor, value: Tensor, out: Tensor, lse: Tensor, seed: Tensor,
+                   mask_rows: Optional[Tensor], process_groups: list, called: CallPlan, policy: str,
+                   actual_seq_qlen: Optional[Tensor] = None, actual_seq_kvlen: Optional[Tensor] = None,
+                   sink: Optional[Tensor] = None) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """What ``ring_backward`` runs, on its groups and plan as objects."""
     started = time.perf_counter()
-    process_groups, recorded, steps = _groups(groups), None, []
+    recorded, steps = None, []
     try:
-        called = CallPlan.decode(plan)
         if actual_seq_qlen is not None or actual_seq_kvlen is not None:
             called = read_documents(called, actual_seq_qlen, actual_seq_kvlen, query.size(0))
         called.check_sink(sink)

@@ -62,9 +62,9 @@ class CallSpec:
     sink: Optional[Tensor] = None
 
     @property
-    def groups(self) -> str:
-        """The CP dimensions' process groups, outer first, as the custom ops take them."""
-        return ",".join(self.sharding.group(i).group_name for i in range(len(self.sharding.cp_dims)))
+    def groups(self) -> list:
+        """The CP dimensions' process groups, outer first."""
+        return [self.sharding.group(i) for i in range(len(self.sharding.cp_dims))]
 
     def local(self, *names: str) -> tuple[Tensor, ...]:
         return tuple(self.args[n].to_local() for n in names)
