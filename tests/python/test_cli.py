@@ -127,9 +127,10 @@ def test_bench_quick_writes_json_and_png(tmp_path, cli):
     # the overhead section reports (no timing is asserted): one row per W > 1 and direction, three systems
     assert {(r["world_size"], r["direction"]) for r in report["overhead"]} == {(2, "forward"), (2, "backward")}
     for r in report["overhead"]:
-        for key in ("cp_cache_us", "torch_ring_us", "kernels_us", "cp_cache_overhead_us", "torch_ring_overhead_us"):
-            assert isinstance(r[key], float), (key, r)
-        assert "ratio" in r, r
+        for clock in ("", "_cpu"):
+            for key in ("cp_cache", "torch_ring", "kernels", "cp_cache_overhead", "torch_ring_overhead"):
+                assert isinstance(r[f"{key}{clock}_us"], float), (key, clock, r)
+        assert "ratio" in r and "cpu_ratio" in r, r
     handle_ckpt = [r for r in report["memory"] if r["policy"] == "handle" and r["checkpoint"] == "non_reentrant"]
     assert handle_ckpt and all(r["held_entries"] == 0 for r in handle_ckpt)
     for r in report["calls"]:

@@ -24,7 +24,11 @@ Per system and direction, the median seconds per call over ``repeats`` calls aft
 each direction timed after a ``torch.distributed.barrier()``, with
 ``torch.autograd.set_multithreading_enabled(False)`` (the backward on the calling thread).
 ``overhead`` = time per call - the kernels' time in the same direction; ``ratio`` = cp_cache's
-overhead / torch's ring's. Rank 0's figures. Also ``bench_overhead.png``.
+overhead / torch's ring's. The same from the calling thread's CPU time (``*_cpu_us``,
+``*_cpu_overhead_us``, ``cpu_ratio``): the host's own work, without the time blocked on the
+other ranks, which on 2 shared cores swings by milliseconds with scheduling and on an
+accelerator is the device's wait, not the host's (there only the agreement blocks the host).
+Rank 0's figures. Also ``bench_overhead.png``.
 """
 
 from __future__ import annotations
@@ -116,18 +120,19 @@ def _kernels(local: list, dy, rank: int, world_size: int, scale: float) -> _Syst
     return _System(lambda: None, forward, lambda out: out, backward)
 
 
-def _timed(system: _System, barrier: Callable[[], None]) -> tuple[float, float]:
-    """Seconds of one forward and of its backward, each started after a barrier."""
+def _timed(system: _System, barrier: Callable[[], None]) -> tuple[tuple[float, float], tuple[float, float]]:
+    """(wall seconds, this thread's CPU seconds) of one forward and of its backward, each started
+    after a barrier."""
     inputs = system.prepare()
     barrier()
-    started = time.perf_counter()
+    wall, cpu = time.perf_counter(), time.thread_time()
     out = system.forward(inputs)
-    forward = time.perf_counter() - started
+    forward = (time.perf_counter() - wall, time.thread_time() - cpu)
     settled = system.settle(out)
     barrier()
-    started = time.perf_counter()
+    wall, cpu = time.perf_counter(), time.thread_time()
     system.backward(settled)
-    return forward, time.perf_counter() - started
+    return forward, (time.perf_counter() - wall, time.thread_time() - cpu)
 
 
 def overhead_rank(plan: dict, rank: int, world_size: int, mesh) -> list[dict]:
@@ -159,12 +164,15 @@ def overhead_rank(plan: dict, rank: int, world_size: int, mesh) -> list[dict]:
 
 
 def _row(samples: dict, direction: str, world_size: int, rank: int, o: dict) -> dict:
-    us = {name: statistics.median(samples[name][direction]) * 1e6 for name in SYSTEMS}
-    over = {name: us[name] - us["kernels"] for name in ("cp_cache", "torch_ring")}
-    return dict(world_size=world_size, rank=rank, direction=direction, shape=o,
-                **{f"{name}_us": us[name] for name in SYSTEMS},
-                **{f"{name}_overhead_us": over[name] for name in over},
-                ratio=over["cp_cache"] / over["torch_ring"] if over["torch_ring"] > 0 else None)
+    row = dict(world_size=world_size, rank=rank, direction=direction, shape=o)
+    for clock, suffix in ((0, ""), (1, "_cpu")):
+        us = {name: statistics.median(t[clock] for t in samples[name][direction]) * 1e6 for name in SYSTEMS}
+        over = {name: us[name] - us["kernels"] for name in ("cp_cache", "torch_ring")}
+        row.update({f"{name}{suffix}_us": us[name] for name in SYSTEMS})
+        row.update({f"{name}{suffix}_overhead_us": over[name] for name in over})
+        row[f"{suffix[1:]}_ratio" if suffix else "ratio"] = (over["cp_cache"] / over["torch_ring"]
+                                                            if over["torch_ring"] > 0 else None)
+    return row
 
 
 def print_overhead(report: dict) -> None:
@@ -178,6 +186,13 @@ def print_overhead(report: dict) -> None:
     body = [[r["world_size"], r["direction"], f"{r['cp_cache_us']:.0f}", f"{r['torch_ring_us']:.0f}",
              f"{r['kernels_us']:.0f}", f"{r['cp_cache_overhead_us']:.0f}", f"{r['torch_ring_overhead_us']:.0f}",
              "-" if r["ratio"] is None else f"{r['ratio']:.2f}"] for r in rows]
+    print(table(["W", "direction", "cp_cache", "torch ring", "kernels alone", "cp_cache overhead",
+                 "torch ring overhead", "ratio"], body))
+    print("the same, counting the calling thread's CPU time only (host work; waits on the other ranks left out), µs")
+    body = [[r["world_size"], r["direction"], f"{r['cp_cache_cpu_us']:.0f}", f"{r['torch_ring_cpu_us']:.0f}",
+             f"{r['kernels_cpu_us']:.0f}", f"{r['cp_cache_cpu_overhead_us']:.0f}",
+             f"{r['torch_ring_cpu_overhead_us']:.0f}",
+             "-" if r["cpu_ratio"] is None else f"{r['cpu_ratio']:.2f}"] for r in rows]
     print(table(["W", "direction", "cp_cache", "torch ring", "kernels alone", "cp_cache overhead",
                  "torch ring overhead", "ratio"], body))
 
