@@ -56,11 +56,12 @@ from ..kernels import KERNEL_BY_NAME
 from ..npu_ops import describe
 from ..plan import CallPlan
 
-__all__ = ["run_forward", "run_backward", "ring_forward", "ring_backward", "check_seed", "CallRecord", "CallLog", "CALL_LOG"]
+__all__ = ["run_forward", "run_backward", "ring_forward", "ring_backward", "check_seed", "CallRecord", "CallLog",
+           "CALL_LOG"]
 
 
 def _groups(names: str) -> list:
-    """The process groups named in ``names`` (comma-separated, outer first, as ``run_forward`` names them)."""
+    """The process groups named in ``names`` (comma-separated, outer first: ``_group_names``)."""
     from torch.distributed.distributed_c10d import _resolve_process_group
 
     return [_resolve_process_group(name) for name in names.split(",")]
