@@ -241,11 +241,14 @@ def _autograd_kernel(op, setup_context, backward):
     defaults = tuple(a.default_value if a.has_default_value() else None for a in op._schema.arguments)
     below_autograd = torch._C._after_autograd_keyset
 
+    def below(keyset, args: tuple):
+        with torch._C._AutoDispatchBelowAutograd():
+            return op.redispatch(keyset & below_autograd, *args)
+
     class Derivative(torch.autograd.Function):
         @staticmethod
         def forward(ctx, keyset, *args):
-            with torch._C._AutoDispatchBelowAutograd():
-                output = op.redispatch(keyset & below_autograd, *args)
+            output = below(keyset, args)
             ctx.passed = len(args)
             setup_context(ctx, args + defaults[len(args):], output)
             return output
@@ -259,8 +262,7 @@ def _autograd_kernel(op, setup_context, backward):
             raise RuntimeError(f"{op}: unexpected keyword-only arguments {sorted(kwargs)}")
         if torch.is_grad_enabled() and torch._C._any_requires_grad(*args):
             return Derivative.apply(keyset, *args)
-        with torch._C._AutoDispatchBelowAutograd():
-            return op.redispatch(keyset & below_autograd, *args)
+        return below(keyset, args)
 
     return kernel
 

@@ -163,15 +163,20 @@ def overhead_rank(plan: dict, rank: int, world_size: int, mesh) -> list[dict]:
     return [_row(samples, direction, world_size, rank, o) for direction in DIRECTIONS]
 
 
+# (the clock's index in a _timed sample, its key suffix, its ratio's key, what the table shows)
+_CLOCKS = ((0, "", "ratio", "time per call - the kernels' alone"),
+           (1, "_cpu", "cpu_ratio", "the same in the calling thread's CPU time only (host work; waits on the "
+                                    "other ranks left out)"))
+
+
 def _row(samples: dict, direction: str, world_size: int, rank: int, o: dict) -> dict:
     row = dict(world_size=world_size, rank=rank, direction=direction, shape=o)
-    for clock, suffix in ((0, ""), (1, "_cpu")):
+    for clock, suffix, ratio, _ in _CLOCKS:
         us = {name: statistics.median(t[clock] for t in samples[name][direction]) * 1e6 for name in SYSTEMS}
         over = {name: us[name] - us["kernels"] for name in ("cp_cache", "torch_ring")}
         row.update({f"{name}{suffix}_us": us[name] for name in SYSTEMS})
         row.update({f"{name}{suffix}_overhead_us": over[name] for name in over})
-        row[f"{suffix[1:]}_ratio" if suffix else "ratio"] = (over["cp_cache"] / over["torch_ring"]
-                                                            if over["torch_ring"] > 0 else None)
+        row[ratio] = over["cp_cache"] / over["torch_ring"] if over["torch_ring"] > 0 else None
     return row
 
 
@@ -181,20 +186,14 @@ def print_overhead(report: dict) -> None:
         return
     o = rows[0]["shape"]
     print(f"\nhost overhead per attention call (rank 0, medians of {o['repeats']}; causal head-tail, B={o['batch']}, "
-          f"N={o['heads']}, {o['seq_per_rank']} tokens per rank, D={o['head_dim']}, fp32): time per call - the "
-          "kernels' alone, µs")
-    body = [[r["world_size"], r["direction"], f"{r['cp_cache_us']:.0f}", f"{r['torch_ring_us']:.0f}",
-             f"{r['kernels_us']:.0f}", f"{r['cp_cache_overhead_us']:.0f}", f"{r['torch_ring_overhead_us']:.0f}",
-             "-" if r["ratio"] is None else f"{r['ratio']:.2f}"] for r in rows]
-    print(table(["W", "direction", "cp_cache", "torch ring", "kernels alone", "cp_cache overhead",
-                 "torch ring overhead", "ratio"], body))
-    print("the same, counting the calling thread's CPU time only (host work; waits on the other ranks left out), µs")
-    body = [[r["world_size"], r["direction"], f"{r['cp_cache_cpu_us']:.0f}", f"{r['torch_ring_cpu_us']:.0f}",
-             f"{r['kernels_cpu_us']:.0f}", f"{r['cp_cache_cpu_overhead_us']:.0f}",
-             f"{r['torch_ring_cpu_overhead_us']:.0f}",
-             "-" if r["cpu_ratio"] is None else f"{r['cpu_ratio']:.2f}"] for r in rows]
-    print(table(["W", "direction", "cp_cache", "torch ring", "kernels alone", "cp_cache overhead",
-                 "torch ring overhead", "ratio"], body))
+          f"N={o['heads']}, {o['seq_per_rank']} tokens per rank, D={o['head_dim']}, fp32)")
+    keys = ("cp_cache{}_us", "torch_ring{}_us", "kernels{}_us", "cp_cache{}_overhead_us", "torch_ring{}_overhead_us")
+    for _, suffix, ratio, shown in _CLOCKS:
+        print(f"{shown}, µs")
+        body = [[r["world_size"], r["direction"], *(f"{r[key.format(suffix)]:.0f}" for key in keys),
+                 "-" if r[ratio] is None else f"{r[ratio]:.2f}"] for r in rows]
+        print(table(["W", "direction", "cp_cache", "torch ring", "kernels alone", "cp_cache overhead",
+                     "torch ring overhead", "ratio"], body))
 
 
 def _draw(ax, rows: list[dict], directions=DIRECTIONS) -> None:
