@@ -124,15 +124,16 @@ def test_bench_quick_writes_json_and_png(tmp_path, cli):
         assert key in report, key
     for png in ("bench_traffic.png", "bench_overhead.png"):
         assert (tmp_path / png).stat().st_size > 10_000, png
-    # the overhead section reports (no timing is asserted): one row per W > 1 and direction, three systems
+    # the overhead section reports (no timing is asserted): one row per W > 1 and direction, four systems
     assert {(r["world_size"], r["direction"]) for r in report["overhead"]} == {(2, "forward"), (2, "backward")}
     for r in report["overhead"]:
         for clock in ("", "_cpu"):
-            keys = [f"{name}{clock}_us" for name in ("cp_cache", "torch_ring", "kernels")]
+            keys = [f"{name}{clock}_us" for name in ("cp_cache", "torch_ring", "kernels", "dtensor_floor")]
             keys += [f"{name}{clock}_overhead_us" for name in ("cp_cache", "torch_ring")]
             for key in keys:
                 assert isinstance(r[key], float), (key, r)
-        assert "ratio" in r and "cpu_ratio" in r, r
+        for ratio in ("ratio", "cpu_ratio", "ratio_beyond_floor", "cpu_ratio_beyond_floor"):
+            assert ratio in r, (ratio, r)
     handle_ckpt = [r for r in report["memory"] if r["policy"] == "handle" and r["checkpoint"] == "non_reentrant"]
     assert handle_ckpt and all(r["held_entries"] == 0 for r in handle_ckpt)
     for r in report["calls"]:

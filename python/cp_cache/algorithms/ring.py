@@ -149,8 +149,8 @@ class Ring:
         """
         size, rank, group = group_info(plan.world_size, plan.rank, own_group(groups))
         lay, seq_dim, qd = plan.layout, checked.seq_dim, checked.dims
-        acc_out = torch.zeros(checked.out, dtype=torch.float32, device=q.device)
-        acc_lse = torch.full((qd.batch, plan.head_num, qd.seq), float("-inf"), dtype=torch.float32, device=q.device)
+        lse_shape = (qd.batch, plan.head_num, qd.seq)
+        acc: list[Tensor] = []  # [out, lse] in float32, from the first result on
         kernel_args = _kernel_args(plan)
 
         def compute(i: int, cur_k: Tensor, cur_v: Tensor) -> tuple[str, list]:
@@ -160,7 +160,12 @@ class Ring:
                 res = kernel.forward(*_task_operands(task, seq_dim, q, cur_k, cur_v), mask=task.mask, **kernel_args)
                 if res.seed is not None:
                     rng.append((res.seed, res.offset))
-                merge_into(acc_out.narrow(seq_dim, *task.q_rows), acc_lse.narrow(2, *task.q_rows), res.out, res.lse,
+                if not acc and task.q_rows == (0, qd.seq) and tuple(res.lse.shape) == lse_shape:
+                    acc.extend((res.out.float(), res.lse.float()))  # the first result over every row: nothing to merge
+                    continue
+                if not acc:
+                    acc.extend(_empty_accumulators(checked.out, lse_shape, q.device))
+                merge_into(acc[0].narrow(seq_dim, *task.q_rows), acc[1].narrow(2, *task.q_rows), res.out, res.lse,
                            lay, plan.head_num, fused=plan.fused_merge)
                 del res
             return part, rng
@@ -169,6 +174,7 @@ class Ring:
             k, v, seq_dim, _last_step(plan, checked.kv_len), compute, _ready(plan, agreement, group, mask), group=group,
             rank=rank, size=size, direct=plan.exchange == "direct", keep=plan.keep_kv)
         log.debug("ring forward rank %d/%d: parts %s, %s", rank, size, [s.part for s in steps], traffic)
+        acc_out, acc_lse = acc or _empty_accumulators(checked.out, lse_shape, q.device)
         return ForwardResult(out=acc_out.to(q.dtype), lse=acc_lse, steps=steps, compute_seconds=compute_s,
                              wait_seconds=wait_s, lengths=lengths, **traffic.fields())
 
@@ -211,6 +217,12 @@ class Ring:
     def fake(self, plan: CallPlan, q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
         """Empty (out, lse) of the shapes ``forward`` returns: for tracing with fake tensors."""
         return empty_outputs(plan, q, k, v)
+
+
+def _empty_accumulators(out_shape: tuple, lse_shape: tuple, device) -> tuple[Tensor, Tensor]:
+    """The float32 (out, LSE) of rows that have seen no key yet: zeros and -inf."""
+    return (torch.zeros(out_shape, dtype=torch.float32, device=device),
+            torch.full(lse_shape, float("-inf"), dtype=torch.float32, device=device))
 
 
 def _ready(plan: CallPlan, agreement, group, mask: Optional[Tensor]):

@@ -31,6 +31,11 @@ from ..plan import CallPlan
 from .steps import ExchangePlan
 from .transport import TAG_DKV, TAG_KV, Rotation, Transfer, join_once
 
+# A rank whose whole direct exchange receives at most this many bytes posts every stage before
+# step 0 instead of one stage ahead: below it a stage's latency, not its bytes, sets its time, so
+# W-1 rounds become one; the extra memory is at most this.
+SMALL_EXCHANGE_BYTES = 1 << 20
+
 __all__ = ["RingStep", "ForwardResult", "BackwardResult", "Traffic", "forward_ring", "backward_ring", "kept_rows",
            "partials_dtype", "check_steps", "check_step", "with_length", "empty_outputs", "check_qkv",
            "check_keep_prob", "check_backward_operands"]
@@ -193,10 +198,11 @@ class _KVDirect:
         self._plan = exchange.on(k.device)
         self._lengths, self._dim = lengths, seq_dim
         self._group, self._rank, self._size = group, rank, size
-        self._transfer: Optional[Transfer] = None
+        self._transfers: dict[int, Transfer] = {}  # stage -> its transfer in flight
         self._stage = 0
         self._spare: Optional[list[Tensor]] = None  # a block buffer not in use
         self._buffered = False  # whether ``current`` is one of the two block buffers
+        self._all_at_once = exchange.rows_received * _row_bytes(k, v, seq_dim) <= SMALL_EXCHANGE_BYTES
         self.received = 0
 
     def block_shapes(self, source: int) -> list[torch.Size]:
@@ -209,10 +215,14 @@ class _KVDirect:
         return [torch.zeros(shape, dtype=t.dtype, device=t.device) for t, shape in zip(self._own, shapes)]
 
     def post_next(self, i: int, last: int) -> int:
-        """Before step ``i``'s compute: post stage i+1 (none after the ``last`` step); bytes sent."""
-        stage = i + 1
-        if stage > last:
+        """Before step ``i``'s compute: post stage i+1 (none after the ``last`` step), or before
+        step 0 every stage where the whole exchange is small; bytes sent."""
+        if i + 1 > last or i + 1 in self._transfers:
             return 0
+        stages = range(i + 1, last + 1) if self._all_at_once else (i + 1,)
+        return sum(self._post(stage) for stage in stages)
+
+    def _post(self, stage: int) -> int:
         send, recv = self._plan.send[stage], self._plan.recv[stage]
         sending = [t if send.index is None else t.index_select(self._dim, send.index)
                    for t in self._own] if send.count else []
@@ -223,18 +233,18 @@ class _KVDirect:
         else:
             receiving = [torch.empty(with_length(t, self._dim, recv.count), dtype=t.dtype, device=t.device)
                          for t in self._own]
-        self._transfer = Transfer(sending, (self._rank + stage) % self._size, receiving,
-                                  (self._rank - stage) % self._size, self._group, TAG_KV)
-        self._stage = stage
-        self.received += self._transfer.received_bytes
-        return self._transfer.nbytes
+        transfer = self._transfers[stage] = Transfer(sending, (self._rank + stage) % self._size, receiving,
+                                                     (self._rank - stage) % self._size, self._group, TAG_KV)
+        self.received += transfer.received_bytes
+        return transfer.nbytes
 
     def advance(self) -> float:
         """After step i's compute: wait for stage i+1; seconds blocked."""
-        if self._transfer is None:
+        transfer = self._transfers.pop(self._stage + 1, None)
+        if transfer is None:
             return 0.0
+        self._stage += 1
         started = time.perf_counter()
-        transfer, self._transfer = self._transfer, None
         received = transfer.wait()
         waited = time.perf_counter() - started
         block, buffered = self._block(received)
@@ -257,8 +267,8 @@ class _KVDirect:
         return [buf.index_copy_(self._dim, rows.index, got) for buf, got in zip(self._buffers(shapes), received)], True
 
     def drain(self) -> None:
-        if self._transfer is not None:
-            transfer, self._transfer = self._transfer, None
+        transfers, self._transfers = self._transfers, {}
+        for transfer in transfers.values():
             transfer.drain()
 
 

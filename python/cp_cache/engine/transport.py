@@ -340,13 +340,16 @@ class SideGroup:
         return self.all_gather_async(tensor)()
 
     def all_gather_async(self, tensor: Tensor) -> Callable[[], list[Tensor]]:
-        """``all_gather`` started in the background: call the result to wait for it."""
-        gathered = [torch.empty_like(tensor) for _ in range(self.size)]
-        work = self._backend.allgather([gathered], [tensor])
+        """``all_gather`` started in the background: call the result to wait for it. Made as one
+        all-to-all of the tensor repeated: every member sends it to every other at once (one
+        round; gloo's all_gather passes it round a ring of W-1 hops)."""
+        flat = tensor.reshape(-1)
+        received = flat.new_empty(self.size * flat.numel())
+        work = self._backend.alltoall_base(received, flat.repeat(self.size), [], [], dist.AllToAllOptions())
 
         def wait() -> list[Tensor]:
             work.wait()
-            return gathered
+            return [t.view(tensor.shape) for t in received.chunk(self.size)]
 
         return wait
 
