@@ -4,7 +4,8 @@ Each rank keeps its query block. Step i on rank r computes against the K/V of gr
 ``(r - i) % W``. By default (``exchange="direct"``) each rank sends straight to rank r+i only
 the rows of its block that rank needs (``engine/steps.py``: the mask's lower bound); with
 ``exchange="ring"`` the whole blocks travel around the ring (rank r sends to r+1, receives from
-r-1). The next step's transfer is posted before the current step is computed and waited after.
+r-1). The next step's transfer is posted before the current step is computed and waited after
+(every stage at once where the whole direct exchange is small: ``engine/loop.SMALL_EXCHANGE_BYTES``).
 Step results are merged in float32 with the log-sum-exp rule.
 
 Causal rules (torch's ``_templated_ring_attention``):

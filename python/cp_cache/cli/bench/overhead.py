@@ -93,9 +93,9 @@ def _dtensor_floor(local: list, dy, mesh, heads: int, scale: float) -> _System:
     import torch
     from torch.distributed.tensor import DTensor
 
-    table = DTensor._op_dispatcher._custom_op_handlers
     ops = (torch.ops.npu.npu_fusion_attention_v3.default, torch.ops.npu.npu_fusion_attention_grad_v3.default)
     served, recorded = {}, {}
+    table = lambda: DTensor._op_dispatcher._custom_op_handlers  # noqa: E731 - the live one (enable() may replace it)
 
     def replaying(op):
         def handler(op_call, args, kwargs):
@@ -109,11 +109,11 @@ def _dtensor_floor(local: list, dy, mesh, heads: int, scale: float) -> _System:
     call = _cp_cache(local, dy, mesh, heads, scale)
 
     def prepare():
-        served.update((op, table[op]) for op in ops)
-        table.update(replay)
+        served.update((op, table()[op]) for op in ops)
+        table().update(replay)
         return call.prepare()
 
-    return _System(prepare, call.forward, call.settle, call.backward, finish=lambda: table.update(served))
+    return _System(prepare, call.forward, call.settle, call.backward, finish=lambda: table().update(served))
 
 
 def _torch_ring(local: list, dy, mesh, scale: float) -> _System:
