@@ -141,6 +141,8 @@ def _agreement_rank(rank: int, world: int) -> dict:
         for name, got in (("out", fwd.out), ("dq", bwd.dq), ("dk", bwd.dk), ("dv", bwd.dv))
     }
 
+    results["first_stages"] = _first_stages(rank, world, group, ker)
+
     # last: a rank raises an ordinary exception inside the ring; the others raise too, in time
     kernel = _RaisingKernel() if rank == last else ker
     fwd = run_forward(RING, config, q, k, v, groups=[group], kernel=ker)
@@ -155,6 +157,51 @@ def _agreement_rank(rank: int, world: int) -> dict:
     results["kernel_raises"] = dict(outcome=outcome, seconds=seconds,
                                     live_entries=cp_cache.stats()["live_entries"])
     return results
+
+
+def _first_stages(rank: int, world: int, group, ker) -> dict:
+    """The first stages sent with the agreement (engine/agreement.py): taken by a call that
+    repeats its group's previous one (either direction), equal bit for bit to the same call sent
+    after the agreement; dropped by one that does not; and ranks that disagree, or refuse, after a
+    recorded call still raise the same error, with the next call right again."""
+    from cp_cache.engine import agreement
+
+    (q, k, v, dout), _, _ = _inputs(rank, world)
+    causal = ring_plan(world_size=world, rank=rank, **BASE)
+    window = ring_plan(world_size=world, rank=rank, **dict(BASE, **WINDOW))
+
+    def call(config, qkv=(q, k, v)):
+        fwd = run_forward(RING, config, *qkv, groups=[group], kernel=ker)
+        bwd = run_backward(RING, config, dout, *qkv, fwd.out, fwd.lse, fwd.steps, groups=[group], kernel=ker)
+        return [fwd.out, fwd.lse, bwd.dq, bwd.dk, bwd.dv]
+
+    def taken_dropped(fn):
+        before = agreement.counters()
+        value = fn()
+        after = agreement.counters()
+        return value, tuple(after[c] - before[c] for c in ("first_stages_taken", "first_stages_dropped"))
+
+    out = {}
+    agreement.forget_first_stages()  # on every rank at this point
+    cold, out["cold"] = taken_dropped(lambda: call(causal))  # the forward sends none; its backward takes them
+    hot, out["hot"] = taken_dropped(lambda: call(causal))  # both directions take them
+    out["hot_equal"] = all(torch.equal(a, b) for a, b in zip(cold, hot))
+    # alternating configurations: each call drops what the previous one sent; still right
+    alternating, out["alternating"] = taken_dropped(lambda: [call(window), call(causal)])
+    out["alternating_equal"] = all(torch.equal(a, b) for a, b in zip(alternating[1], cold))
+    # after a recorded call: a disagreement (a longer local block on the last rank), then a refusal
+    # (keep_prob out of range on the last rank), each the same error on every rank
+    last = rank == world - 1
+    longer = [torch.randn(B, N, 2 * S_LOCAL, D) for _ in range(3)]
+    refusing = ring_plan(world_size=world, rank=rank, **dict(BASE, keep_prob=2.0))
+    call(causal)  # leaves a record: the next call sends its first stages
+    out["disagree"], out["disagree_counts"] = taken_dropped(
+        lambda: _outcome(lambda: call(causal, longer) if last else call(causal)))
+    call(causal)
+    out["refuse"], out["refuse_counts"] = taken_dropped(lambda: _outcome(lambda: call(refusing if last else causal)))
+    after, _ = taken_dropped(lambda: call(causal))
+    out["after_equal"] = all(torch.equal(a, b) for a, b in zip(after, cold))
+    return out
 
 
 _RESULTS: dict[int, list[dict]] = {}
@@ -234,3 +281,23 @@ def test_rank_raising_in_ring_fails_every_rank_in_time(world):
             assert "injected kernel failure" in message
         assert out["seconds"] < 3 * PG_TIMEOUT, (rank, out)
         assert out["live_entries"] == 0
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_first_stages_travel_with_the_agreement(world):
+    results = _results(world)
+    for rank, res in enumerate(results):
+        out = res["first_stages"]
+        # (taken, dropped): the cold forward had none to take, its backward took the forward's;
+        # then every call took its predecessor's; a forward of another configuration drops them
+        # (its backward takes its own forward's)
+        assert out["cold"] == (1, 0) and out["hot"] == (2, 0), (rank, out)
+        assert out["alternating"] == (2, 2), (rank, out)
+        assert out["hot_equal"] and out["alternating_equal"] and out["after_equal"], (rank, out)
+        # each was sent with the agreement, and dropped
+        assert out["disagree_counts"] == (0, 1) and out["refuse_counts"] == (0, 1), (rank, out)
+        assert out["disagree"][0] == "RuntimeError" and "local query shape" in out["disagree"][1], (rank, out)
+        assert out["refuse"][0] == "RuntimeError" and f"rank {world - 1} refused the call" in out["refuse"][1], \
+            (rank, out)
+    for key in ("disagree", "refuse"):  # the same message on every rank
+        assert len({res["first_stages"][key][1] for res in results}) == 1, key

@@ -181,8 +181,12 @@ def _local(name: str, rank: int, full: list[torch.Tensor]) -> list[torch.Tensor]
 def _run(name: str, rank: int, exchange: str, groups, full, keep_kv: bool = False) -> dict:
     from cp_cache.algorithms import run_backward, run_forward, strategy_for
     from cp_cache.cli.compare.patches import SentCounter
+    from cp_cache.engine.agreement import forget_first_stages
     from cp_cache.kernels import get_kernel
 
+    # the call alone: no first stages of the previous case travel with its agreement (to be
+    # dropped: bytes the counter would see); its backward takes its forward's
+    forget_first_stages()
     plan = _plan(name, rank, exchange, keep_kv)
     q, k, v, dout = _local(name, rank, full)
     kind = CASES[name][0]

@@ -227,10 +227,13 @@ def _empty_accumulators(out_shape: tuple, lse_shape: tuple, device) -> tuple[Ten
 
 
 def _ready(plan: CallPlan, agreement, group, mask: Optional[Tensor]):
-    """The loop's ``ready``: the ranks' lengths once they agree, and the direct exchange's plan."""
+    """The loop's ``ready``: the ranks' lengths once they agree, the direct exchange's plan, the agreement."""
     def ready():
         lengths = agreement.lengths()
-        return lengths, exchange_plan(plan, lengths, group=group, mask_rows=mask)
+        # a given mask's exchange depends on its values, which no signature holds: nothing of it
+        # may travel with the next call's agreement
+        return lengths, exchange_plan(plan, lengths, group=group, mask_rows=mask), (
+            None if plan.mask.given else agreement)
     return ready
 
 

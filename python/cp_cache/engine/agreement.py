@@ -33,7 +33,9 @@ names neither cause. So every rank makes the same collectives in the same order;
 it off the host's critical path is that nothing waits for it until the first exchange (whose
 receive would wait for the slowest rank anyway), and what is cached per distinct local
 configuration is the signature's construction. The cost (one all_gather of W x
-``SIGNATURE_LEN`` int64) is measured by ``python -m cp_cache bench --only agreement``.
+``SIGNATURE_LEN`` int64) is measured by ``python -m cp_cache bench --only agreement``. A call
+that repeats its group's previous one also has its first payload round travel with the
+agreement (the first stages, below), at sizes every rank knew before it.
 """
 
 from __future__ import annotations
@@ -41,6 +43,7 @@ from __future__ import annotations
 import hashlib
 import struct
 import threading
+from dataclasses import dataclass
 from typing import Any, Callable, Optional, Sequence
 
 import torch
@@ -49,12 +52,12 @@ from torch import Tensor
 from .. import layout as L
 from ..kernels import KERNEL_NAMES
 from ..placement import PLACEMENTS
-from ..plan import ALGORITHMS, CallPlan
-from .transport import side_group
+from ..plan import ALGORITHMS, EXCHANGES, GRAD_PARTIALS, CallPlan
+from .transport import TAG_KV, Transfer, side_group
 
 __all__ = ["SIGNATURE_LEN", "FIELDS", "signature", "refusal_signature", "agree", "counters",
            "reset_counters", "describe", "lengths", "Agreement", "open_agreement", "start_agreement", "agree_on_refusal",
-           "CHECK_ERRORS"]
+           "CHECK_ERRORS", "FirstStage", "forget_first_stages"]
 
 _SHAPE_DIMS = 4  # q/k/v shapes padded with -1 to this many dims (the layouts have 3 or 4)
 
@@ -64,6 +67,7 @@ _KERNELS = ("",) + KERNEL_NAMES  # "": a strategy driven without a named kernel
 _DIRECTIONS = ("forward", "backward")
 _CHECKS = ("passed", "ValueError", "NotImplementedError", "TypeError", "RuntimeError", "failed")
 _MASK_BITS = (("causal", 1), ("window", 2), ("given", 4))
+_BAND_DOCUMENT_BITS = {"first": 8, "last": 16}  # MaskSpec.band_document (sparse_mode 8 / 7)
 _PLACEMENTS = ("",) + PLACEMENTS  # "": not packed documents
 
 
@@ -108,7 +112,12 @@ def _bool(v: list[int]) -> str:
 
 def _mask(v: list[int]) -> str:
     names = [n for n, bit in _MASK_BITS if v[0] & bit]
+    names += [f"band in the {where} document only" for where, bit in _BAND_DOCUMENT_BITS.items() if v[0] & bit]
     return "+".join(names) if names else "none (full)"
+
+
+def _mask_code(mask) -> int:
+    return sum(bit for name, bit in _MASK_BITS if getattr(mask, name)) + _BAND_DOCUMENT_BITS.get(mask.band_document, 0)
 
 
 def _steps(v: list[int]) -> str:
@@ -117,6 +126,19 @@ def _steps(v: list[int]) -> str:
 
 def _documents(v: list[int]) -> str:
     return "none" if v[0] < 0 else f"{v[0]} documents (digest {v[1]:#x})"
+
+
+def _exchange(v: list[int]) -> str:
+    if v[0] < 0:
+        return "other"
+    return (f"{EXCHANGES[v[0] & 1]}, keep_kv={bool(v[0] & 2)}, "
+            f"grad_partials={GRAD_PARTIALS[1 if v[0] & 4 else 0]!r}")
+
+
+def _exchange_code(plan: CallPlan) -> int:
+    """The ring's exchange options as bits: ring (1), keep_kv (2), partials in the input dtype (4)."""
+    return (_code(EXCHANGES, plan.exchange) | 2 * bool(plan.keep_kv)
+            | 4 * (plan.grad_partials == GRAD_PARTIALS[1]))
 
 
 def _documents_code(documents: tuple[int, ...]) -> tuple[int, int]:
@@ -153,14 +175,17 @@ FIELDS: tuple[tuple[str, int, Callable[[list[int]], str]], ...] = (
     ("ring steps recorded", 1, _steps),
     ("packed documents", 2, _documents),
     ("document placement", 1, _name(_PLACEMENTS)),
+    ("exchange", 1, _exchange),
     ("argument checks", 1, _name(_CHECKS)),
     ("local query length", 1, _int),
     ("local K/V length", 1, _int),
+    ("first stages sent", 1, _bool),  # the group's previous call's first stages, sent with this rank's rows
 )
 SIGNATURE_LEN = sum(w for _, w, _ in FIELDS)
 _LENGTH_FIELDS = ("local query length", "local K/V length")  # gathered, not compared
-_NOT_COMPARED = frozenset(_LENGTH_FIELDS)
-_NOT_DESCRIBED = frozenset(("described",) + _LENGTH_FIELDS)
+_SENT = "first stages sent"
+_NOT_COMPARED = frozenset(_LENGTH_FIELDS + (_SENT,))
+_NOT_DESCRIBED = frozenset(("described", _SENT) + _LENGTH_FIELDS)
 
 
 def _offsets() -> dict[str, tuple[int, int]]:
@@ -195,12 +220,15 @@ def _check_code(error: Optional[BaseException]) -> int:
 _lock = threading.Lock()
 _built: dict[tuple, Tensor] = {}  # local configuration -> its signature tensor (construction only)
 _BUILT_MAX = 256
-_counters = {"exchanges": 0, "disagreements": 0, "signatures_built": 0, "refusals": 0}
+_counters = {"exchanges": 0, "disagreements": 0, "signatures_built": 0, "refusals": 0, "first_stages_taken": 0,
+             "first_stages_dropped": 0}
 
 
 def counters() -> dict:
     """{"exchanges": agreements made, "disagreements": of them, "signatures_built": cache misses,
-    "refusals": agreements in which some rank's argument checks failed}."""
+    "refusals": agreements in which some rank's argument checks failed, "first_stages_taken" /
+    "first_stages_dropped": calls whose exchange took / did not take the first stages sent with
+    their agreement}."""
     with _lock:
         return dict(_counters)
 
@@ -226,19 +254,21 @@ def signature(*, direction: str, plan: CallPlan, q: Tensor, k: Tensor, v: Tensor
         if sig is not None:
             return sig
     kv_heads = _kv_heads(q, k, plan) if kv_heads is None else kv_heads
-    mask = sum(bit for name, bit in _MASK_BITS if getattr(plan.mask, name))
+    mask = _mask_code(plan.mask)
     seq_dim = L.seq_dim(plan.layout) if plan.uneven_allowed else None
     key = (direction, kernel, plan.algorithm, plan.layout, tuple(q.shape), tuple(k.shape), tuple(v.shape),
            q.dtype, k.dtype, v.dtype, int(plan.head_num), int(kv_heads), mask, int(plan.mask.pre_tockens),
            int(plan.mask.next_tockens), bool(plan.load_balance), _float_bits(plan.scale),
            _float_bits(plan.keep_prob), None if mask_rows is None else tuple(mask_rows.shape), int(steps),
-           _check_code(error), seq_dim, plan.documents, plan.document_placement if plan.packed else "")
+           _check_code(error), seq_dim, plan.documents, plan.document_placement if plan.packed else "",
+           _exchange_code(plan))
     values = [1, _code(_DIRECTIONS, key[0]), _code(_KERNELS, key[1]), _code(ALGORITHMS, key[2]),
               _code(L.ALL_LAYOUTS, key[3]),
               *_pad(key[4], seq_dim), *_pad(key[5], seq_dim), *_pad(key[6], seq_dim),
               _code(_DTYPES, key[7]), _code(_DTYPES, key[8]), _code(_DTYPES, key[9]),
-              *key[10:18], *_pad(key[18]), key[19], *_documents_code(key[22]), _code(_PLACEMENTS, key[23]), key[20],
-              _length(q, plan.layout), _length(k, plan.layout)]
+              *key[10:18], *_pad(key[18]), key[19], *_documents_code(key[22]), _code(_PLACEMENTS, key[23]), key[24],
+              key[20],
+              _length(q, plan.layout), _length(k, plan.layout), 0]
     sig = torch.tensor(values, dtype=torch.int64)
     assert sig.numel() == SIGNATURE_LEN
     with _lock:
@@ -269,32 +299,195 @@ class Agreement:
     for them (where the strategy first exchanges payload) and compares them. Every rank makes
     the same collectives in the same order whatever its signature says, so a rank never waits
     for a contribution that will not come: ranks that disagree raise the same error, before
-    any payload moves."""
+    any payload sized by this call moves. With the signatures go the messages of the group's
+    previous call's first stages (below: from this rank's K/V block ``k``, ``v`` where it has the
+    recorded shapes), which the exchange adopts where the ranks agree on that call again."""
 
-    def __init__(self, sig: Tensor, groups: Sequence, alone: Callable[[], list[tuple[int, int]]] = list):
+    def __init__(self, sig: Tensor, groups: Sequence, alone: Callable[[], list[tuple[int, int]]] = list,
+                 k: Optional[Tensor] = None, v: Optional[Tensor] = None):
+        self._ahead = _post_ahead(groups, k, v)
+        if len(self._ahead) == 1 and self._ahead[0].sent_rows:
+            sig = sig.clone()  # the signature itself is cached per configuration
+            sig[_OFFSET[_SENT][0]] = 1
         self._pending = [(side, side.all_gather_async(sig)) for side in (side_group(g) for g in groups)
                          if side.size > 1]
         # with no other rank: this rank's own lengths, nothing to wait for
         self._lengths = None if self._pending else alone()
+        self._signatures: Optional[list[list[int]]] = None
+        # after lengths(): the transfers of the call's first stages that came with the agreement,
+        # by stage ({} where none did), for the exchange to take
+        self.first: dict[int, Transfer] = {}
+        self.dropped_bytes = 0  # sent with the agreement, then dropped: the call did not repeat the record's
+        self._repeated = False  # the call is its group's previous one again: its record stands
 
     @classmethod
     def reached(cls, lengths: list[tuple[int, int]]) -> "Agreement":
         """An agreement already reached (by the call that drives this strategy), with these lengths."""
         agreement = cls.__new__(cls)
-        agreement._pending, agreement._lengths = [], lengths
+        agreement._ahead, agreement._pending, agreement._lengths = [], [], lengths
+        agreement._signatures, agreement.first, agreement._repeated = None, {}, False
+        agreement.dropped_bytes = 0
         return agreement
 
     def lengths(self) -> list[tuple[int, int]]:
         """Every rank's (query length, K/V length) on the innermost group, once all agree (the
         same RuntimeError on every rank otherwise)."""
         if self._lengths is None:
-            gathered = [_checked(side, wait(), None) for side, wait in self._pending]
-            found = lengths(gathered[-1]) if gathered else []
-            if any(length < 1 for pair in found for length in pair):
-                raise ValueError(f"every rank needs at least one query and one key; local (query, K/V) "
-                                 f"lengths by rank: {found}")  # the same on every rank: they all see them
-            self._lengths = found
+            try:
+                gathered = [_checked(side, wait(), None) for side, wait in self._pending]
+                found = lengths(gathered[-1]) if gathered else []
+                if any(length < 1 for pair in found for length in pair):
+                    raise ValueError(f"every rank needs at least one query and one key; local (query, K/V) "
+                                     f"lengths by rank: {found}")  # the same on every rank: they all see them
+            except BaseException:
+                _drain(self._ahead)
+                raise
+            if len(gathered) == 1:  # a call on one CP group: its first stages may have come with it
+                self._signatures = gathered[0]
+                if self._ahead:
+                    self._repeated = _same_call(gathered[0], self._ahead[0].record.signatures)
+                    self.first = self._ahead[0].take(self._repeated)
+            if not self._repeated:
+                self.dropped_bytes = _drain(self._ahead)
+            self._ahead, self._lengths = [], found
         return self._lengths
+
+    def remember_first_stages(self, stages: list["FirstStage"], group, *, rank: int, size: int, seq_dim: int,
+                              k: Tensor, v: Tensor) -> None:
+        """The stages this call's direct exchange posted first on its CP ``group`` (from its own
+        K/V block ``k``, ``v``), for the next call on the group to send with its agreement: every
+        rank of the group records its own, or none does (an agreement over several groups)."""
+        if self._signatures is None or self._repeated or not stages:
+            return
+        own = (tuple(k.shape), tuple(v.shape), k.dtype, v.dtype, k.device)
+        with _lock:
+            _records[group.group_name] = _Record(self._signatures, group, rank, size, seq_dim, own, tuple(stages))
+
+
+def _same_call(gathered: list[list[int]], recorded: list[list[int]]) -> bool:
+    """Whether the gathered signatures are the recorded call's, in either direction (a backward
+    receives again the K/V rows its forward received first), every rank having sent that call's
+    first stages with its rows: alike on every rank, which all see the same signatures."""
+    sent = _OFFSET[_SENT][0]
+    return (len(gathered) == len(recorded) and all(s[sent] == 1 for s in gathered)
+            and all(_call_of(g) == _call_of(r) for g, r in zip(gathered, recorded)))
+
+
+_NOT_THE_CALL = tuple(_OFFSET[name][0] for name in ("direction", "ring steps recorded", _SENT))
+
+
+def _call_of(sig: list[int]) -> list[int]:
+    return [x for i, x in enumerate(sig) if i not in _NOT_THE_CALL]
+
+
+# ---------------------------------------------------------------- the first stages, sent with the agreement
+#
+# A call's payload may not move before its ranks agree: a message larger than the receive it
+# meets aborts a gloo process, and NCCL and HCCL do not check sizes (docs/limits.md). What may
+# travel with the agreement are messages whose sizes every rank knows alike before it: those
+# of the stages the previous agreed call on the same CP group posted first (its ``_Record``,
+# which every rank of the group left after that call, or none did). Each rank posts its part
+# of them when the next call on the group starts its agreement: the rows of its own K/V block
+# at the recorded indices where its block has the recorded shapes and dtypes ("first stages
+# sent" in its signature), zeros of the recorded sizes otherwise (a refusing rank too). Every
+# rank then decides alike from the same gathered signatures: where they are the recorded
+# call's and every rank sent its rows, the call's exchange adopts the messages as its first
+# stages (they are exactly the ones it would post); otherwise they are waited for and dropped.
+# Either way every message posted is matched, so ranks that disagree still raise the
+# agreement's error with nothing left in flight. Every agreed call on a group takes the
+# group's record, so the ranks' records stay alike.
+
+
+@dataclass(frozen=True)
+class FirstStage:
+    """A stage a call's direct exchange posted first: to rank r+s the rows of its block at
+    ``send_index`` (None: all; ``send_shapes``: of K and V, () for none), from rank r-s into
+    ``recv_shapes``."""
+
+    stage: int
+    send_index: Optional[Tensor]
+    send_shapes: tuple
+    recv_shapes: tuple
+
+
+@dataclass(frozen=True)
+class _Record:
+    signatures: list[list[int]]
+    group: Any
+    rank: int
+    size: int
+    seq_dim: int
+    own: tuple  # this rank's K and V block then: shapes, dtypes, device
+    stages: tuple[FirstStage, ...]
+
+
+_records: dict[str, _Record] = {}  # by CP group name
+
+
+class _Ahead:
+    """The messages one call posted with its agreement on one group, from the group's record."""
+
+    def __init__(self, record: _Record, k: Optional[Tensor], v: Optional[Tensor]):
+        self.record = record
+        dtypes, device = record.own[2:4], record.own[4]
+        self.sent_rows = (k is not None and v is not None
+                          and (tuple(k.shape), tuple(v.shape), k.dtype, v.dtype, k.device) == record.own)
+        self._transfers: dict[int, Transfer] = {}
+        for first in record.stages:
+            if not first.send_shapes:
+                sending = []
+            elif self.sent_rows:
+                sending = [t if first.send_index is None else t.index_select(record.seq_dim, first.send_index)
+                           for t in (k, v)]
+            else:
+                sending = [torch.zeros(shape, dtype=dtype, device=device)
+                           for shape, dtype in zip(first.send_shapes, dtypes)]
+            receiving = [torch.empty(shape, dtype=dtype, device=device)
+                         for shape, dtype in zip(first.recv_shapes, dtypes)]
+            s, rank, size = first.stage, record.rank, record.size
+            self._transfers[s] = Transfer(sending, (rank + s) % size, receiving, (rank - s) % size, record.group,
+                                          TAG_KV)
+
+    def take(self, repeated: bool) -> dict[int, Transfer]:
+        """The transfers by stage where the call repeats the recorded one (its record then stands
+        for the next call), else {} (``drain`` drops them)."""
+        if not repeated:
+            return {}
+        with _lock:
+            _records[self.record.group.group_name] = self.record
+            _counters["first_stages_taken"] += 1
+        transfers, self._transfers = self._transfers, {}
+        return transfers
+
+    def drain(self) -> int:
+        """Wait for every message (each rank posted its part of the same record), dropping them;
+        the bytes this rank sent."""
+        transfers, self._transfers = self._transfers, {}
+        if transfers:
+            with _lock:
+                _counters["first_stages_dropped"] += 1
+        for transfer in transfers.values():
+            transfer.drain()
+        return sum(t.nbytes for t in transfers.values())
+
+
+def forget_first_stages() -> None:
+    """Drop every group's record: the next call on each sends nothing with its agreement. Every
+    rank of a group must call it at the same point of its calls, or none."""
+    with _lock:
+        _records.clear()
+
+
+def _post_ahead(groups: Sequence, k: Optional[Tensor], v: Optional[Tensor]) -> list[_Ahead]:
+    """Take each group's record, if any, and post its messages (every agreed call on a group
+    does, whatever its strategy or outcome)."""
+    with _lock:
+        records = [_records.pop(g.group_name, None) for g in groups]
+    return [_Ahead(record, k, v) for record in records if record is not None]
+
+
+def _drain(posted: list[_Ahead]) -> int:
+    return sum(a.drain() for a in posted)
 
 
 def agree_on_refusal(direction: str, groups: Sequence, error: BaseException, plan: Optional[CallPlan] = None,
@@ -310,9 +503,13 @@ def agree_on_refusal(direction: str, groups: Sequence, error: BaseException, pla
         sig = refusal_signature(direction, error)
     else:
         sig = signature(direction=direction, plan=plan, q=q, k=k, v=v, error=error, **fields)
-    for side, wait in [(side, side.all_gather_async(sig)) for side in (side_group(g) for g in groups)
-                       if side.size > 1]:
-        _checked(side, wait(), error)
+    posted = _post_ahead(groups, k, v)  # its part of the first stages the other ranks post
+    try:
+        for side, wait in [(side, side.all_gather_async(sig)) for side in (side_group(g) for g in groups)
+                           if side.size > 1]:
+            _checked(side, wait(), error)
+    finally:
+        _drain(posted)
 
 
 def _length(t: Tensor, layout: str) -> int:
@@ -419,7 +616,7 @@ def start_agreement(direction: str, plan: CallPlan, q: Tensor, k: Tensor, v: Ten
     it, once its checks passed (a failed one: ``agree_on_refusal``). The strategy waits for the
     rest (``Agreement.lengths()``)."""
     sig = signature(direction=direction, plan=plan, q=q, k=k, v=v, kernel=kernel, mask_rows=mask_rows, steps=steps)
-    return Agreement(sig, groups, alone=lambda: [_local_lengths(q, k, plan)])
+    return Agreement(sig, groups, alone=lambda: [_local_lengths(q, k, plan)], k=k, v=v)
 
 
 def open_agreement(direction: str, check: Callable[[], Any], plan: CallPlan, q: Tensor, k: Tensor, v: Tensor, *,

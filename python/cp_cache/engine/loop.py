@@ -29,8 +29,9 @@ from torch import Tensor
 
 from .. import layout as L
 from ..plan import CallPlan
+from .agreement import FirstStage
 from .steps import ExchangePlan
-from .transport import TAG_DKV, TAG_KV, Rotation, Transfer, join_once
+from .transport import TAG_DKV, TAG_KV, Rotation, Transfer, join_once, with_length
 
 # A rank whose whole direct exchange receives at most this many bytes posts every stage before
 # step 0 instead of one stage ahead: below it a stage's latency, not its bytes, sets its time, so
@@ -38,7 +39,7 @@ from .transport import TAG_DKV, TAG_KV, Rotation, Transfer, join_once
 SMALL_EXCHANGE_BYTES = 1 << 20
 
 __all__ = ["RingStep", "ForwardResult", "BackwardResult", "Traffic", "forward_ring", "backward_ring", "kept_rows",
-           "partials_dtype", "check_steps", "check_step", "with_length", "empty_outputs", "check_qkv",
+           "partials_dtype", "check_steps", "check_step", "empty_outputs", "check_qkv",
            "check_keep_prob", "check_backward_operands"]
 
 
@@ -133,13 +134,6 @@ def _bounds(traffic: Traffic, exchange: ExchangePlan, k: Tensor, v: Tensor, seq_
     return traffic
 
 
-def with_length(t: Tensor, seq_dim: int, length: int) -> torch.Size:
-    """``t``'s shape with ``length`` on its sequence dim ``seq_dim``."""
-    shape = list(t.shape)
-    shape[seq_dim] = length
-    return torch.Size(shape)
-
-
 class _KVTravel:
     """This rank's K/V block travelling round the ring (every rank's lengths in ``lengths``):
     at step i the current block is rank ``(rank - i) % W``'s; the next one is in flight while
@@ -189,7 +183,7 @@ class _KVDirect:
     serve every stage, as in the ring."""
 
     def __init__(self, k: Tensor, v: Tensor, lengths: list, seq_dim: int, exchange: ExchangePlan, *, group,
-                 rank: int, size: int, keep: bool = False):
+                 rank: int, size: int, keep: bool = False, last: int = 0, agreement=None):
         if size > 1:
             join_once(group, k.device)
         self._keep = keep  # keep each stage's received rows (``kept``): no buffer is reused
@@ -203,8 +197,18 @@ class _KVDirect:
         self._stage = 0
         self._spare: Optional[list[Tensor]] = None  # a block buffer not in use
         self._buffered = False  # whether ``current`` is one of the two block buffers
-        self._all_at_once = exchange.rows_received * _row_bytes(k, v, seq_dim) <= SMALL_EXCHANGE_BYTES
+        # alike on every rank (the ranks agreed on the row sizes and share the lengths)
+        most = max((kv for _, kv in lengths), default=k.size(seq_dim))
+        self._all_at_once = (size - 1) * most * _row_bytes(k, v, seq_dim) <= SMALL_EXCHANGE_BYTES
         self.received = 0
+        # the stages that came with the agreement (adopted), else those posted first, recorded
+        # for the next call on the group (engine/agreement.py)
+        self._agreement = agreement
+        self._first: dict[int, Transfer] = {}
+        if agreement is not None:
+            self._first, agreement.first = agreement.first, {}
+        self._first_last = last if self._all_at_once else min(last, 1)
+        self._recorded: list[FirstStage] = []
 
     def block_shapes(self, source: int) -> list[torch.Size]:
         return [with_length(t, self._dim, self._lengths[source][1]) for t in self._own]
@@ -221,9 +225,18 @@ class _KVDirect:
         if i + 1 > last or i + 1 in self._transfers:
             return 0
         stages = range(i + 1, last + 1) if self._all_at_once else (i + 1,)
-        return sum(self._post(stage) for stage in stages)
+        sent = sum(self._post(stage) for stage in stages)
+        if i == 0 and self._recorded:
+            self._agreement.remember_first_stages(self._recorded, self._group, rank=self._rank, size=self._size,
+                                                  seq_dim=self._dim, k=self._own[0], v=self._own[1])
+        return sent
 
     def _post(self, stage: int) -> int:
+        transfer = self._transfers[stage] = self._first.pop(stage, None) or self._transfer(stage)
+        self.received += transfer.received_bytes
+        return transfer.nbytes
+
+    def _transfer(self, stage: int) -> Transfer:
         send, recv = self._plan.send[stage], self._plan.recv[stage]
         sending = [t if send.index is None else t.index_select(self._dim, send.index)
                    for t in self._own] if send.count else []
@@ -234,10 +247,13 @@ class _KVDirect:
         else:
             receiving = [torch.empty(with_length(t, self._dim, recv.count), dtype=t.dtype, device=t.device)
                          for t in self._own]
-        transfer = self._transfers[stage] = Transfer(sending, (self._rank + stage) % self._size, receiving,
-                                                     (self._rank - stage) % self._size, self._group, TAG_KV)
-        self.received += transfer.received_bytes
-        return transfer.nbytes
+        # a keep_kv forward records none: its backward receives no K/V, and what travelled
+        # with its agreement would be sent for nothing
+        if self._agreement is not None and not self._keep and stage <= self._first_last:
+            self._recorded.append(FirstStage(stage, send.index, tuple(t.shape for t in sending),
+                                             tuple(t.shape for t in receiving)))
+        return Transfer(sending, (self._rank + stage) % self._size, receiving, (self._rank - stage) % self._size,
+                        self._group, TAG_KV)
 
     def advance(self) -> float:
         """After step i's compute: wait for stage i+1; seconds blocked."""
@@ -268,7 +284,7 @@ class _KVDirect:
         return [buf.index_copy_(self._dim, rows.index, got) for buf, got in zip(self._buffers(shapes), received)], True
 
     def drain(self) -> None:
-        transfers, self._transfers = self._transfers, {}
+        transfers, self._transfers, self._first = {**self._transfers, **self._first}, {}, {}
         for transfer in transfers.values():
             transfer.drain()
 
@@ -303,17 +319,23 @@ class _KVKept(_KVDirect):
         return 0.0
 
 
-def _kv_blocks(k: Tensor, v: Tensor, lengths: list, seq_dim: int, exchange: Optional[ExchangePlan], *,
-               keep: bool = False, kept: Optional[list] = None, **where):
+def _kv_blocks(k: Tensor, v: Tensor, lengths: list, seq_dim: int, exchange: Optional[ExchangePlan], agreement, *,
+               last: int, keep: bool = False, kept: Optional[list] = None, **where):
     """Where each step's K/V block comes from: the ring (no exchange plan), the direct exchange
-    (keeping what it receives with ``keep``), or the rows a forward kept (``kept``, per step)."""
+    (keeping what it receives with ``keep``; its first stages may have come with the
+    ``agreement``), or the rows a forward kept (``kept``, per step)."""
+    if agreement is not None and (exchange is None or kept is not None):
+        # posts no first stage: any that came with the agreement are waited for and dropped
+        first, agreement.first = agreement.first, {}
+        for transfer in first.values():
+            transfer.drain()
     if exchange is None:
         if keep or kept is not None:
             raise ValueError("keep_kv needs the direct exchange (exchange='direct')")
         return _KVTravel(k, v, lengths, seq_dim, **where)
     if kept is not None:
         return _KVKept(k, v, lengths, seq_dim, exchange, kept, **where)
-    return _KVDirect(k, v, lengths, seq_dim, exchange, keep=keep, **where)
+    return _KVDirect(k, v, lengths, seq_dim, exchange, keep=keep, last=last, agreement=agreement, **where)
 
 
 def _agreed_first(compute, ready, k: Tensor, v: Tensor):
@@ -331,8 +353,9 @@ def forward_ring(k: Tensor, v: Tensor, seq_dim: int, last: int, compute, ready, 
                  direct: bool = True, keep: bool = False) -> tuple[list[RingStep], Traffic, float, float, list]:
     """Steps 0..``last`` of a forward ring. ``compute(i, cur_k, cur_v) -> (part, rng)`` computes
     step i on the block it holds. Step 0 is this rank's own block; then ``ready() -> (every
-    rank's (query, K/V) lengths, the direct exchange plan or None)`` waits for the ranks'
-    agreement, and from stage 1 on the K/V rows each step needs arrive by the direct exchange
+    rank's (query, K/V) lengths, the direct exchange plan or None, the agreement)`` waits for the
+    ranks' agreement (``engine/agreement.Agreement``: its first stages may have come with it), and
+    from stage 1 on the K/V rows each step needs arrive by the direct exchange
     (or, without a plan or not ``direct``, the whole blocks travel round the ring), each stage
     posted before the previous step's compute. ``keep``: each step's record keeps the rows it
     received (``RingStep.kept``, for a backward that does not fetch them again). Returns (the step
@@ -352,9 +375,9 @@ def forward_ring(k: Tensor, v: Tensor, seq_dim: int, last: int, compute, ready, 
             compute_s += time.perf_counter() - started
             del cur_k, cur_v
             if kv is None:
-                lengths, exchange = ready()
-                kv = _kv_blocks(k, v, lengths, seq_dim, exchange if direct else None, keep=keep, group=group,
-                                rank=rank, size=size)
+                lengths, exchange, agreement = ready()
+                kv = _kv_blocks(k, v, lengths, seq_dim, exchange if direct else None, agreement, last=last, keep=keep,
+                                group=group, rank=rank, size=size)
                 traffic.sent += kv.post_next(0, last)
             wait_s += kv.advance()
     except BaseException:
@@ -510,8 +533,9 @@ def backward_ring(k: Tensor, v: Tensor, seq_dim: int, last: int, compute, add_ro
             kv_grads = compute(i, cur_k, cur_v) if kv is not None else _agreed_first(compute, ready, k, v)
             computed = time.perf_counter()
             if kv is None:
-                lengths, exchange = ready()
-                kv = _kv_blocks(k, v, lengths, seq_dim, exchange if direct else None, kept=kept, **where)
+                lengths, exchange, agreement = ready()
+                kv = _kv_blocks(k, v, lengths, seq_dim, exchange if direct else None, agreement, last=last, kept=kept,
+                                **where)
                 accumulators = (_GradReturns(k, v, seq_dim, exchange, partials=partials, **where)
                                 if direct and exchange is not None else _GradAccumulators(kv, **where))
                 traffic.sent += kv.post_next(0, last)

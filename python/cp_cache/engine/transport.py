@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-__all__ = ["own_group", "group_info", "Exchange", "Transfer", "join_once", "Rotation", "TAG_KV", "TAG_DKV", "exchange_heads", "own_storage",
+__all__ = ["own_group", "group_info", "Exchange", "Transfer", "with_length", "join_once", "Rotation", "TAG_KV", "TAG_DKV", "exchange_heads", "own_storage",
            "SideGroup", "side_group"]
 
 
@@ -86,6 +86,13 @@ def join_once(group, device: torch.device) -> None:
             return
         _JOINED.add(name)
     dist.all_reduce(torch.zeros(1, device=device), group=group)
+
+
+def with_length(t: Tensor, seq_dim: int, length: int) -> torch.Size:
+    """``t``'s shape with ``length`` on its sequence dim ``seq_dim``."""
+    shape = list(t.shape)
+    shape[seq_dim] = length
+    return torch.Size(shape)
 
 
 class Transfer:

@@ -147,7 +147,8 @@ def forward_local(query: Tensor, key: Tensor, value: Tensor, mask_rows: Optional
                               mask=mask_rows, checked=checked, agreement=agreement)
     ring_seconds = time.perf_counter() - started
     seed = step_cache.seed_slot(policy, call, result.steps)
-    CALL_LOG.record("forward", result, started, ring_seconds, fused_merge=call.fused_merge)
+    CALL_LOG.record("forward", result, started, ring_seconds, fused_merge=call.fused_merge,
+                    dropped=agreement.dropped_bytes)
     return result.out, result.lse, seed
 
 
@@ -204,7 +205,7 @@ def backward_local(dy: Tensor, query: Tensor, key: Tensor, value: Tensor, out: T
     result = strategy.backward(recorded, dy, query, key, value, out, lse, steps, groups=process_groups,
                                kernel=KERNEL_BY_NAME[recorded.kernel], mask=mask_rows, checked=checked,
                                agreement=agreement)
-    CALL_LOG.record("backward", result, started, time.perf_counter() - ring_started)
+    CALL_LOG.record("backward", result, started, time.perf_counter() - ring_started, dropped=agreement.dropped_bytes)
     # without a sink: a float32 0-d zero, as the op's meta
     dsink = torch.zeros((), dtype=torch.float32, device=query.device) if result.dsink is None else result.dsink
     return result.dq.contiguous(), result.dk.contiguous(), result.dv.contiguous(), dsink
@@ -255,6 +256,9 @@ class CallRecord:
     wait_seconds: float = 0.0  # inside the ring: blocked on receives (communication not hidden)
     fused_merge: bool = False  # forward: steps merged by npu_ring_attention_update
     kept_bytes: int = 0  # forward, keep_kv: the K/V rows received and kept in the step cache
+    # sent with the agreement and dropped: the first stages of the group's previous call, which
+    # this call did not repeat (engine/agreement.py); not in bytes_sent
+    bytes_dropped: int = 0
     calls: int = 0
 
     @property
@@ -277,9 +281,11 @@ class CallLog:
         self._lock = threading.Lock()
         self._records = {d: CallRecord() for d in self.DIRECTIONS}
 
-    def record(self, direction: str, result, started: float, ring_seconds: float, *, fused_merge: bool = False) -> None:
+    def record(self, direction: str, result, started: float, ring_seconds: float, *, fused_merge: bool = False,
+               dropped: int = 0) -> None:
         """Record a call of ``direction`` that began at ``started`` (time.perf_counter());
-        ``result``: the strategy's ForwardResult / BackwardResult."""
+        ``result``: the strategy's ForwardResult / BackwardResult; ``dropped``: the bytes sent with
+        its agreement and dropped."""
         handler_seconds = time.perf_counter() - started
         with self._lock:
             record = self._records[direction]
@@ -293,6 +299,7 @@ class CallLog:
             record.wait_seconds = result.wait_seconds
             record.fused_merge = fused_merge
             record.kept_bytes = sum(t.nbytes for step in getattr(result, "steps", ()) for t in step.kept)
+            record.bytes_dropped = dropped
             record.calls += 1
 
     def set_handler_seconds(self, direction: str, started: float) -> None:
@@ -305,7 +312,7 @@ class CallLog:
         """{"forward": {...}, "backward": {...}} with bytes_sent, bytes_received, their lower bounds
         (bytes_lower_bound, bytes_received_lower_bound), handler_seconds, ring_seconds,
         overhead_seconds, compute_seconds, wait_seconds, exposed_fraction, fused_merge,
-        kept_bytes and calls of each direction."""
+        kept_bytes, bytes_dropped and calls of each direction."""
         with self._lock:
             return {
                 d: dict(asdict(r), overhead_seconds=r.overhead_seconds, exposed_fraction=r.exposed_fraction)
