@@ -347,16 +347,18 @@ class SideGroup:
         return self.all_gather_async(tensor)()
 
     def all_gather_async(self, tensor: Tensor) -> Callable[[], list[Tensor]]:
-        """``all_gather`` started in the background: call the result to wait for it. Made as one
-        all-to-all of the tensor repeated: every member sends it to every other at once (one
-        round; gloo's all_gather passes it round a ring of W-1 hops)."""
-        flat = tensor.reshape(-1)
-        received = flat.new_empty(self.size * flat.numel())
-        work = self._backend.alltoall_base(received, flat.repeat(self.size), [], [], dist.AllToAllOptions())
+        """``all_gather`` started in the background: call the result to wait for it. Made of
+        point-to-point messages, this rank's tensor to every other member and theirs to it, all
+        posted at once: one round (gloo's all_gather is a ring of W-1 hops), and posted by the
+        calling thread (gloo's collectives wait for a worker thread to be scheduled)."""
+        gathered = [tensor if r == self.rank else torch.empty_like(tensor) for r in range(self.size)]
+        works = [w for peer in range(self.size) if peer != self.rank
+                 for w in (self._backend.send([tensor], peer, 0), self._backend.recv([gathered[peer]], peer, 0))]
 
         def wait() -> list[Tensor]:
-            work.wait()
-            return [t.view(tensor.shape) for t in received.chunk(self.size)]
+            for w in works:
+                w.wait()
+            return gathered
 
         return wait
 
@@ -384,15 +386,20 @@ def _timeout_of(group) -> timedelta:
 
 _side_lock = threading.Lock()
 _side_groups: dict[tuple[int, ...], SideGroup] = {}
+_side_by_name: dict[str, SideGroup] = {}  # the same, by CP group name: no rank lookup per call
 
 
 def side_group(group) -> SideGroup:
     """The CPU side group of the CP group ``group`` (one per set of ranks, created by its
     members at the first call that needs it, then cached)."""
+    found = _side_by_name.get(group.group_name)
+    if found is not None:
+        return found
     ranks = tuple(dist.get_process_group_ranks(group))
     with _side_lock:
         found = _side_groups.get(ranks)
         if found is None:
             found = _side_groups[ranks] = SideGroup(group)
+        _side_by_name[group.group_name] = found
     return found
 
