@@ -23,7 +23,9 @@ class SentCounter:
     ranks; the functional ``permute_tensor`` that torch's ring uses goes through it).
     Set ``phase`` to also sum by phase (``by_phase``, ``calls_by_phase``). The bytes received by
     point-to-point calls (``recv``/``irecv``) are summed apart: ``received``,
-    ``received_by_phase``.
+    ``received_by_phase``. While active, cp_cache posts its stages through these calls on gloo
+    too (``engine/transport.POST_ON_GLOO``; it otherwise posts them on the gloo backend itself):
+    the same messages, counted.
     """
 
     def __init__(self):
@@ -90,6 +92,11 @@ class SentCounter:
         import torch.distributed as dist
         import torch.distributed._functional_collectives as ft_c
         import torch.distributed.distributed_c10d as c10d
+
+        from ...engine import transport
+
+        self._saved.append((transport, "POST_ON_GLOO", transport.POST_ON_GLOO))
+        transport.POST_ON_GLOO = False
 
         # isend and send (irecv, recv): the same wrapper in both namespaces (P2POp checks op is
         # c10d.isend or c10d.irecv)
