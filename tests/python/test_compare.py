@@ -224,7 +224,7 @@ def test_traffic_counts_agree_with_cp_cache_and_the_ring(quick_report):
     kv = 2 * r["batch"] * r["heads"] * (r["seq"] // 2) * r["head_dim"] * 4  # K + V block, fp32
     traffic = res[compare.CP_CACHE]["traffic"]
     # cp_cache's own count is the K/V and dK/dV bytes, all that the counter sees on the CP group:
-    # the ranks' agreement goes over cp_cache's CPU side group
+    # the ranks' agreement goes over the group's host backend directly (or cp_cache's CPU side group)
     assert traffic["cp_cache_reported"] == {"forward": traffic["forward_bytes"],
                                             "backward": traffic["backward_bytes"]}
     # causal head-tail at W=2: rank 1's queries end in chunk 2, so of rank 0's block (chunks 0 and

@@ -370,14 +370,17 @@ def _same_call(gathered: list[list[int]], recorded: list[list[int]]) -> bool:
     first stages with its rows: alike on every rank, which all see the same signatures."""
     sent = _OFFSET[_SENT][0]
     return (len(gathered) == len(recorded) and all(s[sent] == 1 for s in gathered)
-            and all(_call_of(g) == _call_of(r) for g, r in zip(gathered, recorded)))
+            and all(g[a:b] == r[a:b] for g, r in zip(gathered, recorded) for a, b in _THE_CALL))
 
 
-_NOT_THE_CALL = tuple(_OFFSET[name][0] for name in ("direction", "ring steps recorded", _SENT))
+def _between(skipped: list[int]) -> tuple[tuple[int, int], ...]:
+    """The slices of a signature around the ``skipped`` positions."""
+    bounds = [-1] + sorted(skipped) + [SIGNATURE_LEN]
+    return tuple((a + 1, b) for a, b in zip(bounds, bounds[1:]) if b > a + 1)
 
 
-def _call_of(sig: list[int]) -> list[int]:
-    return [x for i, x in enumerate(sig) if i not in _NOT_THE_CALL]
+# what a call is, in either direction: its signature less these fields
+_THE_CALL = _between([_OFFSET[name][0] for name in ("direction", "ring steps recorded", _SENT)])
 
 
 # ---------------------------------------------------------------- the first stages, sent with the agreement

@@ -6,7 +6,9 @@ The CP group carries only the call's payload tensors, on their device: on a clus
 usually accelerator-only (HCCL, NCCL), which refuses CPU tensors, and reading a device
 value back on the host would stall the device queue. The call's metadata (the ranks'
 agreement: integer signatures, refusal messages) goes over a CPU (gloo) side group over
-the same ranks instead (``side_group``).
+the same ranks instead (``side_group``): the CP group's own gloo backend for host tensors
+where it has one (a gloo group, or one made with ``"cpu:gloo,cuda:nccl"``), else a gloo group
+of its own.
 """
 
 from __future__ import annotations
@@ -106,7 +108,7 @@ class Transfer:
         self.nbytes = sum(t.nbytes for t in send)
         self.received_bytes = sum(t.nbytes for t in recv)
         self.recv, self._sent = recv, packed_send  # kept until the sends complete
-        gloo = _gloo_backend(group, (send or recv)[0].device) if send or recv else None
+        gloo = _gloo_backend(group, (send or recv)[0].device) if POST_ON_GLOO and (send or recv) else None
         if gloo is not None:  # posted on the backend: gloo's sends and receives never wait for each other
             self._works = ([gloo.send([t], to, tag + j) for j, t in enumerate(packed_send)]
                            + [gloo.recv([r], source, tag + j) for j, r in enumerate(self._packed_recv)])
@@ -148,8 +150,6 @@ def _gloo_backend(group, device: torch.device):
     """``group``'s backend for ``device`` where it is gloo (posting on it skips torch.distributed's
     per-call checks and rank lookups), else None: NCCL and HCCL take a stage as one batch
     (``batch_isend_irecv``), or a rank's send could wait for its peer's."""
-    if not POST_ON_GLOO:
-        return None
     key = (group.group_name, device.type)
     if key not in _gloo_backends:
         try:
@@ -232,6 +232,7 @@ class Rotation:
 # same two ranks at once: distinct tags keep a receive from matching the other exchange's send.
 TAG_KV = 0  # k: 0, v: 1
 TAG_DKV = 2  # dk: 2, dv: 3
+TAG_SIDE = 8  # the side group's messages, where it is the CP group itself
 
 
 # ---------------------------------------------------------------- Ulysses
@@ -355,10 +356,11 @@ def own_storage(x: Tensor) -> Tensor:
 class SideGroup:
     """A gloo group over the ranks of a CP group, for the call's metadata (host tensors).
 
-    It is a process-group backend of its own (not registered with torch.distributed), keyed
-    in the default store by its ranks alone: its members create it together, at the first
-    call that needs it, whatever other groups each rank has made before; no other rank
-    takes part. It waits as long as the CP group does.
+    Where the CP group has a gloo backend for host tensors, that backend (its messages tagged
+    apart from the payload's). Else a process-group backend of its own (not registered with
+    torch.distributed), keyed in the default store by its ranks alone: its members create it
+    together, at the first call that needs it, whatever other groups each rank has made
+    before; no other rank takes part. It waits as long as the CP group does.
     """
 
     def __init__(self, group):
@@ -366,6 +368,10 @@ class SideGroup:
 
         ranks = dist.get_process_group_ranks(group)
         self.ranks, self.rank, self.size = tuple(ranks), dist.get_rank(group), len(ranks)
+        own = _gloo_backend(group, torch.device("cpu"))
+        if own is not None:  # the CP group takes host tensors itself: its metadata travels on it
+            self._backend = own
+            return
         store = dist.PrefixStore("cp_cache/side/" + "_".join(map(str, ranks)) + "/", _get_default_store())
         self._backend = dist.ProcessGroupGloo(store, self.rank, self.size, _timeout_of(group))
 
@@ -380,7 +386,8 @@ class SideGroup:
         calling thread (gloo's collectives wait for a worker thread to be scheduled)."""
         gathered = [tensor if r == self.rank else torch.empty_like(tensor) for r in range(self.size)]
         works = [w for peer in range(self.size) if peer != self.rank
-                 for w in (self._backend.send([tensor], peer, 0), self._backend.recv([gathered[peer]], peer, 0))]
+                 for w in (self._backend.send([tensor], peer, TAG_SIDE), self._backend.recv([gathered[peer]], peer,
+                                                                                              TAG_SIDE))]
 
         def wait() -> list[Tensor]:
             for w in works:
