@@ -5,8 +5,8 @@ inputs (``check_qkv``, ``check_backward_operands``, the step records against the
 
 Step i on rank r uses the block of group rank ``(r - i) % W``; at most two K/V blocks are
 alive (a direct exchange of at most ``SMALL_EXCHANGE_BYTES`` posts every stage before step 0:
-then the rows it receives are). A strategy gives the loop a ``compute`` callback for one step on the block it holds.
-Two ways for the blocks to get there:
+then the rows it receives are). A strategy gives the loop a ``compute`` callback for one step
+on the block it holds. Two ways for the blocks to get there:
 
 * the direct exchange (an ``ExchangePlan``, ``engine/steps.py``): at stage i rank r sends
   rank r+i only the rows of its own block that rank needs and receives from rank r-i the
