@@ -38,6 +38,8 @@ MISMATCHES = {
     "load_balance": (dict(load_balance=False), {}, "load balancing", "True", "False"),
     "window": (dict(pre_tockens=5), {}, "pre_tockens", "3", "5"),
     "window_next": (dict(next_tockens=1), {}, "next_tockens", "0", "1"),
+    "exchange": (dict(exchange="ring"), {}, "exchange", "direct, keep_kv=False, grad_partials='float32'",
+                 "ring, keep_kv=False, grad_partials='float32'"),
 }
 WINDOW = dict(causal=False, window=True, pre_tockens=3, next_tockens=0)
 
