@@ -291,6 +291,7 @@ def refusal_signature(direction: str, error: BaseException) -> Tensor:
 
 
 CHECK_ERRORS = (ValueError, NotImplementedError, TypeError, RuntimeError)
+_NO_SIGNATURE = torch.empty(0, dtype=torch.int64)  # an agreement over no group gathers nothing
 
 
 class Agreement:
@@ -322,12 +323,9 @@ class Agreement:
 
     @classmethod
     def reached(cls, lengths: list[tuple[int, int]]) -> "Agreement":
-        """An agreement already reached (by the call that drives this strategy), with these lengths."""
-        agreement = cls.__new__(cls)
-        agreement._ahead, agreement._pending, agreement._lengths = [], [], lengths
-        agreement._signatures, agreement.first, agreement._repeated = None, {}, False
-        agreement.dropped_bytes = 0
-        return agreement
+        """An agreement already reached (by the call that drives this strategy), with these lengths:
+        one over no group."""
+        return cls(_NO_SIGNATURE, (), alone=lambda: lengths)
 
     def lengths(self) -> list[tuple[int, int]]:
         """Every rank's (query length, K/V length) on the innermost group, once all agree (the

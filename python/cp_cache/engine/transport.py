@@ -21,8 +21,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-__all__ = ["own_group", "group_info", "Exchange", "Transfer", "with_length", "join_once", "Rotation", "TAG_KV", "TAG_DKV", "exchange_heads", "own_storage",
-           "SideGroup", "side_group"]
+__all__ = ["own_group", "group_info", "Exchange", "Transfer", "with_length", "join_once", "Rotation", "TAG_KV",
+           "TAG_DKV", "exchange_heads", "own_storage", "SideGroup", "side_group"]
 
 
 def own_group(groups):

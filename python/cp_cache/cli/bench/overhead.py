@@ -29,10 +29,11 @@ each direction timed after a ``torch.distributed.barrier()``, with
 ``torch.autograd.set_multithreading_enabled(False)`` (the backward on the calling thread).
 ``overhead`` = time per call - the kernels' time in the same direction; ``ratio`` = cp_cache's
 overhead / torch's ring's; ``ratio_beyond_floor`` = (cp_cache's overhead - the DTensor floor) /
-torch's ring's overhead: what cp_cache adds beyond serving a DTensor call. The same from the calling thread's CPU time (``*_cpu_us``,
-``*_cpu_overhead_us``, ``cpu_ratio``, ``cpu_ratio_beyond_floor``): the host's own work, without the time blocked on the
-other ranks, which on 2 shared cores swings by milliseconds with scheduling and on an
-accelerator is the device's wait, not the host's (there only the agreement blocks the host).
+torch's ring's overhead: what cp_cache adds beyond serving a DTensor call. The same from the
+calling thread's CPU time (``*_cpu_us``, ``*_cpu_overhead_us``, ``cpu_ratio``,
+``cpu_ratio_beyond_floor``): the host's own work, without the time blocked on the other ranks,
+which on 2 shared cores swings by milliseconds with scheduling and on an accelerator is the
+device's wait, not the host's (there only the agreement blocks the host).
 Rank 0's figures. Also ``bench_overhead.png``.
 """
 
