@@ -8,11 +8,14 @@ value back on the host would stall the device queue. The call's metadata (the ra
 agreement: integer signatures, refusal messages) goes over a CPU (gloo) side group over
 the same ranks instead (``side_group``): the CP group's own gloo backend for host tensors
 where it has one (a gloo group, or one made with ``"cpu:gloo,cuda:nccl"``), else a gloo group
-of its own.
+of its own. Every gloo send and receive is posted by one thread of cp_cache's (``GlooPoster``),
+never by the calling thread.
 """
 
 from __future__ import annotations
 
+import os
+import queue
 import threading
 from datetime import timedelta
 from typing import Callable, Optional
@@ -22,7 +25,8 @@ import torch.distributed as dist
 from torch import Tensor
 
 __all__ = ["own_group", "group_info", "Exchange", "Transfer", "with_length", "join_once", "Rotation", "TAG_KV",
-           "TAG_DKV", "exchange_heads", "own_storage", "SideGroup", "side_group"]
+           "TAG_DKV", "exchange_heads", "own_storage", "SideGroup", "side_group", "GlooPoster", "PostedOps",
+           "GLOO_POSTER"]
 
 
 def own_group(groups):
@@ -109,9 +113,9 @@ class Transfer:
         self.received_bytes = sum(t.nbytes for t in recv)
         self.recv, self._sent = recv, packed_send  # kept until the sends complete
         gloo = _gloo_backend(group, (send or recv)[0].device) if POST_ON_GLOO and (send or recv) else None
-        if gloo is not None:  # posted on the backend: gloo's sends and receives never wait for each other
-            self._works = ([gloo.send([t], to, tag + j) for j, t in enumerate(packed_send)]
-                           + [gloo.recv([r], source, tag + j) for j, r in enumerate(self._packed_recv)])
+        if gloo is not None:  # posted on the backend, by cp_cache's poster thread
+            self._works = [GLOO_POSTER.post(gloo, [(True, t, to, tag + j) for j, t in enumerate(packed_send)]
+                                            + [(False, r, source, tag + j) for j, r in enumerate(self._packed_recv)])]
             return
         ops = [dist.P2POp(dist.isend, t, dist.get_global_rank(group, to), group, tag + j)
                for j, t in enumerate(packed_send)]
@@ -138,6 +142,78 @@ class Transfer:
             self.wait()
         except Exception:  # noqa: BLE001 - the original error is the one raised
             pass
+
+
+class GlooPoster:
+    """The thread that posts cp_cache's gloo point-to-point operations, one per process.
+
+    gloo posts a send or a receive on the calling thread, under the lock of the connection to
+    the peer, which gloo's I/O thread holds while it reads from that peer. On a busy host the I/O
+    thread can be descheduled holding it, and the caller then waits for it to run again: hundreds
+    of microseconds per post on 2 shared cores, measured, before the call's first step could
+    start. Posted from this thread instead, the calling thread goes on at once with the step it
+    can compute. Every gloo send and receive of cp_cache goes through the one thread, in the
+    order the calls made them: messages between two ranks match by tag in posting order.
+    """
+
+    def __init__(self) -> None:
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._lock = threading.Lock()
+        self._owner: Optional[int] = None  # the process whose thread serves the queue
+
+    def post(self, backend, ops: list[tuple[bool, Tensor, int, int]]) -> "PostedOps":
+        """Post ``ops`` (``(sending, tensor, peer, tag)`` each) on the gloo ``backend``, in order,
+        after every operation posted before."""
+        if self._owner != os.getpid():
+            self._start()
+        posted = PostedOps(backend)
+        self._queue.put((backend, ops, posted))
+        return posted
+
+    def _start(self) -> None:
+        with self._lock:
+            if self._owner == os.getpid():
+                return
+            self._queue = queue.SimpleQueue()  # a forked child's copy served no thread
+            threading.Thread(target=self._serve, args=(self._queue,), name="cp_cache-gloo-poster",
+                             daemon=True).start()
+            self._owner = os.getpid()
+
+    @staticmethod
+    def _serve(requests: queue.SimpleQueue) -> None:
+        while True:
+            backend, ops, posted = requests.get()
+            try:
+                posted.works = [backend.send([t], peer, tag) if sending else backend.recv([t], peer, tag)
+                                for sending, t, peer, tag in ops]
+            except BaseException as error:  # noqa: BLE001 - raised by the caller's wait
+                posted.error = error
+            posted.done.set()
+
+
+class PostedOps:
+    """Operations given to the ``GlooPoster``: ``wait()`` waits until they are posted, then
+    complete, as long as their backend waits for a peer."""
+
+    def __init__(self, backend) -> None:
+        self.done = threading.Event()
+        self.works: list = []
+        self.error: Optional[BaseException] = None
+        self._backend = backend
+
+    def wait(self) -> None:
+        if not self.done.is_set():
+            timeout = _backend_timeout(self._backend)
+            if not self.done.wait(timeout.total_seconds()):
+                raise RuntimeError(f"cp_cache: gloo point-to-point operations were not posted within their "
+                                   f"group's timeout of {timeout}")
+        if self.error is not None:
+            raise self.error
+        for work in self.works:
+            work.wait()
+
+
+GLOO_POSTER = GlooPoster()
 
 
 _gloo_backends: dict[tuple[str, str], Optional[object]] = {}
@@ -382,16 +458,14 @@ class SideGroup:
     def all_gather_async(self, tensor: Tensor) -> Callable[[], list[Tensor]]:
         """``all_gather`` started in the background: call the result to wait for it. Made of
         point-to-point messages, this rank's tensor to every other member and theirs to it, all
-        posted at once: one round (gloo's all_gather is a ring of W-1 hops), and posted by the
-        calling thread (gloo's collectives wait for a worker thread to be scheduled)."""
+        posted at once (``GLOO_POSTER``): one round (gloo's all_gather is a ring of W-1 hops)."""
         gathered = [tensor if r == self.rank else torch.empty_like(tensor) for r in range(self.size)]
-        works = [w for peer in range(self.size) if peer != self.rank
-                 for w in (self._backend.send([tensor], peer, TAG_SIDE), self._backend.recv([gathered[peer]], peer,
-                                                                                              TAG_SIDE))]
+        ops = [op for peer in range(self.size) if peer != self.rank
+               for op in ((True, tensor, peer, TAG_SIDE), (False, gathered[peer], peer, TAG_SIDE))]
+        posted = GLOO_POSTER.post(self._backend, ops)
 
         def wait() -> list[Tensor]:
-            for w in works:
-                w.wait()
+            posted.wait()
             return gathered
 
         return wait
@@ -413,9 +487,17 @@ def _timeout_of(group) -> timedelta:
             return group._get_backend(torch.device(device)).options._timeout
         except (AttributeError, RuntimeError, ValueError):
             continue
-    from torch.distributed.constants import default_pg_timeout
+    return _backend_timeout(None)
 
-    return default_pg_timeout
+
+def _backend_timeout(backend) -> timedelta:
+    """How long ``backend``'s operations wait for their peers (torch's default where it does not say)."""
+    try:
+        return backend.options._timeout
+    except AttributeError:
+        from torch.distributed.constants import default_pg_timeout
+
+        return default_pg_timeout
 
 
 _side_lock = threading.Lock()
