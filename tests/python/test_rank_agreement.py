@@ -6,6 +6,7 @@ every rank and returns (type, message). A mismatch is put on the last rank only.
 
 from __future__ import annotations
 
+import threading
 import time
 
 import pytest
@@ -144,6 +145,7 @@ def _agreement_rank(rank: int, world: int) -> dict:
     }
 
     results["first_stages"] = _first_stages(rank, world, group, ker)
+    results["poster"] = _poster(rank, world, group)
 
     # last: a rank raises an ordinary exception inside the ring; the others raise too, in time
     kernel = _RaisingKernel() if rank == last else ker
@@ -159,6 +161,48 @@ def _agreement_rank(rank: int, world: int) -> dict:
     results["kernel_raises"] = dict(outcome=outcome, seconds=seconds,
                                     live_entries=cp_cache.stats()["live_entries"])
     return results
+
+
+class _Recording:
+    """A gloo backend whose sends and receives record the thread that posts them."""
+
+    def __init__(self, backend):
+        self.backend, self.threads, self.failing = backend, set(), False
+
+    def send(self, *a):
+        self.threads.add(threading.get_ident())
+        if self.failing:
+            raise RuntimeError("injected send failure")
+        return self.backend.send(*a)
+
+    def recv(self, *a):
+        self.threads.add(threading.get_ident())
+        return self.backend.recv(*a)
+
+
+def _poster(rank: int, world: int, group) -> dict:
+    """engine/transport.GLOO_POSTER: messages of one tag between two ranks arrive in the order
+    they were given to it; it posts them off the calling thread; a post that fails raises its
+    error from the wait, and later posts still go out."""
+    from cp_cache.engine.transport import GLOO_POSTER
+
+    backend = _Recording(group._get_backend(torch.device("cpu")))
+    peer = rank ^ 1
+    if peer >= world:
+        return {}
+    sent = [torch.full((3,), float(10 * rank + i)) for i in range(8)]
+    got = [torch.empty(3) for _ in range(8)]
+    posted = [GLOO_POSTER.post(backend, [(True, s, peer, 5), (False, g, peer, 5)]) for s, g in zip(sent, got)]
+    for p in posted:
+        p.wait()
+    backend.failing = True
+    bad = _outcome(GLOO_POSTER.post(backend, [(True, torch.empty(1), peer, 5)]).wait)
+    backend.failing = False
+    after = torch.empty(1)
+    GLOO_POSTER.post(backend, [(True, torch.ones(1) * rank, peer, 6), (False, after, peer, 6)]).wait()
+    return dict(in_order=[float(g[0]) for g in got] == [float(10 * peer + i) for i in range(8)],
+                off_caller=threading.get_ident() not in backend.threads and len(backend.threads) == 1,
+                bad=bad[:2], after=float(after) == peer)
 
 
 def _first_stages(rank: int, world: int, group, ker) -> dict:
@@ -283,6 +327,14 @@ def test_rank_raising_in_ring_fails_every_rank_in_time(world):
             assert "injected kernel failure" in message
         assert out["seconds"] < 3 * PG_TIMEOUT, (rank, out)
         assert out["live_entries"] == 0
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_gloo_poster_posts_in_order_off_the_calling_thread(world):
+    for rank, res in enumerate(_results(world)):
+        out = res["poster"]
+        assert out["in_order"] and out["off_caller"] and out["after"], (rank, out)
+        assert out["bad"][:2] == ("RuntimeError", "injected send failure"), (rank, out)
 
 
 @pytest.mark.parametrize("world", [2, 4])
