@@ -208,6 +208,7 @@ class _Parameter(NamedTuple):
 # id(schema) -> (schema, its parameters): read once per schema object (an op overload keeps its
 # own), the schema held so that its id stays its own
 _PARAMETERS: dict[int, tuple[Any, tuple[_Parameter, ...]]] = {}
+_POSITIONAL: dict[int, int] = {}  # id(schema) -> how many of its parameters may be positional
 
 
 def _parameters(schema) -> tuple[_Parameter, ...]:
@@ -216,6 +217,7 @@ def _parameters(schema) -> tuple[_Parameter, ...]:
         params = tuple(_Parameter(a.name, not a.kwarg_only, a.has_default_value(),
                                   a.default_value if a.has_default_value() else None) for a in schema.arguments)
         found = _PARAMETERS[id(schema)] = (schema, params)
+        _POSITIONAL[id(schema)] = sum(p.positional for p in params)
     return found[1]
 
 
@@ -227,25 +229,23 @@ def bind_arguments(schema: torch._C.FunctionSchema, args: tuple, kwargs: dict) -
     ``schema``: ``op._schema`` of an op overload, or a parsed schema string.
     """
     params = _parameters(schema)
+    positional = _POSITIONAL[id(schema)]
+    if len(args) > positional:
+        raise TypeError(f"{schema.name}: takes {positional} positional arguments, got {len(args)}")
+    bound = {p.name: value for p, value in zip(params, args)}  # the positional parameters come first
     if kwargs:
         unknown = sorted(set(kwargs) - {p.name for p in params})
         if unknown:
             raise TypeError(f"{schema.name}: unexpected keyword argument(s) {unknown}")
-    positional = sum(p.positional for p in params)
-    if len(args) > positional:
-        raise TypeError(f"{schema.name}: takes {positional} positional arguments, got {len(args)}")
-    bound: dict[str, Any] = {}
-    for index, p in enumerate(params):
-        if p.positional and index < len(args):
-            if p.name in kwargs:
-                raise TypeError(f"{schema.name}: argument {p.name!r} given twice")
-            bound[p.name] = args[index]
-        elif p.name in kwargs:
-            bound[p.name] = kwargs[p.name]
-        elif p.has_default:
+        twice = sorted(bound.keys() & kwargs.keys())
+        if twice:
+            raise TypeError(f"{schema.name}: argument {twice[0]!r} given twice")
+        bound.update(kwargs)
+    for p in params[len(args):]:
+        if p.name not in bound:
+            if not p.has_default:
+                raise TypeError(f"{schema.name}: missing required argument {p.name!r}")
             bound[p.name] = p.default
-        else:
-            raise TypeError(f"{schema.name}: missing required argument {p.name!r}")
     return bound
 
 
