@@ -188,25 +188,34 @@ class GlooPoster:
                                 for sending, t, peer, tag in ops]
             except BaseException as error:  # noqa: BLE001 - raised by the caller's wait
                 posted.error = error
-            posted.done.set()
+            posted.posted()
 
 
 class PostedOps:
     """Operations given to the ``GlooPoster``: ``wait()`` waits until they are posted, then
     complete, as long as their backend waits for a peer."""
 
+    __slots__ = ("works", "error", "_posting", "_waited", "_backend")
+
     def __init__(self, backend) -> None:
-        self.done = threading.Event()
         self.works: list = []
         self.error: Optional[BaseException] = None
+        self._posting = threading.Lock()  # held until the poster thread has posted them
+        self._posting.acquire()
+        self._waited = False
         self._backend = backend
 
+    def posted(self) -> None:
+        """Called by the poster thread once it has posted them (or failed to)."""
+        self._posting.release()
+
     def wait(self) -> None:
-        if not self.done.is_set():
+        if not self._waited and not self._posting.acquire(blocking=False):
             timeout = _backend_timeout(self._backend)
-            if not self.done.wait(timeout.total_seconds()):
+            if not self._posting.acquire(timeout=timeout.total_seconds()):
                 raise RuntimeError(f"cp_cache: gloo point-to-point operations were not posted within their "
                                    f"group's timeout of {timeout}")
+        self._waited = True
         if self.error is not None:
             raise self.error
         for work in self.works:
