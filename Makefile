@@ -88,7 +88,7 @@ test: build
 demo: $(EXT_STAMP)
 	$(PY) -m cp_cache demo $(DEMO_ARGS)
 
-bench: $(EXT_STAMP)
+bench: $(EXT_STAMP) $(WHEELS_STAMP)
 	$(PY) -m cp_cache bench $(DEMO_ARGS)
 
 compare: $(EXT_STAMP) $(WHEELS_STAMP)

@@ -115,6 +115,8 @@ def test_demo_short_run_parity_and_no_live_caches(tmp_path, cli):
 
 
 def test_bench_quick_writes_json_and_png(tmp_path, cli):
+    from cp_cache.cli.bench.overhead import torch_npu_release
+
     code, text = cli("bench", "--quick", "--worlds", "2", "--out", str(tmp_path))
     assert code == 0, text
     report = json.loads((tmp_path / "bench.json").read_text())
@@ -134,6 +136,12 @@ def test_bench_quick_writes_json_and_png(tmp_path, cli):
                 assert isinstance(r[key], float), (key, r)
         for ratio in ("ratio", "cpu_ratio", "ratio_beyond_floor", "cpu_ratio_beyond_floor"):
             assert ratio in r, (ratio, r)
+        # torch_npu's own handlers, where a release that runs on this torch is fetched (make test fetches them)
+        assert r["torch_npu_version"] == torch_npu_release(), r
+        if r["torch_npu_version"] is not None:
+            for key in ("torch_npu_us", "torch_npu_cpu_us", "torch_npu_overhead_us", "torch_npu_cpu_overhead_us"):
+                assert isinstance(r[key], float), (key, r)
+            assert "ratio_vs_torch_npu" in r and "cpu_ratio_vs_torch_npu" in r, r
     handle_ckpt = [r for r in report["memory"] if r["policy"] == "handle" and r["checkpoint"] == "non_reentrant"]
     assert handle_ckpt and all(r["held_entries"] == 0 for r in handle_ckpt)
     for r in report["calls"]:

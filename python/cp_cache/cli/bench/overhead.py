@@ -22,14 +22,21 @@ same ranks, their calls interleaved:
 * ``dtensor_floor``: the same call as ``cp_cache``, served by handlers that only wrap again the
   results of its first real call (no ring, no kernel, no check): what serving the op on DTensors
   costs any handler (the op's autograd, DTensor's dispatch to the handler table, the results
-  wrapped). torch's ring called directly pays none of it.
+  wrapped). torch's ring called directly pays none of it;
+* ``torch_npu``: the same call served by torch_npu's own CP handlers (the newest torch-npu
+  release whose handlers run on this torch and whose files are fetched: ``make torch-npu-wheels``;
+  absent otherwise), loaded over the emulator (``testing/torch_npu_wheel``) with cp_cache
+  disabled: torch's ring behind a DTensor handler, as Ascend users run it today. It pays the
+  DTensor floor as cp_cache does. Timed after the other four (loading it patches torch's CP
+  dispatcher), on the same ranks in the same run.
 
 Per system and direction, the median seconds per call over ``repeats`` calls after ``warmup``,
 each direction timed after a ``torch.distributed.barrier()``, with
 ``torch.autograd.set_multithreading_enabled(False)`` (the backward on the calling thread).
 ``overhead`` = time per call - the kernels' time in the same direction; ``ratio`` = cp_cache's
 overhead / torch's ring's; ``ratio_beyond_floor`` = (cp_cache's overhead - the DTensor floor) /
-torch's ring's overhead: what cp_cache adds beyond serving a DTensor call. The same from the
+torch's ring's overhead: what cp_cache adds beyond serving a DTensor call; ``ratio_vs_torch_npu``
+= cp_cache's overhead / torch_npu's (``torch_npu_version``; None without it). The same from the
 calling thread's CPU time (``*_cpu_us``, ``*_cpu_overhead_us``, ``cpu_ratio``,
 ``cpu_ratio_beyond_floor``): the host's own work, without the time blocked on the other ranks,
 which on 2 shared cores swings by milliseconds with scheduling and on an accelerator is the
@@ -43,14 +50,14 @@ import math
 import statistics
 import time
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Optional
 
 from .._common import cp_session, pyplot, table
 from .shared import Section, several_ranks
 
-__all__ = ["SECTION", "SYSTEMS"]
+__all__ = ["SECTION", "SYSTEMS", "torch_npu_release"]
 
-SYSTEMS = ("cp_cache", "torch_ring", "kernels", "dtensor_floor")
+SYSTEMS = ("cp_cache", "torch_ring", "kernels", "dtensor_floor")  # timed interleaved; then torch_npu
 DIRECTIONS = ("forward", "backward")
 
 
@@ -67,7 +74,9 @@ class _System:
     finish: Callable[[], None] = lambda: None
 
 
-def _cp_cache(local: list, dy, mesh, heads: int, scale: float) -> _System:
+def _dtensor_call(local: list, dy, mesh, heads: int, scale: float) -> _System:
+    """The v3 op on DTensors ``Shard(2)``: served by the handler in DTensor's table (cp_cache's
+    inside ``cp_session``, torch_npu's inside its session)."""
     import torch
     from torch.distributed.tensor import DTensor, Shard
 
@@ -83,7 +92,9 @@ def _cp_cache(local: list, dy, mesh, heads: int, scale: float) -> _System:
     def forward(inputs):
         return torch.ops.npu.npu_fusion_attention_v3(*inputs, heads, "BNSD", scale=scale, **causal)[0]
 
-    return _System(prepare, forward, lambda out: out.to_local(), lambda out: out.backward(dy))
+    # torch_npu 2.12.0's handler returns plain tensors
+    return _System(prepare, forward, lambda out: out.to_local() if isinstance(out, DTensor) else out,
+                   lambda out: out.backward(dy))
 
 
 def _dtensor_floor(local: list, dy, mesh, heads: int, scale: float) -> _System:
@@ -107,7 +118,7 @@ def _dtensor_floor(local: list, dy, mesh, heads: int, scale: float) -> _System:
         return handler
 
     replay = {op: replaying(op) for op in ops}
-    call = _cp_cache(local, dy, mesh, heads, scale)
+    call = _dtensor_call(local, dy, mesh, heads, scale)
 
     def prepare():
         served.update((op, table()[op]) for op in ops)
@@ -115,6 +126,30 @@ def _dtensor_floor(local: list, dy, mesh, heads: int, scale: float) -> _System:
         return call.prepare()
 
     return _System(prepare, call.forward, call.settle, call.backward, finish=lambda: table().update(served))
+
+
+def torch_npu_release() -> Optional[str]:
+    """The newest torch-npu release whose CP handlers run on this torch and whose files are
+    fetched (the same on every rank of one machine); None where there is none."""
+    from ...testing.torch_npu_wheel import VERSIONS, cp_strategy_breaks_on_this_torch, wheel_root
+
+    for version in VERSIONS:
+        try:
+            wheel_root(version)
+        except FileNotFoundError:
+            continue
+        if not cp_strategy_breaks_on_this_torch(version):
+            return version
+    return None
+
+
+def _torch_npu_session(mesh, version: str):
+    """torch_npu ``version``'s CP handlers in torch's CP dispatcher, cp_cache disabled (compare's system)."""
+    from ..compare.catalogue import TORCH_NPU_RELEASES
+    from ..compare.systems.torch_npu import TorchNpuSystem
+
+    name = next(n for n, v in TORCH_NPU_RELEASES.items() if v == version and "lifted" not in n)
+    return TorchNpuSystem(mesh, name).session()
 
 
 def _torch_ring(local: list, dy, mesh, scale: float) -> _System:
@@ -186,22 +221,36 @@ def overhead_rank(plan: dict, rank: int, world_size: int, mesh) -> list[dict]:
     g = torch.Generator().manual_seed(rank)
     local = [torch.randn(b, n, s, d, generator=g).requires_grad_() for _ in range(3)]
     dy = torch.randn(b, n, s, d, generator=g)
-    systems = {"cp_cache": _cp_cache(local, dy, mesh, n, scale), "torch_ring": _torch_ring(local, dy, mesh, scale),
+    systems = {"cp_cache": _dtensor_call(local, dy, mesh, n, scale), "torch_ring": _torch_ring(local, dy, mesh, scale),
                "kernels": _kernels(local, dy, rank, world_size, scale),
                "dtensor_floor": _dtensor_floor(local, dy, mesh, n, scale)}
-    samples = {name: {direction: [] for direction in DIRECTIONS} for name in systems}
-    # cp_session restores torch's load-balancing option on exit
-    # the float32 merge, as torch's ring merges: the fused merge is an NPU kernel whose CPU stand-in
-    # (the emulator's) would count as host overhead here
-    with torch.autograd.set_multithreading_enabled(False), cp_session(mesh, policy="handle", fused_merge=False):
-        _cp_options.enable_load_balance = True
+    samples = {name: {direction: [] for direction in DIRECTIONS} for name in (*systems, "torch_npu")}
+
+    def run(timed: dict[str, _System]) -> None:  # their calls interleaved
         for i in range(o["warmup"] + o["repeats"]):
-            for name, system in systems.items():
+            for name, system in timed.items():
                 times = _timed(system, dist.barrier)
                 if i >= o["warmup"]:
                     for direction, seconds in zip(DIRECTIONS, times):
                         samples[name][direction].append(seconds)
-    return [_row(samples, direction, world_size, rank, o) for direction in DIRECTIONS]
+
+    # cp_session restores torch's load-balancing option on exit
+    # the float32 merge, as torch's ring merges: the fused merge is an NPU kernel whose CPU stand-in
+    # (the emulator's) would count as host overhead here
+    with torch.autograd.set_multithreading_enabled(False):
+        with cp_session(mesh, policy="handle", fused_merge=False):
+            _cp_options.enable_load_balance = True
+            run(systems)
+        version = torch_npu_release()
+        if version is not None:
+            balanced = _cp_options.enable_load_balance
+            with _torch_npu_session(mesh, version):
+                _cp_options.enable_load_balance = True
+                try:
+                    run({"torch_npu": systems["cp_cache"]})
+                finally:
+                    _cp_options.enable_load_balance = balanced
+    return [_row(samples, direction, world_size, rank, o, version) for direction in DIRECTIONS]
 
 
 # (the clock's index in a _timed sample, its key suffix, its ratio's key, what the table shows)
@@ -210,18 +259,23 @@ _CLOCKS = ((0, "", "ratio", "time per call - the kernels' alone"),
                                     "other ranks left out)"))
 
 
-def _row(samples: dict, direction: str, world_size: int, rank: int, o: dict) -> dict:
-    row = dict(world_size=world_size, rank=rank, direction=direction, shape=o)
+def _row(samples: dict, direction: str, world_size: int, rank: int, o: dict, npu_version: Optional[str]) -> dict:
+    row = dict(world_size=world_size, rank=rank, direction=direction, shape=o, torch_npu_version=npu_version)
+    timed = SYSTEMS + (("torch_npu",) if npu_version else ())
     for clock, suffix, ratio, _ in _CLOCKS:
-        us = {name: statistics.median(t[clock] for t in samples[name][direction]) * 1e6 for name in SYSTEMS}
-        over = {name: us[name] - us["kernels"] for name in ("cp_cache", "torch_ring")}
-        row.update({f"{name}{suffix}_us": us[name] for name in SYSTEMS})
+        us = {name: statistics.median(t[clock] for t in samples[name][direction]) * 1e6 for name in timed}
+        over = {name: us[name] - us["kernels"] for name in ("cp_cache", "torch_ring", "torch_npu") if name in us}
+        row.update({f"{name}{suffix}_us": us[name] for name in timed})
         row.update({f"{name}{suffix}_overhead_us": over[name] for name in over})
-        row[ratio] = over["cp_cache"] / over["torch_ring"] if over["torch_ring"] > 0 else None
+        row[ratio] = _ratio(over["cp_cache"], over["torch_ring"])
         # cp_cache's own overhead: less what serving the op on DTensors costs any handler
-        row[f"{ratio}_beyond_floor"] = ((over["cp_cache"] - us["dtensor_floor"]) / over["torch_ring"]
-                                        if over["torch_ring"] > 0 else None)
+        row[f"{ratio}_beyond_floor"] = _ratio(over["cp_cache"] - us["dtensor_floor"], over["torch_ring"])
+        row[f"{ratio}_vs_torch_npu"] = _ratio(over["cp_cache"], over["torch_npu"]) if npu_version else None
     return row
+
+
+def _ratio(a: float, b: float) -> Optional[float]:
+    return a / b if b > 0 else None
 
 
 def print_overhead(report: dict) -> None:
@@ -234,23 +288,30 @@ def print_overhead(report: dict) -> None:
     keys = ("cp_cache{}_us", "torch_ring{}_us", "kernels{}_us", "cp_cache{}_overhead_us", "torch_ring{}_overhead_us",
             "dtensor_floor{}_us")
     show = lambda x: "-" if x is None else f"{x:.2f}"  # noqa: E731
+    npu = rows[0]["torch_npu_version"]
     for _, suffix, ratio, shown in _CLOCKS:
-        print(f"{shown}, µs")
+        print(f"{shown}, µs" + (f"; torch_npu {npu}'s CP handlers" if npu else "; torch_npu's handlers not run"))
         body = [[r["world_size"], r["direction"], *(f"{r[key.format(suffix)]:.0f}" for key in keys),
-                 show(r[ratio]), show(r[f"{ratio}_beyond_floor"])] for r in rows]
+                 show(r[ratio]), show(r[f"{ratio}_beyond_floor"]),
+                 *((f"{r[f'torch_npu{suffix}_overhead_us']:.0f}", show(r[f"{ratio}_vs_torch_npu"])) if npu else ())]
+                for r in rows]
         print(table(["W", "direction", "cp_cache", "torch ring", "kernels alone", "cp_cache overhead",
-                     "torch ring overhead", "DTensor floor", "ratio", "ratio beyond floor"], body))
+                     "torch ring overhead", "DTensor floor", "ratio", "ratio beyond floor",
+                     *(("torch_npu overhead", "ratio vs torch_npu") if npu else ())], body))
 
 
 def _draw(ax, rows: list[dict], directions=DIRECTIONS) -> None:
-    """Overhead of cp_cache and of torch's ring over W, per direction."""
+    """Overhead of cp_cache, of torch's ring (and of torch_npu's handlers where they ran) over W,
+    per direction."""
     for direction, style in zip(DIRECTIONS, ("-", "--")):
         if direction not in directions:
             continue
         pts = sorted((r for r in rows if r["direction"] == direction), key=lambda r: r["world_size"])
         ws = [r["world_size"] for r in pts]
-        for name, marker, color, label in (("cp_cache", "o", "C0", "cp_cache"),
-                                           ("torch_ring", "s", "C1", "torch's ring")):
+        npu = pts[0]["torch_npu_version"] if pts else None
+        lines = [("cp_cache", "o", "C0", "cp_cache"), ("torch_ring", "s", "C1", "torch's ring")]
+        lines += [("torch_npu", "^", "C2", f"torch_npu {npu}'s handlers")] if npu else []
+        for name, marker, color, label in lines:
             ax.plot(ws, [r[f"{name}_overhead_us"] for r in pts], marker + style, color=color,
                     label=f"{label}, {direction}")
     ax.set_xticks(sorted({r["world_size"] for r in rows}))
