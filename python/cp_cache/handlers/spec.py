@@ -67,7 +67,10 @@ class CallSpec:
         return [self.sharding.group(i) for i in range(len(self.sharding.cp_dims))]
 
     def local(self, *names: str) -> tuple[Tensor, ...]:
-        return tuple(self.args[n].to_local() for n in names)
+        """The named arguments' local tensors, as DTensor's own dispatch reads them: the handler
+        runs below autograd, so no ``to_local`` node is wanted (where an op's autograd kernel
+        leaves grad mode on, ``to_local`` would record one per argument)."""
+        return tuple(self.args[n]._local_tensor for n in names)
 
     def wrap_forward(self, out: Tensor, lse: Tensor) -> tuple[DTensor, DTensor, DTensor]:
         """(out, softmax_max, softmax_sum) as DTensors: out sharded like the query, the statistics
@@ -592,7 +595,7 @@ def sharded_like(value: Any, name: str, mesh, placements) -> DTensor:
 def local_tensor(value: Any, name: str) -> Tensor:
     """The local tensor of a DTensor argument (a plain tensor passes through)."""
     if isinstance(value, DTensor):
-        return value.to_local()
+        return value._local_tensor  # as ``CallSpec.local``
     if isinstance(value, Tensor):
         return value
     raise RuntimeError(f"cp_cache: npu_fusion_attention_grad_v3 needs {name}, got {describe(value)}")
