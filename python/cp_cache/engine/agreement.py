@@ -53,7 +53,7 @@ from .. import layout as L
 from ..kernels import KERNEL_NAMES
 from ..placement import PLACEMENTS
 from ..plan import ALGORITHMS, EXCHANGES, GRAD_PARTIALS, CallPlan
-from .transport import TAG_KV, Transfer, message_tensors, selected_rows, side_group
+from .transport import TAG_KV, Transfer, side_group
 
 __all__ = ["SIGNATURE_LEN", "FIELDS", "signature", "refusal_signature", "agree", "counters",
            "reset_counters", "describe", "lengths", "Agreement", "open_agreement", "start_agreement", "agree_on_refusal",
@@ -438,12 +438,13 @@ class _Ahead:
             if not first.send_shapes:
                 sending = []
             elif self.sent_rows:
-                sending = [k, v] if first.send_index is None else selected_rows([k, v], record.seq_dim,
-                                                                                 first.send_index)
+                sending = [t if first.send_index is None else t.index_select(record.seq_dim, first.send_index)
+                           for t in (k, v)]
             else:
                 sending = [torch.zeros(shape, dtype=dtype, device=device)
                            for shape, dtype in zip(first.send_shapes, dtypes)]
-            receiving = message_tensors(first.recv_shapes, dtypes, device)
+            receiving = [torch.empty(shape, dtype=dtype, device=device)
+                         for shape, dtype in zip(first.recv_shapes, dtypes)]
             s, rank, size = first.stage, record.rank, record.size
             self._transfers[s] = Transfer(sending, (rank + s) % size, receiving, (rank - s) % size, record.group,
                                           TAG_KV)

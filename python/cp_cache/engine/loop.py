@@ -31,7 +31,7 @@ from .. import layout as L
 from ..plan import CallPlan
 from .agreement import FirstStage
 from .steps import ExchangePlan
-from .transport import TAG_DKV, TAG_KV, Rotation, Transfer, join_once, message_tensors, selected_rows, with_length
+from .transport import TAG_DKV, TAG_KV, Rotation, Transfer, join_once, with_length
 
 # A rank whose whole direct exchange receives at most this many bytes posts every stage before
 # step 0 instead of one stage ahead: below it a stage's latency, not its bytes, sets its time, so
@@ -238,17 +238,15 @@ class _KVDirect:
 
     def _transfer(self, stage: int) -> Transfer:
         send, recv = self._plan.send[stage], self._plan.recv[stage]
-        if not send.count:
-            sending = []
-        else:
-            sending = self._own if send.index is None else selected_rows(self._own, self._dim, send.index)
+        sending = [t if send.index is None else t.index_select(self._dim, send.index)
+                   for t in self._own] if send.count else []
         if not recv.count:
             receiving = []
         elif recv.index is None:  # the whole block: straight into a block buffer
             receiving = self._buffers(self.block_shapes((self._rank - stage) % self._size))
         else:
-            receiving = message_tensors([with_length(t, self._dim, recv.count) for t in self._own],
-                                        [t.dtype for t in self._own], self._own[0].device)
+            receiving = [torch.empty(with_length(t, self._dim, recv.count), dtype=t.dtype, device=t.device)
+                         for t in self._own]
         # a keep_kv forward records none: its backward receives no K/V, and what travelled
         # with its agreement would be sent for nothing
         if self._agreement is not None and not self._keep and stage <= self._first_last:
@@ -476,8 +474,8 @@ class _GradReturns:
         back, coming = self._plan.recv[i], self._plan.send[i]
         sending = [(t if back.index is None else t.index_select(self._dim, back.index)).to(self._partials_dtype)
                    for t in held] if back.count else []
-        receiving = message_tensors([with_length(t, self._dim, coming.count) for t in self._own],
-                                    [self._partials_dtype] * 2, self._own[0].device) if coming.count else []
+        receiving = [torch.empty(with_length(t, self._dim, coming.count), dtype=self._partials_dtype,
+                                 device=t.device) for t in self._own] if coming.count else []
         transfer = Transfer(sending, (self._rank - i) % self._size, receiving, (self._rank + i) % self._size,
                             self._group, TAG_DKV)
         self.bytes_sent += transfer.nbytes

@@ -14,7 +14,6 @@ never by the calling thread.
 
 from __future__ import annotations
 
-import math
 import os
 import queue
 import threading
@@ -27,7 +26,7 @@ from torch import Tensor
 
 __all__ = ["own_group", "group_info", "Exchange", "Transfer", "with_length", "join_once", "Rotation", "TAG_KV",
            "TAG_DKV", "exchange_heads", "own_storage", "SideGroup", "side_group", "GlooPoster", "PostedOps",
-           "GLOO_POSTER", "message_tensors", "selected_rows"]
+           "GLOO_POSTER"]
 
 
 def own_group(groups):
@@ -129,7 +128,7 @@ class Transfer:
         for w in works:
             w.wait()
         recv, packed = self.recv, self._packed_recv
-        if packed is not recv and packed[0] is not _flat_base(recv):  # one message: its pieces into recv
+        if packed is not recv:  # one message: its pieces into the receive tensors
             offset = 0
             for t in recv:
                 t.copy_(packed[0][offset:offset + t.numel()].view(t.shape))
@@ -254,8 +253,7 @@ def _packed(tensors: list[Tensor]) -> list[Tensor]:
     """``tensors`` as one flat message when they share a dtype and device (else as they are)."""
     if not _one_message(tensors):
         return tensors
-    flat = _flat_base(tensors)
-    return [flat if flat is not None else torch.cat([t.reshape(-1) for t in tensors])]
+    return [torch.cat([t.reshape(-1) for t in tensors])]
 
 
 def _packed_buffer(tensors: list[Tensor]) -> list[Tensor]:
@@ -263,45 +261,8 @@ def _packed_buffer(tensors: list[Tensor]) -> list[Tensor]:
     ``tensors`` themselves."""
     if not _one_message(tensors):
         return tensors
-    flat = _flat_base(tensors)
-    if flat is not None:
-        return [flat]
     first = tensors[0]
     return [torch.empty(sum(t.numel() for t in tensors), dtype=first.dtype, device=first.device)]
-
-
-def message_tensors(shapes: list, dtypes: list, device) -> list[Tensor]:
-    """Empty tensors of ``shapes`` and ``dtypes``, laid one after the other in one flat buffer
-    where they share a dtype: a ``Transfer`` sends or receives them as that buffer, with nothing
-    packed or unpacked."""
-    if len(shapes) < 2 or len(set(dtypes)) > 1:
-        return [torch.empty(shape, dtype=dtype, device=device) for shape, dtype in zip(shapes, dtypes)]
-    sizes = [math.prod(shape) for shape in shapes]
-    flat = torch.empty(sum(sizes), dtype=dtypes[0], device=device)
-    return [piece.view(shape) for piece, shape in zip(flat.split(sizes), shapes)]
-
-
-def selected_rows(tensors: list[Tensor], dim: int, index: Tensor) -> list[Tensor]:
-    """The rows at ``index`` along ``dim`` of each tensor (on one device), in one flat buffer
-    where they share a dtype (``message_tensors``)."""
-    rows = message_tensors([with_length(t, dim, index.numel()) for t in tensors], [t.dtype for t in tensors],
-                           tensors[0].device)
-    for t, out in zip(tensors, rows):
-        torch.index_select(t, dim, index, out=out)
-    return rows
-
-
-def _flat_base(tensors: list[Tensor]) -> Optional[Tensor]:
-    """The flat buffer ``tensors`` tile exactly, in order (``flat_tensors``), else None."""
-    base = tensors[0]._base
-    if base is None or base.dim() != 1:
-        return None
-    offset = base.storage_offset()
-    for t in tensors:
-        if t._base is not base or t.storage_offset() != offset or not t.is_contiguous():
-            return None
-        offset += t.numel()
-    return base if offset == base.storage_offset() + base.numel() else None
 
 
 class Rotation:
