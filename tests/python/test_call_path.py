@@ -32,14 +32,15 @@ def _rank(rank: int, world: int) -> dict:
     g = torch.Generator().manual_seed(rank)
     local = [torch.randn(1, 2, 8, 8, generator=g, requires_grad=True) for _ in range(3)]
     paths, mask = {}, causal_mask("cpu")
+    reads = _count_reads()
     with cp_cache.context_parallel(mesh):
-        for _ in range(CALLS):
+        for scale in (0.35,) * CALLS:
             q, k, v = (DTensor.from_local(t, mesh, [Shard(2)]) for t in local)
             result = {}
 
             def forward():
                 result["out"] = torch.ops.npu.npu_fusion_attention_v3(
-                    q, k, v, 2, "BNSD", atten_mask=mask, sparse_mode=2, scale=0.35, next_tockens=0)[0]
+                    q, k, v, 2, "BNSD", atten_mask=mask, sparse_mode=2, scale=scale, next_tockens=0)[0]
 
             before = agreement.counters()["exchanges"]
             paths["forward"] = trace_modules(forward)
@@ -47,13 +48,37 @@ def _rank(rank: int, world: int) -> dict:
             paths["backward"] = trace_modules(lambda: result["out"].to_local().sum().backward())
             agreements = (between - before, agreement.counters()["exchanges"] - between)
             calls = cp_cache.call_stats()
-    return {"paths": paths, "calls": (calls["forward"]["calls"], calls["backward"]["calls"]), "agreements": agreements}
+        repeated = list(reads)
+        for scale in (0.25, 0.35, 0.25):  # another scale is read afresh, then both are repeats
+            q, k, v = (DTensor.from_local(t, mesh, [Shard(2)]) for t in local)
+            out = torch.ops.npu.npu_fusion_attention_v3(q, k, v, 2, "BNSD", atten_mask=mask, sparse_mode=2,
+                                                        scale=scale, next_tockens=0)[0]
+            out.to_local().sum().backward()
+    return {"paths": paths, "calls": (calls["forward"]["calls"], calls["backward"]["calls"]), "agreements": agreements,
+            "reads": (repeated, list(reads))}
+
+
+def _count_reads() -> list:
+    """The directions of the calls read afresh (``handlers/spec._read_call``), in order."""
+    from cp_cache.handlers import spec
+
+    reads, read = [], spec._read_call
+
+    def counted(a, cp, backward):
+        reads.append("backward" if backward else "forward")
+        return read(a, cp, backward)
+
+    spec._read_call = counted
+    return reads
 
 
 def test_one_dense_call_walks_a_bounded_path_and_agrees_once_per_direction():
     for res in run_ranks(_rank, 2, timeout=180):
         assert res["calls"] == (CALLS, CALLS), res["calls"]  # cp_cache served every call, both directions
         assert res["agreements"] == (1, 1), res["agreements"]  # the ranks agree once per direction
+        # a layer's repeated call takes its plan from the first (handlers/spec.read_call); another
+        # scale is read once, each direction
+        assert res["reads"] == (["forward", "backward"], ["forward", "backward"] * 2), res["reads"]
         for direction, path in res["paths"].items():
             print(direction, path.modules, "modules,", path.returns, "returns:", path.names())
             assert "cp_cache.handlers.attention" in path.names()

@@ -145,10 +145,10 @@ def torch_npu_release() -> Optional[str]:
 
 def _torch_npu_session(mesh, version: str):
     """torch_npu ``version``'s CP handlers in torch's CP dispatcher, cp_cache disabled (compare's system)."""
-    from ..compare.catalogue import TORCH_NPU_RELEASES
+    from ..compare.catalogue import DROPOUT_ONLY, TORCH_NPU_RELEASES
     from ..compare.systems.torch_npu import TorchNpuSystem
 
-    name = next(n for n, v in TORCH_NPU_RELEASES.items() if v == version and "lifted" not in n)
+    name = next(n for n, v in TORCH_NPU_RELEASES.items() if v == version and n not in DROPOUT_ONLY)
     return TorchNpuSystem(mesh, name).session()
 
 
