@@ -205,20 +205,18 @@ class _Parameter(NamedTuple):
     default: Any
 
 
-# id(schema) -> (schema, its parameters): read once per schema object (an op overload keeps its
-# own), the schema held so that its id stays its own
-_PARAMETERS: dict[int, tuple[Any, tuple[_Parameter, ...]]] = {}
-_POSITIONAL: dict[int, int] = {}  # id(schema) -> how many of its parameters may be positional
+# id(schema) -> (schema, its parameters, how many of them may be positional): read once per schema
+# object (an op overload keeps its own), the schema held so that its id stays its own
+_PARAMETERS: dict[int, tuple[Any, tuple[_Parameter, ...], int]] = {}
 
 
-def _parameters(schema) -> tuple[_Parameter, ...]:
+def _parameters(schema) -> tuple[tuple[_Parameter, ...], int]:
     found = _PARAMETERS.get(id(schema))
     if found is None or found[0] is not schema:
         params = tuple(_Parameter(a.name, not a.kwarg_only, a.has_default_value(),
                                   a.default_value if a.has_default_value() else None) for a in schema.arguments)
-        found = _PARAMETERS[id(schema)] = (schema, params)
-        _POSITIONAL[id(schema)] = sum(p.positional for p in params)
-    return found[1]
+        found = _PARAMETERS[id(schema)] = (schema, params, sum(p.positional for p in params))
+    return found[1:]
 
 
 def bind_arguments(schema: torch._C.FunctionSchema, args: tuple, kwargs: dict) -> dict[str, Any]:
@@ -228,8 +226,7 @@ def bind_arguments(schema: torch._C.FunctionSchema, args: tuple, kwargs: dict) -
     and keyword-only ones in ``kwargs``; reading them by name needs no index table.
     ``schema``: ``op._schema`` of an op overload, or a parsed schema string.
     """
-    params = _parameters(schema)
-    positional = _POSITIONAL[id(schema)]
+    params, positional = _parameters(schema)
     if len(args) > positional:
         raise TypeError(f"{schema.name}: takes {positional} positional arguments, got {len(args)}")
     bound = {p.name: value for p, value in zip(params, args)}  # the positional parameters come first
