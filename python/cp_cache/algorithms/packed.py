@@ -398,7 +398,8 @@ class PackedDocuments:
                                                             _ready(plan, cu, agreement), group=group, rank=rank,
                                                             size=size, direct=plan.exchange == "direct",
                                                             keep=plan.keep_kv)
-        log.debug("packed documents forward rank %d/%d: parts %s, %s", rank, size, [s.part for s in steps], traffic)
+        if log.isEnabledFor(logging.DEBUG):  # the parts' list is built only to be logged
+            log.debug("packed documents forward rank %d/%d: parts %s, %s", rank, size, [s.part for s in steps], traffic)
         return ForwardResult(out=acc_out.to(q.dtype), lse=acc_lse, steps=steps, compute_seconds=compute_s,
                              wait_seconds=wait_s, **traffic.fields())
 

@@ -174,7 +174,8 @@ class Ring:
         steps, traffic, compute_s, wait_s, lengths = forward_ring(
             k, v, seq_dim, _last_step(plan, checked.kv_len), compute, _ready(plan, agreement, group, mask), group=group,
             rank=rank, size=size, direct=plan.exchange == "direct", keep=plan.keep_kv)
-        log.debug("ring forward rank %d/%d: parts %s, %s", rank, size, [s.part for s in steps], traffic)
+        if log.isEnabledFor(logging.DEBUG):  # the parts' list is built only to be logged
+            log.debug("ring forward rank %d/%d: parts %s, %s", rank, size, [s.part for s in steps], traffic)
         acc_out, acc_lse = acc or _empty_accumulators(checked.out, lse_shape, q.device)
         return ForwardResult(out=acc_out.to(q.dtype), lse=acc_lse, steps=steps, compute_seconds=compute_s,
                              wait_seconds=wait_s, lengths=lengths, **traffic.fields())

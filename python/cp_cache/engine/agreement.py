@@ -197,6 +197,7 @@ def _offsets() -> dict[str, tuple[int, int]]:
 
 
 _OFFSET = _offsets()
+_LENGTHS_AT = tuple(_OFFSET[name][0] for name in _LENGTH_FIELDS)
 
 
 def _pad(shape: Optional[Sequence[int]], any_dim: Optional[int] = None) -> list[int]:
@@ -310,8 +311,11 @@ class Agreement:
         if len(self._ahead) == 1 and self._ahead[0].sent_rows:
             sig = sig.clone()  # the signature itself is cached per configuration
             sig[_OFFSET[_SENT][0]] = 1
-        self._pending = [(side, side.all_gather_async(sig)) for side in (side_group(g) for g in groups)
-                         if side.size > 1]
+        self._pending = []
+        for group in groups:
+            side = side_group(group)
+            if side.size > 1:
+                self._pending.append((side, side.all_gather_async(sig)))
         # with no other rank: this rank's own lengths, nothing to wait for
         self._lengths = None if self._pending else alone()
         self._signatures: Optional[list[list[int]]] = None
@@ -334,7 +338,7 @@ class Agreement:
             try:
                 gathered = [_checked(side, wait(), None) for side, wait in self._pending]
                 found = lengths(gathered[-1]) if gathered else []
-                if any(length < 1 for pair in found for length in pair):
+                if any([q < 1 or kv < 1 for q, kv in found]):
                     raise ValueError(f"every rank needs at least one query and one key; local (query, K/V) "
                                      f"lengths by rank: {found}")  # the same on every rank: they all see them
             except BaseException:
@@ -366,9 +370,16 @@ def _same_call(gathered: list[list[int]], recorded: list[list[int]]) -> bool:
     """Whether the gathered signatures are the recorded call's, in either direction (a backward
     receives again the K/V rows its forward received first), every rank having sent that call's
     first stages with its rows: alike on every rank, which all see the same signatures."""
+    if len(gathered) != len(recorded):
+        return False
     sent = _OFFSET[_SENT][0]
-    return (len(gathered) == len(recorded) and all(s[sent] == 1 for s in gathered)
-            and all(g[a:b] == r[a:b] for g, r in zip(gathered, recorded) for a, b in _THE_CALL))
+    for g, r in zip(gathered, recorded):  # loops, not generators: this runs on every call
+        if g[sent] != 1:
+            return False
+        for a, b in _THE_CALL:
+            if g[a:b] != r[a:b]:
+                return False
+    return True
 
 
 def _between(skipped: list[int]) -> tuple[tuple[int, int], ...]:
@@ -538,7 +549,7 @@ def describe(signatures: list[list[int]]) -> list[str]:
 
 def lengths(signatures: list[list[int]]) -> list[tuple[int, int]]:
     """Each rank's (local query length, local K/V length), from the gathered signatures."""
-    q_at, kv_at = (_OFFSET[name][0] for name in _LENGTH_FIELDS)
+    q_at, kv_at = _LENGTHS_AT
     return [(s[q_at], s[kv_at]) for s in signatures]
 
 
@@ -561,7 +572,7 @@ def _checked(side, gathered: list[Tensor], error: Optional[BaseException]) -> li
     with _lock:
         _counters["exchanges"] += 1
     signatures = [g.tolist() for g in gathered]
-    if all(s == signatures[0] for s in signatures[1:]):  # the usual case: even the lengths are equal
+    if signatures.count(signatures[0]) == len(signatures):  # the usual case: even the lengths are equal
         return signatures
     compared = [_compared(s) for s in signatures]
     if all(c == compared[0] for c in compared[1:]):

@@ -118,8 +118,7 @@ def _row_bytes(k: Tensor, v: Tensor, seq_dim: int, itemsize: Optional[int] = Non
     length = k.size(seq_dim)
     if length == 0:
         return 0
-    size = lambda t: t.numel() // length * (itemsize or t.element_size())  # noqa: E731
-    return size(k) + size(v)
+    return (k.numel() * (itemsize or k.element_size()) + v.numel() * (itemsize or v.element_size())) // length
 
 
 def _bounds(traffic: Traffic, exchange: ExchangePlan, k: Tensor, v: Tensor, seq_dim: int, backward: bool,
@@ -198,7 +197,7 @@ class _KVDirect:
         self._spare: Optional[list[Tensor]] = None  # a block buffer not in use
         self._buffered = False  # whether ``current`` is one of the two block buffers
         # alike on every rank (the ranks agreed on the row sizes and share the lengths)
-        most = max((kv for _, kv in lengths), default=k.size(seq_dim))
+        most = max([kv for _, kv in lengths], default=k.size(seq_dim))
         self._all_at_once = (size - 1) * most * _row_bytes(k, v, seq_dim) <= SMALL_EXCHANGE_BYTES
         self.received = 0
         # the stages that came with the agreement (adopted), else those posted first, recorded
@@ -224,8 +223,9 @@ class _KVDirect:
         step 0 every stage where the whole exchange is small; bytes sent."""
         if i + 1 > last or i + 1 in self._transfers:
             return 0
-        stages = range(i + 1, last + 1) if self._all_at_once else (i + 1,)
-        sent = sum(self._post(stage) for stage in stages)
+        sent = 0
+        for stage in range(i + 1, last + 1 if self._all_at_once else i + 2):
+            sent += self._post(stage)
         if i == 0 and self._recorded:
             self._agreement.remember_first_stages(self._recorded, self._group, rank=self._rank, size=self._size,
                                                   seq_dim=self._dim, k=self._own[0], v=self._own[1])
@@ -444,7 +444,8 @@ class _GradReturns:
 
     def __init__(self, k: Tensor, v: Tensor, seq_dim: int, exchange: ExchangePlan, group, rank: int, size: int,
                  partials: torch.dtype = torch.float32):
-        self._own = tuple(torch.zeros(t.shape, dtype=torch.float32, device=t.device) for t in (k, v))
+        self._own = (torch.zeros(k.shape, dtype=torch.float32, device=k.device),
+                     torch.zeros(v.shape, dtype=torch.float32, device=v.device))
         self._partials_dtype = partials  # what the partials travel in (added in float32 at home)
         self._plan, self._dim = exchange.on(k.device), seq_dim
         self._group, self._rank, self._size = group, rank, size
@@ -459,7 +460,8 @@ class _GradReturns:
             return self._own
         held = self._partials[i % 2]
         if held is None or [t.shape for t in held] != [k.shape, v.shape]:
-            held = tuple(torch.zeros(t.shape, dtype=torch.float32, device=t.device) for t in (k, v))
+            held = (torch.zeros(k.shape, dtype=torch.float32, device=k.device),
+                    torch.zeros(v.shape, dtype=torch.float32, device=v.device))
             self._partials[i % 2] = held
         else:
             for t in held:
@@ -564,7 +566,7 @@ def backward_ring(k: Tensor, v: Tensor, seq_dim: int, last: int, compute, add_ro
     traffic.received = kv.received + accumulators.received
     if exchange is not None:
         _bounds(traffic, exchange, k, v, seq_dim, backward=True, kv_kept=kept is not None,
-                partial_itemsize=torch.empty((), dtype=partials).element_size())
+                partial_itemsize=partials.itemsize)
     return dk, dv, traffic, compute_s, wait_s, lengths
 
 

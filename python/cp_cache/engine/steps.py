@@ -300,13 +300,13 @@ class ExchangePlan:
     recv: tuple[StageRows, ...]
     _on_device: dict = field(default_factory=dict, compare=False, repr=False)
 
-    @property
+    @functools.cached_property  # plans are cached and read every call
     def rows_sent(self) -> int:
-        return sum(r.count for r in self.send[1:])
+        return sum([r.count for r in self.send[1:]])
 
-    @property
+    @functools.cached_property
     def rows_received(self) -> int:
-        return sum(r.count for r in self.recv[1:])
+        return sum([r.count for r in self.recv[1:]])
 
     def on(self, device: torch.device) -> "ExchangePlan":
         """The same plan with its indices on ``device`` (copied once per device)."""
@@ -363,6 +363,7 @@ def exchange_plan(plan: CallPlan, lengths: list, *, group=None, mask_rows: Optio
     return _positional_plan(_positional_key(plan), tuple(map(tuple, lengths)))
 
 
+@functools.lru_cache(maxsize=256)  # a layer's calls repeat their plan
 def _positional_key(plan: CallPlan) -> CallPlan:
     """The plan with only what the need sets depend on (so calls differing in anything else,
     heads, scale, kernel, share one cache entry)."""

@@ -49,6 +49,8 @@ def group_info(world_size: int, rank: int, group) -> tuple[int, int, object]:
         group = dist.group.WORLD
     if group is None:
         size, rank_in_group = 1, 0
+    elif isinstance(group, dist.ProcessGroup):  # its own size and rank: no lookup through the default group
+        size, rank_in_group = group.size(), group.rank()
     else:
         size, rank_in_group = dist.get_world_size(group), dist.get_rank(group)
     if size != world_size:
@@ -109,8 +111,8 @@ class Transfer:
 
     def __init__(self, send: list[Tensor], to: int, recv: list[Tensor], source: int, group, tag: int):
         packed_send, self._packed_recv = _packed(send), _packed_buffer(recv)
-        self.nbytes = sum(t.nbytes for t in send)
-        self.received_bytes = sum(t.nbytes for t in recv)
+        self.nbytes = sum([t.nbytes for t in send])
+        self.received_bytes = sum([t.nbytes for t in recv])
         self.recv, self._sent = recv, packed_send  # kept until the sends complete
         gloo = _gloo_backend(group, (send or recv)[0].device) if POST_ON_GLOO and (send or recv) else None
         if gloo is not None:  # posted on the backend, by cp_cache's poster thread
@@ -246,7 +248,13 @@ def _gloo_backend(group, device: torch.device):
 
 
 def _one_message(tensors: list[Tensor]) -> bool:
-    return len(tensors) > 1 and len({(t.dtype, t.device) for t in tensors}) == 1
+    if len(tensors) < 2:
+        return False
+    dtype, device = tensors[0].dtype, tensors[0].device
+    for t in tensors:  # a loop, not a set of pairs: this runs for every stage
+        if t.dtype != dtype or t.device != device:
+            return False
+    return True
 
 
 def _packed(tensors: list[Tensor]) -> list[Tensor]:
@@ -262,7 +270,7 @@ def _packed_buffer(tensors: list[Tensor]) -> list[Tensor]:
     if not _one_message(tensors):
         return tensors
     first = tensors[0]
-    return [torch.empty(sum(t.numel() for t in tensors), dtype=first.dtype, device=first.device)]
+    return [torch.empty(sum([t.numel() for t in tensors]), dtype=first.dtype, device=first.device)]
 
 
 class Rotation:

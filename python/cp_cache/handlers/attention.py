@@ -171,7 +171,10 @@ def dtensor_default(op_call, args, kwargs):
 def _simulated_ranks(query: DTensor) -> bool:
     """Whether the ranks are simulated in this process (LocalTensor mode: the local tensor holds
     every rank's shard, ranks and sizes are symbolic)."""
+    local = query._local_tensor
+    if type(local) is Tensor:  # the usual case, without the import below
+        return False
     from torch.distributed._local_tensor import LocalTensor  # loaded with DTensor
 
-    return isinstance(query._local_tensor, LocalTensor)
+    return isinstance(local, LocalTensor)
 

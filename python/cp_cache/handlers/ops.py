@@ -72,8 +72,12 @@ def _traced(tensors) -> bool:
     meta tensors, or a dispatch mode such as make_fx's proxy mode): then the local work runs as
     the custom op, which a trace records and whose fake kernel gives the shapes; eagerly it runs
     now, without the op's dispatch."""
-    return _current_dispatch_mode() is not None or any(
-        t is not None and (type(t) is not Tensor or t.is_meta) for t in tensors)
+    if _current_dispatch_mode() is not None:
+        return True
+    for t in tensors:  # a loop, not a generator: this runs on every call
+        if t is not None and (type(t) is not Tensor or t.is_meta):
+            return True
+    return False
 
 
 def run_forward(query: Tensor, key: Tensor, value: Tensor, mask_rows: Optional[Tensor], process_groups: list,
@@ -298,7 +302,7 @@ class CallLog:
             record.compute_seconds = result.compute_seconds
             record.wait_seconds = result.wait_seconds
             record.fused_merge = fused_merge
-            record.kept_bytes = sum(t.nbytes for step in getattr(result, "steps", ()) for t in step.kept)
+            record.kept_bytes = sum([t.nbytes for step in getattr(result, "steps", ()) for t in step.kept])
             record.bytes_dropped = dropped
             record.calls += 1
 

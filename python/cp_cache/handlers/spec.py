@@ -62,15 +62,15 @@ class CallSpec:
     sink: Optional[Tensor] = None
 
     @property
-    def groups(self) -> list:
+    def groups(self) -> tuple:
         """The CP dimensions' process groups, outer first."""
-        return [self.sharding.group(i) for i in range(len(self.sharding.cp_dims))]
+        return self.sharding.groups
 
     def local(self, *names: str) -> tuple[Tensor, ...]:
         """The named arguments' local tensors, as DTensor's own dispatch reads them: the handler
         runs below autograd, so no ``to_local`` node is wanted (where an op's autograd kernel
         leaves grad mode on, ``to_local`` would record one per argument)."""
-        return tuple(self.args[n]._local_tensor for n in names)
+        return tuple([self.args[n]._local_tensor for n in names])
 
     def wrap_forward(self, out: Tensor, lse: Tensor) -> tuple[DTensor, DTensor, DTensor]:
         """(out, softmax_max, softmax_sum) as DTensors: out sharded like the query, the statistics
@@ -116,7 +116,7 @@ def _wrap(local: Tensor, mesh, placements, seq_dim: int, total: int) -> DTensor:
     input it follows: shards may be uneven). Its spec is made once per shape (a layer's calls
     repeat theirs; specs are immutable and DTensors share them), except for symbolic sizes."""
     shape, stride = tuple(local.shape), local.stride()
-    if all(type(x) is int for x in (*shape, *stride, total)):
+    if type(local) is Tensor and type(total) is int:  # a real tensor's sizes are ints; a traced one's may be symbolic
         spec = _spec(mesh, tuple(placements), shape, stride, local.dtype, seq_dim, total)
     else:
         spec = _spec.__wrapped__(mesh, tuple(placements), shape, stride, local.dtype, seq_dim, total)
@@ -149,10 +149,12 @@ def read_call(a: dict[str, Any], cp: CPConfig, *, backward: bool = False) -> Cal
     holds takes them from the last call with that key, on the same mesh object."""
     key = _repeat_key(a, cp, backward)
     read = _READ.get(key) if key is not None else None
-    if read is not None and read[1].mesh is a["query"].device_mesh:
+    if read is not None and read[1].mesh is a["query"]._spec.mesh:
         plan, sharding = read
-        return CallSpec(a, plan, sharding, None,
-                        sink=local_sink(a["sink"], int(a["head_num"]), sharding.mesh, sharding.head_shards))
+        sink = a["sink"]
+        if sink is not None:
+            sink = local_sink(sink, int(a["head_num"]), sharding.mesh, sharding.head_shards)
+        return CallSpec(a, plan, sharding, None, sink=sink)
     call = _read_call(a, cp, backward)
     if key is not None:
         if len(_READ) >= _READ_LIMIT:
@@ -170,17 +172,32 @@ def _repeat_key(a: dict[str, Any], cp: CPConfig, backward: bool) -> Optional[tup
     """What a dense call's plan and sharding depend on, where nothing else does; None for calls
     read afresh every time: packed documents (their lengths), a given mask (its rows), arguments
     cp_cache refuses (their error each time), and traced calls (symbolic sizes, fake tensors)."""
-    if a["input_layout"] == L.TND or any(a[name] is not None for name in _UNSUPPORTED_WHEN_SET):
+    # loops, not generators: this runs on every call
+    if a["input_layout"] == L.TND:
         return None
+    for name in _UNSUPPORTED_WHEN_SET:
+        if a[name] is not None:
+            return None
     mask = a["atten_mask"]
     if mask is not None and (a["sparse_mode"] in _GIVEN_MASK_MODES or type(mask) is not Tensor):
         return None
-    tensors = tuple(a[n] for n in _QKV)
-    if not all(type(t) is DTensor and type(t._local_tensor) is Tensor for t in tensors):
+    q, k, v = a["query"], a["key"], a["value"]
+    if not (type(q) is DTensor and type(k) is DTensor and type(v) is DTensor):
+        return None
+    q_local, k_local, v_local = q._local_tensor, k._local_tensor, v._local_tensor
+    if not (type(q_local) is Tensor and type(k_local) is Tensor and type(v_local) is Tensor):
+        return None
+    # the DTensor specs by their parts (as DTensorSpec compares them), the mesh by identity: the
+    # specs' own hash and equality are Python calls through the mesh's
+    q_spec, k_spec, v_spec = q._spec, k._spec, v._spec
+    mesh = q_spec.mesh
+    if k_spec.mesh is not mesh or v_spec.mesh is not mesh:
         return None
     return (backward, cp, L.load_balance_enabled(), a["scale_value" if backward else "scale"], a["sink"] is None,
-            None if mask is None else (tuple(mask.shape), mask.dtype), *(a[n] for n in _SCALARS),
-            *(t._spec for t in tensors), *(t._local_tensor.shape for t in tensors))
+            None if mask is None else (mask.shape, mask.dtype), tuple([a[n] for n in _SCALARS]), id(mesh),
+            q_spec.placements, k_spec.placements, v_spec.placements, getattr(q_spec, "shard_order", None),
+            getattr(k_spec, "shard_order", None), getattr(v_spec, "shard_order", None), q_spec.tensor_meta,
+            k_spec.tensor_meta, v_spec.tensor_meta, q_local.shape, k_local.shape, v_local.shape)
 
 
 def _read_call(a: dict[str, Any], cp: CPConfig, backward: bool) -> CallSpec:
@@ -389,6 +406,11 @@ class CPSharding:
         """The process group of CP dimension ``index`` (0: the outer one)."""
         return self.mesh.get_group(self.cp_dims[index])
 
+    @functools.cached_property  # a mesh keeps its groups; a repeated call's sharding is the last one's
+    def groups(self) -> tuple:
+        """The process groups of the CP dimensions, outer first."""
+        return tuple(self.group(i) for i in range(len(self.cp_dims)))
+
     def local_heads(self, head_num: int) -> int:
         """The query head count on this rank (``head_num`` is the op's, over all heads)."""
         if head_num % self.head_shards:
@@ -405,7 +427,10 @@ def sequence_sharded(query: Any, layout: Any) -> bool:
     ``Shard(seq)`` (data or tensor parallel, replicated): calls cp_cache leaves to others."""
     if not isinstance(query, DTensor) or layout not in L.ALL_LAYOUTS:
         return False
-    return Shard(L.seq_dim(layout)) in tuple(query.placements)
+    return _SEQUENCE_SHARD[layout] in query._spec.placements
+
+
+_SEQUENCE_SHARD = {layout: Shard(L.seq_dim(layout)) for layout in L.ALL_LAYOUTS}
 
 
 def cp_sharding(tensors: dict[str, Any], layout: str) -> CPSharding:
@@ -648,7 +673,7 @@ def _agreement_groups(a: Optional[dict[str, Any]]) -> list:
         return []
     if any(_traced(t.to_local()) for t in tensors.values()):
         return []
-    return [sharding.group(i) for i in range(len(sharding.cp_dims))]
+    return list(sharding.groups)
 
 
 def _traced(t: Tensor) -> bool:
