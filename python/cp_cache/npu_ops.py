@@ -205,17 +205,18 @@ class _Parameter(NamedTuple):
     default: Any
 
 
-# id(schema) -> (schema, its parameters, how many of them may be positional): read once per schema
-# object (an op overload keeps its own), the schema held so that its id stays its own
-_PARAMETERS: dict[int, tuple[Any, tuple[_Parameter, ...], int]] = {}
+# id(schema) -> (schema, its parameters, how many of them may be positional, their names): read once
+# per schema object (an op overload keeps its own), the schema held so that its id stays its own
+_PARAMETERS: dict[int, tuple[Any, tuple[_Parameter, ...], int, frozenset]] = {}
 
 
-def _parameters(schema) -> tuple[tuple[_Parameter, ...], int]:
+def _parameters(schema) -> tuple[tuple[_Parameter, ...], int, frozenset]:
     found = _PARAMETERS.get(id(schema))
     if found is None or found[0] is not schema:
         params = tuple(_Parameter(a.name, not a.kwarg_only, a.has_default_value(),
                                   a.default_value if a.has_default_value() else None) for a in schema.arguments)
-        found = _PARAMETERS[id(schema)] = (schema, params, sum(p.positional for p in params))
+        found = _PARAMETERS[id(schema)] = (schema, params, sum(p.positional for p in params),
+                                           frozenset(p.name for p in params))
     return found[1:]
 
 
@@ -226,12 +227,12 @@ def bind_arguments(schema: torch._C.FunctionSchema, args: tuple, kwargs: dict) -
     and keyword-only ones in ``kwargs``; reading them by name needs no index table.
     ``schema``: ``op._schema`` of an op overload, or a parsed schema string.
     """
-    params, positional = _parameters(schema)
+    params, positional, names = _parameters(schema)
     if len(args) > positional:
         raise TypeError(f"{schema.name}: takes {positional} positional arguments, got {len(args)}")
     bound = {p.name: value for p, value in zip(params, args)}  # the positional parameters come first
     if kwargs:
-        unknown = sorted(set(kwargs) - {p.name for p in params})
+        unknown = sorted(kwargs.keys() - names)
         if unknown:
             raise TypeError(f"{schema.name}: unexpected keyword argument(s) {unknown}")
         twice = sorted(bound.keys() & kwargs.keys())

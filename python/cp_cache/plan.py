@@ -18,6 +18,7 @@ from __future__ import annotations
 import functools
 import json
 import math
+import operator
 from dataclasses import dataclass, fields, replace
 from typing import Optional, Sequence
 
@@ -116,6 +117,12 @@ class MaskSpec:
 def _flat(obj) -> dict:
     # dataclasses.asdict deep-copies: 10x slower on a path taken every call
     return {f.name: getattr(obj, f.name) for f in fields(obj)}
+
+
+# what the grad op's arguments repeat of its forward's plan (with a given mask, the algorithm too)
+_GRAD_REPEATS = ("layout", "head_num", "scale", "keep_prob", "mask", "documents", "placement", "capacity", "sink")
+_READ_GRAD_REPEATS = {False: operator.attrgetter(*_GRAD_REPEATS),
+                      True: operator.attrgetter(*_GRAD_REPEATS, "algorithm")}
 
 
 @dataclass(frozen=True)
@@ -245,10 +252,10 @@ class CallPlan:
         """Why a backward whose arguments give ``called`` cannot use this recorded forward plan,
         or None. The grad op repeats the forward's arguments; the mesh must be the same; with a
         given mask, so must the algorithm and the load balancing that picked the mask's rows."""
-        keys = ("layout", "head_num", "scale", "keep_prob", "mask", "documents", "placement", "capacity", "sink")
-        keys += ("algorithm",) if self.mask.given else ()
-        mine, theirs = ({k: getattr(p, k) for k in keys} for p in (self, called))
-        if mine != theirs:
+        names = _GRAD_REPEATS + (("algorithm",) if self.mask.given else ())
+        read = _READ_GRAD_REPEATS[self.mask.given]
+        if read(self) != read(called):
+            mine, theirs = (dict(zip(names, read(p))) for p in (self, called))
             return f"backward called with {theirs} but its forward ran with {mine}"
         # the backward runs what the forward ran, on the same mesh: the forward's algorithm on the
         # backward's CP dimensions must give the forward's Ulysses degree

@@ -77,12 +77,16 @@ def _check_mask_rows(plan: CallPlan, q_len: int, kv_len: int, mask_rows: Optiona
 @dataclass(frozen=True)
 class _Shapes:
     """What a ring call's checked shapes give: the query's dims, the sequence dim, the output's
-    shape (the query's with V's head size)."""
+    shape (the query's with V's head size), the last step, the kernel's arguments, and each
+    step's (part, tasks) where a positional mask plans them (None: a given mask, planned per call)."""
 
     dims: L.Dims
     seq_dim: int
     kv_len: int
     out: tuple
+    last: int
+    kernel_args: dict
+    steps: Optional[tuple]
 
 
 @functools.lru_cache(maxsize=256)  # a layer's calls repeat their shapes
@@ -90,7 +94,11 @@ def _shapes(plan: CallPlan, q_shape: tuple, k_shape: tuple, v_shape: tuple) -> _
     q, k, v = (torch.empty(shape, device="meta") for shape in (q_shape, k_shape, v_shape))
     qd, _ = check_qkv(plan, q, k, v)
     seq_dim = L.seq_dim(plan.layout)
-    return _Shapes(qd, seq_dim, k_shape[seq_dim], tuple(L.output_shape(q, k, v, plan.layout, plan.head_num)))
+    kv_len = k_shape[seq_dim]
+    last = hops_needed(plan.world_size, plan.load_balance, plan.mask, kv_len)
+    steps = None if plan.mask.given else tuple(_plan_step(plan, i, qd.seq, kv_len, None) for i in range(last + 1))
+    return _Shapes(qd, seq_dim, kv_len, tuple(L.output_shape(q, k, v, plan.layout, plan.head_num)), last,
+                   dict(layout=plan.layout, head_num=plan.head_num, scale=plan.scale, keep_prob=plan.keep_prob), steps)
 
 
 def _check_inputs(plan: CallPlan, q: Tensor, k: Tensor, v: Tensor, mask_rows: Optional[Tensor]) -> _Shapes:
@@ -103,8 +111,12 @@ def _plan_step(plan: CallPlan, index: int, q_len: int, kv_len: int, mask_rows: O
     return plan_step(plan.rank, index, plan.world_size, plan.load_balance, plan.mask, q_len, kv_len, mask_rows)
 
 
-def _last_step(plan: CallPlan, kv_len: int) -> int:
-    return hops_needed(plan.world_size, plan.load_balance, plan.mask, kv_len)
+def _step(plan: CallPlan, checked: _Shapes, index: int, kv_len: int, mask_rows: Optional[Tensor]):
+    """(part, tasks) of step ``index`` on a K/V block of ``kv_len`` rows: planned once per shapes where
+    the mask is positional and the block has this rank's length (uneven shards: planned per block)."""
+    if checked.steps is not None and kv_len == checked.kv_len:
+        return checked.steps[index]
+    return _plan_step(plan, index, checked.dims.seq, kv_len, mask_rows)
 
 
 def _task_operands(task: BlockTask, seq_dim: int, q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor, Tensor]:
@@ -112,13 +124,9 @@ def _task_operands(task: BlockTask, seq_dim: int, q: Tensor, k: Tensor, v: Tenso
     return q.narrow(seq_dim, *task.q_rows), k.narrow(seq_dim, *task.kv_rows), v.narrow(seq_dim, *task.kv_rows)
 
 
-def _kernel_args(plan: CallPlan) -> dict:
-    return dict(layout=plan.layout, head_num=plan.head_num, scale=plan.scale, keep_prob=plan.keep_prob)
-
-
-def _recorded_tasks(step: RingStep, plan: CallPlan, q_len: int, kv_len: int, mask_rows):
+def _recorded_tasks(step: RingStep, plan: CallPlan, checked: _Shapes, kv_len: int, mask_rows):
     """The step's kernel calls, planned again, each with the (seed, offset) its forward drew."""
-    part, tasks = _plan_step(plan, step.index, q_len, kv_len, mask_rows)
+    part, tasks = _step(plan, checked, step.index, kv_len, mask_rows)
     check_step(step, plan.rank, part, len(tasks))
     return zip(tasks, step.rng or [(None, None)] * len(tasks))
 
@@ -134,7 +142,7 @@ class Ring:
                        steps: list[RingStep], mask: Optional[Tensor] = None) -> _Shapes:
         """This rank's inputs of a backward, and the forward's step records against them."""
         shapes = _check_inputs(plan, q, k, v, mask)
-        check_steps(steps, plan.rank, plan.world_size, _last_step(plan, shapes.kv_len) + 1)
+        check_steps(steps, plan.rank, plan.world_size, shapes.last + 1)
         check_backward_operands(plan, dout, q, k, v, out, lse)
         return shapes
 
@@ -152,10 +160,10 @@ class Ring:
         lay, seq_dim, qd = plan.layout, checked.seq_dim, checked.dims
         lse_shape = (qd.batch, plan.head_num, qd.seq)
         acc: list[Tensor] = []  # [out, lse] in float32, from the first result on
-        kernel_args = _kernel_args(plan)
+        kernel_args = checked.kernel_args
 
         def compute(i: int, cur_k: Tensor, cur_v: Tensor) -> tuple[str, list]:
-            part, tasks = _plan_step(plan, i, qd.seq, cur_k.size(seq_dim), mask)
+            part, tasks = _step(plan, checked, i, cur_k.size(seq_dim), mask)
             rng = []
             for task in tasks:
                 res = kernel.forward(*_task_operands(task, seq_dim, q, cur_k, cur_v), mask=task.mask, **kernel_args)
@@ -172,7 +180,7 @@ class Ring:
             return part, rng
 
         steps, traffic, compute_s, wait_s, lengths = forward_ring(
-            k, v, seq_dim, _last_step(plan, checked.kv_len), compute, _ready(plan, agreement, group, mask), group=group,
+            k, v, seq_dim, checked.last, compute, _ready(plan, agreement, group, mask), group=group,
             rank=rank, size=size, direct=plan.exchange == "direct", keep=plan.keep_kv)
         if log.isEnabledFor(logging.DEBUG):  # the parts' list is built only to be logged
             log.debug("ring forward rank %d/%d: parts %s, %s", rank, size, [s.part for s in steps], traffic)
@@ -189,11 +197,11 @@ class Ring:
         size, rank, group = group_info(plan.world_size, plan.rank, own_group(groups))
         seq_dim, qd, lse = checked.seq_dim, checked.dims, lse.float()
         dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
-        kernel_args = _kernel_args(plan)
+        kernel_args = checked.kernel_args
 
         def compute(i: int, cur_k: Tensor, cur_v: Tensor) -> list:
             kv_grads = []
-            for task, (seed, offset) in _recorded_tasks(steps[i], plan, qd.seq, cur_k.size(seq_dim), mask):
+            for task, (seed, offset) in _recorded_tasks(steps[i], plan, checked, cur_k.size(seq_dim), mask):
                 rows = task.q_rows
                 grads = kernel.backward(
                     *_task_operands(task, seq_dim, q, cur_k, cur_v),
@@ -209,7 +217,7 @@ class Ring:
             acc.narrow(seq_dim, *kv_rows).add_(grad)
 
         dk, dv, traffic, compute_s, wait_s, lengths = backward_ring(
-            k, v, seq_dim, _last_step(plan, checked.kv_len), compute, add_rows, _ready(plan, agreement, group, mask),
+            k, v, seq_dim, checked.last, compute, add_rows, _ready(plan, agreement, group, mask),
             group=group, rank=rank, size=size, direct=plan.exchange == "direct", kept=kept_rows(plan, steps),
             partials=partials_dtype(plan, k))
         log.debug("ring backward rank %d/%d: %s", rank, size, traffic)

@@ -225,7 +225,7 @@ def _derivative(forward_schema: str, grad_op_name: str):
         grads.update(query=dq, key=dk, value=dv)
         grads["pse"] = dpse if inputs["pse"] is not None else None
         grads["sink"] = dsink if inputs["sink"] is not None else None
-        return tuple(grads[name] for name in names)
+        return tuple([grads[name] for name in names])
 
     return setup_context, backward
 

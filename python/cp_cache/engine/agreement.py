@@ -239,6 +239,7 @@ def reset_counters() -> None:
         for k in _counters:
             _counters[k] = 0
         _built.clear()
+        _SENT_VARIANTS.clear()
 
 
 def signature(*, direction: str, plan: CallPlan, q: Tensor, k: Tensor, v: Tensor, kv_heads: Optional[int] = None,
@@ -309,8 +310,7 @@ class Agreement:
                  k: Optional[Tensor] = None, v: Optional[Tensor] = None):
         self._ahead = _post_ahead(groups, k, v)
         if len(self._ahead) == 1 and self._ahead[0].sent_rows:
-            sig = sig.clone()  # the signature itself is cached per configuration
-            sig[_OFFSET[_SENT][0]] = 1
+            sig = _with_rows_sent(sig)
         self._pending = []
         for group in groups:
             side = side_group(group)
@@ -364,6 +364,23 @@ class Agreement:
         own = (tuple(k.shape), tuple(v.shape), k.dtype, v.dtype, k.device)
         with _lock:
             _records[group.group_name] = _Record(self._signatures, group, rank, size, seq_dim, own, tuple(stages))
+
+
+_SENT_VARIANTS: dict[int, tuple[Tensor, Tensor]] = {}  # id(signature) -> (it, it with "first stages sent")
+
+
+def _with_rows_sent(sig: Tensor) -> Tensor:
+    """``sig`` (a cached signature, never written) saying that this rank sent its rows of the first
+    stages: a copy, made once per signature."""
+    found = _SENT_VARIANTS.get(id(sig))
+    if found is None or found[0] is not sig:
+        sent = sig.clone()
+        sent[_OFFSET[_SENT][0]] = 1
+        with _lock:
+            if len(_SENT_VARIANTS) >= _BUILT_MAX:
+                _SENT_VARIANTS.clear()
+            found = _SENT_VARIANTS[id(sig)] = (sig, sent)
+    return found[1]
 
 
 def _same_call(gathered: list[list[int]], recorded: list[list[int]]) -> bool:
@@ -456,9 +473,8 @@ class _Ahead:
                            for shape, dtype in zip(first.send_shapes, dtypes)]
             receiving = [torch.empty(shape, dtype=dtype, device=device)
                          for shape, dtype in zip(first.recv_shapes, dtypes)]
-            s, rank, size = first.stage, record.rank, record.size
-            self._transfers[s] = Transfer(sending, (rank + s) % size, receiving, (rank - s) % size, record.group,
-                                          TAG_KV)
+            self._transfers[first.stage] = Transfer.shifted(sending, receiving, first.stage, record.rank, record.size,
+                                                             record.group, TAG_KV)
 
     def take(self, repeated: bool) -> dict[int, Transfer]:
         """The transfers by stage where the call repeats the recorded one (its record then stands

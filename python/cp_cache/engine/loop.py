@@ -252,8 +252,7 @@ class _KVDirect:
         if self._agreement is not None and not self._keep and stage <= self._first_last:
             self._recorded.append(FirstStage(stage, send.index, tuple(t.shape for t in sending),
                                              tuple(t.shape for t in receiving)))
-        return Transfer(sending, (self._rank + stage) % self._size, receiving, (self._rank - stage) % self._size,
-                        self._group, TAG_KV)
+        return Transfer.shifted(sending, receiving, stage, self._rank, self._size, self._group, TAG_KV)
 
     def advance(self) -> float:
         """After step i's compute: wait for stage i+1; seconds blocked."""
@@ -478,8 +477,8 @@ class _GradReturns:
                    for t in held] if back.count else []
         receiving = [torch.empty(with_length(t, self._dim, coming.count), dtype=self._partials_dtype,
                                  device=t.device) for t in self._own] if coming.count else []
-        transfer = Transfer(sending, (self._rank - i) % self._size, receiving, (self._rank + i) % self._size,
-                            self._group, TAG_DKV)
+        # the partials go back to the block's owner, rank r-i; rank r+i's come in
+        transfer = Transfer.shifted(sending, receiving, -i, self._rank, self._size, self._group, TAG_DKV)
         self.bytes_sent += transfer.nbytes
         self.received += transfer.received_bytes
         self._pending = (transfer, i)

@@ -69,7 +69,7 @@ class Exchange:
         if recv is None:
             shapes = recv_shapes or [t.shape for t in tensors]
             recv = [torch.empty(shape, dtype=t.dtype, device=t.device) for t, shape in zip(tensors, shapes)]
-        self._transfer = Transfer(tensors, (rank + shift) % size, recv, (rank - shift) % size, group, tag)
+        self._transfer = Transfer.shifted(tensors, recv, shift, rank, size, group, tag)
         self.nbytes = self._transfer.nbytes
 
     def wait(self) -> list[Tensor]:
@@ -124,6 +124,13 @@ class Transfer:
         ops += [dist.P2POp(dist.irecv, r, dist.get_global_rank(group, source), group, tag + j)
                 for j, r in enumerate(self._packed_recv)]
         self._works = dist.batch_isend_irecv(ops) if ops else []
+
+    @classmethod
+    def shifted(cls, send: list[Tensor], recv: list[Tensor], shift: int, rank: int, size: int, group,
+                tag: int) -> "Transfer":
+        """A stage of a ring shift on ``rank`` of ``size``: ``send`` to the rank ``shift`` ahead,
+        ``recv`` from the rank ``shift`` behind (a negative ``shift``: the other way round)."""
+        return cls(send, (rank + shift) % size, recv, (rank - shift) % size, group, tag)
 
     def wait(self) -> list[Tensor]:
         works, self._works = self._works, []

@@ -130,7 +130,8 @@ class AttentionHandlers:
             call = read_call(a, self.config, backward=True)
             for name in ("dy", "attention_in"):
                 a[name] = sharded_like(a[name], name, call.sharding.mesh, call.sharding.placements)
-            lse = lse_from_stats(*(local_tensor(a[n], n) for n in ("softmax_max", "softmax_sum")))
+            lse = lse_from_stats(local_tensor(a["softmax_max"], "softmax_max"),
+                                 local_tensor(a["softmax_sum"], "softmax_sum"))
         except CHECK_ERRORS as error:
             share_refusal("backward", a, error)
             raise

@@ -88,7 +88,7 @@ class CallSpec:
         input's strides, whose local shape DTensor computes as an even split (wrong for uneven
         shards, and a copy for even ones)."""
         seq_dim = L.seq_dim(self.plan.layout)
-        return tuple(_grad_like(g, self.args[n], self.sharding, seq_dim) for g, n in zip(grads, _QKV))
+        return tuple([_grad_like(g, self.args[n], self.sharding, seq_dim) for g, n in zip(grads, _QKV)])
 
 
 def _grad_like(grad: Tensor, input: DTensor, sharding, seq_dim: int) -> DTensor:
