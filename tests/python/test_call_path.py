@@ -8,6 +8,8 @@ calls while standing in for the NPU op nor code generated at run time, a datacla
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 from cp_cache.testing.call_trace import trace_modules
@@ -32,8 +34,7 @@ def _rank(rank: int, world: int) -> dict:
     g = torch.Generator().manual_seed(rank)
     local = [torch.randn(1, 2, 8, 8, generator=g, requires_grad=True) for _ in range(3)]
     paths, mask = {}, causal_mask("cpu")
-    reads = _count_reads()
-    with cp_cache.context_parallel(mesh):
+    with _counting_reads() as reads, cp_cache.context_parallel(mesh):
         for scale in (0.35,) * CALLS:
             q, k, v = (DTensor.from_local(t, mesh, [Shard(2)]) for t in local)
             result = {}
@@ -58,8 +59,10 @@ def _rank(rank: int, world: int) -> dict:
             "reads": (repeated, list(reads))}
 
 
-def _count_reads() -> list:
-    """The directions of the calls read afresh (``handlers/spec._read_call``), in order."""
+@contextlib.contextmanager
+def _counting_reads():
+    """The directions of the calls read afresh (``handlers/spec._read_call``) inside, in order; the
+    reader as it was afterwards."""
     from cp_cache.handlers import spec
 
     reads, read = [], spec._read_call
@@ -69,7 +72,10 @@ def _count_reads() -> list:
         return read(a, cp, backward)
 
     spec._read_call = counted
-    return reads
+    try:
+        yield reads
+    finally:
+        spec._read_call = read
 
 
 def test_one_dense_call_walks_a_bounded_path_and_agrees_once_per_direction():
