@@ -261,6 +261,12 @@ def load_balance_enabled() -> bool:
     """torch's ``_cp_options.enable_load_balance`` (the one read of it): whether the sequence lies
     head-tail over the CP ranks (rank r holds chunks r and 2W-1-r of 2W, as
     ``context_parallel(buffers=...)`` shards it) rather than contiguously."""
-    from torch.distributed.tensor.experimental._context_parallel._attention import _cp_options
+    global _CP_OPTIONS
+    if _CP_OPTIONS is None:  # imported at the first read (torch.distributed may be absent until then)
+        from torch.distributed.tensor.experimental._context_parallel._attention import _cp_options
 
-    return bool(_cp_options.enable_load_balance)
+        _CP_OPTIONS = _cp_options
+    return bool(_CP_OPTIONS.enable_load_balance)
+
+
+_CP_OPTIONS = None

@@ -30,7 +30,8 @@ from __future__ import annotations
 
 import functools
 import logging
-from dataclasses import dataclass
+import time
+from dataclasses import dataclass, field
 from typing import Optional, Sequence
 
 import torch
@@ -39,6 +40,7 @@ from torch import Tensor
 from .. import layout as L
 from ..engine.loop import (
     BackwardResult,
+    agreed_first,
     ForwardResult,
     RingStep,
     backward_ring,
@@ -47,9 +49,11 @@ from ..engine.loop import (
     check_step,
     check_steps,
     empty_outputs,
+    forward_repeated,
     forward_ring,
     kept_rows,
     partials_dtype,
+    plan_repeat,
 )
 from ..engine.merge import merge_into
 from ..engine.steps import BlockTask, exchange_plan, hops_needed, plan_step
@@ -87,6 +91,9 @@ class _Shapes:
     last: int
     kernel_args: dict
     steps: Optional[tuple]
+    # by CP group name: the exchange of a call that repeats the group's previous one (its stages
+    # all came with the agreement), planned by the general loop's run of such a call
+    repeats: dict = field(default_factory=dict, compare=False)
 
 
 @functools.lru_cache(maxsize=256)  # a layer's calls repeat their shapes
@@ -179,11 +186,38 @@ class Ring:
                 del res
             return part, rng
 
+        ready = _ready(plan, agreement, group, mask)
+        # a positional mask's direct exchange, not kept: a repeated call may run planned once
+        repeats = (checked.repeats if checked.steps is not None and plan.exchange == "direct" and not plan.keep_kv
+                   and group is not None else None)
+        repeat = None if repeats is None else repeats.get(group.group_name)
+        first = None
+        if repeat is not None:
+            started = time.perf_counter()
+            first = agreed_first(compute, ready, k, v)
+            first_s = time.perf_counter() - started
+            transfers = repeat.adopt(agreement)
+            if transfers is not None:
+                steps = [RingStep(index=0, part=first[0], rng=tuple(first[1]))]
+                compute_s, wait_s = forward_repeated(k, v, seq_dim, repeat, transfers, compute, steps)
+                return self._result(plan, q, checked, acc, steps, repeat.traffic, first_s + compute_s, wait_s,
+                                    repeat.lengths)
         steps, traffic, compute_s, wait_s, lengths = forward_ring(
-            k, v, seq_dim, checked.last, compute, _ready(plan, agreement, group, mask), group=group,
-            rank=rank, size=size, direct=plan.exchange == "direct", keep=plan.keep_kv)
+            k, v, seq_dim, checked.last, compute, ready, group=group, rank=rank, size=size,
+            direct=plan.exchange == "direct", keep=plan.keep_kv, first=first)
+        if repeats is not None and size > 1 and (repeat is None or repeat.lengths != lengths):
+            repeats[group.group_name] = plan_repeat(exchange_plan(plan, lengths, group=group), lengths, k, v,
+                                                    seq_dim, rank=rank, size=size, last=checked.last,
+                                                    traffic=traffic)
+        return self._result(plan, q, checked, acc, steps, traffic, compute_s, wait_s, lengths)
+
+    def _result(self, plan: CallPlan, q: Tensor, checked: _Shapes, acc: list, steps: list, traffic, compute_s: float,
+                wait_s: float, lengths: list) -> ForwardResult:
+        qd = checked.dims
+        lse_shape = (qd.batch, plan.head_num, qd.seq)
         if log.isEnabledFor(logging.DEBUG):  # the parts' list is built only to be logged
-            log.debug("ring forward rank %d/%d: parts %s, %s", rank, size, [s.part for s in steps], traffic)
+            log.debug("ring forward rank %d/%d: parts %s, %s", plan.rank, plan.world_size, [s.part for s in steps],
+                      traffic)
         acc_out, acc_lse = acc or _empty_accumulators(checked.out, lse_shape, q.device)
         return ForwardResult(out=acc_out.to(q.dtype), lse=acc_lse, steps=steps, compute_seconds=compute_s,
                              wait_seconds=wait_s, lengths=lengths, **traffic.fields())

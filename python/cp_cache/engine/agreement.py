@@ -53,7 +53,7 @@ from .. import layout as L
 from ..kernels import KERNEL_NAMES
 from ..placement import PLACEMENTS
 from ..plan import ALGORITHMS, EXCHANGES, GRAD_PARTIALS, CallPlan
-from .transport import TAG_KV, Transfer, side_group
+from .transport import GLOO_POSTER, TAG_KV, Transfer, side_group
 
 __all__ = ["SIGNATURE_LEN", "FIELDS", "signature", "refusal_signature", "agree", "counters",
            "reset_counters", "describe", "lengths", "Agreement", "open_agreement", "start_agreement", "agree_on_refusal",
@@ -251,10 +251,9 @@ def signature(*, direction: str, plan: CallPlan, q: Tensor, k: Tensor, v: Tensor
     the sequence dimension is left out of the compared shapes."""
     call = (direction, kernel, plan, tuple(q.shape), tuple(k.shape), tuple(v.shape), q.dtype, k.dtype, v.dtype,
             kv_heads, None if mask_rows is None else tuple(mask_rows.shape), steps, _check_code(error))
-    with _lock:
-        sig = _built.get(call)
-        if sig is not None:
-            return sig
+    sig = _built.get(call)  # a dict read is atomic: the lock guards the writes
+    if sig is not None:
+        return sig
     kv_heads = _kv_heads(q, k, plan) if kv_heads is None else kv_heads
     mask = _mask_code(plan.mask)
     seq_dim = L.seq_dim(plan.layout) if plan.uneven_allowed else None
@@ -308,14 +307,15 @@ class Agreement:
 
     def __init__(self, sig: Tensor, groups: Sequence, alone: Callable[[], list[tuple[int, int]]] = list,
                  k: Optional[Tensor] = None, v: Optional[Tensor] = None):
-        self._ahead = _post_ahead(groups, k, v)
-        if len(self._ahead) == 1 and self._ahead[0].sent_rows:
-            sig = _with_rows_sent(sig)
         self._pending = []
-        for group in groups:
-            side = side_group(group)
-            if side.size > 1:
-                self._pending.append((side, side.all_gather_async(sig)))
+        with GLOO_POSTER.together():
+            self._ahead = _post_ahead(groups, k, v)
+            if len(self._ahead) == 1 and self._ahead[0].sent_rows:
+                sig = _with_rows_sent(sig)
+            for group in groups:
+                side = side_group(group)
+                if side.size > 1:
+                    self._pending.append((side, side.all_gather_async(sig)))
         # with no other rank: this rank's own lengths, nothing to wait for
         self._lengths = None if self._pending else alone()
         self._signatures: Optional[list[list[int]]] = None
@@ -353,6 +353,12 @@ class Agreement:
                 self.dropped_bytes = _drain(self._ahead)
             self._ahead, self._lengths = [], found
         return self._lengths
+
+    @property
+    def repeated(self) -> bool:
+        """After ``lengths()``: whether the ranks agree that the call repeats its group's recorded
+        one (its first stages came with the agreement, in ``first``)."""
+        return self._repeated
 
     def remember_first_stages(self, stages: list["FirstStage"], group, *, rank: int, size: int, seq_dim: int,
                               k: Tensor, v: Tensor) -> None:

@@ -22,7 +22,7 @@ from __future__ import annotations
 import functools
 import time
 from dataclasses import dataclass
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 from torch import Tensor
@@ -30,7 +30,7 @@ from torch import Tensor
 from .. import layout as L
 from ..plan import CallPlan
 from .agreement import FirstStage
-from .steps import ExchangePlan
+from .steps import ExchangePlan, StageRows
 from .transport import TAG_DKV, TAG_KV, Rotation, Transfer, join_once, with_length
 
 # A rank whose whole direct exchange receives at most this many bytes posts every stage before
@@ -38,7 +38,8 @@ from .transport import TAG_DKV, TAG_KV, Rotation, Transfer, join_once, with_leng
 # W-1 rounds become one; the extra memory is at most this.
 SMALL_EXCHANGE_BYTES = 1 << 20
 
-__all__ = ["RingStep", "ForwardResult", "BackwardResult", "Traffic", "forward_ring", "backward_ring", "kept_rows",
+__all__ = ["RingStep", "ForwardResult", "BackwardResult", "Traffic", "forward_ring", "backward_ring",
+           "RepeatedExchange", "plan_repeat", "forward_repeated", "placed_block", "agreed_first", "kept_rows",
            "partials_dtype", "check_steps", "check_step", "empty_outputs", "check_qkv",
            "check_keep_prob", "check_backward_operands"]
 
@@ -274,13 +275,8 @@ class _KVDirect:
     def _block(self, received: list[Tensor]) -> tuple[list[Tensor], bool]:
         """The block of the stage's source with the ``received`` rows in place; whether it is a
         block buffer."""
-        rows = self._plan.recv[self._stage]
         shapes = self.block_shapes((self._rank - self._stage) % self._size)
-        if rows.count and rows.index is None:
-            return received, True
-        if not rows.count:  # no query of this rank reads that block: zeros without memory
-            return [t.new_zeros(()).expand(shape) for t, shape in zip(self._own, shapes)], False
-        return [buf.index_copy_(self._dim, rows.index, got) for buf, got in zip(self._buffers(shapes), received)], True
+        return placed_block(self._own, received, self._plan.recv[self._stage], shapes, self._dim, self._buffers)
 
     def drain(self) -> None:
         transfers, self._transfers, self._first = {**self._transfers, **self._first}, {}, {}
@@ -318,6 +314,82 @@ class _KVKept(_KVDirect):
         return 0.0
 
 
+def placed_block(own: list[Tensor], received: list[Tensor], rows: StageRows, shapes: list[torch.Size], seq_dim: int,
+                 buffers: Callable[[list[torch.Size]], list[Tensor]]) -> tuple[list[Tensor], bool]:
+    """The K/V block of ``shapes`` whose ``rows`` arrived as ``received`` (like ``own``: dtypes,
+    device), the rows in place: the received tensors where they are the whole block, else zeros
+    (``buffers(shapes)``) with the rows copied in; whether it is such a buffer."""
+    if rows.count and rows.index is None:
+        return received, True
+    if not rows.count:  # no query of this rank reads that block: zeros without memory
+        return [t.new_zeros(()).expand(shape) for t, shape in zip(own, shapes)], False
+    return [buf.index_copy_(seq_dim, rows.index, got) for buf, got in zip(buffers(shapes), received)], True
+
+
+@dataclass(frozen=True)
+class RepeatedExchange:
+    """The direct exchange of a forward that repeats its group's previous call with every stage
+    travelling with the agreement (``engine/agreement.py``: the first stages): what each stage
+    1..W-1 receives (its rows and the block's shapes), the traffic, and every rank's lengths it
+    was planned for. Planned once from a call the general loop ran (``plan_repeat``)."""
+
+    lengths: list
+    received: tuple  # by stage: (StageRows, the block's shapes); index 0 unused
+    traffic: Traffic
+
+    def adopt(self, agreement) -> Optional[dict]:
+        """The call's stages (its transfers by stage, taken from ``agreement``) where its ranks
+        agree that it repeats the recorded call, with these lengths and every stage come with the
+        agreement; else None: the general loop runs on (it adopts what came)."""
+        lengths = agreement.lengths()
+        first = agreement.first
+        if not agreement.repeated or lengths != self.lengths or len(first) != len(self.received) - 1:
+            return None
+        agreement.first = {}
+        return first
+
+
+def plan_repeat(exchange: ExchangePlan, lengths: list, k: Tensor, v: Tensor, seq_dim: int, *, rank: int, size: int,
+                last: int, traffic: Traffic) -> RepeatedExchange:
+    """A ``RepeatedExchange`` for calls like one whose general loop had ``exchange``, ``lengths``
+    and moved ``traffic``."""
+    plan = exchange.on(k.device)
+    received = [None] + [(plan.recv[s], [with_length(t, seq_dim, lengths[(rank - s) % size][1]) for t in (k, v)])
+                         for s in range(1, last + 1)]
+    return RepeatedExchange(list(lengths), tuple(received), traffic)
+
+
+def forward_repeated(k: Tensor, v: Tensor, seq_dim: int, repeat: RepeatedExchange, transfers: dict, compute,
+                     steps: list) -> tuple[float, float]:
+    """Steps 1..W-1 of a forward ring whose stages all came with the agreement (``transfers``,
+    by stage: ``RepeatedExchange.adopt``), after step 0 (``steps``: its record, appended to):
+    each stage's rows waited for, put in place, computed. Returns (compute seconds, seconds
+    blocked on a receive)."""
+    own = [k, v]
+
+    def zeros(shapes: list[torch.Size]) -> list[Tensor]:
+        return [torch.zeros(shape, dtype=t.dtype, device=t.device) for t, shape in zip(own, shapes)]
+
+    compute_s = wait_s = 0.0
+    try:
+        for i in range(1, len(repeat.received)):
+            started = time.perf_counter()
+            received = transfers.pop(i).wait()
+            arrived = time.perf_counter()
+            rows, shapes = repeat.received[i]
+            block, _ = placed_block(own, received, rows, shapes, seq_dim, zeros)
+            part, rng = compute(i, block[0], block[1])
+            steps.append(RingStep(index=i, part=part, rng=tuple(rng)))
+            del block, received
+            wait_s += arrived - started
+            compute_s += time.perf_counter() - arrived
+    except BaseException:
+        for transfer in transfers.values():
+            transfer.drain()
+        raise
+    return compute_s, wait_s
+
+
 def _kv_blocks(k: Tensor, v: Tensor, lengths: list, seq_dim: int, exchange: Optional[ExchangePlan], agreement, *,
                last: int, keep: bool = False, kept: Optional[list] = None, **where):
     """Where each step's K/V block comes from: the ring (no exchange plan), the direct exchange
@@ -337,7 +409,7 @@ def _kv_blocks(k: Tensor, v: Tensor, lengths: list, seq_dim: int, exchange: Opti
     return _KVDirect(k, v, lengths, seq_dim, exchange, keep=keep, last=last, agreement=agreement, **where)
 
 
-def _agreed_first(compute, ready, k: Tensor, v: Tensor):
+def agreed_first(compute, ready, k: Tensor, v: Tensor):
     """Step 0 on this rank's own block, before the ranks' agreement is waited for. A step 0 that
     fails waits for it first: ranks whose calls disagree then raise the agreement's error, the
     same on every rank, not what their mismatched step ran into."""
@@ -349,7 +421,8 @@ def _agreed_first(compute, ready, k: Tensor, v: Tensor):
 
 
 def forward_ring(k: Tensor, v: Tensor, seq_dim: int, last: int, compute, ready, *, group, rank: int, size: int,
-                 direct: bool = True, keep: bool = False) -> tuple[list[RingStep], Traffic, float, float, list]:
+                 direct: bool = True, keep: bool = False,
+                 first: Optional[tuple] = None) -> tuple[list[RingStep], Traffic, float, float, list]:
     """Steps 0..``last`` of a forward ring. ``compute(i, cur_k, cur_v) -> (part, rng)`` computes
     step i on the block it holds. Step 0 is this rank's own block; then ``ready() -> (every
     rank's (query, K/V) lengths, the direct exchange plan or None, the agreement)`` waits for the
@@ -358,7 +431,8 @@ def forward_ring(k: Tensor, v: Tensor, seq_dim: int, last: int, compute, ready, 
     (or, without a plan or not ``direct``, the whole blocks travel round the ring), each stage
     posted before the previous step's compute. ``keep``: each step's record keeps the rows it
     received (``RingStep.kept``, for a backward that does not fetch them again). Returns (the step
-    records, the traffic, compute seconds, seconds blocked on a receive, the lengths)."""
+    records, the traffic, compute seconds, seconds blocked on a receive, the lengths). ``first``:
+    step 0's (part, rng), already computed by the caller, which also waited for the agreement."""
     steps: list[RingStep] = []
     traffic = Traffic()
     compute_s = wait_s = 0.0
@@ -369,7 +443,10 @@ def forward_ring(k: Tensor, v: Tensor, seq_dim: int, last: int, compute, ready, 
             if kv is not None:
                 traffic.sent += kv.post_next(i, last)
             started = time.perf_counter()
-            part, rng = compute(i, cur_k, cur_v) if kv is not None else _agreed_first(compute, ready, k, v)
+            if kv is not None:
+                part, rng = compute(i, cur_k, cur_v)
+            else:
+                part, rng = first or agreed_first(compute, ready, k, v)
             steps.append(RingStep(index=i, part=part, rng=tuple(rng), kept=kv.kept.get(i, ()) if keep and kv else ()))
             compute_s += time.perf_counter() - started
             del cur_k, cur_v
@@ -531,7 +608,7 @@ def backward_ring(k: Tensor, v: Tensor, seq_dim: int, last: int, compute, add_ro
             if kv is not None:
                 traffic.sent += kv.post_next(i, last)
             started = time.perf_counter()
-            kv_grads = compute(i, cur_k, cur_v) if kv is not None else _agreed_first(compute, ready, k, v)
+            kv_grads = compute(i, cur_k, cur_v) if kv is not None else agreed_first(compute, ready, k, v)
             computed = time.perf_counter()
             if kv is None:
                 lengths, exchange, agreement = ready()

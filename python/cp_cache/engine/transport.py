@@ -169,15 +169,28 @@ class GlooPoster:
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
         self._lock = threading.Lock()
         self._owner: Optional[int] = None  # the process whose thread serves the queue
+        self._held = threading.local()  # a thread's posts held for one handoff (``together``)
 
     def post(self, backend, ops: list[tuple[bool, Tensor, int, int]]) -> "PostedOps":
         """Post ``ops`` (``(sending, tensor, peer, tag)`` each) on the gloo ``backend``, in order,
         after every operation posted before."""
+        posted = PostedOps(backend)
+        held = getattr(self._held, "posts", None)
+        if held is not None:
+            held.append((backend, ops, posted))
+            return posted
+        self._hand_off([(backend, ops, posted)])
+        return posted
+
+    def together(self) -> "_Handoff":
+        """A block whose posts (on this thread) go to the poster thread as one handoff when it
+        ends: each wakeup of the thread costs the caller a switch on a busy host."""
+        return _Handoff(self)
+
+    def _hand_off(self, posts: list) -> None:
         if self._owner != os.getpid():
             self._start()
-        posted = PostedOps(backend)
-        self._queue.put((backend, ops, posted))
-        return posted
+        self._queue.put(posts)
 
     def _start(self) -> None:
         with self._lock:
@@ -191,13 +204,36 @@ class GlooPoster:
     @staticmethod
     def _serve(requests: queue.SimpleQueue) -> None:
         while True:
-            backend, ops, posted = requests.get()
-            try:
-                posted.works = [backend.send([t], peer, tag) if sending else backend.recv([t], peer, tag)
-                                for sending, t, peer, tag in ops]
-            except BaseException as error:  # noqa: BLE001 - raised by the caller's wait
-                posted.error = error
-            posted.posted()
+            for backend, ops, posted in requests.get():
+                try:
+                    posted.works = [backend.send([t], peer, tag) if sending else backend.recv([t], peer, tag)
+                                    for sending, t, peer, tag in ops]
+                except BaseException as error:  # noqa: BLE001 - raised by the caller's wait
+                    posted.error = error
+                posted.posted()
+
+
+class _Handoff:
+    """``GlooPoster.together()``: holds the thread's posts until the block ends (an inner block
+    leaves them to the outer one)."""
+
+    __slots__ = ("_poster", "_posts")
+
+    def __init__(self, poster: GlooPoster):
+        self._poster = poster
+        self._posts: Optional[list] = None
+
+    def __enter__(self) -> None:
+        held = self._poster._held
+        if getattr(held, "posts", None) is None:
+            self._posts = held.posts = []
+
+    def __exit__(self, *exc) -> None:
+        posts = self._posts
+        if posts is not None:
+            self._poster._held.posts = None
+            if posts:
+                self._poster._hand_off(posts)
 
 
 class PostedOps:
