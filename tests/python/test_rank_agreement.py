@@ -209,7 +209,7 @@ def _first_stages(rank: int, world: int, group, ker) -> dict:
     """The first stages sent with the agreement (engine/agreement.py): taken by a call that
     repeats its group's previous one (either direction), equal bit for bit to the same call sent
     after the agreement; dropped by one that does not; and ranks that disagree, or refuse, after a
-    recorded call still raise the same error, with the next call right again."""
+    recorded call still raise the same error, with the next call right again (its bytes too)."""
     from cp_cache.engine import agreement
 
     (q, k, v, dout), _, _ = _inputs(rank, world)
@@ -219,7 +219,9 @@ def _first_stages(rank: int, world: int, group, ker) -> dict:
     def call(config, qkv=(q, k, v)):
         fwd = run_forward(RING, config, *qkv, groups=[group], kernel=ker)
         bwd = run_backward(RING, config, dout, *qkv, fwd.out, fwd.lse, fwd.steps, groups=[group], kernel=ker)
-        return [fwd.out, fwd.lse, bwd.dq, bwd.dk, bwd.dv]
+        # the bytes too: a repeated call runs its exchange as planned from the first (ring.py)
+        traffic = torch.tensor([fwd.bytes_sent, fwd.bytes_received, bwd.bytes_sent, bwd.bytes_received])
+        return [fwd.out, fwd.lse, bwd.dq, bwd.dk, bwd.dv, traffic]
 
     def taken_dropped(fn):
         before = agreement.counters()

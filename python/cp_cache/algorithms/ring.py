@@ -48,6 +48,7 @@ from ..engine.loop import (
     check_qkv,
     check_step,
     check_steps,
+    backward_repeated,
     empty_outputs,
     forward_repeated,
     forward_ring,
@@ -91,8 +92,8 @@ class _Shapes:
     last: int
     kernel_args: dict
     steps: Optional[tuple]
-    # by CP group name: the exchange of a call that repeats the group's previous one (its stages
-    # all came with the agreement), planned by the general loop's run of such a call
+    # by (CP group name, backward, K/V dtypes, device): the exchange of a call that repeats the group's previous one
+    # (its stages all came with the agreement), planned by the general loop's run of such a call
     repeats: dict = field(default_factory=dict, compare=False)
 
 
@@ -187,10 +188,7 @@ class Ring:
             return part, rng
 
         ready = _ready(plan, agreement, group, mask)
-        # a positional mask's direct exchange, not kept: a repeated call may run planned once
-        repeats = (checked.repeats if checked.steps is not None and plan.exchange == "direct" and not plan.keep_kv
-                   and group is not None else None)
-        repeat = None if repeats is None else repeats.get(group.group_name)
+        key, repeat = _repeat(plan, checked, k, v, group, backward=False)
         first = None
         if repeat is not None:
             started = time.perf_counter()
@@ -205,10 +203,7 @@ class Ring:
         steps, traffic, compute_s, wait_s, lengths = forward_ring(
             k, v, seq_dim, checked.last, compute, ready, group=group, rank=rank, size=size,
             direct=plan.exchange == "direct", keep=plan.keep_kv, first=first)
-        if repeats is not None and size > 1 and (repeat is None or repeat.lengths != lengths):
-            repeats[group.group_name] = plan_repeat(exchange_plan(plan, lengths, group=group), lengths, k, v,
-                                                    seq_dim, rank=rank, size=size, last=checked.last,
-                                                    traffic=traffic)
+        _remember_repeat(checked, key, repeat, plan, lengths, k, v, group, traffic)
         return self._result(plan, q, checked, acc, steps, traffic, compute_s, wait_s, lengths)
 
     def _result(self, plan: CallPlan, q: Tensor, checked: _Shapes, acc: list, steps: list, traffic, compute_s: float,
@@ -250,17 +245,55 @@ class Ring:
         def add_rows(acc: Tensor, kv_rows: tuple[int, int], grad: Tensor) -> None:
             acc.narrow(seq_dim, *kv_rows).add_(grad)
 
+        ready = _ready(plan, agreement, group, mask)
+        partials = partials_dtype(plan, k)
+        key, repeat = _repeat(plan, checked, k, v, group, backward=True)
+        first = None
+        if repeat is not None:
+            started = time.perf_counter()
+            first = agreed_first(compute, ready, k, v)
+            first_s = time.perf_counter() - started
+            transfers = repeat.adopt(agreement)
+            if transfers is not None:
+                dk, dv, compute_s, wait_s = backward_repeated(k, v, seq_dim, repeat, transfers, compute, add_rows,
+                                                              first, group=group, rank=rank, size=size,
+                                                              partials=partials)
+                return self._grads(plan, q, k, v, dq, dk, dv, repeat.traffic, first_s + compute_s, wait_s,
+                                   repeat.lengths)
         dk, dv, traffic, compute_s, wait_s, lengths = backward_ring(
-            k, v, seq_dim, checked.last, compute, add_rows, _ready(plan, agreement, group, mask),
-            group=group, rank=rank, size=size, direct=plan.exchange == "direct", kept=kept_rows(plan, steps),
-            partials=partials_dtype(plan, k))
-        log.debug("ring backward rank %d/%d: %s", rank, size, traffic)
+            k, v, seq_dim, checked.last, compute, add_rows, ready, group=group, rank=rank, size=size,
+            direct=plan.exchange == "direct", kept=kept_rows(plan, steps), partials=partials, first=first)
+        _remember_repeat(checked, key, repeat, plan, lengths, k, v, group, traffic)
+        return self._grads(plan, q, k, v, dq, dk, dv, traffic, compute_s, wait_s, lengths)
+
+    def _grads(self, plan: CallPlan, q: Tensor, k: Tensor, v: Tensor, dq: Tensor, dk: Tensor, dv: Tensor, traffic,
+               compute_s: float, wait_s: float, lengths: list) -> BackwardResult:
+        log.debug("ring backward rank %d/%d: %s", plan.rank, plan.world_size, traffic)
         return BackwardResult(dq=dq.to(q.dtype), dk=dk.to(k.dtype), dv=dv.to(v.dtype), compute_seconds=compute_s,
                               wait_seconds=wait_s, lengths=lengths, **traffic.fields())
 
     def fake(self, plan: CallPlan, q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
         """Empty (out, lse) of the shapes ``forward`` returns: for tracing with fake tensors."""
         return empty_outputs(plan, q, k, v)
+
+
+def _repeat(plan: CallPlan, checked: _Shapes, k: Tensor, v: Tensor, group, backward: bool):
+    """(the key, the planned exchange or None) of a call of these shapes on ``group`` that may
+    repeat its group's previous one: a positional mask's direct exchange, not kept (key None:
+    one that may not). The traffic it records depends on K/V's dtypes too."""
+    if checked.steps is None or plan.exchange != "direct" or plan.keep_kv or group is None or plan.world_size < 2:
+        return None, None
+    key = (group.group_name, backward, k.dtype, v.dtype, k.device)
+    return key, checked.repeats.get(key)
+
+
+def _remember_repeat(checked: _Shapes, key, repeat, plan: CallPlan, lengths: list, k: Tensor, v: Tensor, group,
+                     traffic) -> None:
+    """After the general loop ran a call that may repeat (``key``): its exchange planned for the
+    next, unless already planned for these lengths."""
+    if key is not None and (repeat is None or repeat.lengths != lengths):
+        checked.repeats[key] = plan_repeat(exchange_plan(plan, lengths, group=group), lengths, k, v, checked.seq_dim,
+                                           rank=plan.rank, size=plan.world_size, last=checked.last, traffic=traffic)
 
 
 def _empty_accumulators(out_shape: tuple, lse_shape: tuple, device) -> tuple[Tensor, Tensor]:

@@ -39,7 +39,8 @@ from .transport import TAG_DKV, TAG_KV, Rotation, Transfer, join_once, with_leng
 SMALL_EXCHANGE_BYTES = 1 << 20
 
 __all__ = ["RingStep", "ForwardResult", "BackwardResult", "Traffic", "forward_ring", "backward_ring",
-           "RepeatedExchange", "plan_repeat", "forward_repeated", "placed_block", "agreed_first", "kept_rows",
+           "RepeatedExchange", "plan_repeat", "forward_repeated", "backward_repeated", "placed_block",
+           "agreed_first", "kept_rows",
            "partials_dtype", "check_steps", "check_step", "empty_outputs", "check_qkv",
            "check_keep_prob", "check_backward_operands"]
 
@@ -328,12 +329,14 @@ def placed_block(own: list[Tensor], received: list[Tensor], rows: StageRows, sha
 
 @dataclass(frozen=True)
 class RepeatedExchange:
-    """The direct exchange of a forward that repeats its group's previous call with every stage
+    """The direct exchange of a call that repeats its group's previous one with every stage
     travelling with the agreement (``engine/agreement.py``: the first stages): what each stage
-    1..W-1 receives (its rows and the block's shapes), the traffic, and every rank's lengths it
-    was planned for. Planned once from a call the general loop ran (``plan_repeat``)."""
+    1..W-1 receives (its rows and the block's shapes), the traffic (of one direction), and every
+    rank's lengths it was planned for. Planned once from a call the general loop ran
+    (``plan_repeat``)."""
 
     lengths: list
+    exchange: ExchangePlan  # on the call's device
     received: tuple  # by stage: (StageRows, the block's shapes); index 0 unused
     traffic: Traffic
 
@@ -356,7 +359,29 @@ def plan_repeat(exchange: ExchangePlan, lengths: list, k: Tensor, v: Tensor, seq
     plan = exchange.on(k.device)
     received = [None] + [(plan.recv[s], [with_length(t, seq_dim, lengths[(rank - s) % size][1]) for t in (k, v)])
                          for s in range(1, last + 1)]
-    return RepeatedExchange(list(lengths), tuple(received), traffic)
+    return RepeatedExchange(list(lengths), plan, tuple(received), traffic)
+
+
+def _repeated_block(i: int, own: list[Tensor], seq_dim: int, repeat: RepeatedExchange,
+                    transfers: dict) -> tuple[list[Tensor], float]:
+    """Stage ``i``'s K/V block of a call whose stages all came with the agreement (``transfers``,
+    by stage: ``RepeatedExchange.adopt``), the rows waited for and put in place; seconds blocked."""
+    started = time.perf_counter()
+    received = transfers.pop(i).wait()
+    waited = time.perf_counter() - started
+    rows, shapes = repeat.received[i]
+    return placed_block(own, received, rows, shapes, seq_dim, _zeros_like(own))[0], waited
+
+
+def _zeros_like(own: list[Tensor]) -> Callable[[list[torch.Size]], list[Tensor]]:
+    def zeros(shapes: list[torch.Size]) -> list[Tensor]:
+        return [torch.zeros(shape, dtype=t.dtype, device=t.device) for t, shape in zip(own, shapes)]
+    return zeros
+
+
+def _drain_all(transfers: dict) -> None:
+    for transfer in transfers.values():
+        transfer.drain()
 
 
 def forward_repeated(k: Tensor, v: Tensor, seq_dim: int, repeat: RepeatedExchange, transfers: dict, compute,
@@ -366,28 +391,58 @@ def forward_repeated(k: Tensor, v: Tensor, seq_dim: int, repeat: RepeatedExchang
     each stage's rows waited for, put in place, computed. Returns (compute seconds, seconds
     blocked on a receive)."""
     own = [k, v]
-
-    def zeros(shapes: list[torch.Size]) -> list[Tensor]:
-        return [torch.zeros(shape, dtype=t.dtype, device=t.device) for t, shape in zip(own, shapes)]
-
     compute_s = wait_s = 0.0
     try:
         for i in range(1, len(repeat.received)):
+            block, waited = _repeated_block(i, own, seq_dim, repeat, transfers)
             started = time.perf_counter()
-            received = transfers.pop(i).wait()
-            arrived = time.perf_counter()
-            rows, shapes = repeat.received[i]
-            block, _ = placed_block(own, received, rows, shapes, seq_dim, zeros)
             part, rng = compute(i, block[0], block[1])
             steps.append(RingStep(index=i, part=part, rng=tuple(rng)))
-            del block, received
-            wait_s += arrived - started
-            compute_s += time.perf_counter() - arrived
+            del block
+            wait_s += waited
+            compute_s += time.perf_counter() - started
     except BaseException:
-        for transfer in transfers.values():
-            transfer.drain()
+        _drain_all(transfers)
         raise
     return compute_s, wait_s
+
+
+def backward_repeated(k: Tensor, v: Tensor, seq_dim: int, repeat: RepeatedExchange, transfers: dict, compute,
+                      add_rows, first: list, *, group, rank: int, size: int,
+                      partials: torch.dtype = torch.float32) -> tuple[Tensor, Tensor, float, float]:
+    """Steps 1..W-1 of a backward ring whose K/V stages all came with the agreement (as
+    ``forward_repeated``), after step 0 (``first``: its gradients; ``compute`` and ``add_rows`` as
+    in ``backward_ring``); the dK/dV partials go back as there. Returns (this rank's own block's
+    dK and dV accumulators, compute seconds, seconds blocked on a receive)."""
+    own = [k, v]
+    returns = _GradReturns(k, v, seq_dim, repeat.exchange, group, rank, size, partials=partials)
+    compute_s = wait_s = 0.0
+    try:
+        kv_grads, held = first, returns.for_block(0, k, v)
+        del first
+        last = len(repeat.received) - 1
+        for i in range(last + 1):
+            if i:
+                block, waited = _repeated_block(i, own, seq_dim, repeat, transfers)
+                started = time.perf_counter()
+                kv_grads = compute(i, block[0], block[1])
+                held = returns.for_block(i, block[0], block[1])
+                del block
+            for at, dk_i, dv_i in kv_grads:
+                add_rows(held[0], at, dk_i)
+                add_rows(held[1], at, dv_i)
+            del kv_grads
+            if i:
+                blocked = returns.pass_on(i, last, held)
+                wait_s += waited + blocked
+                compute_s += time.perf_counter() - started - blocked
+    except BaseException:
+        _drain_all(transfers)
+        returns.drain()
+        raise
+    homed = time.perf_counter()
+    dk, dv = returns.home()
+    return dk, dv, compute_s, wait_s + time.perf_counter() - homed
 
 
 def _kv_blocks(k: Tensor, v: Tensor, lengths: list, seq_dim: int, exchange: Optional[ExchangePlan], agreement, *,
@@ -443,10 +498,7 @@ def forward_ring(k: Tensor, v: Tensor, seq_dim: int, last: int, compute, ready, 
             if kv is not None:
                 traffic.sent += kv.post_next(i, last)
             started = time.perf_counter()
-            if kv is not None:
-                part, rng = compute(i, cur_k, cur_v)
-            else:
-                part, rng = first or agreed_first(compute, ready, k, v)
+            part, rng = compute(i, cur_k, cur_v) if kv is not None else first or agreed_first(compute, ready, k, v)
             steps.append(RingStep(index=i, part=part, rng=tuple(rng), kept=kv.kept.get(i, ()) if keep and kv else ()))
             compute_s += time.perf_counter() - started
             del cur_k, cur_v
@@ -588,7 +640,8 @@ class _GradReturns:
 
 def backward_ring(k: Tensor, v: Tensor, seq_dim: int, last: int, compute, add_rows, ready, *, group, rank: int,
                   size: int, direct: bool = True, kept: Optional[list] = None,
-                  partials: torch.dtype = torch.float32) -> tuple[Tensor, Tensor, Traffic, float, float, list]:
+                  partials: torch.dtype = torch.float32,
+                  first: Optional[list] = None) -> tuple[Tensor, Tensor, Traffic, float, float, list]:
     """Steps 0..``last`` of a backward ring: step 0 and ``ready()`` as in ``forward_ring``, the
     K/V rows arriving as there; ``compute(i, cur_k, cur_v) -> [(where, dk, dv)]`` computes step
     i, whose gradients ``add_rows(accumulator, where, grad)`` adds into the held block's float32
@@ -597,7 +650,7 @@ def backward_ring(k: Tensor, v: Tensor, seq_dim: int, last: int, compute, add_ro
     (this rank's own block's dK and dV accumulators, the traffic, compute seconds, seconds
     blocked on a receive, the lengths). ``kept``: per step, the K/V rows its forward kept
     (``keep_kv``): the blocks are rebuilt from them and no K/V moves. ``partials``: the dtype the
-    direct exchange returns the dK/dV partials in."""
+    direct exchange returns the dK/dV partials in. ``first``: step 0's, as in ``forward_ring``."""
     where = dict(group=group, rank=rank, size=size)
     kv = accumulators = lengths = exchange = None
     traffic = Traffic()
@@ -608,7 +661,8 @@ def backward_ring(k: Tensor, v: Tensor, seq_dim: int, last: int, compute, add_ro
             if kv is not None:
                 traffic.sent += kv.post_next(i, last)
             started = time.perf_counter()
-            kv_grads = compute(i, cur_k, cur_v) if kv is not None else agreed_first(compute, ready, k, v)
+            kv_grads = compute(i, cur_k, cur_v) if kv is not None else first or agreed_first(compute, ready, k, v)
+            first = None
             computed = time.perf_counter()
             if kv is None:
                 lengths, exchange, agreement = ready()
