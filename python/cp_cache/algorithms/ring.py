@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import functools
 import logging
-import time
 from dataclasses import dataclass, field
 from typing import Optional, Sequence
 
@@ -40,7 +39,6 @@ from torch import Tensor
 from .. import layout as L
 from ..engine.loop import (
     BackwardResult,
-    agreed_first,
     ForwardResult,
     RingStep,
     backward_ring,
@@ -191,10 +189,7 @@ class Ring:
         key, repeat = _repeat(plan, checked, k, v, group, backward=False)
         first = None
         if repeat is not None:
-            started = time.perf_counter()
-            first = agreed_first(compute, ready, k, v)
-            first_s = time.perf_counter() - started
-            transfers = repeat.adopt(agreement)
+            first, first_s, transfers = repeat.start(compute, ready, agreement, k, v)
             if transfers is not None:
                 steps = [RingStep(index=0, part=first[0], rng=tuple(first[1]))]
                 compute_s, wait_s = forward_repeated(k, v, seq_dim, repeat, transfers, compute, steps)
@@ -250,10 +245,7 @@ class Ring:
         key, repeat = _repeat(plan, checked, k, v, group, backward=True)
         first = None
         if repeat is not None:
-            started = time.perf_counter()
-            first = agreed_first(compute, ready, k, v)
-            first_s = time.perf_counter() - started
-            transfers = repeat.adopt(agreement)
+            first, first_s, transfers = repeat.start(compute, ready, agreement, k, v)
             if transfers is not None:
                 dk, dv, compute_s, wait_s = backward_repeated(k, v, seq_dim, repeat, transfers, compute, add_rows,
                                                               first, group=group, rank=rank, size=size,

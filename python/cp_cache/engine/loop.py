@@ -22,7 +22,7 @@ from __future__ import annotations
 import functools
 import time
 from dataclasses import dataclass
-from typing import Callable, Optional
+from typing import Any, Callable, Optional
 
 import torch
 from torch import Tensor
@@ -39,8 +39,7 @@ from .transport import TAG_DKV, TAG_KV, Rotation, Transfer, join_once, with_leng
 SMALL_EXCHANGE_BYTES = 1 << 20
 
 __all__ = ["RingStep", "ForwardResult", "BackwardResult", "Traffic", "forward_ring", "backward_ring",
-           "RepeatedExchange", "plan_repeat", "forward_repeated", "backward_repeated", "placed_block",
-           "agreed_first", "kept_rows",
+           "RepeatedExchange", "plan_repeat", "forward_repeated", "backward_repeated", "placed_block", "kept_rows",
            "partials_dtype", "check_steps", "check_step", "empty_outputs", "check_qkv",
            "check_keep_prob", "check_backward_operands"]
 
@@ -340,16 +339,20 @@ class RepeatedExchange:
     received: tuple  # by stage: (StageRows, the block's shapes); index 0 unused
     traffic: Traffic
 
-    def adopt(self, agreement) -> Optional[dict]:
-        """The call's stages (its transfers by stage, taken from ``agreement``) where its ranks
-        agree that it repeats the recorded call, with these lengths and every stage come with the
-        agreement; else None: the general loop runs on (it adopts what came)."""
+    def start(self, compute, ready, agreement, k: Tensor, v: Tensor) -> tuple[Any, float, Optional[dict]]:
+        """Step 0 on this rank's own block (``_agreed_first``), then the agreement: (step 0's result,
+        its seconds, the call's stages by stage where its ranks agree that it repeats the recorded
+        call, with these lengths and every stage come with the agreement, else None: the general
+        loop runs on from step 1, adopting what came)."""
+        started = time.perf_counter()
+        first = _agreed_first(compute, ready, k, v)
+        seconds = time.perf_counter() - started
         lengths = agreement.lengths()
-        first = agreement.first
-        if not agreement.repeated or lengths != self.lengths or len(first) != len(self.received) - 1:
-            return None
+        stages = agreement.first
+        if not agreement.repeated or lengths != self.lengths or len(stages) != len(self.received) - 1:
+            return first, seconds, None
         agreement.first = {}
-        return first
+        return first, seconds, stages
 
 
 def plan_repeat(exchange: ExchangePlan, lengths: list, k: Tensor, v: Tensor, seq_dim: int, *, rank: int, size: int,
@@ -365,7 +368,7 @@ def plan_repeat(exchange: ExchangePlan, lengths: list, k: Tensor, v: Tensor, seq
 def _repeated_block(i: int, own: list[Tensor], seq_dim: int, repeat: RepeatedExchange,
                     transfers: dict) -> tuple[list[Tensor], float]:
     """Stage ``i``'s K/V block of a call whose stages all came with the agreement (``transfers``,
-    by stage: ``RepeatedExchange.adopt``), the rows waited for and put in place; seconds blocked."""
+    by stage: ``RepeatedExchange.start``), the rows waited for and put in place; seconds blocked."""
     started = time.perf_counter()
     received = transfers.pop(i).wait()
     waited = time.perf_counter() - started
@@ -387,7 +390,7 @@ def _drain_all(transfers: dict) -> None:
 def forward_repeated(k: Tensor, v: Tensor, seq_dim: int, repeat: RepeatedExchange, transfers: dict, compute,
                      steps: list) -> tuple[float, float]:
     """Steps 1..W-1 of a forward ring whose stages all came with the agreement (``transfers``,
-    by stage: ``RepeatedExchange.adopt``), after step 0 (``steps``: its record, appended to):
+    by stage: ``RepeatedExchange.start``), after step 0 (``steps``: its record, appended to):
     each stage's rows waited for, put in place, computed. Returns (compute seconds, seconds
     blocked on a receive)."""
     own = [k, v]
@@ -464,7 +467,7 @@ def _kv_blocks(k: Tensor, v: Tensor, lengths: list, seq_dim: int, exchange: Opti
     return _KVDirect(k, v, lengths, seq_dim, exchange, keep=keep, last=last, agreement=agreement, **where)
 
 
-def agreed_first(compute, ready, k: Tensor, v: Tensor):
+def _agreed_first(compute, ready, k: Tensor, v: Tensor):
     """Step 0 on this rank's own block, before the ranks' agreement is waited for. A step 0 that
     fails waits for it first: ranks whose calls disagree then raise the agreement's error, the
     same on every rank, not what their mismatched step ran into."""
@@ -498,7 +501,7 @@ def forward_ring(k: Tensor, v: Tensor, seq_dim: int, last: int, compute, ready, 
             if kv is not None:
                 traffic.sent += kv.post_next(i, last)
             started = time.perf_counter()
-            part, rng = compute(i, cur_k, cur_v) if kv is not None else first or agreed_first(compute, ready, k, v)
+            part, rng = compute(i, cur_k, cur_v) if kv is not None else first or _agreed_first(compute, ready, k, v)
             steps.append(RingStep(index=i, part=part, rng=tuple(rng), kept=kv.kept.get(i, ()) if keep and kv else ()))
             compute_s += time.perf_counter() - started
             del cur_k, cur_v
@@ -661,7 +664,7 @@ def backward_ring(k: Tensor, v: Tensor, seq_dim: int, last: int, compute, add_ro
             if kv is not None:
                 traffic.sent += kv.post_next(i, last)
             started = time.perf_counter()
-            kv_grads = compute(i, cur_k, cur_v) if kv is not None else first or agreed_first(compute, ready, k, v)
+            kv_grads = compute(i, cur_k, cur_v) if kv is not None else first or _agreed_first(compute, ready, k, v)
             first = None
             computed = time.perf_counter()
             if kv is None:
