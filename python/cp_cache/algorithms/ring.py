@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import time
 from dataclasses import dataclass, field
 from typing import Optional, Sequence
 
@@ -37,16 +38,19 @@ import torch
 from torch import Tensor
 
 from .. import layout as L
+from ..engine.agreement import Repeat, recorded
 from ..engine.loop import (
     BackwardResult,
     ForwardResult,
+    RepeatedExchange,
     RingStep,
+    backward_repeated,
     backward_ring,
     check_backward_operands,
     check_qkv,
     check_step,
     check_steps,
-    backward_repeated,
+    drain_transfers,
     empty_outputs,
     forward_repeated,
     forward_ring,
@@ -60,7 +64,7 @@ from ..engine.transport import group_info, own_group
 from ..kernels import StepKernel
 from ..plan import CallPlan
 
-__all__ = ["Ring", "RING"]
+__all__ = ["Ring", "RING", "repeated_forward"]
 
 log = logging.getLogger("cp_cache")
 
@@ -163,28 +167,8 @@ class Ring:
         per-step records (for backward) and the bytes sent.
         """
         size, rank, group = group_info(plan.world_size, plan.rank, own_group(groups))
-        lay, seq_dim, qd = plan.layout, checked.seq_dim, checked.dims
-        lse_shape = (qd.batch, plan.head_num, qd.seq)
-        acc: list[Tensor] = []  # [out, lse] in float32, from the first result on
-        kernel_args = checked.kernel_args
-
-        def compute(i: int, cur_k: Tensor, cur_v: Tensor) -> tuple[str, list]:
-            part, tasks = _step(plan, checked, i, cur_k.size(seq_dim), mask)
-            rng = []
-            for task in tasks:
-                res = kernel.forward(*_task_operands(task, seq_dim, q, cur_k, cur_v), mask=task.mask, **kernel_args)
-                if res.seed is not None:
-                    rng.append((res.seed, res.offset))
-                if not acc and task.q_rows == (0, qd.seq) and tuple(res.lse.shape) == lse_shape:
-                    acc.extend((res.out.float(), res.lse.float()))  # the first result over every row: nothing to merge
-                    continue
-                if not acc:
-                    acc.extend(_empty_accumulators(checked.out, lse_shape, q.device))
-                merge_into(acc[0].narrow(seq_dim, *task.q_rows), acc[1].narrow(2, *task.q_rows), res.out, res.lse,
-                           lay, plan.head_num, fused=plan.fused_merge)
-                del res
-            return part, rng
-
+        seq_dim = checked.seq_dim
+        compute = _ForwardSteps(plan, checked, kernel, q, mask)
         ready = _ready(plan, agreement, group, mask)
         key, repeat = _repeat(plan, checked, k, v, group, backward=False)
         first = None
@@ -193,24 +177,14 @@ class Ring:
             if transfers is not None:
                 steps = [RingStep(index=0, part=first[0], rng=tuple(first[1]))]
                 compute_s, wait_s = forward_repeated(k, v, seq_dim, repeat, transfers, compute, steps)
-                return self._result(plan, q, checked, acc, steps, repeat.traffic, first_s + compute_s, wait_s,
-                                    repeat.lengths)
+                return compute.result(steps, repeat.traffic, first_s + compute_s, wait_s, repeat.lengths)
         steps, traffic, compute_s, wait_s, lengths = forward_ring(
             k, v, seq_dim, checked.last, compute, ready, group=group, rank=rank, size=size,
             direct=plan.exchange == "direct", keep=plan.keep_kv, first=first)
         _remember_repeat(checked, key, repeat, plan, lengths, k, v, group, traffic)
-        return self._result(plan, q, checked, acc, steps, traffic, compute_s, wait_s, lengths)
-
-    def _result(self, plan: CallPlan, q: Tensor, checked: _Shapes, acc: list, steps: list, traffic, compute_s: float,
-                wait_s: float, lengths: list) -> ForwardResult:
-        qd = checked.dims
-        lse_shape = (qd.batch, plan.head_num, qd.seq)
-        if log.isEnabledFor(logging.DEBUG):  # the parts' list is built only to be logged
-            log.debug("ring forward rank %d/%d: parts %s, %s", plan.rank, plan.world_size, [s.part for s in steps],
-                      traffic)
-        acc_out, acc_lse = acc or _empty_accumulators(checked.out, lse_shape, q.device)
-        return ForwardResult(out=acc_out.to(q.dtype), lse=acc_lse, steps=steps, compute_seconds=compute_s,
-                             wait_seconds=wait_s, lengths=lengths, **traffic.fields())
+        if key is not None and mask is None and plan.keep_prob == 1.0 and len(groups) == 1:
+            _RepeatedForward.remember(plan, checked, q, k, v, groups, kernel, agreement)
+        return compute.result(steps, traffic, compute_s, wait_s, lengths)
 
     def backward(self, plan: CallPlan, dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
                  steps: list[RingStep], *, groups: Sequence = (), kernel: StepKernel,
@@ -286,6 +260,135 @@ def _remember_repeat(checked: _Shapes, key, repeat, plan: CallPlan, lengths: lis
     if key is not None and (repeat is None or repeat.lengths != lengths):
         checked.repeats[key] = plan_repeat(exchange_plan(plan, lengths, group=group), lengths, k, v, checked.seq_dim,
                                            rank=plan.rank, size=plan.world_size, last=checked.last, traffic=traffic)
+
+
+class _ForwardSteps:
+    """A ring forward's steps on this rank's queries ``q``: ``self(i, k, v) -> (part, rng)`` computes
+    step i on the K/V block held, merged into float32 accumulators; ``result`` gives the call's."""
+
+    def __init__(self, plan: CallPlan, checked: _Shapes, kernel: StepKernel, q: Tensor, mask: Optional[Tensor]):
+        self.plan, self.checked, self.kernel, self.q, self.mask = plan, checked, kernel, q, mask
+        self.acc: list[Tensor] = []  # [out, lse] in float32, from the first result on
+        qd = checked.dims
+        self._lse_shape = (qd.batch, plan.head_num, qd.seq)
+
+    def __call__(self, i: int, cur_k: Tensor, cur_v: Tensor) -> tuple[str, list]:
+        plan, checked, q, acc, seq_dim = self.plan, self.checked, self.q, self.acc, self.checked.seq_dim
+        part, tasks = _step(plan, checked, i, cur_k.size(seq_dim), self.mask)
+        rng = []
+        for task in tasks:
+            res = self.kernel.forward(*_task_operands(task, seq_dim, q, cur_k, cur_v), mask=task.mask,
+                                      **checked.kernel_args)
+            if res.seed is not None:
+                rng.append((res.seed, res.offset))
+            if not acc and task.q_rows == (0, checked.dims.seq) and tuple(res.lse.shape) == self._lse_shape:
+                acc.extend((res.out.float(), res.lse.float()))  # the first result over every row: nothing to merge
+                continue
+            if not acc:
+                acc.extend(_empty_accumulators(checked.out, self._lse_shape, q.device))
+            merge_into(acc[0].narrow(seq_dim, *task.q_rows), acc[1].narrow(2, *task.q_rows), res.out, res.lse,
+                       plan.layout, plan.head_num, fused=plan.fused_merge)
+            del res
+        return part, rng
+
+    def result(self, steps: list, traffic, compute_s: float, wait_s: float, lengths: list) -> ForwardResult:
+        """The call's result: the merged output (the query's dtype), the float32 LSE, the step records."""
+        plan = self.plan
+        if log.isEnabledFor(logging.DEBUG):  # the parts' list is built only to be logged
+            log.debug("ring forward rank %d/%d: parts %s, %s", plan.rank, plan.world_size, [s.part for s in steps],
+                      traffic)
+        acc_out, acc_lse = self.acc or _empty_accumulators(self.checked.out, self._lse_shape, self.q.device)
+        return ForwardResult(out=acc_out.to(self.q.dtype), lse=acc_lse, steps=steps, compute_seconds=compute_s,
+                             wait_seconds=wait_s, lengths=lengths, **traffic.fields())
+
+
+class _RepeatedForward:
+    """A ring forward that repeats one call on its CP group (the same plan object, shapes,
+    dtypes, device and groups; a positional mask, no sink, no documents, no dropout) in one pass:
+    its agreement posted as the group's record says (``engine/agreement.Repeat``), step 0, the
+    signatures compared once, the stages that came with them computed (``forward_repeated``).
+    Where the ranks do not repeat the recorded call, the messages become the call's
+    ``Agreement`` and the ring's own forward runs it (step 0 again: without dropout it gives
+    the same result), so every rank decides as on any call. Remembered by the ring's forward
+    of such a call (``remember``), looked up by ``repeated_forward``."""
+
+    _BY_CALL: dict[tuple, "_RepeatedForward"] = {}
+    _LIMIT = 256
+
+    def __init__(self, plan: CallPlan, checked: _Shapes, repeat: RepeatedExchange, agreeing: Repeat,
+                 kernel: StepKernel, groups: Sequence):
+        self.plan, self.checked, self.repeat, self.agreeing = plan, checked, repeat, agreeing
+        self.kernel, self.groups = kernel, groups
+
+    @staticmethod
+    def _key(plan: CallPlan, q: Tensor, k: Tensor, v: Tensor) -> tuple:
+        return id(plan), q.shape, k.shape, v.shape, q.dtype, k.dtype, v.dtype, q.device
+
+    @classmethod
+    def remember(cls, plan: CallPlan, checked: _Shapes, q: Tensor, k: Tensor, v: Tensor, groups: Sequence,
+                 kernel: StepKernel, agreement) -> None:
+        """After the ring's forward of such a call: its program for the next, where the group's
+        record is this call's and its exchange is planned."""
+        repeat = checked.repeats.get((groups[0].group_name, False, k.dtype, v.dtype, k.device))
+        record = recorded(groups[0])
+        if repeat is None or record is None:
+            return
+        key = cls._key(plan, q, k, v)
+        known = cls._BY_CALL.get(key)
+        if (known is not None and known.plan is plan and known.groups is groups and known.repeat is repeat
+                and known.agreeing.record is record):
+            return
+        agreeing = Repeat.of(record, agreement.signature)
+        if agreeing is None:
+            return
+        if len(cls._BY_CALL) >= cls._LIMIT:
+            cls._BY_CALL.clear()
+        cls._BY_CALL[key] = cls(plan, checked, repeat, agreeing, kernel, groups)
+
+    @classmethod
+    def find(cls, plan: CallPlan, q: Tensor, k: Tensor, v: Tensor, groups: Sequence) -> Optional["_RepeatedForward"]:
+        program = cls._BY_CALL.get(cls._key(plan, q, k, v))
+        if program is None or program.plan is not plan or program.groups is not groups:
+            return None
+        return program
+
+    def run(self, q: Tensor, k: Tensor, v: Tensor) -> Optional[tuple[ForwardResult, int]]:
+        """(the forward's result, bytes sent with the agreement and dropped), or None where the
+        group's record is not this program's (nothing posted)."""
+        posted = self.agreeing.post(k, v)
+        if posted is None:
+            return None
+        plan, checked, repeat = self.plan, self.checked, self.repeat
+        compute = _ForwardSteps(plan, checked, self.kernel, q, None)
+        started = time.perf_counter()
+        try:
+            part, rng = compute(0, k, v)
+        except BaseException:  # ranks that disagree raise the agreement's error instead
+            agreement = self.agreeing.agreement(posted)
+            try:
+                agreement.lengths()
+            finally:
+                drain_transfers(agreement.first)
+            raise
+        first_s = time.perf_counter() - started
+        transfers = self.agreeing.settle(posted)
+        if transfers is None:
+            agreement = self.agreeing.agreement(posted)
+            result = RING.forward(plan, q, k, v, groups=self.groups, kernel=self.kernel, checked=checked,
+                                  agreement=agreement)
+            return result, agreement.dropped_bytes
+        steps = [RingStep(index=0, part=part, rng=tuple(rng))]
+        compute_s, wait_s = forward_repeated(k, v, checked.seq_dim, repeat, transfers, compute, steps)
+        return compute.result(steps, repeat.traffic, first_s + compute_s, wait_s, repeat.lengths), 0
+
+
+def repeated_forward(plan: CallPlan, q: Tensor, k: Tensor, v: Tensor,
+                     groups: Sequence) -> Optional[tuple[ForwardResult, int]]:
+    """A ring forward that repeats its CP group's recorded call, run in one pass
+    (``_RepeatedForward``): (its result, bytes sent with the agreement and dropped); None where
+    no such call was remembered for these arguments (nothing done: the general path runs)."""
+    program = _RepeatedForward.find(plan, q, k, v, groups)
+    return None if program is None else program.run(q, k, v)
 
 
 def _empty_accumulators(out_shape: tuple, lse_shape: tuple, device) -> tuple[Tensor, Tensor]:

@@ -53,11 +53,11 @@ from .. import layout as L
 from ..kernels import KERNEL_NAMES
 from ..placement import PLACEMENTS
 from ..plan import ALGORITHMS, EXCHANGES, GRAD_PARTIALS, CallPlan
-from .transport import GLOO_POSTER, TAG_KV, Transfer, side_group
+from .transport import GLOO_POSTER, TAG_KV, SideGroup, Transfer, side_group
 
 __all__ = ["SIGNATURE_LEN", "FIELDS", "signature", "refusal_signature", "agree", "counters",
            "reset_counters", "describe", "lengths", "Agreement", "open_agreement", "start_agreement", "agree_on_refusal",
-           "CHECK_ERRORS", "FirstStage", "forget_first_stages"]
+           "CHECK_ERRORS", "FirstStage", "forget_first_stages", "Repeat", "recorded"]
 
 _SHAPE_DIMS = 4  # q/k/v shapes padded with -1 to this many dims (the layouts have 3 or 4)
 
@@ -307,17 +307,30 @@ class Agreement:
 
     def __init__(self, sig: Tensor, groups: Sequence, alone: Callable[[], list[tuple[int, int]]] = list,
                  k: Optional[Tensor] = None, v: Optional[Tensor] = None):
-        self._pending = []
+        self.signature = sig  # this rank's, as built (without "first stages sent")
+        pending = []
         with GLOO_POSTER.together():
-            self._ahead = _post_ahead(groups, k, v)
-            if len(self._ahead) == 1 and self._ahead[0].sent_rows:
+            ahead = _post_ahead(groups, k, v)
+            if len(ahead) == 1 and ahead[0].sent_rows:
                 sig = _with_rows_sent(sig)
             for group in groups:
                 side = side_group(group)
                 if side.size > 1:
-                    self._pending.append((side, side.all_gather_async(sig)))
+                    pending.append((side, side.all_gather_async(sig)))
         # with no other rank: this rank's own lengths, nothing to wait for
-        self._lengths = None if self._pending else alone()
+        self._started(ahead, pending, None if pending else alone())
+
+    @classmethod
+    def posted(cls, sig: Tensor, ahead: "_Ahead", side: "SideGroup", wait: Callable[[], list[Tensor]]) -> "Agreement":
+        """The agreement of a call on one CP group whose messages are already posted (``Repeat``):
+        the group's record's (``ahead``) and the signature's all_gather on ``side`` (``wait``)."""
+        agreement = cls.__new__(cls)
+        agreement.signature = sig
+        agreement._started([ahead], [(side, wait)], None)
+        return agreement
+
+    def _started(self, ahead: list, pending: list, lengths: Optional[list]) -> None:
+        self._ahead, self._pending, self._lengths = ahead, pending, lengths
         self._signatures: Optional[list[list[int]]] = None
         # after lengths(): the transfers of the call's first stages that came with the agreement,
         # by stage ({} where none did), for the exchange to take
@@ -505,11 +518,71 @@ class _Ahead:
         return sum(t.nbytes for t in transfers.values())
 
 
+class Repeat:
+    """The agreement of calls that repeat one recorded call on its CP group (this rank's
+    signature ``sig`` of it, the group's ``record``), made without an ``Agreement`` where the
+    ranks send what the record says: ``post`` sends the first stages and the signature as any
+    agreement would (one handoff to the poster thread), ``settle`` takes the stages where the
+    gathered signatures are exactly the record's repeated by every rank; any other outcome (or an
+    error in between) goes on as an ``Agreement`` of the same messages (``agreement``), which
+    decides as on any call: the same error on every rank, or the stages dropped."""
+
+    def __init__(self, record: _Record, sig: Tensor):
+        self.record = record
+        self.sig = sig
+        self._sent = _with_rows_sent(sig)
+        self._side = side_group(record.group)
+        self._name = record.group.group_name
+        sent = _OFFSET[_SENT][0]
+        self._expected = [s[:sent] + [1] + s[sent + 1:] for s in record.signatures]
+
+    @classmethod
+    def of(cls, record: _Record, sig: Tensor) -> Optional["Repeat"]:
+        """A ``Repeat`` of ``record`` for calls of this rank's signature ``sig``, where that is
+        the recorded call's on this rank (else None)."""
+        repeat = cls(record, sig)
+        return repeat if repeat._expected[record.rank] == repeat._sent.tolist() else None
+
+    def post(self, k: Tensor, v: Tensor) -> Optional[tuple]:
+        """Post the call's first stages (from ``k``, ``v``) and its signature where the group's
+        record is still this one (its posted messages), else None: nothing posted, the record left
+        for the call's ``Agreement``."""
+        with _lock:
+            record = _records.pop(self._name, None)
+            if record is not self.record:
+                if record is not None:
+                    _records[self._name] = record
+                return None
+        with GLOO_POSTER.together():
+            ahead = _Ahead(record, k, v)
+            return ahead, self._side.all_gather_async(self._sent if ahead.sent_rows else self.sig)
+
+    def settle(self, posted: tuple) -> Optional[dict[int, Transfer]]:
+        """The first stages by stage where every rank sent the recorded call's signature with its
+        rows (the record then stands for the next call); else None (``agreement`` decides)."""
+        ahead, wait = posted
+        if [g.tolist() for g in wait()] != self._expected:
+            return None
+        with _lock:
+            _counters["exchanges"] += 1
+        return ahead.take(True)
+
+    def agreement(self, posted: tuple) -> Agreement:
+        """The posted messages as an ``Agreement`` (its ``lengths()`` compares and decides)."""
+        ahead, wait = posted
+        return Agreement.posted(self.sig, ahead, self._side, wait)
+
+
 def forget_first_stages() -> None:
     """Drop every group's record: the next call on each sends nothing with its agreement. Every
     rank of a group must call it at the same point of its calls, or none."""
     with _lock:
         _records.clear()
+
+
+def recorded(group) -> Optional[_Record]:
+    """The record the CP ``group``'s last agreed call left (None: none)."""
+    return _records.get(group.group_name)
 
 
 def _post_ahead(groups: Sequence, k: Optional[Tensor], v: Optional[Tensor]) -> list[_Ahead]:

@@ -39,7 +39,8 @@ from .transport import TAG_DKV, TAG_KV, Rotation, Transfer, join_once, with_leng
 SMALL_EXCHANGE_BYTES = 1 << 20
 
 __all__ = ["RingStep", "ForwardResult", "BackwardResult", "Traffic", "forward_ring", "backward_ring",
-           "RepeatedExchange", "plan_repeat", "forward_repeated", "backward_repeated", "placed_block", "kept_rows",
+           "RepeatedExchange", "plan_repeat", "forward_repeated", "backward_repeated", "placed_block",
+           "drain_transfers", "kept_rows",
            "partials_dtype", "check_steps", "check_step", "empty_outputs", "check_qkv",
            "check_keep_prob", "check_backward_operands"]
 
@@ -382,7 +383,8 @@ def _zeros_like(own: list[Tensor]) -> Callable[[list[torch.Size]], list[Tensor]]
     return zeros
 
 
-def _drain_all(transfers: dict) -> None:
+def drain_transfers(transfers: dict) -> None:
+    """Wait for each transfer of ``transfers`` (by stage), dropping errors."""
     for transfer in transfers.values():
         transfer.drain()
 
@@ -405,7 +407,7 @@ def forward_repeated(k: Tensor, v: Tensor, seq_dim: int, repeat: RepeatedExchang
             wait_s += waited
             compute_s += time.perf_counter() - started
     except BaseException:
-        _drain_all(transfers)
+        drain_transfers(transfers)
         raise
     return compute_s, wait_s
 
@@ -440,7 +442,7 @@ def backward_repeated(k: Tensor, v: Tensor, seq_dim: int, repeat: RepeatedExchan
                 wait_s += waited + blocked
                 compute_s += time.perf_counter() - started - blocked
     except BaseException:
-        _drain_all(transfers)
+        drain_transfers(transfers)
         returns.drain()
         raise
     homed = time.perf_counter()

@@ -49,7 +49,7 @@ from torch import Tensor
 from torch.utils._python_dispatch import _get_current_dispatch_mode as _current_dispatch_mode
 
 from .. import step_cache
-from ..algorithms import strategy_for
+from ..algorithms import repeated_forward, strategy_for
 from ..documents import read_documents
 from ..engine.agreement import CHECK_ERRORS, agree_on_refusal, start_agreement
 from ..kernels import KERNEL_BY_NAME
@@ -135,6 +135,24 @@ def forward_local(query: Tensor, key: Tensor, value: Tensor, mask_rows: Optional
                   sink: Optional[Tensor] = None) -> tuple[Tensor, Tensor, Tensor]:
     """What ``ring_forward`` runs, on its groups and plan as objects."""
     started = time.perf_counter()
+    repeated = None
+    if mask_rows is None and sink is None and actual_seq_qlen is None and actual_seq_kvlen is None:
+        repeated = repeated_forward(call, query, key, value, process_groups)
+    if repeated is None:
+        repeated = _forward(query, key, value, mask_rows, process_groups, call, actual_seq_qlen, actual_seq_kvlen,
+                            sink)
+    result, dropped = repeated
+    ring_seconds = time.perf_counter() - started
+    seed = step_cache.seed_slot(policy, call, result.steps)
+    CALL_LOG.record("forward", result, started, ring_seconds, fused_merge=call.fused_merge, dropped=dropped)
+    return result.out, result.lse, seed
+
+
+def _forward(query: Tensor, key: Tensor, value: Tensor, mask_rows: Optional[Tensor], process_groups: list,
+             call: CallPlan, actual_seq_qlen: Optional[Tensor], actual_seq_kvlen: Optional[Tensor],
+             sink: Optional[Tensor]):
+    """A forward of any strategy: this rank's checks, the ranks' agreement started once, the run;
+    (the result, bytes sent with the agreement and dropped)."""
     try:
         if actual_seq_qlen is not None or actual_seq_kvlen is not None:
             call = read_documents(call, actual_seq_qlen, actual_seq_kvlen, query.size(0))
@@ -149,11 +167,7 @@ def forward_local(query: Tensor, key: Tensor, value: Tensor, mask_rows: Optional
                                 mask_rows=mask_rows)
     result = strategy.forward(call, query, key, value, groups=process_groups, kernel=KERNEL_BY_NAME[call.kernel],
                               mask=mask_rows, checked=checked, agreement=agreement)
-    ring_seconds = time.perf_counter() - started
-    seed = step_cache.seed_slot(policy, call, result.steps)
-    CALL_LOG.record("forward", result, started, ring_seconds, fused_merge=call.fused_merge,
-                    dropped=agreement.dropped_bytes)
-    return result.out, result.lse, seed
+    return result, agreement.dropped_bytes
 
 
 @ring_forward.register_fake
