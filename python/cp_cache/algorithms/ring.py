@@ -130,8 +130,14 @@ def _step(plan: CallPlan, checked: _Shapes, index: int, kv_len: int, mask_rows: 
 
 
 def _task_operands(task: BlockTask, seq_dim: int, q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-    """The task's query rows and K/V rows: views."""
-    return q.narrow(seq_dim, *task.q_rows), k.narrow(seq_dim, *task.kv_rows), v.narrow(seq_dim, *task.kv_rows)
+    """The task's query rows and K/V rows: views, or the tensors themselves where the task takes all rows."""
+    q_start, q_rows = task.q_rows
+    kv_start, kv_rows = task.kv_rows
+    if q_start or q_rows != q.shape[seq_dim]:
+        q = q.narrow(seq_dim, q_start, q_rows)
+    if kv_start or kv_rows != k.shape[seq_dim]:
+        k, v = k.narrow(seq_dim, kv_start, kv_rows), v.narrow(seq_dim, kv_start, kv_rows)
+    return q, k, v
 
 
 def _recorded_tasks(step: RingStep, plan: CallPlan, checked: _Shapes, kv_len: int, mask_rows):
@@ -270,26 +276,33 @@ class _ForwardSteps:
         self.plan, self.checked, self.kernel, self.q, self.mask = plan, checked, kernel, q, mask
         self.acc: list[Tensor] = []  # [out, lse] in float32, from the first result on
         qd = checked.dims
-        self._lse_shape = (qd.batch, plan.head_num, qd.seq)
+        self._lse_shape = torch.Size((qd.batch, plan.head_num, qd.seq))
+        self._all_rows = (0, qd.seq)
 
     def __call__(self, i: int, cur_k: Tensor, cur_v: Tensor) -> tuple[str, list]:
-        plan, checked, q, acc, seq_dim = self.plan, self.checked, self.q, self.acc, self.checked.seq_dim
-        part, tasks = _step(plan, checked, i, cur_k.size(seq_dim), self.mask)
+        checked, q, acc = self.checked, self.q, self.acc
+        seq_dim = checked.seq_dim
+        part, tasks = _step(self.plan, checked, i, cur_k.shape[seq_dim], self.mask)
         rng = []
         for task in tasks:
             res = self.kernel.forward(*_task_operands(task, seq_dim, q, cur_k, cur_v), mask=task.mask,
                                       **checked.kernel_args)
             if res.seed is not None:
                 rng.append((res.seed, res.offset))
-            if not acc and task.q_rows == (0, checked.dims.seq) and tuple(res.lse.shape) == self._lse_shape:
-                acc.extend((res.out.float(), res.lse.float()))  # the first result over every row: nothing to merge
-                continue
-            if not acc:
-                acc.extend(_empty_accumulators(checked.out, self._lse_shape, q.device))
-            merge_into(acc[0].narrow(seq_dim, *task.q_rows), acc[1].narrow(2, *task.q_rows), res.out, res.lse,
-                       plan.layout, plan.head_num, fused=plan.fused_merge)
+            if acc:
+                self._merge(task.q_rows, res)
+            elif task.q_rows == self._all_rows and res.lse.shape == self._lse_shape:
+                acc += res.out.float(), res.lse.float()  # the first result over every row: nothing to merge
+            else:
+                acc += _empty_accumulators(checked.out, self._lse_shape, q.device)
+                self._merge(task.q_rows, res)
             del res
         return part, rng
+
+    def _merge(self, rows: tuple[int, int], res) -> None:
+        plan, acc = self.plan, self.acc
+        merge_into(acc[0].narrow(self.checked.seq_dim, *rows), acc[1].narrow(2, *rows), res.out, res.lse,
+                   plan.layout, plan.head_num, fused=plan.fused_merge)
 
     def result(self, steps: list, traffic, compute_s: float, wait_s: float, lengths: list) -> ForwardResult:
         """The call's result: the merged output (the query's dtype), the float32 LSE, the step records."""

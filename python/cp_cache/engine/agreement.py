@@ -40,7 +40,9 @@ agreement (the first stages, below), at sizes every rank knew before it.
 
 from __future__ import annotations
 
+import functools
 import hashlib
+import math
 import struct
 import threading
 from dataclasses import dataclass
@@ -53,7 +55,7 @@ from .. import layout as L
 from ..kernels import KERNEL_NAMES
 from ..placement import PLACEMENTS
 from ..plan import ALGORITHMS, EXCHANGES, GRAD_PARTIALS, CallPlan
-from .transport import GLOO_POSTER, TAG_KV, SideGroup, Transfer, side_group
+from .transport import GLOO_POSTER, TAG_KV, SideGroup, Transfer, message_views, side_group
 
 __all__ = ["SIGNATURE_LEN", "FIELDS", "signature", "refusal_signature", "agree", "counters",
            "reset_counters", "describe", "lengths", "Agreement", "open_agreement", "start_agreement", "agree_on_refusal",
@@ -457,6 +459,10 @@ class FirstStage:
     send_shapes: tuple
     recv_shapes: tuple
 
+    @functools.cached_property  # read by every call that sends the stage with its agreement
+    def recv_sizes(self) -> list[int]:
+        return [math.prod(shape) for shape in self.recv_shapes]
+
 
 @dataclass(frozen=True)
 class _Record:
@@ -490,10 +496,14 @@ class _Ahead:
             else:
                 sending = [torch.zeros(shape, dtype=dtype, device=device)
                            for shape, dtype in zip(first.send_shapes, dtypes)]
-            receiving = [torch.empty(shape, dtype=dtype, device=device)
-                         for shape, dtype in zip(first.recv_shapes, dtypes)]
+            message = None
+            if len(first.recv_shapes) == 2 and dtypes[0] == dtypes[1]:  # K and V as one message, received as it is
+                message, receiving = message_views(first.recv_shapes, dtypes[0], device, first.recv_sizes)
+            else:
+                receiving = [torch.empty(shape, dtype=dtype, device=device)
+                             for shape, dtype in zip(first.recv_shapes, dtypes)]
             self._transfers[first.stage] = Transfer.shifted(sending, receiving, first.stage, record.rank, record.size,
-                                                             record.group, TAG_KV)
+                                                             record.group, TAG_KV, message)
 
     def take(self, repeated: bool) -> dict[int, Transfer]:
         """The transfers by stage where the call repeats the recorded one (its record then stands

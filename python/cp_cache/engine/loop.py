@@ -369,12 +369,11 @@ def plan_repeat(exchange: ExchangePlan, lengths: list, k: Tensor, v: Tensor, seq
 def _repeated_block(i: int, own: list[Tensor], seq_dim: int, repeat: RepeatedExchange,
                     transfers: dict) -> tuple[list[Tensor], float]:
     """Stage ``i``'s K/V block of a call whose stages all came with the agreement (``transfers``,
-    by stage: ``RepeatedExchange.start``), the rows waited for and put in place; seconds blocked."""
-    started = time.perf_counter()
+    by stage: ``RepeatedExchange.start``), the rows waited for and put in place; when they came."""
     received = transfers.pop(i).wait()
-    waited = time.perf_counter() - started
+    arrived = time.perf_counter()
     rows, shapes = repeat.received[i]
-    return placed_block(own, received, rows, shapes, seq_dim, _zeros_like(own))[0], waited
+    return placed_block(own, received, rows, shapes, seq_dim, _zeros_like(own))[0], arrived
 
 
 def _zeros_like(own: list[Tensor]) -> Callable[[list[torch.Size]], list[Tensor]]:
@@ -397,15 +396,16 @@ def forward_repeated(k: Tensor, v: Tensor, seq_dim: int, repeat: RepeatedExchang
     blocked on a receive)."""
     own = [k, v]
     compute_s = wait_s = 0.0
+    started = time.perf_counter()
     try:
         for i in range(1, len(repeat.received)):
-            block, waited = _repeated_block(i, own, seq_dim, repeat, transfers)
-            started = time.perf_counter()
+            block, arrived = _repeated_block(i, own, seq_dim, repeat, transfers)
             part, rng = compute(i, block[0], block[1])
             steps.append(RingStep(index=i, part=part, rng=tuple(rng)))
             del block
-            wait_s += waited
-            compute_s += time.perf_counter() - started
+            wait_s += arrived - started
+            started = time.perf_counter()
+            compute_s += started - arrived
     except BaseException:
         drain_transfers(transfers)
         raise
@@ -428,8 +428,9 @@ def backward_repeated(k: Tensor, v: Tensor, seq_dim: int, repeat: RepeatedExchan
         last = len(repeat.received) - 1
         for i in range(last + 1):
             if i:
-                block, waited = _repeated_block(i, own, seq_dim, repeat, transfers)
-                started = time.perf_counter()
+                waiting = time.perf_counter()
+                block, started = _repeated_block(i, own, seq_dim, repeat, transfers)
+                waited = started - waiting
                 kv_grads = compute(i, block[0], block[1])
                 held = returns.for_block(i, block[0], block[1])
                 del block

@@ -14,6 +14,7 @@ never by the calling thread.
 
 from __future__ import annotations
 
+import math
 import os
 import queue
 import threading
@@ -25,7 +26,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 __all__ = ["own_group", "group_info", "Exchange", "Transfer", "with_length", "join_once", "Rotation", "TAG_KV",
-           "TAG_DKV", "exchange_heads", "own_storage", "SideGroup", "side_group", "GlooPoster", "PostedOps",
+           "TAG_DKV", "exchange_heads", "own_storage", "SideGroup", "side_group", "GlooPoster", "PostedOps", "message_views",
            "GLOO_POSTER"]
 
 
@@ -109,10 +110,19 @@ class Transfer:
     as one message each way (packed into one buffer, unpacked into ``recv`` on ``wait``): every
     message costs the backend a round of its own, whatever its size."""
 
-    def __init__(self, send: list[Tensor], to: int, recv: list[Tensor], source: int, group, tag: int):
-        packed_send, self._packed_recv = _packed(send), _packed_buffer(recv)
-        self.nbytes = sum([t.nbytes for t in send])
-        self.received_bytes = sum([t.nbytes for t in recv])
+    def __init__(self, send: list[Tensor], to: int, recv: list[Tensor], source: int, group, tag: int,
+                 recv_message: Optional[Tensor] = None):
+        packed_send = _packed(send)
+        # ``recv_message``: the flat buffer ``recv`` are consecutive views of (``message_views``):
+        # received into as it is, nothing to unpack
+        self._packed_recv = _packed_buffer(recv) if recv_message is None else [recv_message]
+        self._unpack = recv_message is None and self._packed_recv is not recv
+        nbytes = received = 0
+        for t in send:
+            nbytes += t.nbytes
+        for t in recv:
+            received += t.nbytes
+        self.nbytes, self.received_bytes = nbytes, received
         self.recv, self._sent = recv, packed_send  # kept until the sends complete
         gloo = _gloo_backend(group, (send or recv)[0].device) if POST_ON_GLOO and (send or recv) else None
         if gloo is not None:  # posted on the backend, by cp_cache's poster thread
@@ -127,17 +137,17 @@ class Transfer:
 
     @classmethod
     def shifted(cls, send: list[Tensor], recv: list[Tensor], shift: int, rank: int, size: int, group,
-                tag: int) -> "Transfer":
+                tag: int, recv_message: Optional[Tensor] = None) -> "Transfer":
         """A stage of a ring shift on ``rank`` of ``size``: ``send`` to the rank ``shift`` ahead,
         ``recv`` from the rank ``shift`` behind (a negative ``shift``: the other way round)."""
-        return cls(send, (rank + shift) % size, recv, (rank - shift) % size, group, tag)
+        return cls(send, (rank + shift) % size, recv, (rank - shift) % size, group, tag, recv_message)
 
     def wait(self) -> list[Tensor]:
         works, self._works = self._works, []
         for w in works:
             w.wait()
         recv, packed = self.recv, self._packed_recv
-        if packed is not recv:  # one message: its pieces into the receive tensors
+        if self._unpack:  # one message: its pieces into the receive tensors
             offset = 0
             for t in recv:
                 t.copy_(packed[0][offset:offset + t.numel()].view(t.shape))
@@ -270,7 +280,7 @@ class PostedOps:
 GLOO_POSTER = GlooPoster()
 
 
-_gloo_backends: dict[tuple[str, str], Optional[object]] = {}
+_gloo_backends: dict[tuple, Optional[object]] = {}
 # False: every stage goes through torch.distributed's calls (what a counter of them sees,
 # ``cli/compare/patches.SentCounter``)
 POST_ON_GLOO = True
@@ -280,14 +290,30 @@ def _gloo_backend(group, device: torch.device):
     """``group``'s backend for ``device`` where it is gloo (posting on it skips torch.distributed's
     per-call checks and rank lookups), else None: NCCL and HCCL take a stage as one batch
     (``batch_isend_irecv``), or a rank's send could wait for its peer's."""
-    key = (group.group_name, device.type)
-    if key not in _gloo_backends:
+    key = (group, device)  # the group object: its name is a call into C++
+    found = _gloo_backends.get(key, False)
+    if found is False:
         try:
             backend = group._get_backend(device)
         except (RuntimeError, ValueError, AttributeError):
             backend = None
-        _gloo_backends[key] = backend if isinstance(backend, dist.ProcessGroupGloo) else None
-    return _gloo_backends[key]
+        found = _gloo_backends[key] = backend if isinstance(backend, dist.ProcessGroupGloo) else None
+    return found
+
+
+def message_views(shapes: list[torch.Size], dtype: torch.dtype, device,
+                  sizes: Optional[list[int]] = None) -> tuple[Tensor, list[Tensor]]:
+    """One flat buffer for tensors of ``shapes`` and ``dtype`` (``sizes``: their element counts,
+    if known), and its consecutive views of those shapes: a ``Transfer`` receives into the buffer
+    as one message (``recv_message``) and the views hold the pieces, with nothing to unpack."""
+    if sizes is None:
+        sizes = [math.prod(shape) for shape in shapes]
+    flat = torch.empty(sum(sizes), dtype=dtype, device=device)
+    views, start = [], 0
+    for size, shape in zip(sizes, shapes):  # slices: Tensor.split is a Python function
+        views.append(flat[start:start + size].view(shape))
+        start += size
+    return flat, views
 
 
 def _one_message(tensors: list[Tensor]) -> bool:
