@@ -483,9 +483,10 @@ class _Ahead:
 
     def __init__(self, record: _Record, k: Optional[Tensor], v: Optional[Tensor]):
         self.record = record
-        dtypes, device = record.own[2:4], record.own[4]
-        self.sent_rows = (k is not None and v is not None
-                          and (tuple(k.shape), tuple(v.shape), k.dtype, v.dtype, k.device) == record.own)
+        k_shape, v_shape, k_dtype, v_dtype, device = record.own
+        dtypes = (k_dtype, v_dtype)
+        self.sent_rows = (k is not None and v is not None and k.shape == k_shape and v.shape == v_shape
+                          and k.dtype == k_dtype and v.dtype == v_dtype and k.device == device)
         self._transfers: dict[int, Transfer] = {}
         for first in record.stages:
             if not first.send_shapes:
