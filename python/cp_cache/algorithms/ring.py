@@ -190,7 +190,7 @@ class Ring:
         _remember_repeat(checked, key, repeat, plan, lengths, k, v, group, traffic)
         if key is not None and mask is None and plan.keep_prob == 1.0 and len(groups) == 1:
             _RepeatedForward.remember(plan, checked, q, k, v, groups, kernel, agreement)
-        return compute.result(steps, traffic, compute_s, wait_s, lengths)
+        return compute.result(steps, traffic.fields(), compute_s, wait_s, lengths)
 
     def backward(self, plan: CallPlan, dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
                  steps: list[RingStep], *, groups: Sequence = (), kernel: StepKernel,
@@ -236,13 +236,13 @@ class Ring:
             k, v, seq_dim, checked.last, compute, add_rows, ready, group=group, rank=rank, size=size,
             direct=plan.exchange == "direct", kept=kept_rows(plan, steps), partials=partials, first=first)
         _remember_repeat(checked, key, repeat, plan, lengths, k, v, group, traffic)
-        return self._grads(plan, q, k, v, dq, dk, dv, traffic, compute_s, wait_s, lengths)
+        return self._grads(plan, q, k, v, dq, dk, dv, traffic.fields(), compute_s, wait_s, lengths)
 
-    def _grads(self, plan: CallPlan, q: Tensor, k: Tensor, v: Tensor, dq: Tensor, dk: Tensor, dv: Tensor, traffic,
-               compute_s: float, wait_s: float, lengths: list) -> BackwardResult:
+    def _grads(self, plan: CallPlan, q: Tensor, k: Tensor, v: Tensor, dq: Tensor, dk: Tensor, dv: Tensor,
+               traffic: dict, compute_s: float, wait_s: float, lengths: list) -> BackwardResult:
         log.debug("ring backward rank %d/%d: %s", plan.rank, plan.world_size, traffic)
         return BackwardResult(dq=dq.to(q.dtype), dk=dk.to(k.dtype), dv=dv.to(v.dtype), compute_seconds=compute_s,
-                              wait_seconds=wait_s, lengths=lengths, **traffic.fields())
+                              wait_seconds=wait_s, lengths=lengths, **traffic)
 
     def fake(self, plan: CallPlan, q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
         """Empty (out, lse) of the shapes ``forward`` returns: for tracing with fake tensors."""
@@ -304,15 +304,16 @@ class _ForwardSteps:
         merge_into(acc[0].narrow(self.checked.seq_dim, *rows), acc[1].narrow(2, *rows), res.out, res.lse,
                    plan.layout, plan.head_num, fused=plan.fused_merge)
 
-    def result(self, steps: list, traffic, compute_s: float, wait_s: float, lengths: list) -> ForwardResult:
-        """The call's result: the merged output (the query's dtype), the float32 LSE, the step records."""
+    def result(self, steps: list, traffic: dict, compute_s: float, wait_s: float, lengths: list) -> ForwardResult:
+        """The call's result: the merged output (the query's dtype), the float32 LSE, the step
+        records; ``traffic``: its bytes (``Traffic.fields()``)."""
         plan = self.plan
         if log.isEnabledFor(logging.DEBUG):  # the parts' list is built only to be logged
             log.debug("ring forward rank %d/%d: parts %s, %s", plan.rank, plan.world_size, [s.part for s in steps],
                       traffic)
         acc_out, acc_lse = self.acc or _empty_accumulators(self.checked.out, self._lse_shape, self.q.device)
         return ForwardResult(out=acc_out.to(self.q.dtype), lse=acc_lse, steps=steps, compute_seconds=compute_s,
-                             wait_seconds=wait_s, lengths=lengths, **traffic.fields())
+                             wait_seconds=wait_s, lengths=lengths, **traffic)
 
 
 class _RepeatedForward:
@@ -323,19 +324,12 @@ class _RepeatedForward:
     Where the ranks do not repeat the recorded call, the messages become the call's
     ``Agreement`` and the ring's own forward runs it (step 0 again: without dropout it gives
     the same result), so every rank decides as on any call. Remembered by the ring's forward
-    of such a call (``remember``), looked up by ``repeated_forward``."""
-
-    _BY_CALL: dict[tuple, "_RepeatedForward"] = {}
-    _LIMIT = 256
+    of such a call (``remember``), run by ``repeated_forward``."""
 
     def __init__(self, plan: CallPlan, checked: _Shapes, repeat: RepeatedExchange, agreeing: Repeat,
                  kernel: StepKernel, groups: Sequence):
         self.plan, self.checked, self.repeat, self.agreeing = plan, checked, repeat, agreeing
         self.kernel, self.groups = kernel, groups
-
-    @staticmethod
-    def _key(plan: CallPlan, q: Tensor, k: Tensor, v: Tensor) -> tuple:
-        return id(plan), q.shape, k.shape, v.shape, q.dtype, k.dtype, v.dtype, q.device
 
     @classmethod
     def remember(cls, plan: CallPlan, checked: _Shapes, q: Tensor, k: Tensor, v: Tensor, groups: Sequence,
@@ -346,24 +340,17 @@ class _RepeatedForward:
         record = recorded(groups[0])
         if repeat is None or record is None:
             return
-        key = cls._key(plan, q, k, v)
-        known = cls._BY_CALL.get(key)
+        key = _call_key(plan, q, k, v)
+        known = _PROGRAMS.get(key)
         if (known is not None and known.plan is plan and known.groups is groups and known.repeat is repeat
                 and known.agreeing.record is record):
             return
         agreeing = Repeat.of(record, agreement.signature)
         if agreeing is None:
             return
-        if len(cls._BY_CALL) >= cls._LIMIT:
-            cls._BY_CALL.clear()
-        cls._BY_CALL[key] = cls(plan, checked, repeat, agreeing, kernel, groups)
-
-    @classmethod
-    def find(cls, plan: CallPlan, q: Tensor, k: Tensor, v: Tensor, groups: Sequence) -> Optional["_RepeatedForward"]:
-        program = cls._BY_CALL.get(cls._key(plan, q, k, v))
-        if program is None or program.plan is not plan or program.groups is not groups:
-            return None
-        return program
+        if len(_PROGRAMS) >= _PROGRAMS_LIMIT:
+            _PROGRAMS.clear()
+        _PROGRAMS[key] = cls(plan, checked, repeat, agreeing, kernel, groups)
 
     def run(self, q: Tensor, k: Tensor, v: Tensor) -> Optional[tuple[ForwardResult, int]]:
         """(the forward's result, bytes sent with the agreement and dropped), or None where the
@@ -400,8 +387,20 @@ def repeated_forward(plan: CallPlan, q: Tensor, k: Tensor, v: Tensor,
     """A ring forward that repeats its CP group's recorded call, run in one pass
     (``_RepeatedForward``): (its result, bytes sent with the agreement and dropped); None where
     no such call was remembered for these arguments (nothing done: the general path runs)."""
-    program = _RepeatedForward.find(plan, q, k, v, groups)
-    return None if program is None else program.run(q, k, v)
+    program = _PROGRAMS.get(_call_key(plan, q, k, v))
+    if program is None or program.plan is not plan or program.groups is not groups:
+        return None
+    return program.run(q, k, v)
+
+
+_PROGRAMS: dict[tuple, _RepeatedForward] = {}  # by _call_key
+_PROGRAMS_LIMIT = 256
+
+
+def _call_key(plan: CallPlan, q: Tensor, k: Tensor, v: Tensor) -> tuple:
+    """A repeated call's: the plan by identity (a layer's read gives the same object; the program
+    holds it, so the id is not reused while its entry lives), the local shapes, dtypes, device."""
+    return id(plan), q.shape, k.shape, v.shape, q.dtype, k.dtype, v.dtype, q.device
 
 
 def _empty_accumulators(out_shape: tuple, lse_shape: tuple, device) -> tuple[Tensor, Tensor]:

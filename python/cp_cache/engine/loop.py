@@ -338,7 +338,7 @@ class RepeatedExchange:
     lengths: list
     exchange: ExchangePlan  # on the call's device
     received: tuple  # by stage: (StageRows, the block's shapes); index 0 unused
-    traffic: Traffic
+    traffic: dict  # Traffic.fields()
 
     def start(self, compute, ready, agreement, k: Tensor, v: Tensor) -> tuple[Any, float, Optional[dict]]:
         """Step 0 on this rank's own block (``_agreed_first``), then the agreement: (step 0's result,
@@ -363,7 +363,7 @@ def plan_repeat(exchange: ExchangePlan, lengths: list, k: Tensor, v: Tensor, seq
     plan = exchange.on(k.device)
     received = [None] + [(plan.recv[s], [with_length(t, seq_dim, lengths[(rank - s) % size][1]) for t in (k, v)])
                          for s in range(1, last + 1)]
-    return RepeatedExchange(list(lengths), plan, tuple(received), traffic)
+    return RepeatedExchange(list(lengths), plan, tuple(received), traffic.fields())
 
 
 def _repeated_block(i: int, own: list[Tensor], seq_dim: int, repeat: RepeatedExchange,

@@ -290,6 +290,14 @@ class CallRecord:
         return self.wait_seconds / busy if busy > 0 else 0.0
 
 
+def _kept_bytes(steps) -> int:
+    kept = 0
+    for step in steps:  # a loop, not a generator: this runs on every call
+        if step.kept:
+            kept += sum([t.nbytes for t in step.kept])
+    return kept
+
+
 class CallLog:
     """The last forward and backward call's record, and how many calls each direction had."""
 
@@ -316,7 +324,7 @@ class CallLog:
             record.compute_seconds = result.compute_seconds
             record.wait_seconds = result.wait_seconds
             record.fused_merge = fused_merge
-            record.kept_bytes = sum([t.nbytes for step in getattr(result, "steps", ()) for t in step.kept])
+            record.kept_bytes = _kept_bytes(getattr(result, "steps", ()))
             record.bytes_dropped = dropped
             record.calls += 1
 
