@@ -572,7 +572,12 @@ class Repeat:
         """The first stages by stage where every rank sent the recorded call's signature with its
         rows (the record then stands for the next call); else None (``agreement`` decides)."""
         ahead, wait = posted
-        if [g.tolist() for g in wait()] != self._expected:
+        try:
+            gathered = wait()
+        except BaseException:  # as an Agreement's: nothing left in flight
+            ahead.drain()
+            raise
+        if [g.tolist() for g in gathered] != self._expected:
             return None
         with _lock:
             _counters["exchanges"] += 1

@@ -275,7 +275,8 @@ class PostedOps:
         self._waited = True
         if self.error is not None:
             raise self.error
-        for work in self.works:
+        works, self.works = self.works, []  # a gloo receive waited twice would wait for another message
+        for work in works:
             work.wait()
 
 
