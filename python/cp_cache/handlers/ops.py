@@ -139,9 +139,10 @@ def forward_local(query: Tensor, key: Tensor, value: Tensor, mask_rows: Optional
     if mask_rows is None and sink is None and actual_seq_qlen is None and actual_seq_kvlen is None:
         repeated = repeated_forward(call, query, key, value, process_groups)
     if repeated is None:
-        repeated = _forward(query, key, value, mask_rows, process_groups, call, actual_seq_qlen, actual_seq_kvlen,
-                            sink)
-    result, dropped = repeated
+        call, result, dropped = _forward(query, key, value, mask_rows, process_groups, call, actual_seq_qlen,
+                                         actual_seq_kvlen, sink)
+    else:
+        result, dropped = repeated
     ring_seconds = time.perf_counter() - started
     seed = step_cache.seed_slot(policy, call, result.steps)
     CALL_LOG.record("forward", result, started, ring_seconds, fused_merge=call.fused_merge, dropped=dropped)
@@ -152,7 +153,8 @@ def _forward(query: Tensor, key: Tensor, value: Tensor, mask_rows: Optional[Tens
              call: CallPlan, actual_seq_qlen: Optional[Tensor], actual_seq_kvlen: Optional[Tensor],
              sink: Optional[Tensor]):
     """A forward of any strategy: this rank's checks, the ranks' agreement started once, the run;
-    (the result, bytes sent with the agreement and dropped)."""
+    (the plan it ran, with the documents read; the result; bytes sent with the agreement and
+    dropped)."""
     try:
         if actual_seq_qlen is not None or actual_seq_kvlen is not None:
             call = read_documents(call, actual_seq_qlen, actual_seq_kvlen, query.size(0))
@@ -167,7 +169,7 @@ def _forward(query: Tensor, key: Tensor, value: Tensor, mask_rows: Optional[Tens
                                 mask_rows=mask_rows)
     result = strategy.forward(call, query, key, value, groups=process_groups, kernel=KERNEL_BY_NAME[call.kernel],
                               mask=mask_rows, checked=checked, agreement=agreement)
-    return result, agreement.dropped_bytes
+    return call, result, agreement.dropped_bytes
 
 
 @ring_forward.register_fake
