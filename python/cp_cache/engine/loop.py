@@ -316,15 +316,19 @@ class _KVKept(_KVDirect):
 
 
 def placed_block(own: list[Tensor], received: list[Tensor], rows: StageRows, shapes: list[torch.Size], seq_dim: int,
-                 buffers: Callable[[list[torch.Size]], list[Tensor]]) -> tuple[list[Tensor], bool]:
+                 buffers: Optional[Callable[[list[torch.Size]], list[Tensor]]] = None) -> tuple[list[Tensor], bool]:
     """The K/V block of ``shapes`` whose ``rows`` arrived as ``received`` (like ``own``: dtypes,
     device), the rows in place: the received tensors where they are the whole block, else zeros
-    (``buffers(shapes)``) with the rows copied in; whether it is such a buffer."""
+    (``buffers(shapes)``; None: new ones) with the rows copied in; whether it is such a buffer."""
     if rows.count and rows.index is None:
         return received, True
     if not rows.count:  # no query of this rank reads that block: zeros without memory
         return [t.new_zeros(()).expand(shape) for t, shape in zip(own, shapes)], False
-    return [buf.index_copy_(seq_dim, rows.index, got) for buf, got in zip(buffers(shapes), received)], True
+    if buffers is None:
+        zeros = [torch.zeros(shape, dtype=t.dtype, device=t.device) for t, shape in zip(own, shapes)]
+    else:
+        zeros = buffers(shapes)
+    return [buf.index_copy_(seq_dim, rows.index, got) for buf, got in zip(zeros, received)], True
 
 
 @dataclass(frozen=True)
@@ -373,13 +377,7 @@ def _repeated_block(i: int, own: list[Tensor], seq_dim: int, repeat: RepeatedExc
     received = transfers.pop(i).wait()
     arrived = time.perf_counter()
     rows, shapes = repeat.received[i]
-    return placed_block(own, received, rows, shapes, seq_dim, _zeros_like(own))[0], arrived
-
-
-def _zeros_like(own: list[Tensor]) -> Callable[[list[torch.Size]], list[Tensor]]:
-    def zeros(shapes: list[torch.Size]) -> list[Tensor]:
-        return [torch.zeros(shape, dtype=t.dtype, device=t.device) for t, shape in zip(own, shapes)]
-    return zeros
+    return placed_block(own, received, rows, shapes, seq_dim)[0], arrived
 
 
 def drain_transfers(transfers: dict) -> None:
