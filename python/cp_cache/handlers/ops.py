@@ -34,7 +34,9 @@ documents' values, the sink, the strategy's own checks; backward: the seed's ste
 recorded plan, which the backward runs, against the grad op's arguments), start the ranks'
 agreement once (``engine/agreement.start_agreement``: a refusal here is every rank's), run the
 strategy (which waits for the agreement before its first exchange), record the call
-(``CallLog``, read by ``cp_cache.call_stats()``).
+(``CallLog``, read by ``cp_cache.call_stats()``). A dense forward that repeats its CP group's
+recorded call runs in one pass instead (``algorithms.repeated_forward``: the checks it passed
+before hold for the same plan and shapes), or, where its ranks do not repeat it, on as above.
 """
 
 from __future__ import annotations
