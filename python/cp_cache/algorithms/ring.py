@@ -187,9 +187,9 @@ class Ring:
         steps, traffic, compute_s, wait_s, lengths = forward_ring(
             k, v, seq_dim, checked.last, compute, ready, group=group, rank=rank, size=size,
             direct=plan.exchange == "direct", keep=plan.keep_kv, first=first)
-        _remember_repeat(checked, key, repeat, plan, lengths, k, v, group, traffic)
-        if key is not None and mask is None and plan.keep_prob == 1.0 and len(groups) == 1:
-            _RepeatedForward.remember(plan, checked, q, k, v, groups, kernel, agreement)
+        repeat = _remember_repeat(checked, key, repeat, plan, lengths, k, v, group, traffic)
+        if repeat is not None and plan.keep_prob == 1.0 and len(groups) == 1:
+            _RepeatedForward.remember(plan, checked, repeat, q, k, v, groups, kernel, agreement)
         return compute.result(steps, traffic.fields(), compute_s, wait_s, lengths)
 
     def backward(self, plan: CallPlan, dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
@@ -260,12 +260,14 @@ def _repeat(plan: CallPlan, checked: _Shapes, k: Tensor, v: Tensor, group, backw
 
 
 def _remember_repeat(checked: _Shapes, key, repeat, plan: CallPlan, lengths: list, k: Tensor, v: Tensor, group,
-                     traffic) -> None:
+                     traffic) -> Optional[RepeatedExchange]:
     """After the general loop ran a call that may repeat (``key``): its exchange planned for the
-    next, unless already planned for these lengths."""
+    next, unless already planned for these lengths; that plan (None: a call that may not repeat)."""
     if key is not None and (repeat is None or repeat.lengths != lengths):
-        checked.repeats[key] = plan_repeat(exchange_plan(plan, lengths, group=group), lengths, k, v, checked.seq_dim,
-                                           rank=plan.rank, size=plan.world_size, last=checked.last, traffic=traffic)
+        repeat = checked.repeats[key] = plan_repeat(exchange_plan(plan, lengths, group=group), lengths, k, v,
+                                                    checked.seq_dim, rank=plan.rank, size=plan.world_size,
+                                                    last=checked.last, traffic=traffic)
+    return repeat
 
 
 class _ForwardSteps:
@@ -332,13 +334,12 @@ class _RepeatedForward:
         self.kernel, self.groups = kernel, groups
 
     @classmethod
-    def remember(cls, plan: CallPlan, checked: _Shapes, q: Tensor, k: Tensor, v: Tensor, groups: Sequence,
-                 kernel: StepKernel, agreement) -> None:
-        """After the ring's forward of such a call: its program for the next, where the group's
-        record is this call's and its exchange is planned."""
-        repeat = checked.repeats.get((groups[0].group_name, False, k.dtype, v.dtype, k.device))
+    def remember(cls, plan: CallPlan, checked: _Shapes, repeat: RepeatedExchange, q: Tensor, k: Tensor, v: Tensor,
+                 groups: Sequence, kernel: StepKernel, agreement) -> None:
+        """After the ring's forward of such a call, whose exchange is planned (``repeat``): its
+        program for the next, where the group's record is this call's."""
         record = recorded(groups[0])
-        if repeat is None or record is None:
+        if record is None:
             return
         key = _call_key(plan, q, k, v)
         known = _PROGRAMS.get(key)

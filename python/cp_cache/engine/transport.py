@@ -26,8 +26,8 @@ import torch.distributed as dist
 from torch import Tensor
 
 __all__ = ["own_group", "group_info", "Exchange", "Transfer", "with_length", "join_once", "Rotation", "TAG_KV",
-           "TAG_DKV", "exchange_heads", "own_storage", "SideGroup", "side_group", "GlooPoster", "PostedOps", "message_views",
-           "GLOO_POSTER"]
+           "TAG_DKV", "exchange_heads", "own_storage", "SideGroup", "side_group", "GlooPoster", "PostedOps",
+           "message_views", "GLOO_POSTER"]
 
 
 def own_group(groups):
