@@ -55,7 +55,8 @@ from .. import layout as L
 from ..kernels import KERNEL_NAMES
 from ..placement import PLACEMENTS
 from ..plan import ALGORITHMS, EXCHANGES, GRAD_PARTIALS, CallPlan
-from .transport import GLOO_POSTER, TAG_KV, SideGroup, Transfer, message_views, side_group
+from . import transport
+from .transport import GLOO_POSTER, TAG_KV, SideGroup, Transfer, message_views, posting_backend, side_group
 
 __all__ = ["SIGNATURE_LEN", "FIELDS", "signature", "refusal_signature", "agree", "counters",
            "reset_counters", "describe", "lengths", "Agreement", "open_agreement", "start_agreement", "agree_on_refusal",
@@ -450,12 +451,12 @@ _THE_CALL = _between([_OFFSET[name][0] for name in ("direction", "ring steps rec
 
 @dataclass(frozen=True)
 class FirstStage:
-    """A stage a call's direct exchange posted first: to rank r+s the rows of its block at
-    ``send_index`` (None: all; ``send_shapes``: of K and V, () for none), from rank r-s into
+    """A stage a call's direct exchange posted first: to rank r+s the rows ``send`` of its block
+    (``engine/steps.StageRows``; ``send_shapes``: of K and V, () for none), from rank r-s into
     ``recv_shapes``."""
 
     stage: int
-    send_index: Optional[Tensor]
+    send: Any
     send_shapes: tuple
     recv_shapes: tuple
 
@@ -478,22 +479,66 @@ class _Record:
 _records: dict[str, _Record] = {}  # by CP group name
 
 
-class _Ahead:
-    """The messages one call posted with its agreement on one group, from the group's record."""
+class _PlannedStage:
+    """A first stage of a record whose K and V blocks share one shape and dtype, posted straight
+    on the CP group's gloo backend: this rank's K and V rows as one message (concatenated on dim
+    0: K's elements, then V's, as ``Transfer`` packs them), received into one buffer whose
+    halves are K and V. Planned once per record (``_planned_stages``)."""
 
-    def __init__(self, record: _Record, k: Optional[Tensor], v: Optional[Tensor]):
+    def __init__(self, first: FirstStage, record: _Record, backend):
+        self.stage = first.stage
+        self._rows = first.send if first.send_shapes else None
+        self._seq_dim, self._backend = record.seq_dim, backend
+        self._to, self._source = (record.rank + first.stage) % record.size, (record.rank - first.stage) % record.size
+        _, _, self._dtype, _, self._device = record.own
+        self._received_shape = (2, *first.recv_shapes[0]) if first.recv_shapes else None
+        self._nbytes = sum([math.prod(shape) for shape in first.send_shapes]) * self._dtype.itemsize
+        self._received_bytes = sum(first.recv_sizes) * self._dtype.itemsize
+
+    def post(self, k: Tensor, v: Tensor) -> Transfer:
+        """Post this rank's rows of ``k`` and ``v`` (the record's shapes) and the receive."""
+        ops, sent, received = [], None, []
+        if self._rows is not None:
+            sent = torch.cat([self._rows.taken(k, self._seq_dim), self._rows.taken(v, self._seq_dim)])
+            ops.append((True, sent, self._to, TAG_KV))
+        if self._received_shape is not None:
+            message = torch.empty(self._received_shape, dtype=self._dtype, device=self._device)
+            received = list(message.unbind(0))
+            ops.append((False, message, self._source, TAG_KV))
+        return Transfer.posted(GLOO_POSTER.post(self._backend, ops), sent, received, self._nbytes,
+                               self._received_bytes)
+
+
+def _planned_stages(record: _Record) -> Optional[tuple[_PlannedStage, ...]]:
+    """The record's first stages as ``_PlannedStage``s, where its K and V share a shape and dtype
+    and its CP group posts on gloo (else None: ``_Ahead`` builds each call's ``Transfer``s)."""
+    k_shape, v_shape, k_dtype, v_dtype, device = record.own
+    backend = posting_backend(record.group, device)
+    if k_shape != v_shape or k_dtype != v_dtype or backend is None:
+        return None
+    return tuple([_PlannedStage(first, record, backend) for first in record.stages])
+
+
+class _Ahead:
+    """The messages one call posted with its agreement on one group, from the group's record
+    (``planned``: its stages as ``_planned_stages`` gives them, where the caller has them)."""
+
+    def __init__(self, record: _Record, k: Optional[Tensor], v: Optional[Tensor],
+                 planned: Optional[tuple[_PlannedStage, ...]] = None):
         self.record = record
         k_shape, v_shape, k_dtype, v_dtype, device = record.own
         dtypes = (k_dtype, v_dtype)
         self.sent_rows = (k is not None and v is not None and k.shape == k_shape and v.shape == v_shape
                           and k.dtype == k_dtype and v.dtype == v_dtype and k.device == device)
+        if planned is not None and self.sent_rows and transport.POST_ON_GLOO:
+            self._transfers = {stage.stage: stage.post(k, v) for stage in planned}
+            return
         self._transfers: dict[int, Transfer] = {}
         for first in record.stages:
             if not first.send_shapes:
                 sending = []
             elif self.sent_rows:
-                sending = [t if first.send_index is None else t.index_select(record.seq_dim, first.send_index)
-                           for t in (k, v)]
+                sending = [first.send.taken(t, record.seq_dim) for t in (k, v)]
             else:
                 sending = [torch.zeros(shape, dtype=dtype, device=device)
                            for shape, dtype in zip(first.send_shapes, dtypes)]
@@ -544,6 +589,7 @@ class Repeat:
         self._sent = _with_rows_sent(sig)
         self._side = side_group(record.group)
         self._name = record.group.group_name
+        self._planned = _planned_stages(record)
         sent = _OFFSET[_SENT][0]
         self._expected = [s[:sent] + [1] + s[sent + 1:] for s in record.signatures]
 
@@ -565,7 +611,7 @@ class Repeat:
                     _records[self._name] = record
                 return None
         with GLOO_POSTER.together():
-            ahead = _Ahead(record, k, v)
+            ahead = _Ahead(record, k, v, self._planned)
             return ahead, self._side.all_gather_async(self._sent if ahead.sent_rows else self.sig)
 
     def settle(self, posted: tuple) -> Optional[dict[int, Transfer]]:

@@ -240,8 +240,7 @@ class _KVDirect:
 
     def _transfer(self, stage: int) -> Transfer:
         send, recv = self._plan.send[stage], self._plan.recv[stage]
-        sending = [t if send.index is None else t.index_select(self._dim, send.index)
-                   for t in self._own] if send.count else []
+        sending = [send.taken(t, self._dim) for t in self._own] if send.count else []
         if not recv.count:
             receiving = []
         elif recv.index is None:  # the whole block: straight into a block buffer
@@ -252,7 +251,7 @@ class _KVDirect:
         # a keep_kv forward records none: its backward receives no K/V, and what travelled
         # with its agreement would be sent for nothing
         if self._agreement is not None and not self._keep and stage <= self._first_last:
-            self._recorded.append(FirstStage(stage, send.index, tuple(t.shape for t in sending),
+            self._recorded.append(FirstStage(stage, send, tuple(t.shape for t in sending),
                                              tuple(t.shape for t in receiving)))
         return Transfer.shifted(sending, receiving, stage, self._rank, self._size, self._group, TAG_KV)
 
@@ -328,7 +327,7 @@ def placed_block(own: list[Tensor], received: list[Tensor], rows: StageRows, sha
         zeros = [torch.zeros(shape, dtype=t.dtype, device=t.device) for t, shape in zip(own, shapes)]
     else:
         zeros = buffers(shapes)
-    return [buf.index_copy_(seq_dim, rows.index, got) for buf, got in zip(zeros, received)], True
+    return [rows.placed(buf, seq_dim, got) for buf, got in zip(zeros, received)], True
 
 
 @dataclass(frozen=True)
@@ -606,8 +605,7 @@ class _GradReturns:
         if i == 0:
             return waited
         back, coming = self._plan.recv[i], self._plan.send[i]
-        sending = [(t if back.index is None else t.index_select(self._dim, back.index)).to(self._partials_dtype)
-                   for t in held] if back.count else []
+        sending = [back.taken(t, self._dim).to(self._partials_dtype) for t in held] if back.count else []
         receiving = [torch.empty(with_length(t, self._dim, coming.count), dtype=self._partials_dtype,
                                  device=t.device) for t in self._own] if coming.count else []
         # the partials go back to the block's owner, rank r-i; rank r+i's come in
@@ -628,6 +626,8 @@ class _GradReturns:
         for acc, got in zip(self._own, partials):
             if rows.index is None:
                 acc.add_(got)
+            elif rows.start is not None:
+                acc.narrow(self._dim, rows.start, rows.count).add_(got)
             else:
                 acc.index_add_(self._dim, rows.index, got.float())
         return waited

@@ -275,20 +275,40 @@ def _contiguous(lengths: list[int]) -> list[Tensor]:
 @dataclass(frozen=True)
 class StageRows:
     """Rows of one stage, local indices of a block in order (``index`` None: all ``count`` rows
-    of a block of ``count`` rows; ``count`` 0: none)."""
+    of a block of ``count`` rows; ``count`` 0: none); ``start``: the first of them where they are
+    consecutive (known on the host: a narrow serves instead of the index)."""
 
     index: Optional[Tensor]
     count: int
+    start: Optional[int] = None
 
     @staticmethod
     def of(needed: Tensor) -> "StageRows":
         count = int(needed.sum())
         if count == needed.numel():
             return StageRows(None, count)
-        return StageRows(needed.nonzero().flatten(), count)
+        index = needed.nonzero().flatten()
+        first = int(index[0]) if count else None
+        consecutive = count and int(index[-1]) - first + 1 == count
+        return StageRows(index, count, first if consecutive else None)
 
     def on(self, device: torch.device) -> "StageRows":
-        return self if self.index is None else StageRows(self.index.to(device), self.count)
+        return self if self.index is None else StageRows(self.index.to(device), self.count, self.start)
+
+    def taken(self, t: Tensor, dim: int) -> Tensor:
+        """These rows of ``t`` (a block) on ``dim``: ``t`` itself (all), a view (consecutive) or a copy."""
+        if self.index is None:
+            return t
+        if self.start is not None:
+            return t.narrow(dim, self.start, self.count)
+        return t.index_select(dim, self.index)
+
+    def placed(self, buffer: Tensor, dim: int, rows: Tensor) -> Tensor:
+        """``buffer`` (a block) with ``rows`` (these rows of it) copied in place."""
+        if self.start is not None:
+            buffer.narrow(dim, self.start, self.count).copy_(rows)
+            return buffer
+        return buffer.index_copy_(dim, self.index, rows)
 
 
 @dataclass(frozen=True)

@@ -27,7 +27,7 @@ from torch import Tensor
 
 __all__ = ["own_group", "group_info", "Exchange", "Transfer", "with_length", "join_once", "Rotation", "TAG_KV",
            "TAG_DKV", "exchange_heads", "own_storage", "SideGroup", "side_group", "GlooPoster", "PostedOps",
-           "message_views", "GLOO_POSTER"]
+           "message_views", "posting_backend", "GLOO_POSTER"]
 
 
 def own_group(groups):
@@ -124,7 +124,7 @@ class Transfer:
             received += t.nbytes
         self.nbytes, self.received_bytes = nbytes, received
         self.recv, self._sent = recv, packed_send  # kept until the sends complete
-        gloo = _gloo_backend(group, (send or recv)[0].device) if POST_ON_GLOO and (send or recv) else None
+        gloo = posting_backend(group, (send or recv)[0].device) if send or recv else None
         if gloo is not None:  # posted on the backend, by cp_cache's poster thread
             self._works = [GLOO_POSTER.post(gloo, [(True, t, to, tag + j) for j, t in enumerate(packed_send)]
                                             + [(False, r, source, tag + j) for j, r in enumerate(self._packed_recv)])]
@@ -134,6 +134,18 @@ class Transfer:
         ops += [dist.P2POp(dist.irecv, r, dist.get_global_rank(group, source), group, tag + j)
                 for j, r in enumerate(self._packed_recv)]
         self._works = dist.batch_isend_irecv(ops) if ops else []
+
+    @classmethod
+    def posted(cls, works: "PostedOps", sent: Optional[Tensor], recv: list[Tensor], nbytes: int,
+               received: int) -> "Transfer":
+        """A stage its caller posted itself on a gloo backend (``GlooPoster.post``: ``works``), one
+        message each way at most: ``sent``, kept until it completes, and the one received, whose
+        views are ``recv``; ``nbytes`` / ``received``: the bytes each way."""
+        transfer = cls.__new__(cls)
+        transfer._works, transfer._sent, transfer.recv = [works], sent, recv
+        transfer._packed_recv, transfer._unpack = None, False
+        transfer.nbytes, transfer.received_bytes = nbytes, received
+        return transfer
 
     @classmethod
     def shifted(cls, send: list[Tensor], recv: list[Tensor], shift: int, rank: int, size: int, group,
@@ -302,6 +314,12 @@ def _gloo_backend(group, device: torch.device):
             backend = None
         found = _gloo_backends[key] = backend if isinstance(backend, dist.ProcessGroupGloo) else None
     return found
+
+
+def posting_backend(group, device: torch.device):
+    """The gloo backend that ``group``'s stages on ``device`` are posted on directly (by the
+    ``GLOO_POSTER``), or None: through torch.distributed's calls."""
+    return _gloo_backend(group, device) if POST_ON_GLOO else None
 
 
 def message_views(shapes: list[torch.Size], dtype: torch.dtype, device,
