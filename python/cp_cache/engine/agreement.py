@@ -56,7 +56,7 @@ from ..kernels import KERNEL_NAMES
 from ..placement import PLACEMENTS
 from ..plan import ALGORITHMS, EXCHANGES, GRAD_PARTIALS, CallPlan
 from . import transport
-from .transport import GLOO_POSTER, TAG_KV, SideGroup, Transfer, message_views, posting_backend, side_group
+from .transport import GLOO_POSTER, TAG_KV, SideGroup, Transfer, message_views, side_group
 
 __all__ = ["SIGNATURE_LEN", "FIELDS", "signature", "refusal_signature", "agree", "counters",
            "reset_counters", "describe", "lengths", "Agreement", "open_agreement", "start_agreement", "agree_on_refusal",
@@ -225,14 +225,15 @@ _lock = threading.Lock()
 _built: dict[tuple, Tensor] = {}  # local configuration -> its signature tensor (construction only)
 _BUILT_MAX = 256
 _counters = {"exchanges": 0, "disagreements": 0, "signatures_built": 0, "refusals": 0, "first_stages_taken": 0,
-             "first_stages_dropped": 0}
+             "first_stages_dropped": 0, "signatures_with_stages": 0}
 
 
 def counters() -> dict:
     """{"exchanges": agreements made, "disagreements": of them, "signatures_built": cache misses,
     "refusals": agreements in which some rank's argument checks failed, "first_stages_taken" /
     "first_stages_dropped": calls whose exchange took / did not take the first stages sent with
-    their agreement}."""
+    their agreement, "signatures_with_stages": agreements whose signatures came in those stages'
+    messages instead of an all_gather}."""
     with _lock:
         return dict(_counters)
 
@@ -311,15 +312,7 @@ class Agreement:
     def __init__(self, sig: Tensor, groups: Sequence, alone: Callable[[], list[tuple[int, int]]] = list,
                  k: Optional[Tensor] = None, v: Optional[Tensor] = None):
         self.signature = sig  # this rank's, as built (without "first stages sent")
-        pending = []
-        with GLOO_POSTER.together():
-            ahead = _post_ahead(groups, k, v)
-            if len(ahead) == 1 and ahead[0].sent_rows:
-                sig = _with_rows_sent(sig)
-            for group in groups:
-                side = side_group(group)
-                if side.size > 1:
-                    pending.append((side, side.all_gather_async(sig)))
+        ahead, pending = _post_agreement(groups, k, v, sig, mark_rows_sent=True)
         # with no other rank: this rank's own lengths, nothing to wait for
         self._started(ahead, pending, None if pending else alone())
 
@@ -385,7 +378,8 @@ class Agreement:
             return
         own = (tuple(k.shape), tuple(v.shape), k.dtype, v.dtype, k.device)
         with _lock:
-            _records[group.group_name] = _Record(self._signatures, group, rank, size, seq_dim, own, tuple(stages))
+            _records[group.group_name] = _new_record(self._signatures, group, rank, size, seq_dim, own,
+                                                     tuple(stages))
 
 
 _SENT_VARIANTS: dict[int, tuple[Tensor, Tensor]] = {}  # id(signature) -> (it, it with "first stages sent")
@@ -474,66 +468,129 @@ class _Record:
     seq_dim: int
     own: tuple  # this rank's K and V block then: shapes, dtypes, device
     stages: tuple[FirstStage, ...]
+    # host tensors: each stage's messages planned once (``_StageMessages``), with the signatures
+    # in them where the stages reach every other rank (``signed``); None: built per call
+    messages: Optional[tuple["_StageMessages", ...]] = None
+    signed: bool = False
+
+
+def _new_record(signatures: list[list[int]], group, rank: int, size: int, seq_dim: int, own: tuple,
+                stages: tuple[FirstStage, ...]) -> _Record:
+    """A group's record; on host tensors with its stages' messages planned, signed where the
+    stages reach every other rank and are posted on the group's gloo backend directly (alike on
+    every rank: the stages are the exchange's, the device kind the agreed call's; a counter of
+    torch.distributed's messages, ``transport.POST_ON_GLOO`` off, sees their payload alone)."""
+    if own[4].type != "cpu":  # a device's messages: no host read of what they carry
+        return _Record(signatures, group, rank, size, seq_dim, own, stages)
+    signed = transport.POST_ON_GLOO and sorted([first.stage for first in stages]) == list(range(1, size))
+    messages = tuple([_StageMessages(first, group, rank, size, seq_dim, own, signed) for first in stages])
+    return _Record(signatures, group, rank, size, seq_dim, own, stages, messages, signed)
 
 
 _records: dict[str, _Record] = {}  # by CP group name
 
 
-class _PlannedStage:
-    """A first stage of a record whose K and V blocks share one shape and dtype, posted straight
-    on the CP group's gloo backend: this rank's K and V rows as one message (concatenated on dim
-    0: K's elements, then V's, as ``Transfer`` packs them), received into one buffer whose
-    halves are K and V. Planned once per record (``_planned_stages``)."""
+class _Layout:
+    """Where the parts of a first stage's message lie in it: the call's signature (where
+    ``signed``), then the K rows, then the V rows; in elements of the message's dtype (K's where
+    K and V share a dtype: the signature's bytes read as it; else bytes, each part at a multiple
+    of its element size)."""
 
-    def __init__(self, first: FirstStage, record: _Record, backend):
+    def __init__(self, shapes: Sequence, dtypes: Sequence, signed: bool, unit: torch.dtype):
+        self.unit = unit
+        self.parts: list[tuple[int, int, torch.dtype, tuple]] = []  # (start, count, dtype, shape)
+        end = 0  # in bytes
+        for shape, dtype in ([((SIGNATURE_LEN,), torch.int64)] if signed else []) + list(zip(shapes, dtypes)):
+            start = -(-end // dtype.itemsize) * dtype.itemsize
+            end = start + math.prod(shape) * dtype.itemsize
+            self.parts.append((start // unit.itemsize, (end - start) // unit.itemsize, dtype, tuple(shape)))
+        self.length = end // unit.itemsize
+        self.payload_bytes = sum([count for _, count, _, _ in self.parts[1 if signed else 0:]]) * unit.itemsize
+
+    def views(self, message: Tensor) -> list[Tensor]:
+        """The parts of ``message`` (a tensor of ``length`` elements of ``unit``)."""
+        views = []
+        for start, count, dtype, shape in self.parts:
+            part = message.narrow(0, start, count)
+            views.append((part if dtype == self.unit else part.view(dtype)).view(shape))
+        return views
+
+
+class _StageMessages:
+    """One first stage of a record on host tensors, planned once: one message each way, this
+    rank's K rows then its V rows, after the call's signature where ``signed`` (the signatures
+    then travel with the stages instead of an all_gather of their own). Each post makes its
+    messages afresh (gloo holds them until its works complete)."""
+
+    def __init__(self, first: FirstStage, group, rank: int, size: int, seq_dim: int, own: tuple, signed: bool):
+        _, _, k_dtype, v_dtype, self._device = own
         self.stage = first.stage
-        self._rows = first.send if first.send_shapes else None
-        self._seq_dim, self._backend = record.seq_dim, backend
-        self._to, self._source = (record.rank + first.stage) % record.size, (record.rank - first.stage) % record.size
-        _, _, self._dtype, _, self._device = record.own
-        self._received_shape = (2, *first.recv_shapes[0]) if first.recv_shapes else None
-        self._nbytes = sum([math.prod(shape) for shape in first.send_shapes]) * self._dtype.itemsize
-        self._received_bytes = sum(first.recv_sizes) * self._dtype.itemsize
+        self._rows, self._seq_dim, self._group, self._signed = first.send, seq_dim, group, signed
+        self._to, self._source = (rank + first.stage) % size, (rank - first.stage) % size
+        unit = k_dtype if k_dtype == v_dtype else torch.uint8
+        self._sent = _Layout(first.send_shapes, (k_dtype, v_dtype), signed, unit) if first.send_shapes or signed \
+            else None
+        self._received = _Layout(first.recv_shapes, (k_dtype, v_dtype), signed, unit) if first.recv_shapes or signed \
+            else None
 
-    def post(self, k: Tensor, v: Tensor) -> Transfer:
-        """Post this rank's rows of ``k`` and ``v`` (the record's shapes) and the receive."""
-        ops, sent, received = [], None, []
-        if self._rows is not None:
-            sent = torch.cat([self._rows.taken(k, self._seq_dim), self._rows.taken(v, self._seq_dim)])
-            ops.append((True, sent, self._to, TAG_KV))
-        if self._received_shape is not None:
-            message = torch.empty(self._received_shape, dtype=self._dtype, device=self._device)
-            received = list(message.unbind(0))
-            ops.append((False, message, self._source, TAG_KV))
-        return Transfer.posted(GLOO_POSTER.post(self._backend, ops), sent, received, self._nbytes,
-                               self._received_bytes)
+    def post(self, k: Optional[Tensor], v: Optional[Tensor], sig: Tensor,
+             rows: bool) -> tuple[Transfer, Optional[Tensor]]:
+        """Post the stage: this rank's rows of ``k`` and ``v`` (``rows``: they have the recorded
+        shapes; else zeros), with ``sig`` where signed; (the transfer, where the peer's signature
+        arrives)."""
+        sent = None if self._sent is None else self._message(self._sent, k, v, sig, rows)
+        received, views = None, []
+        if self._received is not None:
+            received = torch.empty(self._received.length, dtype=self._received.unit, device=self._device)
+            views = self._received.views(received)
+        signature = views.pop(0) if self._signed else None
+        transfer = Transfer.messages(sent, self._to, received, self._source, self._group, TAG_KV, views,
+                                     0 if self._sent is None else self._sent.payload_bytes,
+                                     0 if self._received is None else self._received.payload_bytes)
+        return transfer, signature
 
-
-def _planned_stages(record: _Record) -> Optional[tuple[_PlannedStage, ...]]:
-    """The record's first stages as ``_PlannedStage``s, where its K and V share a shape and dtype
-    and its CP group posts on gloo (else None: ``_Ahead`` builds each call's ``Transfer``s)."""
-    k_shape, v_shape, k_dtype, v_dtype, device = record.own
-    backend = posting_backend(record.group, device)
-    if k_shape != v_shape or k_dtype != v_dtype or backend is None:
-        return None
-    return tuple([_PlannedStage(first, record, backend) for first in record.stages])
+    def _message(self, layout: _Layout, k: Optional[Tensor], v: Optional[Tensor], sig: Tensor, rows: bool) -> Tensor:
+        parts = [sig] if self._signed else []
+        if len(layout.parts) > len(parts):
+            if rows:
+                parts += [self._rows.taken(k, self._seq_dim), self._rows.taken(v, self._seq_dim)]
+            else:
+                parts += [torch.zeros(shape, dtype=dtype, device=self._device) for _, _, dtype, shape in
+                          layout.parts[len(parts):]]
+        if layout.unit != torch.uint8:  # one dtype: the parts as one concatenation
+            return torch.cat([(p if p.dtype == layout.unit else p.view(layout.unit)).reshape(-1) for p in parts])
+        message = torch.empty(layout.length, dtype=layout.unit, device=self._device)
+        for view, part in zip(layout.views(message), parts):
+            view.copy_(part)
+        return message
 
 
 class _Ahead:
-    """The messages one call posted with its agreement on one group, from the group's record
-    (``planned``: its stages as ``_planned_stages`` gives them, where the caller has them)."""
+    """The messages one call posts with its agreement on one group, from the group's record
+    (``post``); where the record is signed, the call's signatures come in them (``signatures``)."""
 
-    def __init__(self, record: _Record, k: Optional[Tensor], v: Optional[Tensor],
-                 planned: Optional[tuple[_PlannedStage, ...]] = None):
+    def __init__(self, record: _Record, k: Optional[Tensor], v: Optional[Tensor]):
         self.record = record
         k_shape, v_shape, k_dtype, v_dtype, device = record.own
-        dtypes = (k_dtype, v_dtype)
         self.sent_rows = (k is not None and v is not None and k.shape == k_shape and v.shape == v_shape
                           and k.dtype == k_dtype and v.dtype == v_dtype and k.device == device)
-        if planned is not None and self.sent_rows and transport.POST_ON_GLOO:
-            self._transfers = {stage.stage: stage.post(k, v) for stage in planned}
-            return
         self._transfers: dict[int, Transfer] = {}
+        self._signature: Optional[Tensor] = None
+        self._signatures: dict[int, Optional[Tensor]] = {}  # by stage: where the peer's signature arrives
+        self._gathered: Optional[list[Tensor]] = None
+
+    def post(self, k: Optional[Tensor], v: Optional[Tensor], sig: Tensor) -> None:
+        """Post this rank's part of the record's stages: the rows of ``k``, ``v`` where they have
+        the recorded shapes (``sent_rows``), zeros otherwise; ``sig``: this rank's signature."""
+        record = self.record
+        self._signature = sig
+        if record.messages is not None:
+            for messages in record.messages:
+                self._transfers[messages.stage], self._signatures[messages.stage] = messages.post(
+                    k, v, sig, self.sent_rows)
+            return
+        _, _, k_dtype, v_dtype, device = record.own
+        dtypes = (k_dtype, v_dtype)
         for first in record.stages:
             if not first.send_shapes:
                 sending = []
@@ -550,6 +607,20 @@ class _Ahead:
                              for shape, dtype in zip(first.recv_shapes, dtypes)]
             self._transfers[first.stage] = Transfer.shifted(sending, receiving, first.stage, record.rank, record.size,
                                                              record.group, TAG_KV, message)
+
+    def signatures(self) -> list[Tensor]:
+        """Every rank's signature, from a signed record's stages (each waited for): the gathered
+        signatures of the call on the record's group."""
+        if self._gathered is None:
+            record = self.record
+            gathered = [self._signature] * record.size
+            for stage, transfer in self._transfers.items():
+                transfer.arrived()
+                gathered[(record.rank - stage) % record.size] = self._signatures[stage]
+            self._gathered = gathered
+            with _lock:
+                _counters["signatures_with_stages"] += 1
+        return self._gathered
 
     def take(self, repeated: bool) -> dict[int, Transfer]:
         """The transfers by stage where the call repeats the recorded one (its record then stands
@@ -589,7 +660,6 @@ class Repeat:
         self._sent = _with_rows_sent(sig)
         self._side = side_group(record.group)
         self._name = record.group.group_name
-        self._planned = _planned_stages(record)
         sent = _OFFSET[_SENT][0]
         self._expected = [s[:sent] + [1] + s[sent + 1:] for s in record.signatures]
 
@@ -610,9 +680,11 @@ class Repeat:
                 if record is not None:
                     _records[self._name] = record
                 return None
+        ahead = _Ahead(record, k, v)
+        sig = self._sent if ahead.sent_rows else self.sig
         with GLOO_POSTER.together():
-            ahead = _Ahead(record, k, v, self._planned)
-            return ahead, self._side.all_gather_async(self._sent if ahead.sent_rows else self.sig)
+            ahead.post(k, v, sig)
+            return ahead, ahead.signatures if record.signed else self._side.all_gather_async(sig)
 
     def settle(self, posted: tuple) -> Optional[dict[int, Transfer]]:
         """The first stages by stage where every rank sent the recorded call's signature with its
@@ -647,12 +719,29 @@ def recorded(group) -> Optional[_Record]:
     return _records.get(group.group_name)
 
 
-def _post_ahead(groups: Sequence, k: Optional[Tensor], v: Optional[Tensor]) -> list[_Ahead]:
-    """Take each group's record, if any, and post its messages (every agreed call on a group
-    does, whatever its strategy or outcome)."""
+def _post_agreement(groups: Sequence, k: Optional[Tensor], v: Optional[Tensor], sig: Tensor, *,
+                    mark_rows_sent: bool) -> tuple[list[_Ahead], list[tuple[SideGroup, Callable[[], list[Tensor]]]]]:
+    """Take each group's record, if any, and post in one handoff its messages (every agreed call
+    on a group does, whatever its strategy or outcome) and this rank's signature ``sig`` (with
+    "first stages sent" where ``mark_rows_sent`` and its one record's stages carry its rows):
+    (the records' posts, each group of several ranks' side group and the wait for its gathered
+    signatures, which come in a signed record's messages, else by an all_gather of their own)."""
     with _lock:
         records = [_records.pop(g.group_name, None) for g in groups]
-    return [_Ahead(record, k, v) for record in records if record is not None]
+    ahead = [None if record is None else _Ahead(record, k, v) for record in records]
+    posted = [a for a in ahead if a is not None]
+    if mark_rows_sent and len(posted) == 1 and posted[0].sent_rows:
+        sig = _with_rows_sent(sig)
+    pending = []
+    with GLOO_POSTER.together():
+        for group, a in zip(groups, ahead):
+            if a is not None:
+                a.post(k, v, sig)
+            side = side_group(group)
+            if side.size > 1:
+                pending.append((side, a.signatures if a is not None and a.record.signed
+                                else side.all_gather_async(sig)))
+    return posted, pending
 
 
 def _drain(posted: list[_Ahead]) -> int:
@@ -672,10 +761,10 @@ def agree_on_refusal(direction: str, groups: Sequence, error: BaseException, pla
         sig = refusal_signature(direction, error)
     else:
         sig = signature(direction=direction, plan=plan, q=q, k=k, v=v, error=error, **fields)
-    posted = _post_ahead(groups, k, v)  # its part of the first stages the other ranks post
+    # its part of the first stages the other ranks post
+    posted, pending = _post_agreement(groups, k, v, sig, mark_rows_sent=False)
     try:
-        for side, wait in [(side, side.all_gather_async(sig)) for side in (side_group(g) for g in groups)
-                           if side.size > 1]:
+        for side, wait in pending:
             _checked(side, wait(), error)
     finally:
         _drain(posted)

@@ -27,7 +27,7 @@ from torch import Tensor
 
 __all__ = ["own_group", "group_info", "Exchange", "Transfer", "with_length", "join_once", "Rotation", "TAG_KV",
            "TAG_DKV", "exchange_heads", "own_storage", "SideGroup", "side_group", "GlooPoster", "PostedOps",
-           "message_views", "posting_backend", "GLOO_POSTER"]
+           "message_views", "GLOO_POSTER"]
 
 
 def own_group(groups):
@@ -124,27 +124,19 @@ class Transfer:
             received += t.nbytes
         self.nbytes, self.received_bytes = nbytes, received
         self.recv, self._sent = recv, packed_send  # kept until the sends complete
-        gloo = posting_backend(group, (send or recv)[0].device) if send or recv else None
-        if gloo is not None:  # posted on the backend, by cp_cache's poster thread
-            self._works = [GLOO_POSTER.post(gloo, [(True, t, to, tag + j) for j, t in enumerate(packed_send)]
-                                            + [(False, r, source, tag + j) for j, r in enumerate(self._packed_recv)])]
-            return
-        ops = [dist.P2POp(dist.isend, t, dist.get_global_rank(group, to), group, tag + j)
-               for j, t in enumerate(packed_send)]
-        ops += [dist.P2POp(dist.irecv, r, dist.get_global_rank(group, source), group, tag + j)
-                for j, r in enumerate(self._packed_recv)]
-        self._works = dist.batch_isend_irecv(ops) if ops else []
+        self._works = _post(packed_send, to, self._packed_recv, source, group, tag)
 
     @classmethod
-    def posted(cls, works: "PostedOps", sent: Optional[Tensor], recv: list[Tensor], nbytes: int,
-               received: int) -> "Transfer":
-        """A stage its caller posted itself on a gloo backend (``GlooPoster.post``: ``works``), one
-        message each way at most: ``sent``, kept until it completes, and the one received, whose
-        views are ``recv``; ``nbytes`` / ``received``: the bytes each way."""
+    def messages(cls, sent: Optional[Tensor], to: int, received: Optional[Tensor], source: int, group, tag: int,
+                 recv: list[Tensor], nbytes: int, received_bytes: int) -> "Transfer":
+        """A stage of one message each way at most, built by its caller: ``sent`` (kept until it
+        completes) and ``received``, whose views ``recv`` are what ``wait`` returns; ``nbytes`` /
+        ``received_bytes``: the payload's bytes each way (a message may carry more)."""
         transfer = cls.__new__(cls)
-        transfer._works, transfer._sent, transfer.recv = [works], sent, recv
-        transfer._packed_recv, transfer._unpack = None, False
-        transfer.nbytes, transfer.received_bytes = nbytes, received
+        transfer.recv, transfer._sent, transfer._packed_recv, transfer._unpack = recv, sent, None, False
+        transfer.nbytes, transfer.received_bytes = nbytes, received_bytes
+        transfer._works = _post([] if sent is None else [sent], to, [] if received is None else [received], source,
+                                group, tag)
         return transfer
 
     @classmethod
@@ -154,10 +146,14 @@ class Transfer:
         ``recv`` from the rank ``shift`` behind (a negative ``shift``: the other way round)."""
         return cls(send, (rank + shift) % size, recv, (rank - shift) % size, group, tag, recv_message)
 
-    def wait(self) -> list[Tensor]:
+    def arrived(self) -> None:
+        """Wait until the messages are through, keeping what ``wait`` returns (at once, then)."""
         works, self._works = self._works, []
         for w in works:
             w.wait()
+
+    def wait(self) -> list[Tensor]:
+        self.arrived()
         recv, packed = self.recv, self._packed_recv
         if self._unpack:  # one message: its pieces into the receive tensors
             offset = 0
@@ -175,6 +171,21 @@ class Transfer:
             self.wait()
         except Exception:  # noqa: BLE001 - the original error is the one raised
             pass
+
+
+def _post(send: list[Tensor], to: int, recv: list[Tensor], source: int, group, tag: int) -> list:
+    """Post one stage's messages (message j tagged ``tag + j``): on the gloo backend by cp_cache's
+    poster thread, else as one batch through torch.distributed; the works to wait for."""
+    if not send and not recv:
+        return []
+    gloo = _gloo_backend(group, (send or recv)[0].device) if POST_ON_GLOO else None
+    if gloo is not None:
+        return [GLOO_POSTER.post(gloo, [(True, t, to, tag + j) for j, t in enumerate(send)]
+                                 + [(False, r, source, tag + j) for j, r in enumerate(recv)])]
+    ops = [dist.P2POp(dist.isend, t, dist.get_global_rank(group, to), group, tag + j) for j, t in enumerate(send)]
+    ops += [dist.P2POp(dist.irecv, r, dist.get_global_rank(group, source), group, tag + j)
+            for j, r in enumerate(recv)]
+    return dist.batch_isend_irecv(ops)
 
 
 class GlooPoster:
@@ -314,12 +325,6 @@ def _gloo_backend(group, device: torch.device):
             backend = None
         found = _gloo_backends[key] = backend if isinstance(backend, dist.ProcessGroupGloo) else None
     return found
-
-
-def posting_backend(group, device: torch.device):
-    """The gloo backend that ``group``'s stages on ``device`` are posted on directly (by the
-    ``GLOO_POSTER``), or None: through torch.distributed's calls."""
-    return _gloo_backend(group, device) if POST_ON_GLOO else None
 
 
 def message_views(shapes: list[torch.Size], dtype: torch.dtype, device,
