@@ -35,7 +35,9 @@ receive would wait for the slowest rank anyway), and what is cached per distinct
 configuration is the signature's construction. The cost (one all_gather of W x
 ``SIGNATURE_LEN`` int64) is measured by ``python -m cp_cache bench --only agreement``. A call
 that repeats its group's previous one also has its first payload round travel with the
-agreement (the first stages, below), at sizes every rank knew before it.
+agreement (the first stages, below), at sizes every rank knew before it; on host tensors,
+where those stages reach every other rank, the signatures travel at their head and no
+all_gather is made (``_StageMessages``).
 """
 
 from __future__ import annotations
