@@ -470,44 +470,49 @@ class _Record:
     seq_dim: int
     own: tuple  # this rank's K and V block then: shapes, dtypes, device
     stages: tuple[FirstStage, ...]
-    # host tensors: each stage's messages planned once (``_StageMessages``), with the signatures
-    # in them where the stages reach every other rank (``signed``); None: built per call
+    # a signed record's stage messages, planned once, the signatures in them (``_StageMessages``);
+    # None: an unsigned record, whose messages are built per call
     messages: Optional[tuple["_StageMessages", ...]] = None
-    signed: bool = False
+
+    @property
+    def signed(self) -> bool:
+        return self.messages is not None
 
 
 def _new_record(signatures: list[list[int]], group, rank: int, size: int, seq_dim: int, own: tuple,
                 stages: tuple[FirstStage, ...]) -> _Record:
-    """A group's record; on host tensors with its stages' messages planned, signed where the
-    stages reach every other rank and are posted on the group's gloo backend directly (alike on
-    every rank: the stages are the exchange's, the device kind the agreed call's; a counter of
-    torch.distributed's messages, ``transport.POST_ON_GLOO`` off, sees their payload alone)."""
-    if own[4].type != "cpu":  # a device's messages: no host read of what they carry
+    """A group's record, signed (its stages' messages planned, carrying the signatures) where it
+    holds host tensors, its stages reach every other rank and they are posted on the group's gloo
+    backend directly; alike on every rank: the stages are the exchange's, the device kind the
+    agreed call's. A device's messages stay unsigned (no host read of what they carry), and so
+    do those a counter of torch.distributed's messages sees (``transport.POST_ON_GLOO`` off:
+    their payload alone)."""
+    if (own[4].type != "cpu" or not transport.POST_ON_GLOO
+            or sorted([first.stage for first in stages]) != list(range(1, size))):
         return _Record(signatures, group, rank, size, seq_dim, own, stages)
-    signed = transport.POST_ON_GLOO and sorted([first.stage for first in stages]) == list(range(1, size))
-    messages = tuple([_StageMessages(first, group, rank, size, seq_dim, own, signed) for first in stages])
-    return _Record(signatures, group, rank, size, seq_dim, own, stages, messages, signed)
+    messages = tuple([_StageMessages(first, group, rank, size, seq_dim, own) for first in stages])
+    return _Record(signatures, group, rank, size, seq_dim, own, stages, messages)
 
 
 _records: dict[str, _Record] = {}  # by CP group name
 
 
 class _Layout:
-    """Where the parts of a first stage's message lie in it: the call's signature (where
-    ``signed``), then the K rows, then the V rows; in elements of the message's dtype (K's where
-    K and V share a dtype: the signature's bytes read as it; else bytes, each part at a multiple
-    of its element size)."""
+    """Where the parts of a signed first stage's message lie in it: the call's signature, then
+    the K rows, then the V rows (none where the stage moves no rows that way); in elements of
+    the message's dtype (K's where K and V share a dtype: the signature's bytes read as it;
+    else bytes, each part at a multiple of its element size)."""
 
-    def __init__(self, shapes: Sequence, dtypes: Sequence, signed: bool, unit: torch.dtype):
+    def __init__(self, shapes: Sequence, dtypes: Sequence, unit: torch.dtype):
         self.unit = unit
         self.parts: list[tuple[int, int, torch.dtype, tuple]] = []  # (start, count, dtype, shape)
         end = 0  # in bytes
-        for shape, dtype in ([((SIGNATURE_LEN,), torch.int64)] if signed else []) + list(zip(shapes, dtypes)):
+        for shape, dtype in [((SIGNATURE_LEN,), torch.int64)] + list(zip(shapes, dtypes)):
             start = -(-end // dtype.itemsize) * dtype.itemsize
             end = start + math.prod(shape) * dtype.itemsize
             self.parts.append((start // unit.itemsize, (end - start) // unit.itemsize, dtype, tuple(shape)))
         self.length = end // unit.itemsize
-        self.payload_bytes = sum([count for _, count, _, _ in self.parts[1 if signed else 0:]]) * unit.itemsize
+        self.payload_bytes = sum([count for _, count, _, _ in self.parts[1:]]) * unit.itemsize
 
     def views(self, message: Tensor) -> list[Tensor]:
         """The parts of ``message`` (a tensor of ``length`` elements of ``unit``)."""
@@ -519,46 +524,37 @@ class _Layout:
 
 
 class _StageMessages:
-    """One first stage of a record on host tensors, planned once: one message each way, this
-    rank's K rows then its V rows, after the call's signature where ``signed`` (the signatures
-    then travel with the stages instead of an all_gather of their own). Each post makes its
-    messages afresh (gloo holds them until its works complete)."""
+    """One first stage of a signed record, planned once: one message each way, the call's
+    signature, then this rank's K rows and V rows (the signatures travel with the stages instead
+    of an all_gather of their own). Each post makes its messages afresh (gloo holds them until
+    its works complete)."""
 
-    def __init__(self, first: FirstStage, group, rank: int, size: int, seq_dim: int, own: tuple, signed: bool):
+    def __init__(self, first: FirstStage, group, rank: int, size: int, seq_dim: int, own: tuple):
         _, _, k_dtype, v_dtype, self._device = own
         self.stage = first.stage
-        self._rows, self._seq_dim, self._group, self._signed = first.send, seq_dim, group, signed
+        self._rows, self._seq_dim, self._group = first.send, seq_dim, group
         self._to, self._source = (rank + first.stage) % size, (rank - first.stage) % size
         unit = k_dtype if k_dtype == v_dtype else torch.uint8
-        self._sent = _Layout(first.send_shapes, (k_dtype, v_dtype), signed, unit) if first.send_shapes or signed \
-            else None
-        self._received = _Layout(first.recv_shapes, (k_dtype, v_dtype), signed, unit) if first.recv_shapes or signed \
-            else None
+        self._sent = _Layout(first.send_shapes, (k_dtype, v_dtype), unit)
+        self._received = _Layout(first.recv_shapes, (k_dtype, v_dtype), unit)
 
-    def post(self, k: Optional[Tensor], v: Optional[Tensor], sig: Tensor,
-             rows: bool) -> tuple[Transfer, Optional[Tensor]]:
-        """Post the stage: this rank's rows of ``k`` and ``v`` (``rows``: they have the recorded
-        shapes; else zeros), with ``sig`` where signed; (the transfer, where the peer's signature
-        arrives)."""
-        sent = None if self._sent is None else self._message(self._sent, k, v, sig, rows)
-        received, views = None, []
-        if self._received is not None:
-            received = torch.empty(self._received.length, dtype=self._received.unit, device=self._device)
-            views = self._received.views(received)
-        signature = views.pop(0) if self._signed else None
-        transfer = Transfer.messages(sent, self._to, received, self._source, self._group, TAG_KV, views,
-                                     0 if self._sent is None else self._sent.payload_bytes,
-                                     0 if self._received is None else self._received.payload_bytes)
+    def post(self, k: Optional[Tensor], v: Optional[Tensor], sig: Tensor, rows: bool) -> tuple[Transfer, Tensor]:
+        """Post the stage: ``sig`` and this rank's rows of ``k`` and ``v`` (``rows``: they have the
+        recorded shapes; else zeros); (the transfer, where the peer's signature arrives)."""
+        received = torch.empty(self._received.length, dtype=self._received.unit, device=self._device)
+        signature, *views = self._received.views(received)
+        transfer = Transfer.messages(self._message(k, v, sig, rows), self._to, received, self._source, self._group,
+                                     TAG_KV, views, self._sent.payload_bytes, self._received.payload_bytes)
         return transfer, signature
 
-    def _message(self, layout: _Layout, k: Optional[Tensor], v: Optional[Tensor], sig: Tensor, rows: bool) -> Tensor:
-        parts = [sig] if self._signed else []
-        if len(layout.parts) > len(parts):
+    def _message(self, k: Optional[Tensor], v: Optional[Tensor], sig: Tensor, rows: bool) -> Tensor:
+        layout, parts = self._sent, [sig]
+        if len(layout.parts) > 1:
             if rows:
                 parts += [self._rows.taken(k, self._seq_dim), self._rows.taken(v, self._seq_dim)]
             else:
                 parts += [torch.zeros(shape, dtype=dtype, device=self._device) for _, _, dtype, shape in
-                          layout.parts[len(parts):]]
+                          layout.parts[1:]]
         if layout.unit != torch.uint8:  # one dtype: the parts as one concatenation
             return torch.cat([(p if p.dtype == layout.unit else p.view(layout.unit)).reshape(-1) for p in parts])
         message = torch.empty(layout.length, dtype=layout.unit, device=self._device)
@@ -578,7 +574,7 @@ class _Ahead:
                           and k.dtype == k_dtype and v.dtype == v_dtype and k.device == device)
         self._transfers: dict[int, Transfer] = {}
         self._signature: Optional[Tensor] = None
-        self._signatures: dict[int, Optional[Tensor]] = {}  # by stage: where the peer's signature arrives
+        self._signatures: dict[int, Tensor] = {}  # by stage, of a signed record: where the peer's signature arrives
         self._gathered: Optional[list[Tensor]] = None
 
     def post(self, k: Optional[Tensor], v: Optional[Tensor], sig: Tensor) -> None:
