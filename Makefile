@@ -7,6 +7,8 @@ SHELL := /bin/bash
 DEFAULT_TORCH_VERSION := 2.14.1
 TORCH_VERSION ?= $(DEFAULT_TORCH_VERSION)
 ACCELERATE_VERSION := 1.15.0
+TRL_VERSION := 1.16.0
+DATASETS_VERSION := 5.2.0
 MATRIX_VERSIONS ?= 2.13.0 2.14.1 2.15.0
 # Each torch has its own virtualenv and gtest build; the default keeps the plain .venv.
 ifeq ($(TORCH_VERSION),$(DEFAULT_TORCH_VERSION))
@@ -44,7 +46,7 @@ $(NO_CONSTRAINTS):
 
 $(DEPS_STAMP): | $(PY) $(NO_CONSTRAINTS)
 	$(VENV_PIP) install --quiet "torch==$(TORCH_VERSION)"
-	$(VENV_PIP) install --quiet "torch==$(TORCH_VERSION)" pybind11 ninja pytest cmake numpy matplotlib "transformers==5.24.0" "accelerate==$(ACCELERATE_VERSION)"
+	$(VENV_PIP) install --quiet "torch==$(TORCH_VERSION)" pybind11 ninja pytest cmake numpy matplotlib "transformers==5.24.0" "accelerate==$(ACCELERATE_VERSION)" "trl==$(TRL_VERSION)" "datasets==$(DATASETS_VERSION)"
 	@if ! dpkg -s libgtest-dev >/dev/null 2>&1; then \
 		echo "installing libgtest-dev"; \
 		SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \

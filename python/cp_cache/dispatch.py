@@ -367,6 +367,7 @@ def context_parallel(
                 with _dispatcher_only(mesh):
                     yield
         elif buffers:
+            _check_sequence_lengths(mesh, buffers, buffer_seq_dims)
             with torch_context_parallel(
                 mesh, buffers=buffers, buffer_seq_dims=buffer_seq_dims, no_restore_buffers=no_restore_buffers
             ):
@@ -402,6 +403,27 @@ def _dispatcher_only(mesh) -> Iterator[None]:
     finally:
         _attention._disable_context_parallel_dispatcher_impl()
         _forget_restored(wrapped)
+
+
+def _check_sequence_lengths(mesh, buffers, seq_dims) -> None:
+    """torch's sequence sharding cuts each buffer into W (contiguous) or 2W (head-tail) equal
+    chunks; a length it cannot cut is refused here, naming it, W and the ways out (on every rank:
+    the buffers are the same everywhere), never sharded unevenly beside the lengths the
+    attention rebuilds from its shards."""
+    from .layout import load_balance_enabled
+
+    world = mesh.size()
+    chunks = 2 * world if load_balance_enabled() else world
+    seq_dims = list(seq_dims) if seq_dims is not None else [0] * len(buffers)
+    for index, (buffer, dim) in enumerate(zip(buffers, seq_dims)):
+        length = buffer.size(dim)
+        if length % chunks:
+            layout = "head-tail load balancing" if chunks == 2 * world else "contiguous sharding"
+            raise ValueError(
+                f"context_parallel: buffers[{index}] has T={length} tokens on dimension {dim}, which {layout} "
+                f"over W={world} ranks cannot cut into {chunks} equal chunks: pad the batch to a multiple of "
+                f"{chunks} (e.g. a collator's pad_to_multiple_of={chunks}), or, for a packed batch, give its "
+                "documents (context_parallel(..., documents=cu_seq_lens_q)), which take any length")
 
 
 def _region_documents(documents, mesh) -> tuple[tuple[int, ...] | None, str | None]:

@@ -4,12 +4,15 @@ Everything the handlers, the NPU step kernel and the CPU emulator must agree on
 about ``npu_fusion_attention(_v3)`` and its grad: the op schemas and the binding of a call's
 ``(args, kwargs)`` to their argument names (``bind_arguments``; ``describe`` for error
 messages), the sparse modes, the compressed causal mask, and the ``[B, N, S, 8]`` softmax
-statistics.
+statistics, and the dtype rule (``check_one_dtype``: the op takes q/k/v of one dtype and is in
+no autocast list; ``autocast_off``: a kernel's own math runs as it would on the device, without
+the caller's autocast).
 Layouts and their dimensions live in ``layout.py``.
 """
 
 from __future__ import annotations
 
+import contextlib
 import enum
 import logging
 import threading
@@ -40,6 +43,9 @@ __all__ = [
     "stats_views_from_lse",
     "lse_from_stats",
     "op_exists",
+    "check_one_dtype",
+    "autocast_off",
+    "autocast_inputs",
 ]
 
 log = logging.getLogger("cp_cache")
@@ -252,3 +258,37 @@ def describe(value: Any) -> str:
     if isinstance(value, Tensor):
         return f"<tensor of shape {tuple(value.shape)} and dtype {value.dtype}>"
     return repr(value)
+
+
+def check_one_dtype(op: str, a: dict[str, Any], names: tuple[str, ...]) -> None:
+    """The op's inputs ``names`` (those given) share one dtype, as op-plugin documents for q/k/v
+    (float16, bfloat16 or float32). The op is in none of torch_npu's autocast lists, so under
+    autocast it receives what the caller passes: a model whose RoPE left q/k float32 beside a
+    bfloat16 v is refused here by name (SDPA, a front end, casts under autocast first)."""
+    given = [(name, a[name]) for name in names if isinstance(a.get(name), Tensor)]
+    dtypes = {t.dtype for _, t in given}
+    if len(dtypes) > 1:
+        listed = ", ".join(f"{name} {t.dtype}" for name, t in given)
+        raise TypeError(f"{op}: {listed}: the op takes one dtype for all of them (float16, bfloat16 or float32); "
+                        "cast them to one first (under autocast: torch.get_autocast_dtype(device_type), as "
+                        "scaled_dot_product_attention does)")
+
+
+def autocast_off(device_type: str):
+    """A block without the caller's autocast on ``device_type`` (a null context where it is off):
+    the op's math casts nothing but what it means to."""
+    if torch.is_autocast_enabled(device_type):
+        return torch.autocast(device_type, enabled=False)
+    return contextlib.nullcontext()
+
+
+def autocast_inputs(*tensors: Tensor) -> tuple[Tensor, ...]:
+    """``tensors`` as ``scaled_dot_product_attention`` receives them under autocast (its
+    lower_precision_fp rule on CPU, CUDA and torch_npu's NPU): where autocast is on for their
+    device, every floating tensor but float64 in autocast's dtype; else as they are. The front
+    ends (the SDPA route, the transformers attention) call the op with one dtype this way."""
+    device_type = tensors[0].device.type
+    if not torch.is_autocast_enabled(device_type):
+        return tensors
+    dtype = torch.get_autocast_dtype(device_type)
+    return tuple(t.to(dtype) if t.is_floating_point() and t.dtype != torch.float64 else t for t in tensors)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from .. import layout as L
-from ..npu_ops import FORWARD_V1, FORWARD_V3, GRAD_V1, GRAD_V3, bind_arguments
+from ..npu_ops import FORWARD_V1, FORWARD_V3, GRAD_V1, GRAD_V3, autocast_off, bind_arguments, check_one_dtype
 from . import attention_math as M
 from . import ring_update
 from . import varlen_math as V
@@ -22,6 +22,18 @@ _SCHEMAS = {s: torch._C.parse_schema(s) for s in (FORWARD_V3, GRAD_V3, FORWARD_V
 
 def _bind(schema: str, args: tuple, kwargs: dict) -> dict:
     return bind_arguments(_SCHEMAS[schema], args, kwargs)
+
+
+_ONE_DTYPE = ("query", "key", "value", "dy", "attention_in")  # those of them the op takes
+
+
+def _without_autocast(kernel):
+    """A CPU kernel run as a device kernel runs: the caller's autocast does not reach its math."""
+    def run(*args, **kwargs):
+        with autocast_off("cpu"):
+            return kernel(*args, **kwargs)
+
+    return run
 
 
 def _check_no_given_dropout(a: dict) -> None:
@@ -37,6 +49,7 @@ def _check_no_given_dropout(a: dict) -> None:
 def _check(a: dict, *, read_values: bool) -> "M._Dims":
     """The call's dims, checked; ``read_values=False`` (the fakes): from shapes alone, as torch_npu's
     meta functions (TND's lengths tensors are not read: under fake tensors their values are unknown)."""
+    check_one_dtype("npu_fusion_attention", a, _ONE_DTYPE)
     if a["input_layout"] == V.LAYOUT:
         return V.check_tnd_call(a["query"], a["key"], a["value"], a["head_num"], a["pse"], a["padding_mask"],
                                 a["atten_mask"], a["keep_prob"], a["prefix"], a["actual_seq_qlen"],
@@ -288,8 +301,8 @@ def define_ops() -> torch.library.Library:
             fname, gname = _name(forward), _name(grad)
             lib.define(forward)
             lib.define(grad)
-            lib.impl(fname, _forward(forward), "CPU")
-            lib.impl(gname, _grad(grad), "CPU")
+            lib.impl(fname, _without_autocast(_forward(forward)), "CPU")
+            lib.impl(gname, _without_autocast(_grad(grad)), "CPU")
             torch.library.register_fake(f"npu::{fname}", _forward_fake(forward), lib=lib)
             torch.library.register_fake(f"npu::{gname}", _grad_fake(grad), lib=lib)
             setup_context, backward = _derivative(forward, gname)

@@ -16,7 +16,7 @@ from typing import Any, Optional
 import torch
 import torch.nn.functional as F
 
-from ..npu_ops import SparseMode, causal_mask
+from ..npu_ops import SparseMode, autocast_inputs, causal_mask
 
 __all__ = ["scaled_dot_product_attention", "install_route", "uninstall_route", "routed"]
 
@@ -84,6 +84,7 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
         kwargs.update(atten_mask=causal_mask(devices[0]), sparse_mode=int(SparseMode.LEFT_UP_CAUSAL), next_tockens=0)
     elif attn_mask is not None:
         kwargs.update(atten_mask=_npu_mask_from_bool(attn_mask, B, nq, Sq, Skv), sparse_mode=int(SparseMode.MASK))
+    query, key, value = autocast_inputs(query, key, value)  # aten's SDPA is cast before torch_npu's kernel
     out = torch.ops.npu.npu_fusion_attention_v3(query, key, value, nq, "BNSD", **kwargs)
     return out[0]
 

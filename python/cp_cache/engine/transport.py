@@ -112,11 +112,13 @@ class Transfer:
 
     def __init__(self, send: list[Tensor], to: int, recv: list[Tensor], source: int, group, tag: int,
                  recv_message: Optional[Tensor] = None):
-        packed_send = _packed(send)
+        packed_send = _sendable(_packed(send))
         # ``recv_message``: the flat buffer ``recv`` are consecutive views of (``message_views``):
         # received into as it is, nothing to unpack
         self._packed_recv = _packed_buffer(recv) if recv_message is None else [recv_message]
         self._unpack = recv_message is None and self._packed_recv is not recv
+        # the backends receive into contiguous memory only: a strided target gets a landing buffer
+        self._landing = _sendable(self._packed_recv)
         nbytes = received = 0
         for t in send:
             nbytes += t.nbytes
@@ -124,7 +126,7 @@ class Transfer:
             received += t.nbytes
         self.nbytes, self.received_bytes = nbytes, received
         self.recv, self._sent = recv, packed_send  # kept until the sends complete
-        self._works = _post(packed_send, to, self._packed_recv, source, group, tag)
+        self._works = _post(packed_send, to, self._landing, source, group, tag)
 
     @classmethod
     def messages(cls, sent: Optional[Tensor], to: int, received: Optional[Tensor], source: int, group, tag: int,
@@ -133,7 +135,9 @@ class Transfer:
         completes) and ``received``, whose views ``recv`` are what ``wait`` returns; ``nbytes`` /
         ``received_bytes``: the payload's bytes each way (a message may carry more)."""
         transfer = cls.__new__(cls)
+        sent = None if sent is None else sent.contiguous()
         transfer.recv, transfer._sent, transfer._packed_recv, transfer._unpack = recv, sent, None, False
+        transfer._landing = None
         transfer.nbytes, transfer.received_bytes = nbytes, received_bytes
         transfer._works = _post([] if sent is None else [sent], to, [] if received is None else [received], source,
                                 group, tag)
@@ -155,6 +159,10 @@ class Transfer:
     def wait(self) -> list[Tensor]:
         self.arrived()
         recv, packed = self.recv, self._packed_recv
+        if self._landing is not None and self._landing is not packed:
+            for target, landed in zip(packed, self._landing):
+                if target is not landed:
+                    target.copy_(landed)
         if self._unpack:  # one message: its pieces into the receive tensors
             offset = 0
             message = packed[0]
@@ -162,7 +170,7 @@ class Transfer:
                 size = t.numel()
                 t.copy_(message.narrow(0, offset, size).view(t.shape))
                 offset += size
-        self.recv, self._sent, self._packed_recv = None, None, None
+        self.recv, self._sent, self._packed_recv, self._landing = None, None, None, None
         return recv
 
     def drain(self) -> None:
@@ -340,6 +348,15 @@ def message_views(shapes: list[torch.Size], dtype: torch.dtype, device,
         views.append(flat.narrow(0, start, size).view(shape))
         start += size
     return flat, views
+
+
+def _sendable(tensors: list[Tensor]) -> list[Tensor]:
+    """``tensors`` in contiguous memory, which gloo, NCCL and HCCL take (the list itself when
+    they all are): a run of rows narrowed out of a block, or a strided view, is copied."""
+    for t in tensors:
+        if not t.is_contiguous():
+            return [t if t.is_contiguous() else t.contiguous() for t in tensors]
+    return tensors
 
 
 def _one_message(tensors: list[Tensor]) -> bool:

@@ -55,7 +55,7 @@ from ..algorithms import repeated_forward, strategy_for
 from ..documents import read_documents
 from ..engine.agreement import CHECK_ERRORS, agree_on_refusal, start_agreement
 from ..kernels import KERNEL_BY_NAME
-from ..npu_ops import describe
+from ..npu_ops import autocast_off, describe
 from ..plan import CallPlan
 
 __all__ = ["run_forward", "run_backward", "ring_forward", "ring_backward", "check_seed", "CallRecord", "CallLog",
@@ -135,7 +135,15 @@ def forward_local(query: Tensor, key: Tensor, value: Tensor, mask_rows: Optional
                   call: CallPlan, policy: str, actual_seq_qlen: Optional[Tensor] = None,
                   actual_seq_kvlen: Optional[Tensor] = None,
                   sink: Optional[Tensor] = None) -> tuple[Tensor, Tensor, Tensor]:
-    """What ``ring_forward`` runs, on its groups and plan as objects."""
+    """What ``ring_forward`` runs, on its groups and plan as objects (without the caller's
+    autocast: the kernels and merges run in the dtypes they choose)."""
+    with autocast_off(query.device.type):
+        return _forward_local(query, key, value, mask_rows, process_groups, call, policy, actual_seq_qlen,
+                              actual_seq_kvlen, sink)
+
+
+def _forward_local(query, key, value, mask_rows, process_groups, call, policy, actual_seq_qlen, actual_seq_kvlen,
+                   sink):
     started = time.perf_counter()
     repeated = None
     if mask_rows is None and sink is None and actual_seq_qlen is None and actual_seq_kvlen is None:
@@ -204,7 +212,14 @@ def backward_local(dy: Tensor, query: Tensor, key: Tensor, value: Tensor, out: T
                    mask_rows: Optional[Tensor], process_groups: list, called: CallPlan, policy: str,
                    actual_seq_qlen: Optional[Tensor] = None, actual_seq_kvlen: Optional[Tensor] = None,
                    sink: Optional[Tensor] = None) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """What ``ring_backward`` runs, on its groups and plan as objects."""
+    """What ``ring_backward`` runs, on its groups and plan as objects (without the caller's autocast)."""
+    with autocast_off(query.device.type):
+        return _backward_local(dy, query, key, value, out, lse, seed, mask_rows, process_groups, called, policy,
+                               actual_seq_qlen, actual_seq_kvlen, sink)
+
+
+def _backward_local(dy, query, key, value, out, lse, seed, mask_rows, process_groups, called, policy,
+                    actual_seq_qlen, actual_seq_kvlen, sink):
     started = time.perf_counter()
     recorded, steps = None, []
     try:

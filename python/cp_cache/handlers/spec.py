@@ -37,7 +37,8 @@ from ..config import CPConfig, document_placement
 from ..documents import check_lengths_tensor, check_packed_tokens, cumulative_lengths, same_documents, sequence_positions
 from ..engine import agreement
 from ..engine.merge import fused_merge_available
-from ..npu_ops import CAUSAL_MODES, INT_MAX, SparseMode, describe, is_compressed_mask, stats_views_from_lse
+from ..npu_ops import (CAUSAL_MODES, INT_MAX, SparseMode, check_one_dtype, describe, is_compressed_mask,
+                       stats_views_from_lse)
 from ..plan import ALGORITHM_CP_DIMS, CallPlan, MaskSpec, choose_algorithm
 
 __all__ = ["CallSpec", "CPSharding", "read_call", "share_refusal", "sequence_sharded", "cp_sharding",
@@ -147,6 +148,7 @@ def read_call(a: dict[str, Any], cp: CPConfig, *, backward: bool = False) -> Cal
 
     A layer repeats its calls: a call whose plan and sharding depend only on what ``_repeat_key``
     holds takes them from the last call with that key, on the same mesh object."""
+    check_one_dtype(GRAD_OP if backward else FORWARD_OP, a, _ONE_DTYPE[backward])
     key = _repeat_key(a, cp, backward)
     read = _READ.get(key) if key is not None else None
     if read is not None and read[1].mesh is a["query"]._spec.mesh:
@@ -163,6 +165,8 @@ def read_call(a: dict[str, Any], cp: CPConfig, *, backward: bool = False) -> Cal
     return call
 
 
+FORWARD_OP, GRAD_OP = "npu_fusion_attention_v3", "npu_fusion_attention_grad_v3"
+_ONE_DTYPE = {False: ("query", "key", "value"), True: ("query", "key", "value", "dy", "attention_in")}
 _READ: dict[tuple, tuple[CallPlan, "CPSharding"]] = {}
 _READ_LIMIT = 256
 _SCALARS = ("input_layout", "head_num", "keep_prob", "sparse_mode", "pre_tockens", "next_tockens", "softmax_layout")

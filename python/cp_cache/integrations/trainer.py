@@ -33,9 +33,9 @@ from . import transformers as attention
 
 __all__ = ["ContextParallelMixin", "ContextParallelTrainer"]
 
-# the batch entries sharded on their sequence dimension (1), in this order
-SHARDED = ("input_ids", "labels", "shift_labels", "position_ids")
 IGNORE_INDEX = -100
+# a packed batch's entries about its documents: global, never sharded
+DOCUMENT_ENTRIES = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k")
 _MESH_DIMS = ("dp_replicate", "cp")  # the mesh cp_size= builds: accelerate's names for its data-loader rule
 
 
@@ -75,7 +75,8 @@ class ContextParallelMixin:
     def _prepare_context_parallel_inputs(self, model: torch.nn.Module,
                                          inputs: dict) -> tuple[Callable, dict]:
         """(the step's CP context, the inputs it shards): Trainer enters the context around the
-        forward and backward of the step."""
+        forward and backward of the step. A packed batch (``cu_seq_lens_q``, or position ids that
+        restart) is laid out by its documents; every per-token entry is sharded with the tokens."""
         if self.cp_mesh is None:
             return super()._prepare_context_parallel_inputs(model, inputs)
         _check_attention(model)
@@ -83,12 +84,13 @@ class ContextParallelMixin:
         if "labels" in inputs and "shift_labels" not in inputs:  # shifted on the whole sequence
             labels = torch.nn.functional.pad(inputs["labels"], (0, 1), value=IGNORE_INDEX)
             inputs["shift_labels"] = labels[:, 1:].contiguous()
+        ids = inputs["input_ids"]
         if inputs.get("position_ids") is None:
-            ids = inputs["input_ids"]
             inputs["position_ids"] = torch.arange(ids.size(1), device=ids.device).repeat(ids.size(0), 1)
-        buffers = [inputs[name] for name in SHARDED if inputs.get(name) is not None]
-        return functools.partial(context_parallel, self.cp_mesh, buffers=buffers,
-                                 buffer_seq_dims=[1] * len(buffers), no_restore_buffers=set(buffers)), inputs
+        documents = _documents(inputs)
+        buffers = [value for name, value in inputs.items() if _per_token(name, value, ids)]
+        return functools.partial(context_parallel, self.cp_mesh, buffers=buffers, buffer_seq_dims=[1] * len(buffers),
+                                 no_restore_buffers=set(buffers), documents=documents), inputs
 
 
 class ContextParallelTrainer(ContextParallelMixin, Trainer):
@@ -139,3 +141,33 @@ def _drop_all_true_mask(inputs: dict) -> None:
             "ContextParallelTrainer: a batch with padding (attention_mask with zeros) is not supported under CP; "
             "pack the batch instead: DataCollatorWithFlattening(return_flash_attn_kwargs=True)")
     del inputs["attention_mask"]
+
+
+def _per_token(name: str, value: Any, ids: torch.Tensor) -> bool:
+    """Whether a batch entry is per token ([B, T, ...], like ``input_ids``): sharded with the tokens
+    (``labels``, ``shift_labels``, ``position_ids``, ``seq_idx``, a collator's masks), never left at
+    the global length beside sharded ones."""
+    return (isinstance(value, torch.Tensor) and name not in DOCUMENT_ENTRIES and value.dim() >= 2
+            and value.shape[:2] == ids.shape[:2])
+
+
+def _documents(inputs: dict) -> Optional[torch.Tensor]:
+    """A packed batch's cumulative document ends (``cu_seq_lens_q``, leading 0), or None for a dense
+    batch. Position ids that restart without ``cu_seq_lens_q/k`` (``DataCollatorWithFlattening``
+    without ``return_flash_attn_kwargs``) give the documents, added to the inputs for the model's
+    attention (one host read per step)."""
+    given = inputs.get("cu_seq_lens_q")
+    if given is not None:
+        return given
+    positions = inputs["position_ids"]
+    if positions.size(0) != 1:
+        return None
+    starts = (positions[0] == 0).nonzero().flatten().tolist()
+    if starts[1:] == [] and starts[:1] == [0]:
+        return None  # one sequence
+    if starts[:1] != [0]:
+        raise ValueError(f"ContextParallelTrainer: position_ids {positions[0, :8].tolist()}... do not start at 0; "
+                         "a packed batch's position ids restart at 0 with every document")
+    documents = torch.tensor(starts + [positions.size(1)], dtype=torch.int32)
+    inputs["cu_seq_lens_q"] = inputs["cu_seq_lens_k"] = documents
+    return documents

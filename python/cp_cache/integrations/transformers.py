@@ -31,7 +31,7 @@ from .. import layout as L
 from ..dispatch import active_documents, active_mesh, in_cp_region
 from ..engine.agreement import CHECK_ERRORS, agree_on_refusal
 from ..documents import document_positions, sequence_positions
-from ..npu_ops import SparseMode, band_arguments, causal_arguments, describe
+from ..npu_ops import SparseMode, autocast_inputs, band_arguments, causal_arguments, describe
 
 __all__ = ["NAME", "register", "attention_forward", "mask_hook"]
 
@@ -120,6 +120,7 @@ def attention_forward(module: torch.nn.Module, query: Tensor, key: Tensor, value
         if mesh is not None and mesh.ndim == 1:  # a refusal on one rank is raised on every rank, not left waiting
             agree_on_refusal("forward", [mesh.get_group()], error)
         raise
+    query, key, value = autocast_inputs(query, key, value)  # one dtype, as SDPA under autocast
     if mask.documents is not None and (sharding.documents is not None or sharding.contiguous):
         out = _packed_call(query, key, value, mask, sharding, options)
     else:
