@@ -17,7 +17,8 @@ exchanges "direct" and "ring" (direct with and without keep_kv, dK/dV partials i
 or the input dtype); attention sinks (a plain tensor or a replicated
 DTensor); dropout; float32 and bfloat16; the step kernels npu and reference, the fused and
 the float32 merge; both step-cache policies; eager or under torch.utils.checkpoint; the
-arguments by name or positionally.
+arguments by name or positionally; contiguous inputs or strided views as models pass them
+(``views``: BNSD over [B, S, N, D] memory); q/k/v of two dtypes (a refusal drawn from the seed).
 
 A draw either runs and is checked against dense attention in float64 on the full sequence
 (output, LSE, dq, dk, dv and dsink, each within ``error_bound`` of the same dense attention
@@ -121,6 +122,7 @@ class Draw:
     fused_merge: bool = True
     positional: bool = False
     run: str = "eager"  # eager | checkpoint (torch.utils.checkpoint, non-reentrant)
+    views: bool = False  # the local q/k/v/dout strided as models pass them (BNSD over BSND memory)
 
     @property
     def tnd(self) -> bool:
@@ -207,6 +209,10 @@ REFUSALS = {
     "reference_dropout": ("NotImplementedError", r"reference step kernel does not implement dropout \(keep_prob=0"),
 }
 TND_REFUSALS = ("tnd_mask", "tnd_head_tail", "tnd_contiguous")
+# refusals drawn from the seed, not the stream (every other draw stays as it was): q/k/v of two
+# dtypes, as a model under autocast passes them (RoPE's float32 q/k beside a bfloat16 v)
+SEEDED_REFUSALS = {"mixed_dtypes": ("TypeError", r"query torch\.\w+, key torch\.\w+, value torch\.\w+: the op "
+                                                 r"takes one dtype")}
 
 
 def _possible(refusal: str, world: int) -> bool:
@@ -320,6 +326,9 @@ def _draw(seed: int, world: int, **force) -> Draw:
     direct = force.get("exchange", f["exchange"]) == "direct"
     f["keep_kv"] = direct and seed % 3 == 0
     f["grad_partials"] = "input" if direct and seed // 3 % 2 else "float32"
+    f["views"] = seed // 6 % 2 == 1
+    if f["refusal"] == "" and "refusal" not in force and seed % 13 == 5:
+        f["refusal"] = "mixed_dtypes"
     return _settle(Draw(**{k: force.get(k, v) for k, v in f.items()}))
 
 
@@ -630,9 +639,13 @@ class _Layout:
         full = to_layout(x.to(self.draw.torch_dtype), self.draw.layout).contiguous()
         if self.draw.tnd:  # local lengths may differ: the global shape is given
             local = cp_cache.shard_documents(full, self.draw.cu, self.mesh, placement=self.draw.shard_placement)
-            return DTensor.from_local(local, self.mesh, [Shard(0)] * self.mesh.ndim, shape=full.shape,
-                                      stride=full.stride())
-        return cp_cache.shard_sequence(full, self.mesh, L.seq_dim(self.draw.layout), load_balance=self.lb)
+            return DTensor.from_local(_strided(local, self.draw), self.mesh, [Shard(0)] * self.mesh.ndim,
+                                      shape=full.shape, stride=full.stride())
+        sharded = cp_cache.shard_sequence(full, self.mesh, L.seq_dim(self.draw.layout), load_balance=self.lb)
+        if not self.draw.views:
+            return sharded
+        return DTensor.from_local(_strided(sharded.to_local(), self.draw), self.mesh, sharded.placements,
+                                  shape=sharded.shape, stride=sharded.stride())
 
     def unshard(self, x, heads: int):
         import cp_cache
@@ -654,6 +667,16 @@ class _Layout:
             return full.detach().double().T.unsqueeze(0)
         full = [cp_cache.unshard_sequence(s, 2, load_balance=self.lb) for s in (smax, ssum)]
         return lse_from_stats(*full).detach().double()
+
+
+def _strided(local, draw: Draw):
+    """``local`` with its values, in the memory order a model's view has (the draw's ``views``): the
+    second and third dimensions swapped in memory (BNSD from a [B, S, N, D] projection; 3-D: the
+    first two), non-contiguous."""
+    if not draw.views:
+        return local
+    dims = (1, 2) if local.dim() == 4 else (0, 1)
+    return local.transpose(*dims).contiguous().transpose(*dims)
 
 
 def _call(draw: Draw, q, k, v, kwargs):
@@ -715,6 +738,9 @@ def _run_draw(draw: Draw, rank: int, mesh) -> dict:
     try:
         with cp_cache.context_parallel(mesh):
             leaves = [where.shard(prob[n]).detach().requires_grad_() for n in ("q", "k", "v")]
+            if draw.refusal == "mixed_dtypes":  # v in the other dtype
+                other = torch.float32 if draw.dtype == "bfloat16" else torch.bfloat16
+                leaves[2] = leaves[2].detach().to(other).requires_grad_()
             dout = where.shard(prob["dout"])
             if draw.sink == "bad":
                 sink = torch.zeros(draw.nq + 1)
@@ -971,7 +997,7 @@ def _check(draw: Draw, per_rank: list[dict]) -> list[str]:
     problems = [f"rank {r}: {res['after']} step caches alive or stacked after the draw"
                 for r, res in enumerate(per_rank) if any(res["after"].values())]
     if draw.refusal:
-        kind, pattern = REFUSALS[draw.refusal]
+        kind, pattern = {**REFUSALS, **SEEDED_REFUSALS}[draw.refusal]
         for r, error in enumerate(errors):
             if error is None:
                 problems.append(f"rank {r}: ran, but the draw breaks rule {draw.refusal!r} ({kind} expected)")
@@ -1092,4 +1118,7 @@ def test_the_net_covers_the_space():
     assert any(d.keep_prob < 1 for d in ran) and any(d.dv < d.d for d in ran) and any(d.dv > d.d for d in ran)
     assert any(d.nkv == 1 < d.nq for d in ran) and any(1 < d.nkv < d.nq for d in ran)
     assert any(d.uneven for d in ran) and any(d.dead_rows for d in ran)
-    assert {d.refusal for d in draws} == {""} | set(REFUSALS)
+    assert {d.refusal for d in draws} == {""} | set(REFUSALS) | set(SEEDED_REFUSALS)
+    assert {d.views for d in ran} == {True, False}
+    assert {d.views for d in ran if d.tnd} == {True, False} and {d.views for d in ran if d.layout == "BNSD"} == {
+        True, False}

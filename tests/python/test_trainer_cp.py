@@ -2,7 +2,9 @@
 (DDP over gloo, the emulator's op) trains tiny models for 2 AdamW steps with the loss and the
 gradients of one process running plain ``Trainer`` with "eager" attention, within error_bound of
 that float32 run's own error against float64: Llama, Gemma-3 (a sliding window), gpt-oss (sinks and
-a window) and a packed Llama batch (DataCollatorWithFlattening's cu_seq_lens). With attention
+a window) and a packed Llama batch (DataCollatorWithFlattening's cu_seq_lens, laid out as packed
+documents by the mixin), and under ``bf16=True`` (CPU autocast; the reference under the same
+autocast) a packed Gemma-3 batch and a Llama one. With attention
 dropout and gradient checkpointing on, the gradients of the Trainer's loss pass a directional-
 derivative check and no step cache is left alive after the steps. One rank group serves every
 case; the single-process runs share another (one process)."""
@@ -20,7 +22,10 @@ from cp_cache.testing.reference import directional_derivative_check
 
 WORLD = 2
 CASES = [tc.Case("llama", "llama"), tc.Case("gemma3", "gemma3"), tc.Case("gpt_oss", "gpt_oss"),
-         tc.Case("packed", "llama", packed=True)]
+         tc.Case("packed", "llama", packed=True),
+         # TrainingArguments(bf16=True): CPU autocast; the packed batch runs as packed documents
+         tc.Case("packed_gemma3_bf16", "gemma3", packed=True, autocast=True),
+         tc.Case("llama_bf16", "llama", autocast=True)]
 DROPOUT = 0.1
 LAYERS = 2
 
@@ -35,12 +40,13 @@ def _features(case: tc.Case) -> list[dict]:
     return [{"input_ids": row, "labels": row.clone()} for row in rows]
 
 
-def _arguments(case: tc.Case, **extra):
+def _arguments(case: tc.Case, bf16=None, **extra):
     from transformers import TrainingArguments
 
     batch = len(tc.DOCUMENTS) if case.packed else 2
     return TrainingArguments(
         output_dir=os.path.join(os.environ.get("TMPDIR", "/tmp"), "cp_cache-trainer"), use_cpu=True,
+        bf16=case.autocast if bf16 is None else bf16,
         per_device_train_batch_size=batch, max_steps=tc.STEPS, learning_rate=1e-2, lr_scheduler_type="constant",
         max_grad_norm=0.0, train_sampling_strategy="sequential", report_to=[], save_strategy="no",
         logging_strategy="no", disable_tqdm=True, ddp_backend="gloo", dataloader_num_workers=0, **extra)
@@ -75,8 +81,8 @@ def _recording(base):
     return Recording
 
 
-def _train(trainer_class, case: tc.Case, model, **extra) -> dict:
-    trainer = _recording(trainer_class)(model=model, args=_arguments(case), train_dataset=_features(case),
+def _train(trainer_class, case: tc.Case, model, bf16=None, **extra) -> dict:
+    trainer = _recording(trainer_class)(model=model, args=_arguments(case, bf16), train_dataset=_features(case),
                                         data_collator=_collator(case), **extra)
     trainer.train()
     return {"loss": trainer.losses, "grads": trainer.grads}
@@ -97,7 +103,7 @@ def _single(rank: int, world: int) -> dict:
     out = {}
     for case in CASES:
         ref = _train(Trainer, case, tc.make_model(case))
-        truth = _train(Trainer, case, tc.make_model(case).double())
+        truth = _train(Trainer, case, tc.make_model(case).double(), bf16=False)
         out[case.name] = {"ref_loss": ref["loss"], "ref_grads": ref["grads"], "truth_loss": truth["loss"],
                           "truth_grads": truth["grads"]}
     return out
@@ -154,11 +160,15 @@ def _cp(rank: int, world: int) -> dict:
     _distributed_env(rank, world)
     install_npu_emulator()
     register()
+    from cp_cache.integrations.transformers import _document_mask
+
     out = {}
     for case in CASES:
-        calls = call_stats()["forward"]["calls"]
+        calls, masks = call_stats()["forward"]["calls"], _document_mask.cache_info()
         out[case.name] = _train(ContextParallelTrainer, case, tc.make_model(case, "cp_cache"), cp_size=world)
-        out[case.name].update(live=stats()["live_entries"], calls=call_stats()["forward"]["calls"] - calls)
+        now = _document_mask.cache_info()
+        out[case.name].update(live=stats()["live_entries"], calls=call_stats()["forward"]["calls"] - calls,
+                              dense_masks=now.hits + now.misses - masks.hits - masks.misses)
     out["dropout"] = _dropout_check(tc.Case("llama", "llama"))
     shared = _arguments(tc.Case("llama", "llama"))  # two trainers on one accelerator state: one mesh
     out["meshes"] = [ContextParallelTrainer(model=tc.make_model(tc.Case("llama", "llama"), "cp_cache"), args=shared,
@@ -189,6 +199,7 @@ def test_trainer_matches_one_process(case):
         cp = res[case.name]
         assert len(cp["loss"]) == tc.STEPS and cp["live"] == 0, (rank, cp["loss"], cp["live"])
         assert cp["calls"] == LAYERS * tc.STEPS, (case.name, rank, cp["calls"])  # every layer's attention under CP
+        assert cp["dense_masks"] == 0, (case.name, rank, cp["dense_masks"])  # packed: documents, no [S, S] mask
         rows = tc.errors(cp, single)
         for row in rows:
             assert row["loss"] <= row["loss_bound"], (case.name, rank, row)

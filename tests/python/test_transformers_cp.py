@@ -46,6 +46,10 @@ CASES = [
     tc.Case("packed_gpt_oss", "gpt_oss", packed=True, documents=True, reference="cp_cache"),
     tc.Case("deepseek_v3", "deepseek_v3"),
     tc.Case("packed_deepseek_v3", "deepseek_v3", packed=True, load_balance=False),
+    # bfloat16 autocast: RoPE leaves q/k float32 beside a bfloat16 v (one dtype before the op)
+    tc.Case("qwen3_bf16", "qwen3", autocast=True),
+    tc.Case("packed_mask_bf16", "llama", packed=True, autocast=True),
+    tc.Case("packed_gemma3_bf16", "gemma3", packed=True, documents=True, autocast=True),
 ]
 # W = 2 only (a compile per rank is the suite's slowest part): a new sequence length every step
 COMPILED = tc.Case("llama_compiled", "llama", lengths=(32, 48, 64), compiled=True)

@@ -4,7 +4,8 @@ test_transformers_cp.py.
 
 A case: a random-init model (hidden 32, 2 layers, vocab 128), a batch of S = 32 tokens
 (B = 2; packed cases: B = 1, documents from DataCollatorWithFlattening), 2 AdamW steps,
-float32 (the reference also in float64). Labels are shifted on the full sequence, before
+float32 (the reference also in float64), or under bfloat16 autocast (``autocast``: the reference
+under the same autocast, the float64 truth without). Labels are shifted on the full sequence, before
 sharding; the loss is each rank's sum over its tokens / the global count (num_items_in_batch),
 so the ranks' losses and gradients sum to the single process's.
 """
@@ -37,6 +38,12 @@ class Case:
     reference: str = "eager"  # the single process's attention implementation
     lengths: tuple[int, ...] = (SEQ,) * STEPS  # each step's sequence length (not packed)
     compiled: bool = False  # CP side: torch.compile(model, dynamic=True, backend="aot_eager")
+    autocast: bool = False  # the forward under torch.autocast("cpu", torch.bfloat16), the reference's too
+
+    def precision(self, dtype: torch.dtype = torch.float32):
+        """The forward's autocast (bfloat16 where the case asks; the float64 truth never)."""
+        enabled = self.autocast and dtype != torch.float64
+        return torch.autocast("cpu", dtype=torch.bfloat16, enabled=enabled)
 
     @property
     def steps(self) -> int:
@@ -122,7 +129,8 @@ def train_single(case: Case) -> dict:
     for step in range(case.steps):
         batch = make_batch(case, step)
         for model, tag in ((ref, "ref"), (truth, "truth")):
-            loss = _loss(model, batch)
+            with case.precision(next(model.parameters()).dtype):
+                loss = _loss(model, batch)
             loss.backward()
             out[f"{tag}_loss"].append(float(loss.detach()))
             out[f"{tag}_grads"].append(_grads(model))
@@ -159,7 +167,8 @@ def train_cp(case: Case, mesh) -> dict:
         try:
             documents = batch["cu_seq_lens_q"] if case.documents else None
             with cp_cache.context_parallel(mesh, buffers=buffers, buffer_seq_dims=[1, 1, 1], documents=documents):
-                loss = _loss(run, batch)
+                with case.precision():
+                    loss = _loss(run, batch)
                 loss.backward()
         finally:
             _cp_options.enable_load_balance = before
@@ -233,7 +242,8 @@ def check_outside_cp(case: Case) -> None:
     for tag, model in (("cp", make_model(case, "cp_cache")), ("ref", make_model(case)),
                        ("truth", make_model(case).double())):
         calls = cp_cache.call_stats()["forward"]["calls"]
-        loss = _loss(model, batch)
+        with case.precision(next(model.parameters()).dtype):
+            loss = _loss(model, batch)
         loss.backward()
         assert cp_cache.call_stats()["forward"]["calls"] == calls  # no CP handler involved
         runs[tag] = (float(loss.detach()), _grads(model))

@@ -2,11 +2,12 @@
 
 ``ContextParallelTrainer`` is ``transformers.Trainer`` with ``ContextParallelMixin`` in front of it
 (mix it into any Trainer subclass, TRL's ``SFTTrainer`` for one). Each training and evaluation
-step then runs inside ``cp_cache.context_parallel(mesh, buffers=[...])``: the batch's
-``input_ids``, ``labels``, ``shift_labels`` (made from the labels before sharding, as Trainer's
-own CP does) and ``position_ids`` are sharded over the CP ranks; packed batches keep their
-``cu_seq_lens_q/k`` (``DataCollatorWithFlattening(return_flash_attn_kwargs=True)``), and the
-model's attention implementation "cp_cache" follows them, its sliding windows and its sinks.
+step then runs inside ``cp_cache.context_parallel(mesh, buffers=[...])``: every per-token entry
+of the batch (``input_ids``, ``labels``, ``shift_labels`` made from the labels before sharding as
+Trainer's own CP does, ``position_ids``, ``seq_idx``, ...) is sharded over the CP ranks. A packed
+batch (``cu_seq_lens_q/k``, or position ids that restart) is laid out by its documents
+(``documents=``): the attention "cp_cache" runs it as packed documents (TND), with the model's
+sliding windows and sinks, at any length; a dense batch keeps torch's head-tail sharding.
 
 Where the CP mesh comes from:
 
