@@ -6,7 +6,6 @@ every rank and returns (type, message). A mismatch is put on the last rank only.
 
 from __future__ import annotations
 
-import threading
 import time
 
 import pytest
@@ -111,16 +110,21 @@ def _agreement_rank(rank: int, world: int) -> dict:
     # group, none on the CP group, signature built once
     from cp_cache.engine.transport import SideGroup
 
-    gathers, on_cp_group = [], []
+    gathers, on_cp_group, inside = [], [], []
     real_all_gather, real_side_gather = dist.all_gather, SideGroup.all_gather_async
 
-    def counting_all_gather(*a, **kw):
-        on_cp_group.append(1)
+    def counting_all_gather(*a, **kw):  # outside the side group's own (which may be the CP group's gloo)
+        if not inside:
+            on_cp_group.append(1)
         return real_all_gather(*a, **kw)
 
     def counting_side_gather(self, tensor):
         gathers.append(1)
-        return real_side_gather(self, tensor)
+        inside.append(1)
+        try:
+            return real_side_gather(self, tensor)
+        finally:
+            inside.pop()
 
     dist.all_gather, SideGroup.all_gather_async = counting_all_gather, counting_side_gather
     try:
@@ -144,8 +148,7 @@ def _agreement_rank(rank: int, world: int) -> dict:
         for name, got in (("out", fwd.out), ("dq", bwd.dq), ("dk", bwd.dk), ("dv", bwd.dv))
     }
 
-    results["first_stages"] = _first_stages(rank, world, group, ker)
-    results["poster"] = _poster(rank, world, group)
+    results["sequence"] = _sequence(rank, world, group, ker)
 
     # last: a rank raises an ordinary exception inside the ring; the others raise too, in time
     kernel = _RaisingKernel() if rank == last else ker
@@ -163,55 +166,10 @@ def _agreement_rank(rank: int, world: int) -> dict:
     return results
 
 
-class _Recording:
-    """A gloo backend whose sends and receives record the thread that posts them."""
-
-    def __init__(self, backend):
-        self.backend, self.threads, self.failing = backend, set(), False
-
-    def send(self, *a):
-        self.threads.add(threading.get_ident())
-        if self.failing:
-            raise RuntimeError("injected send failure")
-        return self.backend.send(*a)
-
-    def recv(self, *a):
-        self.threads.add(threading.get_ident())
-        return self.backend.recv(*a)
-
-
-def _poster(rank: int, world: int, group) -> dict:
-    """engine/transport.GLOO_POSTER: messages of one tag between two ranks arrive in the order
-    they were given to it; it posts them off the calling thread; a post that fails raises its
-    error from the wait, and later posts still go out."""
-    from cp_cache.engine.transport import GLOO_POSTER
-
-    backend = _Recording(group._get_backend(torch.device("cpu")))
-    peer = rank ^ 1
-    if peer >= world:
-        return {}
-    sent = [torch.full((3,), float(10 * rank + i)) for i in range(8)]
-    got = [torch.empty(3) for _ in range(8)]
-    posted = [GLOO_POSTER.post(backend, [(True, s, peer, 5), (False, g, peer, 5)]) for s, g in zip(sent, got)]
-    for p in posted:
-        p.wait()
-    backend.failing = True
-    bad = _outcome(GLOO_POSTER.post(backend, [(True, torch.empty(1), peer, 5)]).wait)
-    backend.failing = False
-    after = torch.empty(1)
-    GLOO_POSTER.post(backend, [(True, torch.ones(1) * rank, peer, 6), (False, after, peer, 6)]).wait()
-    return dict(in_order=[float(g[0]) for g in got] == [float(10 * peer + i) for i in range(8)],
-                off_caller=threading.get_ident() not in backend.threads and len(backend.threads) == 1,
-                bad=bad[:2], after=float(after) == peer)
-
-
-def _first_stages(rank: int, world: int, group, ker) -> dict:
-    """The first stages sent with the agreement (engine/agreement.py): taken by a call that
-    repeats its group's previous one (either direction), equal bit for bit to the same call sent
-    after the agreement; dropped by one that does not; and ranks that disagree, or refuse, after a
-    recorded call still raise the same error, with the next call right again (its bytes too)."""
-    from cp_cache.engine import agreement
-
+def _sequence(rank: int, world: int, group, ker) -> dict:
+    """Calls in sequence on one group: a repeated call equals its first bit for bit (its bytes
+    too), alternating configurations each equal their own first call, and ranks that disagree, or
+    refuse, after earlier calls raise the same error, with the next call right again."""
     (q, k, v, dout), _, _ = _inputs(rank, world)
     causal = ring_plan(world_size=world, rank=rank, **BASE)
     window = ring_plan(world_size=world, rank=rank, **dict(BASE, **WINDOW))
@@ -219,36 +177,24 @@ def _first_stages(rank: int, world: int, group, ker) -> dict:
     def call(config, qkv=(q, k, v)):
         fwd = run_forward(RING, config, *qkv, groups=[group], kernel=ker)
         bwd = run_backward(RING, config, dout, *qkv, fwd.out, fwd.lse, fwd.steps, groups=[group], kernel=ker)
-        # the bytes too: a repeated call runs its exchange as planned from the first (ring.py)
         traffic = torch.tensor([fwd.bytes_sent, fwd.bytes_received, bwd.bytes_sent, bwd.bytes_received])
         return [fwd.out, fwd.lse, bwd.dq, bwd.dk, bwd.dv, traffic]
 
-    def taken_dropped(fn):
-        before = agreement.counters()
-        value = fn()
-        after = agreement.counters()
-        return value, tuple(after[c] - before[c] for c in ("first_stages_taken", "first_stages_dropped"))
-
     out = {}
-    agreement.forget_first_stages()  # on every rank at this point
-    cold, out["cold"] = taken_dropped(lambda: call(causal))  # the forward sends none; its backward takes them
-    hot, out["hot"] = taken_dropped(lambda: call(causal))  # both directions take them
-    out["hot_equal"] = all(torch.equal(a, b) for a, b in zip(cold, hot))
-    # alternating configurations: each call drops what the previous one sent; still right
-    alternating, out["alternating"] = taken_dropped(lambda: [call(window), call(causal)])
-    out["alternating_equal"] = all(torch.equal(a, b) for a, b in zip(alternating[1], cold))
-    # after a recorded call: a disagreement (a longer local block on the last rank), then a refusal
+    cold = call(causal)
+    out["hot_equal"] = all(torch.equal(a, b) for a, b in zip(cold, call(causal)))
+    window_first = call(window)
+    alternating = [call(causal), call(window), call(causal)]
+    out["alternating_equal"] = all(torch.equal(a, b) for got, want in zip(alternating, (cold, window_first, cold))
+                                   for a, b in zip(got, want))
+    # after earlier calls: a disagreement (a longer local block on the last rank), then a refusal
     # (keep_prob out of range on the last rank), each the same error on every rank
     last = rank == world - 1
     longer = [torch.randn(B, N, 2 * S_LOCAL, D) for _ in range(3)]
     refusing = ring_plan(world_size=world, rank=rank, **dict(BASE, keep_prob=2.0))
-    call(causal)  # leaves a record: the next call sends its first stages
-    out["disagree"], out["disagree_counts"] = taken_dropped(
-        lambda: _outcome(lambda: call(causal, longer) if last else call(causal)))
-    call(causal)
-    out["refuse"], out["refuse_counts"] = taken_dropped(lambda: _outcome(lambda: call(refusing if last else causal)))
-    after, _ = taken_dropped(lambda: call(causal))
-    out["after_equal"] = all(torch.equal(a, b) for a, b in zip(after, cold))
+    out["disagree"] = _outcome(lambda: call(causal, longer) if last else call(causal))
+    out["refuse"] = _outcome(lambda: call(refusing if last else causal))
+    out["after_equal"] = all(torch.equal(a, b) for a, b in zip(call(causal), cold))
     return out
 
 
@@ -309,14 +255,10 @@ def test_agreeing_calls_right_and_one_collective_each(world):
         assert all(agree["errors"][n] <= bound[n] for n in bound), (agree["errors"], bound)
         before, first, steady = agree["counters"]
         # one exchange per ring call (forward and backward): its signatures all_gathered on the
-        # side group, or carried by the first stages of the group's record where they reach every
-        # other rank (host tensors); no all_gather on the CP group
+        # side group, and no other all_gather
         assert first["exchanges"] - before["exchanges"] == 2
         assert steady["exchanges"] - first["exchanges"] == 3
-        carried = steady["signatures_with_stages"] - before["signatures_with_stages"]
-        assert agree["all_gathers"] + carried == 5, (agree["all_gathers"], carried)
-        assert steady["signatures_with_stages"] - first["signatures_with_stages"] == 3  # the repeated calls
-        assert agree["cp_group_gathers"] == 0
+        assert agree["all_gathers"] == 5 and agree["cp_group_gathers"] == 0, agree
         # the signature is built once per distinct local configuration, then reused
         assert steady["signatures_built"] == first["signatures_built"]
         assert steady["disagreements"] == first["disagreements"] == before["disagreements"]
@@ -335,28 +277,13 @@ def test_rank_raising_in_ring_fails_every_rank_in_time(world):
 
 
 @pytest.mark.parametrize("world", [2, 4])
-def test_gloo_poster_posts_in_order_off_the_calling_thread(world):
-    for rank, res in enumerate(_results(world)):
-        out = res["poster"]
-        assert out["in_order"] and out["off_caller"] and out["after"], (rank, out)
-        assert out["bad"][:2] == ("RuntimeError", "injected send failure"), (rank, out)
-
-
-@pytest.mark.parametrize("world", [2, 4])
-def test_first_stages_travel_with_the_agreement(world):
+def test_calls_in_sequence_are_their_first_and_disagree_together(world):
     results = _results(world)
     for rank, res in enumerate(results):
-        out = res["first_stages"]
-        # (taken, dropped): the cold forward had none to take, its backward took the forward's;
-        # then every call took its predecessor's; a forward of another configuration drops them
-        # (its backward takes its own forward's)
-        assert out["cold"] == (1, 0) and out["hot"] == (2, 0), (rank, out)
-        assert out["alternating"] == (2, 2), (rank, out)
+        out = res["sequence"]
         assert out["hot_equal"] and out["alternating_equal"] and out["after_equal"], (rank, out)
-        # each was sent with the agreement, and dropped
-        assert out["disagree_counts"] == (0, 1) and out["refuse_counts"] == (0, 1), (rank, out)
         assert out["disagree"][0] == "RuntimeError" and "local query shape" in out["disagree"][1], (rank, out)
         assert out["refuse"][0] == "RuntimeError" and f"rank {world - 1} refused the call" in out["refuse"][1], \
             (rank, out)
     for key in ("disagree", "refuse"):  # the same message on every rank
-        assert len({res["first_stages"][key][1] for res in results}) == 1, key
+        assert len({res["sequence"][key][1] for res in results}) == 1, key

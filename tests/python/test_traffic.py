@@ -181,12 +181,8 @@ def _local(name: str, rank: int, full: list[torch.Tensor]) -> list[torch.Tensor]
 def _run(name: str, rank: int, exchange: str, groups, full, keep_kv: bool = False) -> dict:
     from cp_cache.algorithms import run_backward, run_forward, strategy_for
     from cp_cache.cli.compare.patches import SentCounter
-    from cp_cache.engine.agreement import forget_first_stages
     from cp_cache.kernels import get_kernel
 
-    # the call alone: no first stages of the previous case travel with its agreement (to be
-    # dropped: bytes the counter would see); its backward takes its forward's
-    forget_first_stages()
     plan = _plan(name, rank, exchange, keep_kv)
     q, k, v, dout = _local(name, rank, full)
     kind = CASES[name][0]
@@ -202,7 +198,9 @@ def _run(name: str, rank: int, exchange: str, groups, full, keep_kv: bool = Fals
     results = dict(out=fwd.out, dq=bwd.dq, dk=bwd.dk, dv=bwd.dv)
     if kind == "tnd":
         results = {key: t.permute(1, 0, 2).unsqueeze(0) for key, t in results.items()}
-    counted = {d: (counter.by_phase.get(d, 0), counter.received_by_phase.get(d, 0)) for d in ("forward", "backward")}
+    # the payload's point-to-point messages (the agreement's all_gather is metadata, not counted here)
+    counted = {d: (counter.sent_by_call.get((d, "send"), 0), counter.received_by_phase.get(d, 0))
+               for d in ("forward", "backward")}
     reported = {d: (r.bytes_sent, r.bytes_received, r.bytes_lower_bound, r.bytes_received_lower_bound)
                 for d, r in (("forward", fwd), ("backward", bwd))}
     kept = sum(t.nbytes for step in fwd.steps for t in step.kept)

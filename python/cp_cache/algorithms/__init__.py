@@ -34,12 +34,12 @@ from ..engine.transport import group_info
 from ..plan import CallPlan
 from .capacity import WithCapacity
 from .packed import PACKED, PackedDocuments
-from .ring import RING, Ring, repeated_forward
+from .ring import RING, Ring
 from .sinks import WithSink
 from .ulysses import ULYSSES, Ulysses
 
 __all__ = ["Ring", "Ulysses", "PackedDocuments", "WithSink", "WithCapacity", "RING", "ULYSSES", "PACKED", "HYBRID",
-           "PACKED_ULYSSES", "strategy_for", "run_forward", "run_backward", "repeated_forward"]
+           "PACKED_ULYSSES", "strategy_for", "run_forward", "run_backward"]
 
 HYBRID = Ulysses(inner=RING)
 PACKED_ULYSSES = Ulysses(inner=PACKED)  # packed documents under "ulysses" and "hybrid"

@@ -326,12 +326,12 @@ def _ring_lengths(plan: CallPlan, cu) -> list[tuple[int, int]]:
 
 
 def _ready(plan: CallPlan, cu, agreement):
-    """The loop's ``ready``: once the ranks agree, their lengths (the placement's), the direct
-    exchange's plan and the agreement."""
+    """The loop's ``ready``: once the ranks agree, their lengths (the placement's) and the direct
+    exchange's plan."""
     def ready():
         agreement.lengths()
         lengths = _ring_lengths(plan, cu)
-        return lengths, exchange_plan(plan, lengths), agreement
+        return lengths, exchange_plan(plan, lengths)
     return ready
 
 

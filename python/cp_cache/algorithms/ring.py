@@ -30,33 +30,26 @@ from __future__ import annotations
 
 import functools
 import logging
-import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Optional, Sequence
 
 import torch
 from torch import Tensor
 
 from .. import layout as L
-from ..engine.agreement import Repeat, recorded
 from ..engine.loop import (
     BackwardResult,
     ForwardResult,
-    RepeatedExchange,
     RingStep,
-    backward_repeated,
     backward_ring,
     check_backward_operands,
     check_qkv,
     check_step,
     check_steps,
-    drain_transfers,
     empty_outputs,
-    forward_repeated,
     forward_ring,
     kept_rows,
     partials_dtype,
-    plan_repeat,
 )
 from ..engine.merge import merge_into
 from ..engine.steps import BlockTask, exchange_plan, hops_needed, plan_step
@@ -64,7 +57,7 @@ from ..engine.transport import group_info, own_group
 from ..kernels import StepKernel
 from ..plan import CallPlan
 
-__all__ = ["Ring", "RING", "repeated_forward"]
+__all__ = ["Ring", "RING"]
 
 log = logging.getLogger("cp_cache")
 
@@ -94,9 +87,6 @@ class _Shapes:
     last: int
     kernel_args: dict
     steps: Optional[tuple]
-    # by (CP group name, backward, K/V dtypes, device): the exchange of a call that repeats the group's previous one
-    # (its stages all came with the agreement), planned by the general loop's run of such a call
-    repeats: dict = field(default_factory=dict, compare=False)
 
 
 @functools.lru_cache(maxsize=256)  # a layer's calls repeat their shapes
@@ -175,21 +165,9 @@ class Ring:
         size, rank, group = group_info(plan.world_size, plan.rank, own_group(groups))
         seq_dim = checked.seq_dim
         compute = _ForwardSteps(plan, checked, kernel, q, mask)
-        ready = _ready(plan, agreement, group, mask)
-        key, repeat = _repeat(plan, checked, k, v, group, backward=False)
-        first = None
-        if repeat is not None:
-            first, first_s, transfers = repeat.start(compute, ready, agreement, k, v)
-            if transfers is not None:
-                steps = [RingStep(index=0, part=first[0], rng=tuple(first[1]))]
-                compute_s, wait_s = forward_repeated(k, v, seq_dim, repeat, transfers, compute, steps)
-                return compute.result(steps, repeat.traffic, first_s + compute_s, wait_s, repeat.lengths)
         steps, traffic, compute_s, wait_s, lengths = forward_ring(
-            k, v, seq_dim, checked.last, compute, ready, group=group, rank=rank, size=size,
-            direct=plan.exchange == "direct", keep=plan.keep_kv, first=first)
-        repeat = _remember_repeat(checked, key, repeat, plan, lengths, k, v, group, traffic)
-        if repeat is not None and plan.keep_prob == 1.0 and len(groups) == 1:
-            _RepeatedForward.remember(plan, checked, repeat, q, k, v, groups, kernel, agreement)
+            k, v, seq_dim, checked.last, compute, _ready(plan, agreement, group, mask), group=group, rank=rank,
+            size=size, direct=plan.exchange == "direct", keep=plan.keep_kv)
         return compute.result(steps, traffic.fields(), compute_s, wait_s, lengths)
 
     def backward(self, plan: CallPlan, dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
@@ -220,22 +198,10 @@ class Ring:
         def add_rows(acc: Tensor, kv_rows: tuple[int, int], grad: Tensor) -> None:
             acc.narrow(seq_dim, *kv_rows).add_(grad)
 
-        ready = _ready(plan, agreement, group, mask)
-        partials = partials_dtype(plan, k)
-        key, repeat = _repeat(plan, checked, k, v, group, backward=True)
-        first = None
-        if repeat is not None:
-            first, first_s, transfers = repeat.start(compute, ready, agreement, k, v)
-            if transfers is not None:
-                dk, dv, compute_s, wait_s = backward_repeated(k, v, seq_dim, repeat, transfers, compute, add_rows,
-                                                              first, group=group, rank=rank, size=size,
-                                                              partials=partials)
-                return self._grads(plan, q, k, v, dq, dk, dv, repeat.traffic, first_s + compute_s, wait_s,
-                                   repeat.lengths)
         dk, dv, traffic, compute_s, wait_s, lengths = backward_ring(
-            k, v, seq_dim, checked.last, compute, add_rows, ready, group=group, rank=rank, size=size,
-            direct=plan.exchange == "direct", kept=kept_rows(plan, steps), partials=partials, first=first)
-        _remember_repeat(checked, key, repeat, plan, lengths, k, v, group, traffic)
+            k, v, seq_dim, checked.last, compute, add_rows, _ready(plan, agreement, group, mask), group=group,
+            rank=rank, size=size, direct=plan.exchange == "direct", kept=kept_rows(plan, steps),
+            partials=partials_dtype(plan, k))
         return self._grads(plan, q, k, v, dq, dk, dv, traffic.fields(), compute_s, wait_s, lengths)
 
     def _grads(self, plan: CallPlan, q: Tensor, k: Tensor, v: Tensor, dq: Tensor, dk: Tensor, dv: Tensor,
@@ -247,27 +213,6 @@ class Ring:
     def fake(self, plan: CallPlan, q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
         """Empty (out, lse) of the shapes ``forward`` returns: for tracing with fake tensors."""
         return empty_outputs(plan, q, k, v)
-
-
-def _repeat(plan: CallPlan, checked: _Shapes, k: Tensor, v: Tensor, group, backward: bool):
-    """(the key, the planned exchange or None) of a call of these shapes on ``group`` that may
-    repeat its group's previous one: a positional mask's direct exchange, not kept (key None:
-    one that may not). The traffic it records depends on K/V's dtypes too."""
-    if checked.steps is None or plan.exchange != "direct" or plan.keep_kv or group is None or plan.world_size < 2:
-        return None, None
-    key = (group.group_name, backward, k.dtype, v.dtype, k.device)
-    return key, checked.repeats.get(key)
-
-
-def _remember_repeat(checked: _Shapes, key, repeat, plan: CallPlan, lengths: list, k: Tensor, v: Tensor, group,
-                     traffic) -> Optional[RepeatedExchange]:
-    """After the general loop ran a call that may repeat (``key``): its exchange planned for the
-    next, unless already planned for these lengths; that plan (None: a call that may not repeat)."""
-    if key is not None and (repeat is None or repeat.lengths != lengths):
-        repeat = checked.repeats[key] = plan_repeat(exchange_plan(plan, lengths, group=group), lengths, k, v,
-                                                    checked.seq_dim, rank=plan.rank, size=plan.world_size,
-                                                    last=checked.last, traffic=traffic)
-    return repeat
 
 
 class _ForwardSteps:
@@ -318,92 +263,6 @@ class _ForwardSteps:
                              wait_seconds=wait_s, lengths=lengths, **traffic)
 
 
-class _RepeatedForward:
-    """A ring forward that repeats one call on its CP group (the same plan object, shapes,
-    dtypes, device and groups; a positional mask, no sink, no documents, no dropout) in one pass:
-    its agreement posted as the group's record says (``engine/agreement.Repeat``), step 0, the
-    signatures compared once, the stages that came with them computed (``forward_repeated``).
-    Where the ranks do not repeat the recorded call, the messages become the call's
-    ``Agreement`` and the ring's own forward runs it (step 0 again: without dropout it gives
-    the same result), so every rank decides as on any call. Remembered by the ring's forward
-    of such a call (``remember``), run by ``repeated_forward``."""
-
-    def __init__(self, plan: CallPlan, checked: _Shapes, repeat: RepeatedExchange, agreeing: Repeat,
-                 kernel: StepKernel, groups: Sequence):
-        self.plan, self.checked, self.repeat, self.agreeing = plan, checked, repeat, agreeing
-        self.kernel, self.groups = kernel, groups
-
-    @classmethod
-    def remember(cls, plan: CallPlan, checked: _Shapes, repeat: RepeatedExchange, q: Tensor, k: Tensor, v: Tensor,
-                 groups: Sequence, kernel: StepKernel, agreement) -> None:
-        """After the ring's forward of such a call, whose exchange is planned (``repeat``): its
-        program for the next, where the group's record is this call's."""
-        record = recorded(groups[0])
-        if record is None:
-            return
-        key = _call_key(plan, q, k, v)
-        known = _PROGRAMS.get(key)
-        if (known is not None and known.plan is plan and known.groups is groups and known.repeat is repeat
-                and known.agreeing.record is record):
-            return
-        agreeing = Repeat.of(record, agreement.signature)
-        if agreeing is None:
-            return
-        if len(_PROGRAMS) >= _PROGRAMS_LIMIT:
-            _PROGRAMS.clear()
-        _PROGRAMS[key] = cls(plan, checked, repeat, agreeing, kernel, groups)
-
-    def run(self, q: Tensor, k: Tensor, v: Tensor) -> Optional[tuple[ForwardResult, int]]:
-        """(the forward's result, bytes sent with the agreement and dropped), or None where the
-        group's record is not this program's (nothing posted)."""
-        posted = self.agreeing.post(k, v)
-        if posted is None:
-            return None
-        plan, checked, repeat = self.plan, self.checked, self.repeat
-        compute = _ForwardSteps(plan, checked, self.kernel, q, None)
-        started = time.perf_counter()
-        try:
-            part, rng = compute(0, k, v)
-        except BaseException:  # ranks that disagree raise the agreement's error instead
-            agreement = self.agreeing.agreement(posted)
-            try:
-                agreement.lengths()
-            finally:
-                drain_transfers(agreement.first)
-            raise
-        first_s = time.perf_counter() - started
-        transfers = self.agreeing.settle(posted)
-        if transfers is None:
-            agreement = self.agreeing.agreement(posted)
-            result = RING.forward(plan, q, k, v, groups=self.groups, kernel=self.kernel, checked=checked,
-                                  agreement=agreement)
-            return result, agreement.dropped_bytes
-        steps = [RingStep(index=0, part=part, rng=tuple(rng))]
-        compute_s, wait_s = forward_repeated(k, v, checked.seq_dim, repeat, transfers, compute, steps)
-        return compute.result(steps, repeat.traffic, first_s + compute_s, wait_s, repeat.lengths), 0
-
-
-def repeated_forward(plan: CallPlan, q: Tensor, k: Tensor, v: Tensor,
-                     groups: Sequence) -> Optional[tuple[ForwardResult, int]]:
-    """A ring forward that repeats its CP group's recorded call, run in one pass
-    (``_RepeatedForward``): (its result, bytes sent with the agreement and dropped); None where
-    no such call was remembered for these arguments (nothing done: the general path runs)."""
-    program = _PROGRAMS.get(_call_key(plan, q, k, v))
-    if program is None or program.plan is not plan or program.groups is not groups:
-        return None
-    return program.run(q, k, v)
-
-
-_PROGRAMS: dict[tuple, _RepeatedForward] = {}  # by _call_key
-_PROGRAMS_LIMIT = 256
-
-
-def _call_key(plan: CallPlan, q: Tensor, k: Tensor, v: Tensor) -> tuple:
-    """A repeated call's: the plan by identity (a layer's read gives the same object; the program
-    holds it, so the id is not reused while its entry lives), the local shapes, dtypes, device."""
-    return id(plan), q.shape, k.shape, v.shape, q.dtype, k.dtype, v.dtype, q.device
-
-
 def _empty_accumulators(out_shape: tuple, lse_shape: tuple, device) -> tuple[Tensor, Tensor]:
     """The float32 (out, LSE) of rows that have seen no key yet: zeros and -inf."""
     return (torch.zeros(out_shape, dtype=torch.float32, device=device),
@@ -411,13 +270,10 @@ def _empty_accumulators(out_shape: tuple, lse_shape: tuple, device) -> tuple[Ten
 
 
 def _ready(plan: CallPlan, agreement, group, mask: Optional[Tensor]):
-    """The loop's ``ready``: the ranks' lengths once they agree, the direct exchange's plan, the agreement."""
+    """The loop's ``ready``: the ranks' lengths once they agree, and the direct exchange's plan."""
     def ready():
         lengths = agreement.lengths()
-        # a given mask's exchange depends on its values, which no signature holds: nothing of it
-        # may travel with the next call's agreement
-        return lengths, exchange_plan(plan, lengths, group=group, mask_rows=mask), (
-            None if plan.mask.given else agreement)
+        return lengths, exchange_plan(plan, lengths, group=group, mask_rows=mask)
     return ready
 
 

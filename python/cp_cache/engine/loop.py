@@ -22,14 +22,13 @@ from __future__ import annotations
 import functools
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, Optional
+from typing import Callable, Optional
 
 import torch
 from torch import Tensor
 
 from .. import layout as L
 from ..plan import CallPlan
-from .agreement import FirstStage
 from .steps import ExchangePlan, StageRows
 from .transport import TAG_DKV, TAG_KV, Rotation, Transfer, join_once, with_length
 
@@ -38,10 +37,8 @@ from .transport import TAG_DKV, TAG_KV, Rotation, Transfer, join_once, with_leng
 # W-1 rounds become one; the extra memory is at most this.
 SMALL_EXCHANGE_BYTES = 1 << 20
 
-__all__ = ["RingStep", "ForwardResult", "BackwardResult", "Traffic", "forward_ring", "backward_ring",
-           "RepeatedExchange", "plan_repeat", "forward_repeated", "backward_repeated", "placed_block",
-           "drain_transfers", "kept_rows",
-           "partials_dtype", "check_steps", "check_step", "empty_outputs", "check_qkv",
+__all__ = ["RingStep", "ForwardResult", "BackwardResult", "Traffic", "forward_ring", "backward_ring", "placed_block",
+           "kept_rows", "partials_dtype", "check_steps", "check_step", "empty_outputs", "check_qkv",
            "check_keep_prob", "check_backward_operands"]
 
 
@@ -184,7 +181,7 @@ class _KVDirect:
     serve every stage, as in the ring."""
 
     def __init__(self, k: Tensor, v: Tensor, lengths: list, seq_dim: int, exchange: ExchangePlan, *, group,
-                 rank: int, size: int, keep: bool = False, last: int = 0, agreement=None):
+                 rank: int, size: int, keep: bool = False):
         if size > 1:
             join_once(group, k.device)
         self._keep = keep  # keep each stage's received rows (``kept``): no buffer is reused
@@ -202,14 +199,6 @@ class _KVDirect:
         most = max([kv for _, kv in lengths], default=k.size(seq_dim))
         self._all_at_once = (size - 1) * most * _row_bytes(k, v, seq_dim) <= SMALL_EXCHANGE_BYTES
         self.received = 0
-        # the stages that came with the agreement (adopted), else those posted first, recorded
-        # for the next call on the group (engine/agreement.py)
-        self._agreement = agreement
-        self._first: dict[int, Transfer] = {}
-        if agreement is not None:
-            self._first, agreement.first = agreement.first, {}
-        self._first_last = last if self._all_at_once else min(last, 1)
-        self._recorded: list[FirstStage] = []
 
     def block_shapes(self, source: int) -> list[torch.Size]:
         return [with_length(t, self._dim, self._lengths[source][1]) for t in self._own]
@@ -228,13 +217,10 @@ class _KVDirect:
         sent = 0
         for stage in range(i + 1, last + 1 if self._all_at_once else i + 2):
             sent += self._post(stage)
-        if i == 0 and self._recorded:
-            self._agreement.remember_first_stages(self._recorded, self._group, rank=self._rank, size=self._size,
-                                                  seq_dim=self._dim, k=self._own[0], v=self._own[1])
         return sent
 
     def _post(self, stage: int) -> int:
-        transfer = self._transfers[stage] = self._first.pop(stage, None) or self._transfer(stage)
+        transfer = self._transfers[stage] = self._transfer(stage)
         self.received += transfer.received_bytes
         return transfer.nbytes
 
@@ -248,11 +234,6 @@ class _KVDirect:
         else:
             receiving = [torch.empty(with_length(t, self._dim, recv.count), dtype=t.dtype, device=t.device)
                          for t in self._own]
-        # a keep_kv forward records none: its backward receives no K/V, and what travelled
-        # with its agreement would be sent for nothing
-        if self._agreement is not None and not self._keep and stage <= self._first_last:
-            self._recorded.append(FirstStage(stage, send, tuple(t.shape for t in sending),
-                                             tuple(t.shape for t in receiving)))
         return Transfer.shifted(sending, receiving, stage, self._rank, self._size, self._group, TAG_KV)
 
     def advance(self) -> float:
@@ -279,7 +260,7 @@ class _KVDirect:
         return placed_block(self._own, received, self._plan.recv[self._stage], shapes, self._dim, self._buffers)
 
     def drain(self) -> None:
-        transfers, self._transfers, self._first = {**self._transfers, **self._first}, {}, {}
+        transfers, self._transfers = self._transfers, {}
         for transfer in transfers.values():
             transfer.drain()
 
@@ -330,141 +311,17 @@ def placed_block(own: list[Tensor], received: list[Tensor], rows: StageRows, sha
     return [rows.placed(buf, seq_dim, got) for buf, got in zip(zeros, received)], True
 
 
-@dataclass(frozen=True)
-class RepeatedExchange:
-    """The direct exchange of a call that repeats its group's previous one with every stage
-    travelling with the agreement (``engine/agreement.py``: the first stages): what each stage
-    1..W-1 receives (its rows and the block's shapes), the traffic (of one direction), and every
-    rank's lengths it was planned for. Planned once from a call the general loop ran
-    (``plan_repeat``)."""
-
-    lengths: list
-    exchange: ExchangePlan  # on the call's device
-    received: tuple  # by stage: (StageRows, the block's shapes); index 0 unused
-    traffic: dict  # Traffic.fields()
-
-    def start(self, compute, ready, agreement, k: Tensor, v: Tensor) -> tuple[Any, float, Optional[dict]]:
-        """Step 0 on this rank's own block (``_agreed_first``), then the agreement: (step 0's result,
-        its seconds, the call's stages by stage where its ranks agree that it repeats the recorded
-        call, with these lengths and every stage come with the agreement, else None: the general
-        loop runs on from step 1, adopting what came)."""
-        started = time.perf_counter()
-        first = _agreed_first(compute, ready, k, v)
-        seconds = time.perf_counter() - started
-        lengths = agreement.lengths()
-        stages = agreement.first
-        if not agreement.repeated or lengths != self.lengths or len(stages) != len(self.received) - 1:
-            return first, seconds, None
-        agreement.first = {}
-        return first, seconds, stages
-
-
-def plan_repeat(exchange: ExchangePlan, lengths: list, k: Tensor, v: Tensor, seq_dim: int, *, rank: int, size: int,
-                last: int, traffic: Traffic) -> RepeatedExchange:
-    """A ``RepeatedExchange`` for calls like one whose general loop had ``exchange``, ``lengths``
-    and moved ``traffic``."""
-    plan = exchange.on(k.device)
-    received = [None] + [(plan.recv[s], [with_length(t, seq_dim, lengths[(rank - s) % size][1]) for t in (k, v)])
-                         for s in range(1, last + 1)]
-    return RepeatedExchange(list(lengths), plan, tuple(received), traffic.fields())
-
-
-def _repeated_block(i: int, own: list[Tensor], seq_dim: int, repeat: RepeatedExchange,
-                    transfers: dict) -> tuple[list[Tensor], float]:
-    """Stage ``i``'s K/V block of a call whose stages all came with the agreement (``transfers``,
-    by stage: ``RepeatedExchange.start``), the rows waited for and put in place; when they came."""
-    received = transfers.pop(i).wait()
-    arrived = time.perf_counter()
-    rows, shapes = repeat.received[i]
-    return placed_block(own, received, rows, shapes, seq_dim)[0], arrived
-
-
-def drain_transfers(transfers: dict) -> None:
-    """Wait for each transfer of ``transfers`` (by stage), dropping errors."""
-    for transfer in transfers.values():
-        transfer.drain()
-
-
-def forward_repeated(k: Tensor, v: Tensor, seq_dim: int, repeat: RepeatedExchange, transfers: dict, compute,
-                     steps: list) -> tuple[float, float]:
-    """Steps 1..W-1 of a forward ring whose stages all came with the agreement (``transfers``,
-    by stage: ``RepeatedExchange.start``), after step 0 (``steps``: its record, appended to):
-    each stage's rows waited for, put in place, computed. Returns (compute seconds, seconds
-    blocked on a receive)."""
-    own = [k, v]
-    compute_s = wait_s = 0.0
-    started = time.perf_counter()
-    try:
-        for i in range(1, len(repeat.received)):
-            block, arrived = _repeated_block(i, own, seq_dim, repeat, transfers)
-            part, rng = compute(i, block[0], block[1])
-            steps.append(RingStep(index=i, part=part, rng=tuple(rng)))
-            del block
-            wait_s += arrived - started
-            started = time.perf_counter()
-            compute_s += started - arrived
-    except BaseException:
-        drain_transfers(transfers)
-        raise
-    return compute_s, wait_s
-
-
-def backward_repeated(k: Tensor, v: Tensor, seq_dim: int, repeat: RepeatedExchange, transfers: dict, compute,
-                      add_rows, first: list, *, group, rank: int, size: int,
-                      partials: torch.dtype = torch.float32) -> tuple[Tensor, Tensor, float, float]:
-    """Steps 1..W-1 of a backward ring whose K/V stages all came with the agreement (as
-    ``forward_repeated``), after step 0 (``first``: its gradients; ``compute`` and ``add_rows`` as
-    in ``backward_ring``); the dK/dV partials go back as there. Returns (this rank's own block's
-    dK and dV accumulators, compute seconds, seconds blocked on a receive)."""
-    own = [k, v]
-    returns = _GradReturns(k, v, seq_dim, repeat.exchange, group, rank, size, partials=partials)
-    compute_s = wait_s = 0.0
-    try:
-        kv_grads, held = first, returns.for_block(0, k, v)
-        del first
-        last = len(repeat.received) - 1
-        for i in range(last + 1):
-            if i:
-                waiting = time.perf_counter()
-                block, started = _repeated_block(i, own, seq_dim, repeat, transfers)
-                waited = started - waiting
-                kv_grads = compute(i, block[0], block[1])
-                held = returns.for_block(i, block[0], block[1])
-                del block
-            for at, dk_i, dv_i in kv_grads:
-                add_rows(held[0], at, dk_i)
-                add_rows(held[1], at, dv_i)
-            del kv_grads
-            if i:
-                blocked = returns.pass_on(i, last, held)
-                wait_s += waited + blocked
-                compute_s += time.perf_counter() - started - blocked
-    except BaseException:
-        drain_transfers(transfers)
-        returns.drain()
-        raise
-    homed = time.perf_counter()
-    dk, dv = returns.home()
-    return dk, dv, compute_s, wait_s + time.perf_counter() - homed
-
-
-def _kv_blocks(k: Tensor, v: Tensor, lengths: list, seq_dim: int, exchange: Optional[ExchangePlan], agreement, *,
-               last: int, keep: bool = False, kept: Optional[list] = None, **where):
+def _kv_blocks(k: Tensor, v: Tensor, lengths: list, seq_dim: int, exchange: Optional[ExchangePlan], *,
+               keep: bool = False, kept: Optional[list] = None, **where):
     """Where each step's K/V block comes from: the ring (no exchange plan), the direct exchange
-    (keeping what it receives with ``keep``; its first stages may have come with the
-    ``agreement``), or the rows a forward kept (``kept``, per step)."""
-    if agreement is not None and (exchange is None or kept is not None):
-        # posts no first stage: any that came with the agreement are waited for and dropped
-        first, agreement.first = agreement.first, {}
-        for transfer in first.values():
-            transfer.drain()
+    (keeping what it receives with ``keep``), or the rows a forward kept (``kept``, per step)."""
     if exchange is None:
         if keep or kept is not None:
             raise ValueError("keep_kv needs the direct exchange (exchange='direct')")
         return _KVTravel(k, v, lengths, seq_dim, **where)
     if kept is not None:
         return _KVKept(k, v, lengths, seq_dim, exchange, kept, **where)
-    return _KVDirect(k, v, lengths, seq_dim, exchange, keep=keep, last=last, agreement=agreement, **where)
+    return _KVDirect(k, v, lengths, seq_dim, exchange, keep=keep, **where)
 
 
 def _agreed_first(compute, ready, k: Tensor, v: Tensor):
@@ -479,18 +336,15 @@ def _agreed_first(compute, ready, k: Tensor, v: Tensor):
 
 
 def forward_ring(k: Tensor, v: Tensor, seq_dim: int, last: int, compute, ready, *, group, rank: int, size: int,
-                 direct: bool = True, keep: bool = False,
-                 first: Optional[tuple] = None) -> tuple[list[RingStep], Traffic, float, float, list]:
+                 direct: bool = True, keep: bool = False) -> tuple[list[RingStep], Traffic, float, float, list]:
     """Steps 0..``last`` of a forward ring. ``compute(i, cur_k, cur_v) -> (part, rng)`` computes
     step i on the block it holds. Step 0 is this rank's own block; then ``ready() -> (every
-    rank's (query, K/V) lengths, the direct exchange plan or None, the agreement)`` waits for the
-    ranks' agreement (``engine/agreement.Agreement``: its first stages may have come with it), and
-    from stage 1 on the K/V rows each step needs arrive by the direct exchange
-    (or, without a plan or not ``direct``, the whole blocks travel round the ring), each stage
-    posted before the previous step's compute. ``keep``: each step's record keeps the rows it
+    rank's (query, K/V) lengths, the direct exchange plan or None)`` waits for the ranks'
+    agreement (``engine/agreement.Agreement``), and from stage 1 on the K/V rows each step needs
+    arrive by the direct exchange (or, without a plan or not ``direct``, the whole blocks travel
+    round the ring), each stage posted before the previous step's compute. ``keep``: each step's record keeps the rows it
     received (``RingStep.kept``, for a backward that does not fetch them again). Returns (the step
-    records, the traffic, compute seconds, seconds blocked on a receive, the lengths). ``first``:
-    step 0's (part, rng), already computed by the caller, which also waited for the agreement."""
+    records, the traffic, compute seconds, seconds blocked on a receive, the lengths)."""
     steps: list[RingStep] = []
     traffic = Traffic()
     compute_s = wait_s = 0.0
@@ -501,14 +355,14 @@ def forward_ring(k: Tensor, v: Tensor, seq_dim: int, last: int, compute, ready, 
             if kv is not None:
                 traffic.sent += kv.post_next(i, last)
             started = time.perf_counter()
-            part, rng = compute(i, cur_k, cur_v) if kv is not None else first or _agreed_first(compute, ready, k, v)
+            part, rng = compute(i, cur_k, cur_v) if kv is not None else _agreed_first(compute, ready, k, v)
             steps.append(RingStep(index=i, part=part, rng=tuple(rng), kept=kv.kept.get(i, ()) if keep and kv else ()))
             compute_s += time.perf_counter() - started
             del cur_k, cur_v
             if kv is None:
-                lengths, exchange, agreement = ready()
-                kv = _kv_blocks(k, v, lengths, seq_dim, exchange if direct else None, agreement, last=last, keep=keep,
-                                group=group, rank=rank, size=size)
+                lengths, exchange = ready()
+                kv = _kv_blocks(k, v, lengths, seq_dim, exchange if direct else None, keep=keep, group=group,
+                                rank=rank, size=size)
                 traffic.sent += kv.post_next(0, last)
             wait_s += kv.advance()
     except BaseException:
@@ -644,8 +498,7 @@ class _GradReturns:
 
 def backward_ring(k: Tensor, v: Tensor, seq_dim: int, last: int, compute, add_rows, ready, *, group, rank: int,
                   size: int, direct: bool = True, kept: Optional[list] = None,
-                  partials: torch.dtype = torch.float32,
-                  first: Optional[list] = None) -> tuple[Tensor, Tensor, Traffic, float, float, list]:
+                  partials: torch.dtype = torch.float32) -> tuple[Tensor, Tensor, Traffic, float, float, list]:
     """Steps 0..``last`` of a backward ring: step 0 and ``ready()`` as in ``forward_ring``, the
     K/V rows arriving as there; ``compute(i, cur_k, cur_v) -> [(where, dk, dv)]`` computes step
     i, whose gradients ``add_rows(accumulator, where, grad)`` adds into the held block's float32
@@ -654,7 +507,7 @@ def backward_ring(k: Tensor, v: Tensor, seq_dim: int, last: int, compute, add_ro
     (this rank's own block's dK and dV accumulators, the traffic, compute seconds, seconds
     blocked on a receive, the lengths). ``kept``: per step, the K/V rows its forward kept
     (``keep_kv``): the blocks are rebuilt from them and no K/V moves. ``partials``: the dtype the
-    direct exchange returns the dK/dV partials in. ``first``: step 0's, as in ``forward_ring``."""
+    direct exchange returns the dK/dV partials in."""
     where = dict(group=group, rank=rank, size=size)
     kv = accumulators = lengths = exchange = None
     traffic = Traffic()
@@ -665,13 +518,11 @@ def backward_ring(k: Tensor, v: Tensor, seq_dim: int, last: int, compute, add_ro
             if kv is not None:
                 traffic.sent += kv.post_next(i, last)
             started = time.perf_counter()
-            kv_grads = compute(i, cur_k, cur_v) if kv is not None else first or _agreed_first(compute, ready, k, v)
-            first = None
+            kv_grads = compute(i, cur_k, cur_v) if kv is not None else _agreed_first(compute, ready, k, v)
             computed = time.perf_counter()
             if kv is None:
-                lengths, exchange, agreement = ready()
-                kv = _kv_blocks(k, v, lengths, seq_dim, exchange if direct else None, agreement, last=last, kept=kept,
-                                **where)
+                lengths, exchange = ready()
+                kv = _kv_blocks(k, v, lengths, seq_dim, exchange if direct else None, kept=kept, **where)
                 accumulators = (_GradReturns(k, v, seq_dim, exchange, partials=partials, **where)
                                 if direct and exchange is not None else _GradAccumulators(kv, **where))
                 traffic.sent += kv.post_next(0, last)

@@ -5,18 +5,13 @@ side group of a CP group.
 The CP group carries only the call's payload tensors, on their device: on a cluster it is
 usually accelerator-only (HCCL, NCCL), which refuses CPU tensors, and reading a device
 value back on the host would stall the device queue. The call's metadata (the ranks'
-agreement: integer signatures, refusal messages) goes over a CPU (gloo) side group over
-the same ranks instead (``side_group``): the CP group's own gloo backend for host tensors
-where it has one (a gloo group, or one made with ``"cpu:gloo,cuda:nccl"``), else a gloo group
-of its own. Every gloo send and receive is posted by one thread of cp_cache's (``GlooPoster``),
-never by the calling thread.
+agreement: integer signatures, refusal messages) goes over a gloo group of its own over the
+same ranks instead (``side_group``). Payload messages go through torch.distributed, as on any
+backend.
 """
 
 from __future__ import annotations
 
-import math
-import os
-import queue
 import threading
 from datetime import timedelta
 from typing import Callable, Optional
@@ -26,8 +21,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 __all__ = ["own_group", "group_info", "Exchange", "Transfer", "with_length", "join_once", "Rotation", "TAG_KV",
-           "TAG_DKV", "exchange_heads", "own_storage", "SideGroup", "side_group", "GlooPoster", "PostedOps",
-           "message_views", "GLOO_POSTER"]
+           "TAG_DKV", "exchange_heads", "own_storage", "SideGroup", "side_group"]
 
 
 def own_group(groups):
@@ -110,13 +104,10 @@ class Transfer:
     as one message each way (packed into one buffer, unpacked into ``recv`` on ``wait``): every
     message costs the backend a round of its own, whatever its size."""
 
-    def __init__(self, send: list[Tensor], to: int, recv: list[Tensor], source: int, group, tag: int,
-                 recv_message: Optional[Tensor] = None):
+    def __init__(self, send: list[Tensor], to: int, recv: list[Tensor], source: int, group, tag: int):
         packed_send = _sendable(_packed(send))
-        # ``recv_message``: the flat buffer ``recv`` are consecutive views of (``message_views``):
-        # received into as it is, nothing to unpack
-        self._packed_recv = _packed_buffer(recv) if recv_message is None else [recv_message]
-        self._unpack = recv_message is None and self._packed_recv is not recv
+        self._packed_recv = _packed_buffer(recv)
+        self._unpack = self._packed_recv is not recv
         # the backends receive into contiguous memory only: a strided target gets a landing buffer
         self._landing = _sendable(self._packed_recv)
         nbytes = received = 0
@@ -129,37 +120,18 @@ class Transfer:
         self._works = _post(packed_send, to, self._landing, source, group, tag)
 
     @classmethod
-    def messages(cls, sent: Optional[Tensor], to: int, received: Optional[Tensor], source: int, group, tag: int,
-                 recv: list[Tensor], nbytes: int, received_bytes: int) -> "Transfer":
-        """A stage of one message each way at most, built by its caller: ``sent`` (kept until it
-        completes) and ``received``, whose views ``recv`` are what ``wait`` returns; ``nbytes`` /
-        ``received_bytes``: the payload's bytes each way (a message may carry more)."""
-        transfer = cls.__new__(cls)
-        sent = None if sent is None else sent.contiguous()
-        transfer.recv, transfer._sent, transfer._packed_recv, transfer._unpack = recv, sent, None, False
-        transfer._landing = None
-        transfer.nbytes, transfer.received_bytes = nbytes, received_bytes
-        transfer._works = _post([] if sent is None else [sent], to, [] if received is None else [received], source,
-                                group, tag)
-        return transfer
-
-    @classmethod
     def shifted(cls, send: list[Tensor], recv: list[Tensor], shift: int, rank: int, size: int, group,
-                tag: int, recv_message: Optional[Tensor] = None) -> "Transfer":
+                tag: int) -> "Transfer":
         """A stage of a ring shift on ``rank`` of ``size``: ``send`` to the rank ``shift`` ahead,
         ``recv`` from the rank ``shift`` behind (a negative ``shift``: the other way round)."""
-        return cls(send, (rank + shift) % size, recv, (rank - shift) % size, group, tag, recv_message)
-
-    def arrived(self) -> None:
-        """Wait until the messages are through, keeping what ``wait`` returns (at once, then)."""
-        works, self._works = self._works, []
-        for w in works:
-            w.wait()
+        return cls(send, (rank + shift) % size, recv, (rank - shift) % size, group, tag)
 
     def wait(self) -> list[Tensor]:
-        self.arrived()
+        works, self._works = self._works, []  # waited once, even if the wait fails
+        for w in works:
+            w.wait()
         recv, packed = self.recv, self._packed_recv
-        if self._landing is not None and self._landing is not packed:
+        if self._landing is not packed:
             for target, landed in zip(packed, self._landing):
                 if target is not landed:
                     target.copy_(landed)
@@ -182,172 +154,14 @@ class Transfer:
 
 
 def _post(send: list[Tensor], to: int, recv: list[Tensor], source: int, group, tag: int) -> list:
-    """Post one stage's messages (message j tagged ``tag + j``): on the gloo backend by cp_cache's
-    poster thread, else as one batch through torch.distributed; the works to wait for."""
+    """Post one stage's messages (message j tagged ``tag + j``) as one batch through
+    torch.distributed (NCCL and HCCL want a stage's sends and receives together); the works."""
     if not send and not recv:
         return []
-    gloo = _gloo_backend(group, (send or recv)[0].device) if POST_ON_GLOO else None
-    if gloo is not None:
-        return [GLOO_POSTER.post(gloo, [(True, t, to, tag + j) for j, t in enumerate(send)]
-                                 + [(False, r, source, tag + j) for j, r in enumerate(recv)])]
     ops = [dist.P2POp(dist.isend, t, dist.get_global_rank(group, to), group, tag + j) for j, t in enumerate(send)]
     ops += [dist.P2POp(dist.irecv, r, dist.get_global_rank(group, source), group, tag + j)
             for j, r in enumerate(recv)]
     return dist.batch_isend_irecv(ops)
-
-
-class GlooPoster:
-    """The thread that posts cp_cache's gloo point-to-point operations, one per process.
-
-    gloo posts a send or a receive on the calling thread, under the lock of the connection to
-    the peer, which gloo's I/O thread holds while it reads from that peer. On a busy host the I/O
-    thread can be descheduled holding it, and the caller then waits for it to run again: hundreds
-    of microseconds per post on 2 shared cores, measured, before the call's first step could
-    start. Posted from this thread instead, the calling thread goes on at once with the step it
-    can compute. Every gloo send and receive of cp_cache goes through the one thread, in the
-    order the calls made them: messages between two ranks match by tag in posting order.
-    """
-
-    def __init__(self) -> None:
-        self._queue: queue.SimpleQueue = queue.SimpleQueue()
-        self._lock = threading.Lock()
-        self._owner: Optional[int] = None  # the process whose thread serves the queue
-        self._held = threading.local()  # a thread's posts held for one handoff (``together``)
-
-    def post(self, backend, ops: list[tuple[bool, Tensor, int, int]]) -> "PostedOps":
-        """Post ``ops`` (``(sending, tensor, peer, tag)`` each) on the gloo ``backend``, in order,
-        after every operation posted before."""
-        posted = PostedOps(backend)
-        held = getattr(self._held, "posts", None)
-        if held is not None:
-            held.append((backend, ops, posted))
-            return posted
-        self._hand_off([(backend, ops, posted)])
-        return posted
-
-    def together(self) -> "_Handoff":
-        """A block whose posts (on this thread) go to the poster thread as one handoff when it
-        ends: each wakeup of the thread costs the caller a switch on a busy host."""
-        return _Handoff(self)
-
-    def _hand_off(self, posts: list) -> None:
-        if self._owner != os.getpid():
-            self._start()
-        self._queue.put(posts)
-
-    def _start(self) -> None:
-        with self._lock:
-            if self._owner == os.getpid():
-                return
-            self._queue = queue.SimpleQueue()  # a forked child's copy served no thread
-            threading.Thread(target=self._serve, args=(self._queue,), name="cp_cache-gloo-poster",
-                             daemon=True).start()
-            self._owner = os.getpid()
-
-    @staticmethod
-    def _serve(requests: queue.SimpleQueue) -> None:
-        while True:
-            for backend, ops, posted in requests.get():
-                try:
-                    posted.works = [backend.send([t], peer, tag) if sending else backend.recv([t], peer, tag)
-                                    for sending, t, peer, tag in ops]
-                except BaseException as error:  # noqa: BLE001 - raised by the caller's wait
-                    posted.error = error
-                posted.posted()
-
-
-class _Handoff:
-    """``GlooPoster.together()``: holds the thread's posts until the block ends (an inner block
-    leaves them to the outer one)."""
-
-    __slots__ = ("_poster", "_posts")
-
-    def __init__(self, poster: GlooPoster):
-        self._poster = poster
-        self._posts: Optional[list] = None
-
-    def __enter__(self) -> None:
-        held = self._poster._held
-        if getattr(held, "posts", None) is None:
-            self._posts = held.posts = []
-
-    def __exit__(self, *exc) -> None:
-        posts = self._posts
-        if posts is not None:
-            self._poster._held.posts = None
-            if posts:
-                self._poster._hand_off(posts)
-
-
-class PostedOps:
-    """Operations given to the ``GlooPoster``: ``wait()`` waits until they are posted, then
-    complete, as long as their backend waits for a peer."""
-
-    __slots__ = ("works", "error", "_posting", "_waited", "_backend")
-
-    def __init__(self, backend) -> None:
-        self.works: list = []
-        self.error: Optional[BaseException] = None
-        self._posting = threading.Lock()  # held until the poster thread has posted them
-        self._posting.acquire()
-        self._waited = False
-        self._backend = backend
-
-    def posted(self) -> None:
-        """Called by the poster thread once it has posted them (or failed to)."""
-        self._posting.release()
-
-    def wait(self) -> None:
-        if not self._waited and not self._posting.acquire(blocking=False):
-            timeout = _backend_timeout(self._backend)
-            if not self._posting.acquire(timeout=timeout.total_seconds()):
-                raise RuntimeError(f"cp_cache: gloo point-to-point operations were not posted within their "
-                                   f"group's timeout of {timeout}")
-        self._waited = True
-        if self.error is not None:
-            raise self.error
-        works, self.works = self.works, []  # a gloo receive waited twice would wait for another message
-        for work in works:
-            work.wait()
-
-
-GLOO_POSTER = GlooPoster()
-
-
-_gloo_backends: dict[tuple, Optional[object]] = {}
-# False: every stage goes through torch.distributed's calls (what a counter of them sees,
-# ``cli/compare/patches.SentCounter``)
-POST_ON_GLOO = True
-
-
-def _gloo_backend(group, device: torch.device):
-    """``group``'s backend for ``device`` where it is gloo (posting on it skips torch.distributed's
-    per-call checks and rank lookups), else None: NCCL and HCCL take a stage as one batch
-    (``batch_isend_irecv``), or a rank's send could wait for its peer's."""
-    key = (group, device)  # the group object: its name is a call into C++
-    found = _gloo_backends.get(key, False)
-    if found is False:
-        try:
-            backend = group._get_backend(device)
-        except (RuntimeError, ValueError, AttributeError):
-            backend = None
-        found = _gloo_backends[key] = backend if isinstance(backend, dist.ProcessGroupGloo) else None
-    return found
-
-
-def message_views(shapes: list[torch.Size], dtype: torch.dtype, device,
-                  sizes: Optional[list[int]] = None) -> tuple[Tensor, list[Tensor]]:
-    """One flat buffer for tensors of ``shapes`` and ``dtype`` (``sizes``: their element counts,
-    if known), and its consecutive views of those shapes: a ``Transfer`` receives into the buffer
-    as one message (``recv_message``) and the views hold the pieces, with nothing to unpack."""
-    if sizes is None:
-        sizes = [math.prod(shape) for shape in shapes]
-    flat = torch.empty(sum(sizes), dtype=dtype, device=device)
-    views, start = [], 0
-    for size, shape in zip(sizes, shapes):  # narrow: Tensor.split is a Python function, indexing slower
-        views.append(flat.narrow(0, start, size).view(shape))
-        start += size
-    return flat, views
 
 
 def _sendable(tensors: list[Tensor]) -> list[Tensor]:
@@ -437,7 +251,6 @@ class Rotation:
 # same two ranks at once: distinct tags keep a receive from matching the other exchange's send.
 TAG_KV = 0  # k: 0, v: 1
 TAG_DKV = 2  # dk: 2, dv: 3
-TAG_SIDE = 8  # the side group's messages, where it is the CP group itself
 
 
 # ---------------------------------------------------------------- Ulysses
@@ -561,11 +374,11 @@ def own_storage(x: Tensor) -> Tensor:
 class SideGroup:
     """A gloo group over the ranks of a CP group, for the call's metadata (host tensors).
 
-    Where the CP group has a gloo backend for host tensors, that backend (its messages tagged
-    apart from the payload's). Else a process-group backend of its own (not registered with
-    torch.distributed), keyed in the default store by its ranks alone: its members create it
-    together, at the first call that needs it, whatever other groups each rank has made
-    before; no other rank takes part. It waits as long as the CP group does.
+    A gloo backend of its own, whatever the CP group's backend (one path on every cluster: the
+    CP group carries payload only), not registered with torch.distributed and keyed in the
+    default store by its ranks alone: its members create it together, at the first call that
+    needs it, whatever other groups each rank has made before; no other rank takes part. It
+    waits as long as the CP group does.
     """
 
     def __init__(self, group):
@@ -573,10 +386,6 @@ class SideGroup:
 
         ranks = dist.get_process_group_ranks(group)
         self.ranks, self.rank, self.size = tuple(ranks), dist.get_rank(group), len(ranks)
-        own = _gloo_backend(group, torch.device("cpu"))
-        if own is not None:  # the CP group takes host tensors itself: its metadata travels on it
-            self._backend = own
-            return
         store = dist.PrefixStore("cp_cache/side/" + "_".join(map(str, ranks)) + "/", _get_default_store())
         self._backend = dist.ProcessGroupGloo(store, self.rank, self.size, _timeout_of(group))
 
@@ -585,16 +394,12 @@ class SideGroup:
         return self.all_gather_async(tensor)()
 
     def all_gather_async(self, tensor: Tensor) -> Callable[[], list[Tensor]]:
-        """``all_gather`` started in the background: call the result to wait for it. Made of
-        point-to-point messages, this rank's tensor to every other member and theirs to it, all
-        posted at once (``GLOO_POSTER``): one round (gloo's all_gather is a ring of W-1 hops)."""
-        gathered = [tensor if r == self.rank else torch.empty_like(tensor) for r in range(self.size)]
-        ops = [op for peer in range(self.size) if peer != self.rank
-               for op in ((True, tensor, peer, TAG_SIDE), (False, gathered[peer], peer, TAG_SIDE))]
-        posted = GLOO_POSTER.post(self._backend, ops)
+        """``all_gather`` started in the background: call the result to wait for it."""
+        gathered = [torch.empty_like(tensor) for _ in range(self.size)]
+        work = self._backend.allgather([gathered], [tensor])
 
         def wait() -> list[Tensor]:
-            posted.wait()
+            work.wait()
             return gathered
 
         return wait
@@ -610,23 +415,16 @@ class SideGroup:
 
 
 def _timeout_of(group) -> timedelta:
-    """How long ``group``'s collectives wait for their peers (the side group waits as long)."""
+    """How long ``group``'s collectives wait for their peers (the side group waits as long; torch's
+    default where no backend says)."""
     for device in ("cpu", "cuda", "npu"):
         try:
             return group._get_backend(torch.device(device)).options._timeout
         except (AttributeError, RuntimeError, ValueError):
             continue
-    return _backend_timeout(None)
+    from torch.distributed.constants import default_pg_timeout
 
-
-def _backend_timeout(backend) -> timedelta:
-    """How long ``backend``'s operations wait for their peers (torch's default where it does not say)."""
-    try:
-        return backend.options._timeout
-    except AttributeError:
-        from torch.distributed.constants import default_pg_timeout
-
-        return default_pg_timeout
+    return default_pg_timeout
 
 
 _side_lock = threading.Lock()

@@ -34,9 +34,7 @@ documents' values, the sink, the strategy's own checks; backward: the seed's ste
 recorded plan, which the backward runs, against the grad op's arguments), start the ranks'
 agreement once (``engine/agreement.start_agreement``: a refusal here is every rank's), run the
 strategy (which waits for the agreement before its first exchange), record the call
-(``CallLog``, read by ``cp_cache.call_stats()``). A dense forward that repeats its CP group's
-recorded call runs in one pass instead (``algorithms.repeated_forward``: the checks it passed
-before hold for the same plan and shapes), or, where its ranks do not repeat it, on as above.
+(``CallLog``, read by ``cp_cache.call_stats()``).
 """
 
 from __future__ import annotations
@@ -51,7 +49,7 @@ from torch import Tensor
 from torch.utils._python_dispatch import _get_current_dispatch_mode as _current_dispatch_mode
 
 from .. import step_cache
-from ..algorithms import repeated_forward, strategy_for
+from ..algorithms import strategy_for
 from ..documents import read_documents
 from ..engine.agreement import CHECK_ERRORS, agree_on_refusal, start_agreement
 from ..kernels import KERNEL_BY_NAME
@@ -145,17 +143,11 @@ def forward_local(query: Tensor, key: Tensor, value: Tensor, mask_rows: Optional
 def _forward_local(query, key, value, mask_rows, process_groups, call, policy, actual_seq_qlen, actual_seq_kvlen,
                    sink):
     started = time.perf_counter()
-    repeated = None
-    if mask_rows is None and sink is None and actual_seq_qlen is None and actual_seq_kvlen is None:
-        repeated = repeated_forward(call, query, key, value, process_groups)
-    if repeated is None:
-        call, result, dropped = _forward(query, key, value, mask_rows, process_groups, call, actual_seq_qlen,
-                                         actual_seq_kvlen, sink)
-    else:
-        result, dropped = repeated
+    call, result = _forward(query, key, value, mask_rows, process_groups, call, actual_seq_qlen, actual_seq_kvlen,
+                            sink)
     ring_seconds = time.perf_counter() - started
     seed = step_cache.seed_slot(policy, call, result.steps)
-    CALL_LOG.record("forward", result, started, ring_seconds, fused_merge=call.fused_merge, dropped=dropped)
+    CALL_LOG.record("forward", result, started, ring_seconds, fused_merge=call.fused_merge)
     return result.out, result.lse, seed
 
 
@@ -163,8 +155,7 @@ def _forward(query: Tensor, key: Tensor, value: Tensor, mask_rows: Optional[Tens
              call: CallPlan, actual_seq_qlen: Optional[Tensor], actual_seq_kvlen: Optional[Tensor],
              sink: Optional[Tensor]):
     """A forward of any strategy: this rank's checks, the ranks' agreement started once, the run;
-    (the plan it ran, with the documents read; the result; bytes sent with the agreement and
-    dropped)."""
+    (the plan it ran, with the documents read; the result)."""
     try:
         if actual_seq_qlen is not None or actual_seq_kvlen is not None:
             call = read_documents(call, actual_seq_qlen, actual_seq_kvlen, query.size(0))
@@ -179,7 +170,7 @@ def _forward(query: Tensor, key: Tensor, value: Tensor, mask_rows: Optional[Tens
                                 mask_rows=mask_rows)
     result = strategy.forward(call, query, key, value, groups=process_groups, kernel=KERNEL_BY_NAME[call.kernel],
                               mask=mask_rows, checked=checked, agreement=agreement)
-    return call, result, agreement.dropped_bytes
+    return call, result
 
 
 @ring_forward.register_fake
@@ -242,7 +233,7 @@ def _backward_local(dy, query, key, value, out, lse, seed, mask_rows, process_gr
     result = strategy.backward(recorded, dy, query, key, value, out, lse, steps, groups=process_groups,
                                kernel=KERNEL_BY_NAME[recorded.kernel], mask=mask_rows, checked=checked,
                                agreement=agreement)
-    CALL_LOG.record("backward", result, started, time.perf_counter() - ring_started, dropped=agreement.dropped_bytes)
+    CALL_LOG.record("backward", result, started, time.perf_counter() - ring_started)
     # without a sink: a float32 0-d zero, as the op's meta
     dsink = torch.zeros((), dtype=torch.float32, device=query.device) if result.dsink is None else result.dsink
     return result.dq.contiguous(), result.dk.contiguous(), result.dv.contiguous(), dsink
@@ -293,9 +284,6 @@ class CallRecord:
     wait_seconds: float = 0.0  # inside the ring: blocked on receives (communication not hidden)
     fused_merge: bool = False  # forward: steps merged by npu_ring_attention_update
     kept_bytes: int = 0  # forward, keep_kv: the K/V rows received and kept in the step cache
-    # sent with the agreement and dropped: the first stages of the group's previous call, which
-    # this call did not repeat (engine/agreement.py); not in bytes_sent
-    bytes_dropped: int = 0
     calls: int = 0
 
     @property
@@ -326,11 +314,10 @@ class CallLog:
         self._lock = threading.Lock()
         self._records = {d: CallRecord() for d in self.DIRECTIONS}
 
-    def record(self, direction: str, result, started: float, ring_seconds: float, *, fused_merge: bool = False,
-               dropped: int = 0) -> None:
+    def record(self, direction: str, result, started: float, ring_seconds: float, *,
+               fused_merge: bool = False) -> None:
         """Record a call of ``direction`` that began at ``started`` (time.perf_counter());
-        ``result``: the strategy's ForwardResult / BackwardResult; ``dropped``: the bytes sent with
-        its agreement and dropped."""
+        ``result``: the strategy's ForwardResult / BackwardResult."""
         handler_seconds = time.perf_counter() - started
         with self._lock:
             record = self._records[direction]
@@ -344,7 +331,6 @@ class CallLog:
             record.wait_seconds = result.wait_seconds
             record.fused_merge = fused_merge
             record.kept_bytes = _kept_bytes(getattr(result, "steps", ()))
-            record.bytes_dropped = dropped
             record.calls += 1
 
     def set_handler_seconds(self, direction: str, started: float) -> None:
@@ -357,7 +343,7 @@ class CallLog:
         """{"forward": {...}, "backward": {...}} with bytes_sent, bytes_received, their lower bounds
         (bytes_lower_bound, bytes_received_lower_bound), handler_seconds, ring_seconds,
         overhead_seconds, compute_seconds, wait_seconds, exposed_fraction, fused_merge,
-        kept_bytes, bytes_dropped and calls of each direction."""
+        kept_bytes and calls of each direction."""
         with self._lock:
             return {
                 d: dict(asdict(r), overhead_seconds=r.overhead_seconds, exposed_fraction=r.exposed_fraction)

@@ -44,9 +44,9 @@ class BackendCounter:
 
         for cls in (dist.ProcessGroup, dist.ProcessGroupGloo):
             for name, counts in (("recv", "received"), ("send", "sent")):
-                original = getattr(cls, name)
-                self._saved.append((cls, name, original))
-                setattr(cls, name, self._counting(original, counts))
+                # the class's own descriptor (pybind's method wrapper; None: inherited), put back on exit
+                self._saved.append((cls, name, cls.__dict__.get(name)))
+                setattr(cls, name, self._counting(getattr(cls, name), counts))
         return self
 
     def _counting(self, original, counts: str):
@@ -56,8 +56,11 @@ class BackendCounter:
         return call
 
     def __exit__(self, *exc):
-        for cls, name, original in reversed(self._saved):
-            setattr(cls, name, original)
+        for cls, name, own in reversed(self._saved):
+            if own is None:
+                delattr(cls, name)
+            else:
+                setattr(cls, name, own)
         self._saved.clear()
 
 

@@ -81,7 +81,6 @@ def memory_pass(system, q, k, v, dout, spec, mask, checkpointed: bool) -> dict:
     and the bytes sent: one traced forward and backward (with or without checkpointing)."""
     for t in (q, k, v):
         t.grad = None
-    system.isolate()
     run = _MemoryPass(system, q, k, v, dout, spec, mask, checkpointed)
     net: dict = {}
     gc.collect()  # start from a collected heap: garbage of earlier calls is not freed inside the windows

@@ -21,11 +21,10 @@ class SentCounter:
     (input bytes x (W-1), i.e. (W-1)/W of the gathered output),
     ``all_to_all``/``all_to_all_single`` (classic and functional; the parts addressed to other
     ranks; the functional ``permute_tensor`` that torch's ring uses goes through it).
-    Set ``phase`` to also sum by phase (``by_phase``, ``calls_by_phase``). The bytes received by
+    Set ``phase`` to also sum by phase (``by_phase``, ``calls_by_phase``; ``sent_by_call``: by
+    phase and call, e.g. ``("forward", "send")``: the point-to-point payload alone). The bytes received by
     point-to-point calls (``recv``/``irecv``) are summed apart: ``received``,
-    ``received_by_phase``. While active, cp_cache posts its stages through these calls on gloo
-    too (``engine/transport.POST_ON_GLOO``; it otherwise posts them on the gloo backend itself):
-    the same messages, counted.
+    ``received_by_phase``.
     """
 
     def __init__(self):
@@ -34,6 +33,7 @@ class SentCounter:
         self.phase: str | None = None
         self.by_phase: dict[str, int] = {}
         self.calls_by_phase: dict[str, dict[str, int]] = {}
+        self.sent_by_call: dict[tuple, int] = {}
         self.received = 0
         self.received_by_phase: dict[str, int] = {}
         self._saved: list = []
@@ -45,6 +45,8 @@ class SentCounter:
             self.by_phase[self.phase] = self.by_phase.get(self.phase, 0) + int(n)
             calls = self.calls_by_phase.setdefault(self.phase, {})
             calls[name] = calls.get(name, 0) + 1
+            key = (self.phase, name)
+            self.sent_by_call[key] = self.sent_by_call.get(key, 0) + int(n)
 
     # the counting hooks: each takes the wrapped call's arguments
 
@@ -92,11 +94,6 @@ class SentCounter:
         import torch.distributed as dist
         import torch.distributed._functional_collectives as ft_c
         import torch.distributed.distributed_c10d as c10d
-
-        from ...engine import transport
-
-        self._saved.append((transport, "POST_ON_GLOO", transport.POST_ON_GLOO))
-        transport.POST_ON_GLOO = False
 
         # isend and send (irecv, recv): the same wrapper in both namespaces (P2POp checks op is
         # c10d.isend or c10d.irecv)

@@ -35,10 +35,6 @@ class System:
     def clear_stack(self) -> None:
         pass
 
-    def isolate(self) -> None:
-        """Forget what an earlier call leaves for the next one, so that a measured call stands
-        alone (every rank at the same point)."""
-
     def reported_sent_bytes(self) -> dict | None:
         """The bytes the system itself reports as sent, by direction (None: it reports none)."""
         return None

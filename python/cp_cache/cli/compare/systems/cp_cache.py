@@ -40,20 +40,13 @@ class CpCacheSystem(DTensorSystem):
 
         cp_cache.store().clear()
 
-    def isolate(self) -> None:
-        """The first stages an earlier call recorded (they would travel with this call's agreement
-        and be dropped: another case's)."""
-        from ....engine.agreement import forget_first_stages
-
-        forget_first_stages()
-
     def reported_sent_bytes(self) -> dict | None:
-        """The bytes cp_cache counts as sent, by direction (``cp_cache.call_stats()``: the exchange's,
-        and the first stages sent with the agreement and dropped); None when disabled."""
+        """The bytes cp_cache counts as sent, by direction (``cp_cache.call_stats()``); None when
+        disabled."""
         import cp_cache
 
         if not cp_cache.enabled():
             return None
         calls = cp_cache.call_stats()
-        return {d: calls[d]["bytes_sent"] + calls[d]["bytes_dropped"] for d in ("forward", "backward")}
+        return {d: calls[d]["bytes_sent"] for d in ("forward", "backward")}
 
