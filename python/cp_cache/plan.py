@@ -9,8 +9,9 @@ this rank's chunk, the Ulysses degree), the algorithm, the packed documents, the
 kernel and the merge. The step-cache policy is not: it is the step cache's business
 (``step_cache.py``).
 
-Also here, because the plan decides them: the head split of Ulysses (``head_plan``) and
-the ``algorithm="auto"`` rule (``choose_algorithm``, by bytes per rank).
+Also here, because the plan decides them: the head split of Ulysses (``head_plan``) and the
+algorithm, in one function (``decide_algorithm``; its ``"auto"`` cost model: ``choose_algorithm``,
+by bytes per rank).
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ __all__ = [
     "ulysses_degree",
     "bytes_per_rank",
     "choose_algorithm",
+    "decide_algorithm",
 ]
 
 ALGORITHMS = ("ring", "ulysses", "hybrid", "auto")
@@ -396,3 +398,39 @@ def choose_algorithm(*, nq: int, nkv: int, world: int, given_mask: bool, batch: 
                  itemsize=itemsize, v_head_dim=v_head_dim)
     ring = bytes_per_rank("ring", **shape, keep_kv=keep_kv, grad_partials=grad_partials)
     return "ulysses" if bytes_per_rank("ulysses", **shape) < ring else "ring"
+
+
+def decide_algorithm(configured: str, cp_dims: Sequence[int], *, packed: bool, given_mask: bool,
+                     backward: bool = False, costs=None, placements=()) -> str:
+    """The algorithm a call runs: the one place it is decided.
+
+    ``configured``: the enabled one ("auto" included); ``cp_dims``: the mesh dimensions sharded on
+    the sequence. A forward resolves "auto": hybrid on two CP dimensions, else the ring for packed
+    documents (their traffic follows documents a handler may not know yet) and for a dense call
+    without ``costs``, else ``choose_algorithm(given_mask=..., **costs())``; an algorithm that cannot
+    run over these dimensions raises NotImplementedError (``placements``: named in it). A backward
+    says only what its arguments need (it runs what its forward recorded): packed documents their
+    layout's (hybrid or ring), a dense call the configured one, "auto" staying "auto" on one
+    dimension unless a given mask makes it the ring (the cost model is not run again)."""
+    count = len(cp_dims)
+    if backward:
+        if packed:
+            return "hybrid" if count == 2 else "ring"
+        if configured != "auto":
+            return configured
+        return "hybrid" if count == 2 else "ring" if given_mask else "auto"
+    if configured == "auto":
+        if count == 2:
+            configured = "hybrid"
+        elif packed or costs is None:
+            configured = "ring"
+        else:
+            configured = choose_algorithm(given_mask=given_mask, **costs())
+    needed = ALGORITHM_CP_DIMS[configured]
+    if count != needed:
+        hint = "; use algorithm='hybrid' for two" if needed == 1 and count == 2 else ""
+        raise NotImplementedError(
+            f"cp_cache algorithm={configured!r} runs over {needed} mesh dimension(s) sharded on the "
+            f"sequence; the query is sharded on the sequence over {count} (mesh dims {tuple(cp_dims)}, "
+            f"placements={tuple(placements)}){hint}")
+    return configured

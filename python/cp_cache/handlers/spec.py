@@ -39,10 +39,10 @@ from ..engine import agreement
 from ..engine.merge import fused_merge_available
 from ..npu_ops import (CAUSAL_MODES, INT_MAX, SparseMode, check_one_dtype, describe, is_compressed_mask,
                        stats_views_from_lse)
-from ..plan import ALGORITHM_CP_DIMS, CallPlan, MaskSpec, choose_algorithm
+from ..plan import CallPlan, MaskSpec, decide_algorithm
 
 __all__ = ["CallSpec", "CPSharding", "read_call", "share_refusal", "sequence_sharded", "cp_sharding",
-           "resolve_algorithm", "packed_algorithm", "sharded_like", "local_tensor", "sink_grad_like"]
+           "sharded_like", "local_tensor", "sink_grad_like"]
 
 _QKV = ("query", "key", "value")
 
@@ -213,8 +213,9 @@ def _read_call(a: dict[str, Any], cp: CPConfig, backward: bool) -> CallSpec:
     sharding = cp_sharding({n: a[n] for n in _QKV}, layout)
     global_seq = a["query"].size(L.seq_dim(layout))
     spec = spec.simplified(global_seq)
-    algorithm = (_backward_algorithm(cp.algorithm, spec, sharding) if backward
-                 else _algorithm(a, layout, spec, sharding, cp))
+    algorithm = decide_algorithm(cp.algorithm, sharding.cp_dims, packed=False, given_mask=spec.given,
+                                 backward=backward, costs=_costs(a, layout, sharding, cp),
+                                 placements=sharding.placements)
     # positions matter for every mask but none: the local shards are head-tail when torch's
     # CP load balancing is on
     load_balance = spec.positional and L.load_balance_enabled()
@@ -238,7 +239,8 @@ def _read_packed(a: dict[str, Any], cp: CPConfig, scale: float, backward: bool) 
     sharding = packed_sharding({n: a[n] for n in _QKV})
     sink = local_sink(a["sink"], int(a["head_num"]), sharding.mesh, sharding.head_shards)
     load_balance = L.load_balance_enabled()
-    algorithm = _packed_backward_algorithm(sharding) if backward else packed_algorithm(cp.algorithm, sharding)
+    algorithm = decide_algorithm(cp.algorithm, sharding.cp_dims, packed=True, given_mask=False, backward=backward,
+                                 placements=sharding.placements)
     plan = CallPlan(world_size=sharding.size, rank=sharding.rank, layout=L.TND, head_num=int(a["head_num"]),
                     scale=scale, keep_prob=float(a["keep_prob"]), mask=spec, load_balance=load_balance,
                     algorithm=algorithm, cp_sizes=tuple(sharding.cp_sizes), documents=documents,
@@ -259,34 +261,20 @@ def _execution(cp: CPConfig) -> dict:
                 exchange=cp.exchange, keep_kv=cp.keep_kv, grad_partials=cp.grad_partials)
 
 
-def _backward_algorithm(configured: str, spec: MaskSpec, sharding: CPSharding) -> str:
-    """What a backward's arguments say of the algorithm: it runs what its forward recorded, and
-    only a given mask needs to know it here (the ring takes the mask's rows, Ulysses and hybrid
-    all of it). "auto" is hybrid on two CP dimensions and never Ulysses with a given mask; the
-    cost model that decides the rest is not run again."""
-    if configured != "auto":
-        return configured
-    if len(sharding.cp_dims) == 2:
-        return "hybrid"
-    return "ring" if spec.given else "auto"
-
-
-def _algorithm(a: dict[str, Any], layout: str, spec: MaskSpec, sharding: CPSharding, cp: CPConfig) -> str:
-    """The algorithm this call runs (the configured one, "auto" resolved by the local head counts
-    and what the ring's backward would move: ``keep_kv``, ``grad_partials``)."""
-    configured = cp.algorithm
-    if configured != "auto":
-        return resolve_algorithm(configured, sharding, nq=0, nkv=0, given_mask=spec.given)
-    q, k, v = (a[n].to_local() for n in _QKV)
-    nq = sharding.local_heads(int(a["head_num"]))
-    qd = L.dims(q, layout, nq)
-    nkv = L.heads_of(k, layout, qd.head_dim)
-    # from the global length, so that every rank picks the same even if local lengths differ
-    local_seq = a["query"].size(L.seq_dim(layout)) // sharding.size
-    return resolve_algorithm(configured, sharding, nq=nq, nkv=nkv, given_mask=spec.given,
-                             batch=qd.batch, local_seq=local_seq, head_dim=qd.head_dim, itemsize=q.element_size(),
-                             v_head_dim=L.value_head_dim(v, layout, nkv), keep_kv=cp.keep_kv,
-                             grad_partials=cp.grad_partials)
+def _costs(a: dict[str, Any], layout: str, sharding: CPSharding, cp: CPConfig):
+    """What "auto"'s cost model reads of a dense call (``plan.choose_algorithm``): the local head
+    counts and shapes, and what the ring's backward would move (``keep_kv``, ``grad_partials``)."""
+    def costs() -> dict:
+        q, k, v = (a[n].to_local() for n in _QKV)
+        nq = sharding.local_heads(int(a["head_num"]))
+        qd = L.dims(q, layout, nq)
+        nkv = L.heads_of(k, layout, qd.head_dim)
+        # from the global length, so that every rank picks the same even if local lengths differ
+        local_seq = a["query"].size(L.seq_dim(layout)) // sharding.size
+        return dict(nq=nq, nkv=nkv, world=sharding.size, batch=qd.batch, local_seq=local_seq,
+                    head_dim=qd.head_dim, itemsize=q.element_size(), v_head_dim=L.value_head_dim(v, layout, nkv),
+                    keep_kv=cp.keep_kv, grad_partials=cp.grad_partials)
+    return costs
 
 
 def _mask_rows(a: dict[str, Any], plan: CallPlan) -> Optional[Tensor]:
@@ -468,26 +456,6 @@ def cp_sharding(tensors: dict[str, Any], layout: str) -> CPSharding:
     return CPSharding(mesh, placements, cp_dims, head_shards)
 
 
-def resolve_algorithm(configured: str, sharding: CPSharding, *, nq: int, nkv: int, given_mask: bool,
-                      **shape: int) -> str:
-    """The algorithm a call runs: the configured one, or for "auto" hybrid on two CP dimensions
-    and ``plan.choose_algorithm`` on one (``shape``: batch, local_seq, head_dim, itemsize,
-    v_head_dim, keep_kv, grad_partials); NotImplementedError for one that cannot run on these CP dimensions."""
-    count = len(sharding.cp_dims)
-    if configured == "auto":
-        configured = "hybrid" if count == 2 else choose_algorithm(nq=nq, nkv=nkv, world=sharding.size,
-                                                                  given_mask=given_mask, **shape)
-    needed = ALGORITHM_CP_DIMS[configured]
-    if count != needed:
-        hint = "; use algorithm='hybrid' for two" if needed == 1 and count == 2 else ""
-        raise NotImplementedError(
-            f"cp_cache algorithm={configured!r} runs over {needed} mesh dimension(s) sharded on the "
-            f"sequence; the query is sharded on the sequence over {count} (mesh dims {sharding.cp_dims}, "
-            f"placements={sharding.placements}){hint}"
-        )
-    return configured
-
-
 def whole_mask(mask: Any, query: DTensor, layout: str):
     """A given ``atten_mask`` over the whole sequence as a plain tensor, for Ulysses (which
     attends every query to every key in one call): a plain tensor or a replicated DTensor."""
@@ -570,7 +538,7 @@ def _lengths_tensor(value: Any, name: str) -> Tensor:
 
 def packed_sharding(tensors: dict[str, Any]) -> CPSharding:
     """Every tensor a DTensor Shard(0) on every dimension of the same mesh (one or two: the CP
-    dimensions; another count is refused by the algorithm, ``packed_algorithm``)."""
+    dimensions; another count is refused by the algorithm, ``plan.decide_algorithm``)."""
     mesh = None
     for name, tensor in tensors.items():
         if not isinstance(tensor, DTensor):
@@ -587,23 +555,6 @@ def packed_sharding(tensors: dict[str, Any]) -> CPSharding:
         elif tensor.device_mesh != mesh:
             raise ValueError(f"{name} is on mesh {tensor.device_mesh}, query on {mesh}")
     return CPSharding(mesh, _TND_PLACEMENT * mesh.ndim, cp_dims=tuple(range(mesh.ndim)), head_shards=1)
-
-
-def _packed_backward_algorithm(sharding: CPSharding) -> str:
-    """What a packed backward's arguments say of the algorithm: it runs what its forward recorded,
-    and only the documents' layout needs it here (hybrid's on two CP dimensions; the ring's and
-    Ulysses', the same, on one)."""
-    return "hybrid" if len(sharding.cp_dims) == 2 else "ring"
-
-
-def packed_algorithm(configured: str, sharding: CPSharding) -> str:
-    """The algorithm of a packed-documents call: the configured one on the CP dimensions it runs
-    over (NotImplementedError otherwise, as ``resolve_algorithm``); "auto" is the ring on one CP
-    dimension (its traffic follows the documents, which a handler may not know yet: lengths given
-    as tensors are read by the op) and hybrid on two."""
-    if configured == "auto":
-        configured = "hybrid" if len(sharding.cp_dims) == 2 else "ring"
-    return resolve_algorithm(configured, sharding, nq=0, nkv=0, given_mask=False)
 
 
 # ---------------------------------------------------------------- sinks and gradients
