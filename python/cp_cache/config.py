@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 from .documents import check_capacity
-from .kernels import KERNEL_NAMES
+from .kernels import kernel_names
 from .placement import BALANCED, CONTIGUOUS, HEAD_TAIL
 from .plan import ALGORITHMS, EXCHANGES, GRAD_PARTIALS, check_exchange_options
 from .step_cache import HANDLE_POLICY, POLICIES, STACK_POLICY
@@ -22,7 +22,6 @@ __all__ = [
     "POLICIES",
     "POLICY_ENV",
     "FUSED_MERGE_ENV",
-    "KERNELS",
     "ALGORITHMS",
     "ALGORITHM_ENV",
     "EXCHANGES",
@@ -39,7 +38,6 @@ __all__ = [
 
 POLICY_ENV = "CP_CACHE_POLICY"
 FUSED_MERGE_ENV = "CP_CACHE_FUSED_MERGE"
-KERNELS = KERNEL_NAMES
 ALGORITHM_ENV = "CP_CACHE_ALGORITHM"
 EXCHANGE_ENV = "CP_CACHE_EXCHANGE"
 DOCUMENT_PLACEMENTS = (BALANCED, HEAD_TAIL)  # under load balancing; without it, contiguous
@@ -92,7 +90,7 @@ class CPConfig:
         check_capacity(self.document_capacity, "document_capacity")
         _check_choice("policy", self.policy, POLICIES)
         if self.kernel is not None:
-            _check_choice("kernel", self.kernel, KERNELS)
+            _check_choice("kernel", self.kernel, kernel_names(), "step kernel (cp_cache.kernels.register adds one)")
         _check_choice("algorithm", self.algorithm, ALGORITHMS)
         _check_choice("documents", self.documents, DOCUMENT_PLACEMENTS, "document placement")
 

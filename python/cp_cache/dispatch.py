@@ -36,7 +36,7 @@ from torch.distributed.tensor import DTensor
 from . import _C
 from .config import CPConfig, resolve_config
 from .handlers import AttentionHandlers
-from .handlers.ops import CALL_LOG
+from .handlers.attention import CALL_LOG
 
 __all__ = ["enable", "disable", "enabled", "active_config", "active_mesh", "call_stats", "context_parallel",
            "in_cp_region"]

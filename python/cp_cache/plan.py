@@ -234,12 +234,6 @@ class CallPlan:
         return replace(self, world_size=ring_size, rank=ring_rank, head_num=head_num, layout="BNSD",
                        load_balance=False, algorithm="ring", cp_sizes=(ring_size,))
 
-    def check_sink(self, sink) -> None:
-        """The op's ``sink`` argument (this rank's heads, or None) against what the plan says."""
-        if (sink is not None) != self.sink or (sink is not None and tuple(sink.shape) != (self.head_num,)):
-            raise ValueError(f"cp_cache: the plan says sink={self.sink} for {self.head_num} local heads, the op got "
-                             f"sink={describe(sink)}")
-
     # ------------------------------------------------------------ encoding
 
     def encode(self) -> str:

@@ -92,7 +92,7 @@ class HostReads:
 
         from torch.utils._python_dispatch import TorchDispatchMode
 
-        from cp_cache.handlers import ops
+        from cp_cache.handlers import attention as ops
 
         implementations = {"ring_forward": ops.ring_forward._init_fn, "ring_backward": ops.ring_backward._init_fn}
 

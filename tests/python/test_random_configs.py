@@ -206,7 +206,8 @@ REFUSALS = {
     "per_head_mask": ("NotImplementedError", r"Ulysses .* not a per-head mask of shape"),
     "sparse_mode": ("NotImplementedError", r"not sparse_mode=[5-8]"),
     "band_uncompressed": ("NotImplementedError", r"sparse_mode=4 needs the compressed 2048x2048 mask"),
-    "reference_dropout": ("NotImplementedError", r"reference step kernel does not implement dropout \(keep_prob=0"),
+    "reference_dropout": ("NotImplementedError", r"(reference|torch) step kernel does not implement dropout "
+                                                 r"\(keep_prob=0"),
 }
 TND_REFUSALS = ("tnd_mask", "tnd_head_tail", "tnd_contiguous")
 # refusals drawn from the seed, not the stream (every other draw stays as it was): q/k/v of two
@@ -327,6 +328,8 @@ def _draw(seed: int, world: int, **force) -> Draw:
     f["keep_kv"] = direct and seed % 3 == 0
     f["grad_partials"] = "input" if direct and seed // 3 % 2 else "float32"
     f["views"] = seed // 6 % 2 == 1
+    if f["kernel"] == "reference" and "kernel" not in force and seed % 2:  # torch's fused CPU attention as the step kernel
+        f["kernel"] = "torch"
     if f["refusal"] == "" and "refusal" not in force and seed % 13 == 5:
         f["refusal"] = "mixed_dtypes"
     return _settle(Draw(**{k: force.get(k, v) for k, v in f.items()}))
@@ -446,6 +449,9 @@ def _settle(draw: Draw) -> Draw:
 # named), so that they are drawn whatever the base seed.
 CORNERS = [
     *[(w, dict(refusal=r)) for r, w in zip(REFUSALS, (2, 4, 3, 1, 3, 2, 4, 3, 1, 2, 4, 3, 2, 1))],
+    # torch's fused CPU attention as the step kernel at W = 3 (the seeds draw it at the other W)
+    (3, dict(refusal="", tnd=False, algorithm="ring", mask="band", kernel="torch", gqa=True)),
+    (3, dict(refusal="", tnd=True, placement="balanced", lb=True, mask="causal", kernel="torch")),
     # test_uneven_shards: W = 3 and 4 uneven, causal and full, the reference kernel
     (3, dict(refusal="", tnd=False, algorithm="ring", mask="causal", lb=False, uneven=True, kernel="npu")),
     (4, dict(refusal="", tnd=False, algorithm="ring", mesh2d=False, mask="none", uneven=True, kernel="reference")),
@@ -1103,7 +1109,7 @@ def test_the_net_covers_the_space():
         "world": set(WORLDS), "layout": set(L.ALL_LAYOUTS), "mask": {"none", "causal", "band", "given", "given_band"},
         "algorithm": {"ring", "ulysses", "hybrid", "auto"}, "exchange": {"direct", "ring"}, "lb": {True, False},
         "keep_kv": {True, False}, "grad_partials": {"float32", "input"},
-        "sink": {"", "plain", "dtensor"}, "dtype": {"float32", "bfloat16"}, "kernel": {"npu", "reference"},
+        "sink": {"", "plain", "dtensor"}, "dtype": {"float32", "bfloat16"}, "kernel": {"npu", "reference", "torch"},
         "placement": {"", "balanced", "head_tail", "contiguous"}, "policy": {"handle", "stack"},
         "positional": {True, False}, "fused_merge": {True, False}, "mesh2d": {True, False},
         "run": {"eager", "checkpoint"}, "mask_form": {"SS", "SS_uint8", "B1SS", "BNSS", "sharded"},

@@ -179,7 +179,8 @@ def _local(name: str, rank: int, full: list[torch.Tensor]) -> list[torch.Tensor]
 
 
 def _run(name: str, rank: int, exchange: str, groups, full, keep_kv: bool = False) -> dict:
-    from cp_cache.algorithms import run_backward, run_forward, strategy_for
+    from cp_cache.algorithms import run_backward, run_forward
+    from cp_cache.handlers.attention import strategy_for
     from cp_cache.cli.compare.patches import SentCounter
     from cp_cache.kernels import get_kernel
 

@@ -1,24 +1,14 @@
-"""The CP attention strategies, one interface each: their checks of this rank's inputs
-(``check_forward(plan, q, k, v, mask)``, ``check_backward(plan, dout, q, k, v, out, lse, steps,
-mask)``), their runs (``forward(plan, q, k, v, *, groups, kernel, mask, checked, agreement)``,
-``backward(..., steps, *, groups, kernel, mask, checked, agreement)``: ``checked`` is what the
-check returned, ``agreement`` the ranks' agreement on the call, which the run waits for before
-its first exchange) and ``fake(plan, q, k, v)`` (shapes only, for tracing). A strategy never
-calls the agreement: its driver does (the custom ops, ``handlers/ops.py``; ``run_forward`` /
-``run_backward`` for a strategy driven directly).
+"""The CP attention strategies, one interface each: ``check_forward`` / ``check_backward`` (this
+rank's inputs), ``forward`` / ``backward`` (given what the check returned and the ranks'
+``agreement``, which the run waits for before its first exchange) and ``fake`` (shapes only).
 
-* ``ring``: K/V blocks travel around the ring (every dense layout, every mask kind);
-* ``ulysses``: all-to-all to head shards around one local call; hybrid is Ulysses around
-  the ring it is given (``Ulysses(inner=RING)``);
-* ``packed``: packed documents (TND) on the ring's loop; Ulysses and hybrid over them are
-  Ulysses around it (``Ulysses(inner=PACKED)``: on one CP dimension a packed ring of one rank);
-* ``sinks``: attention sinks around whichever of them runs (``WithSink``), once on its result;
-* ``capacity``: packed documents at a fixed shape (``WithCapacity`` around ``packed``: the
-  placed rows computed, the padding rows given zeros).
-
-``groups`` are the CP process groups, outer first: a strategy takes the innermost as its
-own and gives an inner strategy the rest. None imports another's private names; what they
-share is the engine (``cp_cache.engine``).
+``ring`` (every dense layout and mask), ``ulysses`` (all-to-all to head shards around one local
+call; hybrid = Ulysses around the ring), ``packed`` (packed documents on the ring's loop; under
+Ulysses or hybrid, Ulysses around it), ``sinks`` (``WithSink`` around any of them) and
+``capacity`` (``WithCapacity``: packed documents at a fixed shape). ``groups`` are the CP groups,
+outer first: a strategy takes the innermost and gives an inner strategy the rest. None imports
+another's private names; the engine is what they share. The handlers pick the strategy of a plan
+(``handlers/attention.strategy_for``); ``run_forward`` / ``run_backward`` drive one directly.
 """
 
 from __future__ import annotations
@@ -27,7 +17,6 @@ from typing import Optional
 
 from torch import Tensor
 
-from .. import layout as L
 from ..engine.agreement import open_agreement
 from ..engine.loop import BackwardResult, ForwardResult
 from ..engine.transport import group_info
@@ -39,26 +28,10 @@ from .sinks import WithSink
 from .ulysses import ULYSSES, Ulysses
 
 __all__ = ["Ring", "Ulysses", "PackedDocuments", "WithSink", "WithCapacity", "RING", "ULYSSES", "PACKED", "HYBRID",
-           "PACKED_ULYSSES", "strategy_for", "run_forward", "run_backward"]
+           "PACKED_ULYSSES", "run_forward", "run_backward"]
 
 HYBRID = Ulysses(inner=RING)
 PACKED_ULYSSES = Ulysses(inner=PACKED)  # packed documents under "ulysses" and "hybrid"
-
-
-def strategy_for(plan: CallPlan, sink: Optional[Tensor] = None):
-    """The strategy that runs ``plan``; with ``sink`` (this rank's heads), wrapped in ``WithSink``."""
-    if plan.layout == L.TND:  # packed documents
-        if plan.algorithm in ("ulysses", "hybrid"):
-            strategy = PACKED_ULYSSES
-        else:
-            strategy = PACKED if plan.capacity is None else WithCapacity(PACKED)
-    elif plan.algorithm == "ulysses":
-        strategy = ULYSSES
-    elif plan.algorithm == "hybrid":
-        strategy = HYBRID
-    else:
-        strategy = RING
-    return strategy if sink is None else WithSink(strategy, sink)
 
 
 def run_forward(strategy, plan: CallPlan, q: Tensor, k: Tensor, v: Tensor, *, groups=(), kernel,

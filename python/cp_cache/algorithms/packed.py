@@ -278,7 +278,7 @@ class _StepOperands:
 
 
 def _segments_forward(kernel: StepKernel, q, k, v, ops: _StepOperands, mask: StepMask, kw) -> StepForward:
-    if getattr(kernel, "takes_tnd", False):
+    if kernel.takes_tnd:
         return kernel.forward(q, k, v, mask=mask, layout=L.TND, actual_seq_lens=ops.actual_seq_lens, **kw)
     # a kernel without TND: one call per segment, each segment a batch of one in BSND
     outs, lses = [], []
@@ -291,7 +291,7 @@ def _segments_forward(kernel: StepKernel, q, k, v, ops: _StepOperands, mask: Ste
 
 def _segments_backward(kernel: StepKernel, q, k, v, dout, out, lse, ops: _StepOperands, mask: StepMask, seed,
                        offset, kw) -> tuple[Tensor, Tensor, Tensor]:
-    if getattr(kernel, "takes_tnd", False):
+    if kernel.takes_tnd:
         return kernel.backward(q, k, v, dout, out, lse, mask=mask, layout=L.TND, seed=seed, offset=offset,
                                actual_seq_lens=ops.actual_seq_lens, **kw)
     grads = ([], [], [])

@@ -24,7 +24,7 @@ import torch
 from torch import Tensor
 
 from .. import layout as L
-from ..kernels import KERNEL_NAMES
+from ..kernels import kernel_names
 from ..placement import PLACEMENTS
 from ..plan import ALGORITHMS, EXCHANGES, GRAD_PARTIALS, CallPlan
 from .transport import side_group
@@ -36,7 +36,6 @@ _SHAPE_DIMS = 4  # q/k/v shapes padded with -1 to this many dims (the layouts ha
 
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.float8_e4m3fn,
            torch.float8_e5m2, torch.int8, torch.uint8, torch.bool, torch.int32, torch.int64)
-_KERNELS = ("",) + KERNEL_NAMES  # "": a strategy driven without a named kernel
 _DIRECTIONS = ("forward", "backward")
 _CHECKS = ("passed", "ValueError", "NotImplementedError", "TypeError", "RuntimeError", "failed")
 _MASK_BITS = (("causal", 1), ("window", 2), ("given", 4))
@@ -93,6 +92,24 @@ def _mask_code(mask) -> int:
     return sum(bit for name, bit in _MASK_BITS if getattr(mask, name)) + _BAND_DOCUMENT_BITS.get(mask.band_document, 0)
 
 
+def _digest(text: str) -> int:
+    """A 62-bit digest of ``text`` (alike on every rank, unlike ``hash``)."""
+    return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "little") >> 2
+
+
+def _kernel_code(name: str) -> int:
+    """The step kernel by a digest of its name ("": a strategy driven without a named kernel): any
+    registered kernel, the same on every rank that registered it."""
+    return _digest(name) if name else 0
+
+
+def _kernel(v: list[int]) -> str:
+    for name in ("",) + kernel_names():
+        if _kernel_code(name) == v[0]:
+            return repr(name)
+    return f"other ({v[0]:#x})"
+
+
 def _steps(v: list[int]) -> str:
     return "-" if v[0] < 0 else str(v[0])
 
@@ -118,16 +135,14 @@ def _documents_code(documents: tuple[int, ...]) -> tuple[int, int]:
     """(count, 62-bit digest) of a plan's packed documents (() -> none)."""
     if not documents:
         return -1, 0
-    text = ",".join(str(end) for end in documents)
-    digest = int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "little") >> 2
-    return len(documents), digest
+    return len(documents), _digest(",".join(str(end) for end in documents))
 
 
 # (field name as in the message, width in int64 slots, formatter)
 FIELDS: tuple[tuple[str, int, Callable[[list[int]], str]], ...] = (
     ("described", 1, _bool),  # 0: a refusal signature, whose other fields are unknown
     ("direction", 1, _name(_DIRECTIONS)),
-    ("kernel", 1, _name(_KERNELS)),
+    ("kernel", 1, _kernel),
     ("algorithm", 1, _name(ALGORITHMS)),
     ("layout", 1, _name(L.ALL_LAYOUTS)),
     ("local query shape", _SHAPE_DIMS, _shape),
@@ -230,7 +245,7 @@ def signature(*, direction: str, plan: CallPlan, q: Tensor, k: Tensor, v: Tensor
            _float_bits(plan.keep_prob), None if mask_rows is None else tuple(mask_rows.shape), int(steps),
            _check_code(error), seq_dim, plan.documents, plan.document_placement if plan.packed else "",
            _exchange_code(plan))
-    values = [1, _code(_DIRECTIONS, key[0]), _code(_KERNELS, key[1]), _code(ALGORITHMS, key[2]),
+    values = [1, _code(_DIRECTIONS, key[0]), _kernel_code(key[1]), _code(ALGORITHMS, key[2]),
               _code(L.ALL_LAYOUTS, key[3]),
               *_pad(key[4], seq_dim), *_pad(key[5], seq_dim), *_pad(key[6], seq_dim),
               _code(_DTYPES, key[7]), _code(_DTYPES, key[8]), _code(_DTYPES, key[9]),

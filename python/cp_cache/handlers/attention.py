@@ -1,58 +1,75 @@
-"""The DTensor handlers of ``npu_fusion_attention_v3`` and its grad, bound to one CPConfig.
+"""The DTensor handlers of ``npu_fusion_attention_v3`` and its grad, and the two custom ops that run
+their local work: the handler floor of one call, top-down.
 
-Each handler reads top-down: bind the op's arguments once, decide whether the call is
-cp_cache's, read it (its ``CallSpec`` and ``CallPlan``: ``spec.py``), run the plan's strategy on
-the local shards through the custom op (``ops.py``: now when eager, in the compiled graph when
-traced), wrap the results as DTensors. The forward's step cache goes out in the ``seed`` slot (a handle whose storage owns
-it, or, under the stack policy, the cache's pairing key) and autograd hands it back to the
-grad op's ``seed``.
-
-The handlers stay in DTensor's handler table while cp_cache is enabled, and decide per call
-whether it is theirs (``_runs``): a call that is not context parallel goes on to what serves it
-without cp_cache (``_pass_on``): the table entry cp_cache displaced (torch_npu's handlers), or
-DTensor's own sharding propagation. Nothing is written to the table per call, so calls on other
-threads see the table as it is.
+A handler binds the op's arguments, decides whether the call is cp_cache's (``_runs``; else it goes
+on to what serves it without cp_cache), reads it (``spec.read_call``), runs the plan's strategy on
+the local shards and wraps the results as DTensors. The local work is the custom ops
+``cp_cache::ring_forward`` / ``ring_backward``: eagerly their Python body runs at once
+(``forward_local`` / ``backward_local``); where the tensors are traced (torch.compile) the op is
+called, so the graph records it and its fake gives the shapes. Each op checks this rank's inputs,
+starts the ranks' agreement once (a refusal is every rank's), runs the strategy and records the
+call (``CALL_LOG``). The forward's step cache leaves in the ``seed`` slot and autograd hands it
+back to the grad op. Nothing is written to DTensor's handler table per call.
 """
 
 from __future__ import annotations
 
+import threading
 import time
+from dataclasses import asdict, dataclass
 from typing import Any, Callable, Optional, Protocol
 
 import torch
 from torch import Tensor
 from torch.distributed.tensor import DTensor
+from torch.utils._python_dispatch import _get_current_dispatch_mode as _current_dispatch_mode
 
+from .. import layout as L
+from .. import step_cache
+from ..algorithms import HYBRID, PACKED, PACKED_ULYSSES, RING, ULYSSES, WithCapacity, WithSink
 from ..config import CPConfig
-from ..engine.agreement import CHECK_ERRORS
-from ..npu_ops import bind_arguments, lse_from_stats
-from . import ops
-from .ops import CallLog
+from ..documents import read_documents
+from ..engine.agreement import CHECK_ERRORS, agree_on_refusal, start_agreement
+from ..kernels import KERNELS, get_kernel
+from ..npu_ops import autocast_off, bind_arguments, describe, lse_from_stats
+from ..plan import CallPlan
 from .spec import local_tensor, read_call, sequence_sharded, share_refusal, sharded_like, sink_grad_like
 
-__all__ = ["AttentionHandlers", "Registration", "dtensor_default"]
-
+__all__ = ["AttentionHandlers", "Registration", "dtensor_default", "strategy_for", "run_forward", "run_backward",
+           "ring_forward", "ring_backward", "forward_local", "backward_local", "check_seed", "CallRecord", "CallLog",
+           "CALL_LOG"]
 
 
 class Registration(Protocol):
-    """Where the handlers are registered (``cp_cache.dispatch``): whether a CP region is
-    active, and what the handlers displaced from the table there."""
+    """Where the handlers are registered (``cp_cache.dispatch``): the CP regions entered and not
+    left, and what the handlers displaced from the table there."""
 
-    def in_cp(self) -> bool: ...
+    depth: int
 
     def displaced(self, op: Any) -> Optional[Callable]: ...
 
 
-def _slot_tensor(value: int, like: Tensor) -> Tensor:
-    """An int64 [1] output slot, on the CPU (on meta when ``like`` is: tracing with meta tensors)."""
-    return torch.tensor([value], dtype=torch.int64, device="meta" if like.is_meta else "cpu")
+def strategy_for(plan: CallPlan, sink: Optional[Tensor] = None):
+    """The strategy that runs ``plan``; with ``sink`` (this rank's heads), inside ``WithSink``."""
+    if plan.layout == L.TND:
+        if plan.algorithm in ("ulysses", "hybrid"):
+            strategy = PACKED_ULYSSES
+        else:
+            strategy = PACKED if plan.capacity is None else WithCapacity(PACKED)
+    else:
+        strategy = ULYSSES if plan.algorithm == "ulysses" else HYBRID if plan.algorithm == "hybrid" else RING
+    return strategy if sink is None else WithSink(strategy, sink)
+
+
+def _kernel(name: str):
+    return KERNELS.get(name) or get_kernel(name)  # get_kernel names what is registered
 
 
 class AttentionHandlers:
-    """The forward and backward handlers of one ``cp_cache.enable()``, and the table that
-    maps the ops to them (the same bound methods every time, so a table can be checked)."""
+    """The forward and backward handlers of one ``cp_cache.enable()``, and the table that maps the
+    ops to them (the same bound methods every time, so a table can be checked)."""
 
-    def __init__(self, config: CPConfig, call_log: CallLog):
+    def __init__(self, config: CPConfig, call_log: "CallLog"):
         self.config = config
         self.call_log = call_log
         self.registration: Optional[Registration] = None  # set by cp_cache.dispatch; None: every CP call
@@ -71,18 +88,15 @@ class AttentionHandlers:
         return table
 
     def _runs(self, a: dict, backward: bool) -> bool:
-        """Whether the call of the bound arguments ``a`` is cp_cache's. Its query must be sharded on
-        the sequence (a CP mesh dimension) over ranks of their own (not LocalTensor's ranks
-        simulated in one process: the ring exchanges between processes). A forward then runs only
-        inside a CP region (outside one the call is served as without cp_cache, even where that is
-        DTensor's "no sharding strategy" error); a backward runs where its forward ran: cp_cache's
-        forward gives a plain seed, one served elsewhere a DTensor."""
+        """Whether the call is cp_cache's: its query sharded on the sequence over ranks of their own
+        (not LocalTensor's simulated ranks); a forward inside a CP region, a backward where its
+        forward ran (cp_cache's forward gives a plain seed, one served elsewhere a DTensor)."""
         query = a["query"]
         if not isinstance(query, DTensor) or _simulated_ranks(query) or not sequence_sharded(query, a["input_layout"]):
             return False
         if backward:
             return not isinstance(a["seed"], DTensor)
-        return self.registration is None or self.registration.in_cp()
+        return self.registration is None or self.registration.depth > 0
 
     def _pass_on(self, op_call, args, kwargs):
         """Serve a call that is not cp_cache's as it is served without cp_cache."""
@@ -91,9 +105,8 @@ class AttentionHandlers:
             return entry(op_call, args, kwargs)
         return dtensor_default(op_call, args, kwargs)
 
-    # Where torch.compile cannot trace a call (Dynamo breaks the graph at the op), the op runs
-    # eagerly and so does its handler: Dynamo must not trace the handler's own frames into
-    # graphs of their own.
+    # Where Dynamo cannot trace a call it breaks the graph at the op and the handler runs eagerly:
+    # its own frames must not become graphs.
     @torch._dynamo.disable
     def forward(self, op_call, args, kwargs):
         """Handler of ``npu_fusion_attention_v3`` for DTensor inputs."""
@@ -107,14 +120,10 @@ class AttentionHandlers:
             share_refusal("forward", a, error)
             raise
         q, k, v = call.local("query", "key", "value")
-        out, lse, seed = ops.run_forward(q, k, v, call.mask, call.groups, call.plan, self.config.policy,
-                                         *call.lengths, call.sink)
-        outputs = (
-            *call.wrap_forward(out, lse),
-            torch.empty(0, dtype=q.dtype, device=q.device),
-            seed,
-            _slot_tensor(call.plan.world_size, q),
-        )
+        out, lse, seed = run_forward(q, k, v, call.mask, call.groups, call.plan, self.config.policy, *call.lengths,
+                                     call.sink)
+        outputs = (*call.wrap_forward(out, lse), torch.empty(0, dtype=q.dtype, device=q.device), seed,
+                   _slot_tensor(call.plan.world_size, q))
         self.call_log.set_handler_seconds("forward", started)
         return outputs
 
@@ -126,7 +135,7 @@ class AttentionHandlers:
         if not self._runs(a, backward=True):
             return self._pass_on(op_call, args, kwargs)
         try:
-            ops.check_seed(a["seed"])
+            check_seed(a["seed"])
             call = read_call(a, self.config, backward=True)
             for name in ("dy", "attention_in"):
                 a[name] = sharded_like(a[name], name, call.sharding.mesh, call.sharding.placements)
@@ -136,27 +145,23 @@ class AttentionHandlers:
             share_refusal("backward", a, error)
             raise
         dy, q, k, v, out = call.local("dy", "query", "key", "value", "attention_in")
-        dq, dk, dv, dsink = ops.run_backward(dy, q, k, v, out, lse, a["seed"], call.mask, call.groups, call.plan,
-                                             self.config.policy, *call.lengths, call.sink)
-        outputs = (
-            *call.wrap_grads(dq, dk, dv),
-            torch.empty(0, dtype=q.dtype, device=q.device),  # dpse: no pse
-            # without a sink: a float32 0-d zero, as the op's meta
-            sink_grad_like(a["sink"], dsink, call.sharding.cp_dims),
-        )
+        dq, dk, dv, dsink = run_backward(dy, q, k, v, out, lse, a["seed"], call.mask, call.groups, call.plan,
+                                         self.config.policy, *call.lengths, call.sink)
+        outputs = (*call.wrap_grads(dq, dk, dv), torch.empty(0, dtype=q.dtype, device=q.device),  # dpse
+                   sink_grad_like(a["sink"], dsink, call.sharding.cp_dims))
         self.call_log.set_handler_seconds("backward", started)
         return outputs
 
 
-# ---------------------------------------------------------------- calls that are not cp_cache's
+def _slot_tensor(value: int, like: Tensor) -> Tensor:
+    """An int64 [1] output slot, on the CPU (on meta when ``like`` is: tracing with meta tensors)."""
+    return torch.tensor([value], dtype=torch.int64, device="meta" if like.is_meta else "cpu")
 
 
 def dtensor_default(op_call, args, kwargs):
-    """DTensor's own dispatch of a call, as when no handler is registered for the op: sharding
-    propagation (NotImplementedError when the op has no sharding strategy), redistribution, the
-    local op, the wrapped results. torch's C++ dispatcher reads the handler table before this
-    path and has no way to skip it for one call, so its Python steps run here (the attention ops
-    are neither in-place nor views: no aliasing to correct)."""
+    """DTensor's own dispatch of a call, as when no handler is registered for the op. torch's C++
+    dispatcher reads the handler table first and cannot skip it for one call, so its Python steps
+    run here (the attention ops are neither in-place nor views: no aliasing to correct)."""
     from torch.distributed.tensor._op_schema import OutputSharding
 
     dispatcher = DTensor._op_dispatcher
@@ -170,8 +175,7 @@ def dtensor_default(op_call, args, kwargs):
 
 
 def _simulated_ranks(query: DTensor) -> bool:
-    """Whether the ranks are simulated in this process (LocalTensor mode: the local tensor holds
-    every rank's shard, ranks and sizes are symbolic)."""
+    """Whether the ranks are simulated in this process (LocalTensor mode)."""
     local = query._local_tensor
     if type(local) is Tensor:  # the usual case, without the import below
         return False
@@ -179,3 +183,243 @@ def _simulated_ranks(query: DTensor) -> bool:
 
     return isinstance(local, LocalTensor)
 
+
+# ---------------------------------------------------------------- the local work, eager or traced
+
+
+def _groups(names: str) -> list:
+    """The process groups named in ``names`` (comma-separated, outer first)."""
+    from torch.distributed.distributed_c10d import _resolve_process_group
+
+    return [_resolve_process_group(name) for name in names.split(",")]
+
+
+def _group_names(process_groups: list) -> str:
+    return ",".join(g.group_name for g in process_groups)
+
+
+def _traced(tensors) -> bool:
+    """Whether these tensors are traced or only carry shapes (fake, functional or meta tensors, or a
+    dispatch mode): then the local work runs as the custom op, which a trace records."""
+    if _current_dispatch_mode() is not None:
+        return True
+    for t in tensors:  # a loop, not a generator: this runs on every call
+        if t is not None and (type(t) is not Tensor or t.is_meta):
+            return True
+    return False
+
+
+def run_forward(query: Tensor, key: Tensor, value: Tensor, mask_rows: Optional[Tensor], process_groups: list,
+                call: CallPlan, policy: str, actual_seq_qlen: Optional[Tensor] = None,
+                actual_seq_kvlen: Optional[Tensor] = None, sink: Optional[Tensor] = None):
+    """The forward's local work: ``forward_local`` now, or ``ring_forward`` where traced."""
+    if not _traced((query, key, value, mask_rows, actual_seq_qlen, actual_seq_kvlen, sink)):
+        return forward_local(query, key, value, mask_rows, process_groups, call, policy, actual_seq_qlen,
+                             actual_seq_kvlen, sink)
+    return ring_forward(query, key, value, mask_rows, _group_names(process_groups), call.encode(), policy,
+                        actual_seq_qlen, actual_seq_kvlen, sink)
+
+
+def run_backward(dy: Tensor, query: Tensor, key: Tensor, value: Tensor, out: Tensor, lse: Tensor, seed: Tensor,
+                 mask_rows: Optional[Tensor], process_groups: list, called: CallPlan, policy: str,
+                 actual_seq_qlen: Optional[Tensor] = None, actual_seq_kvlen: Optional[Tensor] = None,
+                 sink: Optional[Tensor] = None):
+    """The backward's local work: ``backward_local`` now, or ``ring_backward`` where traced."""
+    if not _traced((dy, query, key, value, out, lse, seed, mask_rows, actual_seq_qlen, actual_seq_kvlen, sink)):
+        return backward_local(dy, query, key, value, out, lse, seed, mask_rows, process_groups, called, policy,
+                              actual_seq_qlen, actual_seq_kvlen, sink)
+    return ring_backward(dy, query, key, value, out, lse, seed, mask_rows, _group_names(process_groups),
+                         called.encode(), policy, actual_seq_qlen, actual_seq_kvlen, sink)
+
+
+def _check_sink(plan: CallPlan, sink: Optional[Tensor]) -> None:
+    if (sink is not None) != plan.sink or (sink is not None and tuple(sink.shape) != (plan.head_num,)):
+        raise ValueError(f"cp_cache: the plan says sink={plan.sink} for {plan.head_num} local heads, the op got "
+                         f"sink={describe(sink)}")
+
+
+# nondeterministic_seeded: the kernels draw dropout seeds from the default generator, so a compiled
+# backward that recomputes this op (checkpointing) replays the generator state, as for torch's dropout
+@torch.library.custom_op("cp_cache::ring_forward", mutates_args=(), tags=(torch.Tag.nondeterministic_seeded,))
+def ring_forward(query: Tensor, key: Tensor, value: Tensor, mask_rows: Optional[Tensor], groups: str,
+                 plan: str, policy: str, actual_seq_qlen: Optional[Tensor] = None,
+                 actual_seq_kvlen: Optional[Tensor] = None,
+                 sink: Optional[Tensor] = None) -> tuple[Tensor, Tensor, Tensor]:
+    """CP attention of the local shards: (out, float32 LSE [B, N, S] (TND: [T, N]), seed slot: the
+    step cache's handle, or its pairing key under the stack policy). ``mask_rows``: a given mask's
+    rows of this rank (ring) or the whole mask (Ulysses); ``sink``: this rank's heads' sinks."""
+    return forward_local(query, key, value, mask_rows, _groups(groups), CallPlan.decode(plan), policy,
+                         actual_seq_qlen, actual_seq_kvlen, sink)
+
+
+def forward_local(query: Tensor, key: Tensor, value: Tensor, mask_rows: Optional[Tensor], process_groups: list,
+                  call: CallPlan, policy: str, actual_seq_qlen: Optional[Tensor] = None,
+                  actual_seq_kvlen: Optional[Tensor] = None,
+                  sink: Optional[Tensor] = None) -> tuple[Tensor, Tensor, Tensor]:
+    """What ``ring_forward`` runs, on its groups and plan as objects, without the caller's autocast."""
+    started = time.perf_counter()
+    with autocast_off(query.device.type):
+        try:
+            if actual_seq_qlen is not None or actual_seq_kvlen is not None:
+                call = read_documents(call, actual_seq_qlen, actual_seq_kvlen, query.size(0))
+            _check_sink(call, sink)
+            strategy = strategy_for(call, sink)
+            checked = strategy.check_forward(call, query, key, value, mask_rows)
+        except CHECK_ERRORS as error:  # every rank raises: the ranks' error, or where they agree each its own
+            agree_on_refusal("forward", process_groups, error, call, query, key, value, kernel=call.kernel,
+                             mask_rows=mask_rows)
+            raise
+        agreement = start_agreement("forward", call, query, key, value, groups=process_groups, kernel=call.kernel,
+                                    mask_rows=mask_rows)
+        result = strategy.forward(call, query, key, value, groups=process_groups, kernel=_kernel(call.kernel),
+                                  mask=mask_rows, checked=checked, agreement=agreement)
+        ring_seconds = time.perf_counter() - started
+        seed = step_cache.seed_slot(policy, call, result.steps)
+    CALL_LOG.record("forward", result, started, ring_seconds, fused_merge=call.fused_merge)
+    return result.out, result.lse, seed
+
+
+@ring_forward.register_fake
+def _ring_forward_fake(query, key, value, mask_rows, groups, plan, policy, actual_seq_qlen=None,
+                       actual_seq_kvlen=None, sink=None):
+    call = CallPlan.decode(plan)
+    out, lse = strategy_for(call).fake(call, query, key, value)
+    return out, lse, torch.empty(1, dtype=torch.int64, device="meta" if query.is_meta else "cpu")
+
+
+@torch.library.custom_op("cp_cache::ring_backward", mutates_args=())
+def ring_backward(dy: Tensor, query: Tensor, key: Tensor, value: Tensor, out: Tensor, lse: Tensor, seed: Tensor,
+                  mask_rows: Optional[Tensor], groups: str, plan: str, policy: str,
+                  actual_seq_qlen: Optional[Tensor] = None, actual_seq_kvlen: Optional[Tensor] = None,
+                  sink: Optional[Tensor] = None) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """(dq, dk, dv, dsink) of the local shards. The backward runs the plan its forward recorded in the
+    step cache ``seed`` names; ``plan`` (what the grad op's arguments give) is checked against it.
+    dsink: this rank's rows' share of the sink's gradient (a float32 0-d zero without a sink)."""
+    return backward_local(dy, query, key, value, out, lse, seed, mask_rows, _groups(groups), CallPlan.decode(plan),
+                          policy, actual_seq_qlen, actual_seq_kvlen, sink)
+
+
+def backward_local(dy: Tensor, query: Tensor, key: Tensor, value: Tensor, out: Tensor, lse: Tensor, seed: Tensor,
+                   mask_rows: Optional[Tensor], process_groups: list, called: CallPlan, policy: str,
+                   actual_seq_qlen: Optional[Tensor] = None, actual_seq_kvlen: Optional[Tensor] = None,
+                   sink: Optional[Tensor] = None) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """What ``ring_backward`` runs, on its groups and plan as objects, without the caller's autocast."""
+    started = time.perf_counter()
+    recorded, steps = None, []
+    with autocast_off(query.device.type):
+        try:
+            if actual_seq_qlen is not None or actual_seq_kvlen is not None:
+                called = read_documents(called, actual_seq_qlen, actual_seq_kvlen, query.size(0))
+            _check_sink(called, sink)
+            cache = step_cache.claim(seed, policy)  # no reference to it outlives this call
+            recorded, steps, cache_id = step_cache.plan_of(cache), step_cache.steps_of(cache), cache.id
+            del cache
+            mismatch = recorded.backward_mismatch(called)
+            if mismatch:
+                raise RuntimeError(f"cp_cache: {mismatch} (cache {cache_id})")
+            strategy = strategy_for(recorded, sink)
+            checked = strategy.check_backward(recorded, dy, query, key, value, out, lse, steps, mask_rows)
+        except CHECK_ERRORS as error:  # every rank raises: the ranks' error, or where they agree each its own
+            agree_on_refusal("backward", process_groups, error, recorded, query, key, value,
+                             kernel="" if recorded is None else recorded.kernel, mask_rows=mask_rows,
+                             steps=len(steps))
+            raise
+        agreement = start_agreement("backward", recorded, query, key, value, groups=process_groups,
+                                    kernel=recorded.kernel, mask_rows=mask_rows, steps=len(steps))
+        ring_started = time.perf_counter()
+        result = strategy.backward(recorded, dy, query, key, value, out, lse, steps, groups=process_groups,
+                                   kernel=_kernel(recorded.kernel), mask=mask_rows, checked=checked,
+                                   agreement=agreement)
+        dsink = torch.zeros((), dtype=torch.float32, device=query.device) if result.dsink is None else result.dsink
+    CALL_LOG.record("backward", result, started, time.perf_counter() - ring_started)
+    return result.dq.contiguous(), result.dk.contiguous(), result.dv.contiguous(), dsink
+
+
+@ring_backward.register_fake
+def _ring_backward_fake(dy, query, key, value, out, lse, seed, mask_rows, groups, plan, policy, actual_seq_qlen=None,
+                        actual_seq_kvlen=None, sink=None):
+    dsink = query.new_empty((), dtype=torch.float32) if sink is None else sink.new_empty(sink.shape)
+    return query.new_empty(query.shape), key.new_empty(key.shape), value.new_empty(value.shape), dsink
+
+
+def check_seed(seed: Any) -> None:
+    """The seed argument's type (a DTensor seed never gets here: ``AttentionHandlers._runs``)."""
+    if not isinstance(seed, Tensor):
+        raise RuntimeError(f"cp_cache: npu_fusion_attention_grad_v3 got seed={describe(seed)}; it needs the seed "
+                           "output of the CP attention forward")
+
+
+# ---------------------------------------------------------------- what each call cost
+
+
+@dataclass
+class CallRecord:
+    """What the last call of one direction cost on this process."""
+
+    bytes_sent: int = 0
+    bytes_received: int = 0
+    # the least this rank must send / receive for the call's mask; None where no ring ran alone
+    bytes_lower_bound: Optional[int] = None
+    bytes_received_lower_bound: Optional[int] = None
+    handler_seconds: float = 0.0  # whole handler, ring included
+    ring_seconds: float = 0.0  # kernels and communication
+    compute_seconds: float = 0.0  # inside the ring: kernels, merges, accumulation
+    wait_seconds: float = 0.0  # inside the ring: blocked on receives (communication not hidden)
+    fused_merge: bool = False  # forward: steps merged by npu_ring_attention_update
+    kept_bytes: int = 0  # forward, keep_kv: the K/V rows received and kept in the step cache
+    calls: int = 0
+
+    @property
+    def overhead_seconds(self) -> float:
+        return self.handler_seconds - self.ring_seconds
+
+    @property
+    def exposed_fraction(self) -> float:
+        """The share of the ring's time spent waiting for communication."""
+        busy = self.compute_seconds + self.wait_seconds
+        return self.wait_seconds / busy if busy > 0 else 0.0
+
+
+class CallLog:
+    """The last forward and backward call's record, and how many calls each direction had."""
+
+    DIRECTIONS = ("forward", "backward")
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._records = {d: CallRecord() for d in self.DIRECTIONS}
+
+    def record(self, direction: str, result, started: float, ring_seconds: float, *,
+               fused_merge: bool = False) -> None:
+        """Record a call that began at ``started`` (perf_counter); ``result``: the strategy's."""
+        handler_seconds = time.perf_counter() - started
+        kept = 0
+        for step in getattr(result, "steps", ()):  # a loop, not a generator: this runs on every call
+            for t in step.kept:
+                kept += t.nbytes
+        with self._lock:
+            record = self._records[direction]
+            record.bytes_sent, record.bytes_received = result.bytes_sent, result.bytes_received
+            record.bytes_lower_bound = result.bytes_lower_bound
+            record.bytes_received_lower_bound = result.bytes_received_lower_bound
+            record.handler_seconds, record.ring_seconds = handler_seconds, ring_seconds
+            record.compute_seconds, record.wait_seconds = result.compute_seconds, result.wait_seconds
+            record.fused_merge, record.kept_bytes = fused_merge, kept
+            record.calls += 1
+
+    def set_handler_seconds(self, direction: str, started: float) -> None:
+        """The whole handler's time of the last call (a compiled graph runs the op without it)."""
+        with self._lock:
+            self._records[direction].handler_seconds = time.perf_counter() - started
+
+    def snapshot(self) -> dict[str, dict]:
+        """{"forward": {...}, "backward": {...}}: each record's fields with overhead_seconds and
+        exposed_fraction."""
+        with self._lock:
+            return {d: dict(asdict(r), overhead_seconds=r.overhead_seconds, exposed_fraction=r.exposed_fraction)
+                    for d, r in self._records.items()}
+
+
+# The process's call log: the ring ops record into it (a compiled graph runs them with no handler
+# around); the handlers and ``cp_cache.call_stats()`` read the same one.
+CALL_LOG = CallLog()

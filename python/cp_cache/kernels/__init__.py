@@ -1,27 +1,60 @@
-"""Step kernels for ring attention (stateless: one shared instance per name)."""
+"""Step kernels for ring attention, by name: "npu" (the NPU ops, real or emulated), "torch"
+(torch's fused CPU attention), "reference" (plain torch) and whatever ``register`` adds. A kernel is stateless: one shared instance."""
 
 from __future__ import annotations
 
+import threading
 from types import MappingProxyType
 
 from .base import StepForward, StepKernel, StepMask
 from .npu import NpuKernel
 from .npu import available as npu_available
 from .reference import ReferenceKernel
+from .torch_fused import TorchKernel
 
-__all__ = ["KERNEL_NAMES", "KERNEL_BY_NAME", "StepForward", "StepKernel", "StepMask", "NpuKernel", "ReferenceKernel",
-           "get_kernel"]
+__all__ = ["StepForward", "StepKernel", "StepMask", "NpuKernel", "ReferenceKernel", "TorchKernel", "register",
+           "KERNELS", "get_kernel", "kernel_names"]
 
-KERNEL_BY_NAME = MappingProxyType({"npu": NpuKernel(), "reference": ReferenceKernel()})
-KERNEL_NAMES = tuple(KERNEL_BY_NAME)
+_lock = threading.Lock()
+_KERNELS: dict[str, StepKernel] = {}
+KERNELS = MappingProxyType(_KERNELS)  # the registered kernels by name (read-only view)
+
+
+def register(kernel: StepKernel, *, replace: bool = False) -> StepKernel:
+    """Make ``kernel`` the step kernel named ``kernel.name`` (``enable(kernel=name)``). It follows
+    ``StepKernel``: ``name``, ``takes_tnd`` (whether one call takes a step's packed segments,
+    ``layout="TND"`` with ``actual_seq_lens``), ``forward`` and ``backward``. Every rank of a CP
+    group must register the same kernels (the agreement compares the name). ``replace``: allow
+    another kernel of that name to be replaced."""
+    name = getattr(kernel, "name", None)
+    if not isinstance(name, str) or not name:
+        raise TypeError(f"register: kernel={kernel!r} needs a non-empty string name")
+    if not isinstance(kernel, StepKernel) or not isinstance(getattr(kernel, "takes_tnd", None), bool):
+        raise TypeError(f"register: kernel {name!r} does not follow cp_cache.kernels.StepKernel (name, takes_tnd: "
+                        "bool, forward, backward)")
+    with _lock:
+        if name in _KERNELS and _KERNELS[name] is not kernel and not replace:
+            raise ValueError(f"register: a step kernel named {name!r} exists; pass replace=True to replace it")
+        _KERNELS[name] = kernel
+    return kernel
+
+
+def kernel_names() -> tuple[str, ...]:
+    """The registered kernels' names."""
+    return tuple(_KERNELS)
 
 
 def get_kernel(name: str | None = None) -> StepKernel:
     """The step kernel called ``name``; by default "npu" when its op exists (real or
-    emulated), else "reference"."""
+    emulated), else "torch"."""
     if name is None:
-        name = "npu" if npu_available() else "reference"
-    try:
-        return KERNEL_BY_NAME[name]
-    except KeyError:
-        raise ValueError(f"unknown step kernel {name!r}; known: {', '.join(sorted(KERNEL_BY_NAME))}") from None
+        name = "npu" if npu_available() else "torch"
+    found = _KERNELS.get(name)
+    if found is None:
+        raise ValueError(f"unknown step kernel {name!r}; registered: {', '.join(sorted(_KERNELS))}")
+    return found
+
+
+register(NpuKernel())
+register(TorchKernel())
+register(ReferenceKernel())

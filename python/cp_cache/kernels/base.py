@@ -5,11 +5,12 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Optional, Protocol, runtime_checkable
 
+import torch
 from torch import Tensor
 
 from ..npu_ops import INT_MAX
 
-__all__ = ["StepForward", "StepKernel", "StepMask"]
+__all__ = ["StepForward", "StepKernel", "StepMask", "masked_positions", "repeat_kv_heads", "sum_kv_heads"]
 
 
 @dataclass(frozen=True)
@@ -22,6 +23,36 @@ class StepMask:
     pre_tockens: int = INT_MAX
     next_tockens: int = INT_MAX
     block: Optional[Tensor] = field(default=None, compare=False)
+
+
+def masked_positions(mask: StepMask, sq: int, sk: int, device) -> Optional[Tensor]:
+    """The block's [sq, sk] bool mask, True = masked out (None: "none"): "causal" left-up, "band"
+    anchored at the bottom-right corner as sparse_mode 4, "given" its block."""
+    if mask.kind == "none":
+        return None
+    if mask.kind == "given":
+        return mask.block.bool()
+    i = torch.arange(sq, device=device).view(-1, 1)
+    j = torch.arange(sk, device=device).view(1, -1)
+    if mask.kind == "causal":
+        return j > i
+    if mask.kind == "band":
+        d = sk - sq
+        return (j - i > mask.next_tockens + d) | (i - j > mask.pre_tockens - d)
+    raise ValueError(f"unknown step mask kind {mask.kind!r}")
+
+
+def repeat_kv_heads(x: Tensor, groups: int) -> Tensor:
+    """[B, Nkv, S, D] -> [B, Nkv*groups, S, D]: query head h uses K/V head h // groups (GQA)."""
+    return x if groups == 1 else x.repeat_interleave(groups, dim=1)
+
+
+def sum_kv_heads(x: Tensor, groups: int) -> Tensor:
+    """[B, Nkv*groups, S, D] -> [B, Nkv, S, D], each group summed: the gradient of ``repeat_kv_heads``."""
+    if groups == 1:
+        return x
+    b, n, s, d = x.shape
+    return x.view(b, n // groups, groups, s, d).sum(dim=2)
 
 
 @dataclass
@@ -47,10 +78,14 @@ class StepKernel(Protocol):
     ``mask`` (``StepMask``) in the op's terms: "none", "causal" (left-up,
     sparse_mode 2), "band" (sparse_mode 4 with its pre/next_tockens, anchored at the
     bottom-right corner) or "given" (its ``block``, True = masked out).
-    K/V may have fewer heads than Q (GQA, Nq % Nkv == 0); kernels handle it.
+    K/V may have fewer heads than Q (GQA, Nq % Nkv == 0); kernels handle it. ``takes_tnd``:
+    whether one call takes a step's packed segments (``layout="TND"``, ``actual_seq_lens``: the
+    segments' cumulative query and K/V ends, CPU int64; the LSE then ``[T, N]``); a kernel without
+    it is called once per segment.
     """
 
     name: str
+    takes_tnd: bool
 
     def forward(
         self,
@@ -63,6 +98,7 @@ class StepKernel(Protocol):
         scale: float,
         keep_prob: float,
         mask: StepMask,
+        actual_seq_lens: Optional[tuple[Tensor, Tensor]] = None,
     ) -> StepForward: ...
 
     def backward(
@@ -81,6 +117,7 @@ class StepKernel(Protocol):
         mask: StepMask,
         seed: Optional[Tensor],
         offset: Optional[Tensor],
+        actual_seq_lens: Optional[tuple[Tensor, Tensor]] = None,
     ) -> tuple[Tensor, Tensor, Tensor]:
         """Gradients of this block given the FINAL merged ``out`` (query dtype) and
         float32 ``lse`` of these query rows; returns dq, dk, dv (float32 allowed)."""

@@ -8,28 +8,16 @@ import torch
 from torch import Tensor
 
 from .. import layout as L
-from .base import StepForward, StepMask
+from .base import StepForward, StepMask, masked_positions, repeat_kv_heads, sum_kv_heads
 
 __all__ = ["ReferenceKernel"]
-
-
-def _expand_kv(x: Tensor, groups: int) -> Tensor:
-    # [B, Nkv, S, D] -> [B, Nkv*groups, S, D]; query head h uses kv head h // groups
-    return x if groups == 1 else x.repeat_interleave(groups, dim=1)
-
-
-def _reduce_kv(x: Tensor, groups: int) -> Tensor:
-    # [B, Nkv*groups, S, D] -> [B, Nkv, S, D], summing each group
-    if groups == 1:
-        return x
-    b, n, s, d = x.shape
-    return x.view(b, n // groups, groups, s, d).sum(dim=2)
 
 
 class ReferenceKernel:
     """Plain-torch step kernel. No dropout (keep_prob < 1 raises NotImplementedError)."""
 
     name = "reference"
+    takes_tnd = False
 
     def _prepare(self, q, k, v, layout, head_num, keep_prob):
         if keep_prob != 1.0:
@@ -43,26 +31,15 @@ class ReferenceKernel:
             raise ValueError(f"head_num={head_num} is not a multiple of the K/V head count {nkv}")
         groups = head_num // nkv
         qb = L.to_bnsd(q, layout, head_num).float()
-        kb = _expand_kv(L.to_bnsd(k, layout, nkv).float(), groups)
-        vb = _expand_kv(L.to_bnsd(v, layout, nkv).float(), groups)
+        kb = repeat_kv_heads(L.to_bnsd(k, layout, nkv).float(), groups)
+        vb = repeat_kv_heads(L.to_bnsd(v, layout, nkv).float(), groups)
         return qb, kb, vb, nkv, groups
 
     @staticmethod
     def _scores(qb: Tensor, kb: Tensor, scale: float, mask: StepMask) -> Tensor:
         s = torch.matmul(qb, kb.transpose(-1, -2)) * scale
-        sq, sk = s.shape[-2], s.shape[-1]
-        i = torch.arange(sq, device=s.device).view(-1, 1)
-        j = torch.arange(sk, device=s.device).view(1, -1)
-        if mask.kind == "causal":
-            masked = j > i
-        elif mask.kind == "band":  # anchored at the bottom-right corner, as sparse_mode 4
-            d = sk - sq
-            masked = (j - i > mask.next_tockens + d) | (i - j > mask.pre_tockens - d)
-        elif mask.kind == "given":
-            masked = mask.block.bool()
-        else:
-            return s
-        return s.masked_fill(masked, float("-inf"))
+        masked = masked_positions(mask, s.shape[-2], s.shape[-1], s.device)
+        return s if masked is None else s.masked_fill(masked, float("-inf"))
 
     @staticmethod
     def _probs(s: Tensor, lse: Tensor) -> Tensor:
@@ -70,7 +47,8 @@ class ReferenceKernel:
         safe = torch.where(torch.isneginf(lse), torch.zeros_like(lse), lse)
         return torch.exp(s - safe.unsqueeze(-1))
 
-    def forward(self, q, k, v, *, layout, head_num, scale, keep_prob, mask: StepMask) -> StepForward:
+    def forward(self, q, k, v, *, layout, head_num, scale, keep_prob, mask: StepMask,
+                actual_seq_lens=None) -> StepForward:
         qb, kb, vb, _, _ = self._prepare(q, k, v, layout, head_num, keep_prob)
         s = self._scores(qb, kb, scale, mask)
         lse = torch.logsumexp(s, dim=-1)
@@ -85,7 +63,7 @@ class ReferenceKernel:
 
     def backward(
         self, q, k, v, dout, out, lse, *, layout, head_num, scale, keep_prob, mask: StepMask,
-        seed: Optional[Tensor] = None, offset: Optional[Tensor] = None,
+        seed: Optional[Tensor] = None, offset: Optional[Tensor] = None, actual_seq_lens=None,
     ):
         qb, kb, vb, nkv, groups = self._prepare(q, k, v, layout, head_num, keep_prob)
         dob = L.to_bnsd(dout, layout, head_num).float()
@@ -98,8 +76,8 @@ class ReferenceKernel:
         ds = p * (dp - delta)
         dq = torch.matmul(ds, kb) * scale
         dk = torch.matmul(ds.transpose(-1, -2), qb) * scale
-        dk = _reduce_kv(dk, groups)
-        dv = _reduce_kv(dv, groups)
+        dk = sum_kv_heads(dk, groups)
+        dv = sum_kv_heads(dv, groups)
         return (
             L.from_bnsd(dq, layout),
             L.from_bnsd(dk, layout),

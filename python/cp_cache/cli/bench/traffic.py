@@ -101,7 +101,8 @@ def _one(kind: str, fields: dict, exchange: str, rank: int, world: int, shape: d
 
     import torch.distributed as dist
 
-    from ...algorithms import run_backward, run_forward, strategy_for
+    from ...algorithms import run_backward, run_forward
+    from ...handlers.attention import strategy_for
     from ...kernels import get_kernel
     from ..compare.patches import SentCounter
 

@@ -1,0 +1,179 @@
+"""Step kernels: the "torch" kernel (torch's fused CPU attention) on one block against float64
+dense for every mask kind, layout, GQA, MLA (the reference math), bfloat16 and rows that see no
+key, within error_bound of dense torch in the same dtype; its dropout refusal; and the registry:
+a kernel registered on every rank runs a CP call (packed documents per segment, as it takes no
+TND), bad registrations and unknown names are refused naming them, and ranks that run different
+kernels raise the same error naming the kernel."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from cp_cache import layout as L
+from cp_cache.kernels import StepMask, get_kernel, kernel_names, register
+from cp_cache.testing.multiprocess import capture, run_ranks
+from cp_cache.testing.reference import error_bound, rel_err
+
+SQ, SK, D = 6, 10, 8
+
+
+def _masks():
+    g = torch.Generator().manual_seed(4)
+    given = torch.rand(SQ, SK, generator=g) > 0.6
+    given[1] = True  # a row that sees no key
+    return {"none": StepMask("none"), "causal": StepMask("causal"), "band": StepMask("band", 3, 0),
+            "given": StepMask("given", block=given)}
+
+
+def _dense(q, k, v, dout, masked, scale, dtype):
+    """Dense attention in ``dtype`` ([B, N, S, D], K/V already at N heads): out, lse, dq, dk, dv."""
+    q, k, v, dout = (t.to(dtype).detach().requires_grad_(t is not dout) for t in (q, k, v, dout))
+    s = torch.matmul(q, k.transpose(-1, -2)) * scale
+    if masked is not None:
+        s = s.masked_fill(masked, float("-inf"))
+    lse = torch.logsumexp(s, -1)
+    p = torch.exp(s - torch.where(torch.isneginf(lse), torch.zeros_like(lse), lse).unsqueeze(-1))
+    out = torch.matmul(p, v)
+    out.backward(dout)
+    return {"out": out, "lse": lse, "dq": q.grad, "dk": k.grad, "dv": v.grad}
+
+
+def _block(mask: StepMask):
+    from cp_cache.kernels.base import masked_positions
+
+    sk = SQ if mask.kind == "causal" else SK  # the ring's causal blocks are square
+    return sk, masked_positions(mask, SQ, sk, "cpu")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("layout", ["BNSD", "BSND", "BSH", "SBH"])
+@pytest.mark.parametrize("mask_kind", ["none", "causal", "band", "given"])
+@pytest.mark.parametrize("heads", [(4, 4, D), (4, 2, D), (2, 2, 4)], ids=["mha", "gqa", "mla"])
+def test_torch_kernel_matches_float64(mask_kind, layout, dtype, heads):
+    nq, nkv, dv = heads
+    mask = _masks()[mask_kind]
+    sk, masked = _block(mask)
+    g = torch.Generator().manual_seed(7)
+    q = torch.randn(1, nq, SQ, D, generator=g, dtype=torch.float64).to(dtype).double()
+    k = torch.randn(1, nkv, sk, D, generator=g, dtype=torch.float64).to(dtype).double()
+    v = torch.randn(1, nkv, sk, dv, generator=g, dtype=torch.float64).to(dtype).double()
+    dout = torch.randn(1, nq, SQ, dv, generator=g, dtype=torch.float64).to(dtype).double()
+    expand = lambda t: t.repeat_interleave(nq // nkv, 1)  # noqa: E731
+    truth = _dense(q, expand(k), expand(v), dout, masked, 0.3, torch.float64)
+    low = _dense(q, expand(k), expand(v), dout, masked, 0.3, dtype)
+    kernel, lay = get_kernel("torch"), layout
+    args = [L.from_bnsd(t.to(dtype), lay) for t in (q, k, v)]
+    fwd = kernel.forward(*args, layout=lay, head_num=nq, scale=0.3, keep_prob=1.0, mask=mask)
+    assert fwd.out.dtype == dtype and fwd.lse.dtype == torch.float32
+    assert torch.equal(torch.isneginf(fwd.lse), torch.isneginf(truth["lse"]))  # the row that sees nothing
+    grads = kernel.backward(*args, L.from_bnsd(dout.to(dtype), lay), L.from_bnsd(truth["out"].to(dtype), lay),
+                            truth["lse"].float(), layout=lay, head_num=nq, scale=0.3, keep_prob=1.0, mask=mask,
+                            seed=None, offset=None)
+    got = {"out": L.to_bnsd(fwd.out, lay, nq), "dq": L.to_bnsd(grads[0], lay, nq),
+           "dk": L.to_bnsd(grads[1], lay, nkv), "dv": L.to_bnsd(grads[2], lay, nkv)}
+    truth["dk"], truth["dv"], low["dk"], low["dv"] = (t.view(1, nkv, -1, *t.shape[2:]).sum(2) for t in (
+        truth["dk"], truth["dv"], low["dk"], low["dv"]))
+    live = torch.isfinite(truth["lse"])
+    factor, floor = (20.0, 32.0) if dtype == torch.float32 else (4.0, 0.5)
+    for name, value in got.items():
+        bound = error_bound(rel_err(low[name].double(), truth[name]), dtype=dtype, factor=factor, floor=floor)
+        assert rel_err(value.double(), truth[name]) <= bound, (name, rel_err(value.double(), truth[name]), bound)
+    lse_bound = error_bound(rel_err(low["lse"][live].double(), truth["lse"][live]), dtype=dtype, factor=factor,
+                            floor=floor)
+    assert rel_err(fwd.lse[live].double(), truth["lse"][live]) <= lse_bound
+
+
+def test_torch_kernel_refuses_dropout_naming_itself():
+    q = torch.randn(1, 2, 4, 8)
+    kind, message = capture(lambda: get_kernel("torch").forward(q, q, q, layout="BNSD", head_num=2, scale=0.3,
+                                                                keep_prob=0.9, mask=StepMask("none")))
+    assert kind == "NotImplementedError" and "torch step kernel" in message and "keep_prob=0.9" in message
+
+
+class _Counted:
+    """The reference kernel, counting its calls: a kernel of the user's, registered by name."""
+
+    name = "counted"
+    takes_tnd = False
+
+    def __init__(self):
+        self.calls = 0
+        self._inner = get_kernel("reference")
+
+    def forward(self, *args, **kwargs):
+        self.calls += 1
+        return self._inner.forward(*args, **kwargs)
+
+    def backward(self, *args, **kwargs):
+        self.calls += 1
+        return self._inner.backward(*args, **kwargs)
+
+
+def test_registry_refuses_what_it_cannot_take():
+    assert {"npu", "torch", "reference"} <= set(kernel_names())
+    kind, message = capture(lambda: register(object()))
+    assert kind == "TypeError" and "name" in message
+    kind, message = capture(lambda: register(type("K", (), {"name": "half", "forward": None})()))
+    assert kind == "TypeError" and "'half'" in message and "StepKernel" in message
+    kind, message = capture(lambda: register(type(get_kernel("reference"))()))
+    assert kind == "ValueError" and "'reference'" in message and "replace=True" in message
+    kind, message = capture(lambda: get_kernel("nope"))
+    assert kind == "ValueError" and "'nope'" in message and "reference" in message
+    import cp_cache
+
+    kind, message = capture(lambda: cp_cache.enable(kernel="nope"))
+    assert kind == "ValueError" and "kernel='nope'" in message
+
+
+def _rank(rank: int, world: int) -> dict:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Shard
+
+    import cp_cache
+    from cp_cache.npu_ops import causal_arguments
+
+    cp_cache.emulator.install_npu_emulator()
+    counted = register(_Counted())
+    mesh = init_device_mesh("cpu", (world,))
+    g = torch.Generator().manual_seed(rank)
+    out = {}
+
+    def call(kernel: str, layout: str = "BNSD"):
+        cp_cache.enable(kernel=kernel)
+        try:
+            with cp_cache.context_parallel(mesh):
+                if layout == "TND":
+                    cu = torch.tensor([5, 12, 20])
+                    local = [torch.randn(10, 2, 8, generator=g, requires_grad=True) for _ in range(3)]
+                    q, k, v = (DTensor.from_local(t, mesh, [Shard(0)], shape=(20, 2, 8), stride=(16, 8, 1))
+                               for t in local)
+                    extra = dict(actual_seq_qlen=cu, actual_seq_kvlen=cu)
+                else:
+                    local = [torch.randn(1, 2, 4, 8, generator=g, requires_grad=True) for _ in range(3)]
+                    q, k, v = (DTensor.from_local(t, mesh, [Shard(2)]) for t in local)
+                    extra = {}
+                res = torch.ops.npu.npu_fusion_attention_v3(q, k, v, 2, layout, scale=0.3,
+                                                            **causal_arguments("cpu"), **extra)
+                res[0].to_local().sum().backward()
+        finally:
+            cp_cache.disable()
+
+    before = counted.calls
+    call("counted")
+    out["dense_calls"] = counted.calls - before
+    before = counted.calls
+    call("counted", "TND")
+    out["tnd_calls"] = counted.calls - before
+    out["differ"] = capture(lambda: call("torch" if rank == 0 else "reference"))
+    return out
+
+
+def test_a_registered_kernel_runs_and_ranks_that_differ_raise_together():
+    results = run_ranks(_rank, 2, timeout=120.0)
+    for rank, res in enumerate(results):
+        assert res["dense_calls"] >= 4, res  # two steps forward, two backward
+        assert res["tnd_calls"] >= 4, res  # per segment: as many calls as a step has segments
+        kind, message = res["differ"]
+        assert kind == "RuntimeError" and "kernel: rank 0 'torch', rank 1 'reference'" in message, res
+    assert results[0]["differ"] == results[1]["differ"]
