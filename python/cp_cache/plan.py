@@ -147,7 +147,7 @@ class CallPlan:
         the rows of its block that rank's queries may attend to, and nothing else) or "ring"
         (whole blocks relayed round the ring).
     sink: whether the call has attention sinks (merged once into the strategy's result by the
-        custom ops, ``handlers/ops.py``; the strategies never see them).
+        custom ops, ``handlers/attention.py``; the strategies never see them).
     keep_kv: the ring's forward keeps the K/V rows it received (in its step records) and its
         backward uses them instead of receiving them again (the direct exchange only).
     grad_partials: "float32" or "input": the dtype of the dK/dV partials the ring's backward

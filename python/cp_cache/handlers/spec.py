@@ -9,7 +9,7 @@ is shared with the other ranks (``share_refusal``). The spec also wraps the op's
 back into DTensors.
 
 The backward reads its own arguments the same way only to check them: it runs the plan its
-forward recorded (``handlers/ops.ring_backward``), so its spec resolves no ``auto`` algorithm.
+forward recorded (``handlers/attention.ring_backward``), so its spec resolves no ``auto`` algorithm.
 
 Packed documents (``input_layout="TND"``, docs/documents.md): q/k/v are DTensors ``Shard(0)`` on
 a 1-D mesh (ring or Ulysses), or ``(Shard(0), Shard(0))`` on a 2-D one (hybrid); the lengths are
