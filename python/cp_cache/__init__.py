@@ -1,9 +1,6 @@
 """cp_cache: context-parallel ring attention for Ascend NPUs with a native step-cache store.
 
-The step cache of each attention call travels through autograd as a handle
-tensor whose storage owns it (docs/lifetime.md). ``cp_cache.emulator`` (the NPU ops on
-CPU) and ``cp_cache.testing`` (a toy model, a multi-rank launcher, dense references) are
-loaded only when asked for.
+``cp_cache.emulator`` (the NPU ops on CPU) and ``cp_cache.testing`` are loaded only when asked for.
 """
 
 from __future__ import annotations
@@ -21,28 +18,10 @@ from .dispatch import active_config, active_mesh, call_stats, context_parallel, 
 from .packing import document_layout, pad_documents, shard_documents, unshard_documents
 from .sharding import shard_sequence, unshard_sequence
 
-__all__ = [
-    "CPConfig",
-    "StepCache",
-    "StepCacheStore",
-    "active_config",
-    "active_mesh",
-    "call_stats",
-    "context_parallel",
-    "current_graph_task_id",
-    "disable",
-    "document_layout",
-    "enable",
-    "enabled",
-    "pad_documents",
-    "reset_peak",
-    "shard_documents",
-    "shard_sequence",
-    "stats",
-    "store",
-    "unshard_documents",
-    "unshard_sequence",
-]
+__all__ = ["CPConfig", "StepCache", "StepCacheStore", "active_config", "active_mesh", "call_stats",
+           "context_parallel", "current_graph_task_id", "disable", "document_layout", "enable", "enabled",
+           "pad_documents", "reset_peak", "shard_documents", "shard_sequence", "stats", "store",
+           "unshard_documents", "unshard_sequence"]
 
 
 def store() -> StepCacheStore:
@@ -51,8 +30,8 @@ def store() -> StepCacheStore:
 
 
 def stats() -> dict:
-    """Counters of the process-wide store: live_entries, live_bytes, peak_entries,
-    peak_bytes, created, released, pushed, popped, skipped_recompute_pushes, stack_depth."""
+    """Counters of the process-wide store (docs/api.md): live and peak entries and bytes, created,
+    released, pushed, popped, skipped_recompute_pushes, stack_depth."""
     return _C.default_store().stats()
 
 
@@ -67,8 +46,7 @@ def current_graph_task_id() -> int:
 
 
 def __getattr__(name: str):
-    # ``cp_cache.emulator`` and ``cp_cache.testing`` work after a bare ``import cp_cache``,
-    # loaded on first use (``import cp_cache`` loads neither).
+    # ``cp_cache.emulator`` and ``cp_cache.testing`` after a bare ``import cp_cache``: loaded on first use
     if name in ("emulator", "testing"):
         return importlib.import_module(f".{name}", __name__)
     raise AttributeError(f"module 'cp_cache' has no attribute {name!r}")

@@ -1,7 +1,8 @@
-"""What ``cp_cache.enable()`` decides, frozen, and the one place torch's CP options are read.
+"""What ``cp_cache.enable()`` decides, frozen: ``CPConfig``, its environment fallbacks and
+``document_placement`` (the placement a TND call uses).
 
-``enable()`` builds one ``CPConfig`` and registers handlers bound to it; nothing
-else carries configuration to the handlers.
+``enable()`` builds one ``CPConfig`` and registers handlers bound to it; nothing else carries
+configuration to the handlers.
 """
 
 from __future__ import annotations
@@ -16,25 +17,10 @@ from .placement import BALANCED, CONTIGUOUS, HEAD_TAIL
 from .plan import ALGORITHMS, EXCHANGES, GRAD_PARTIALS, check_exchange_options
 from .step_cache import HANDLE_POLICY, POLICIES, STACK_POLICY
 
-__all__ = [
-    "HANDLE_POLICY",
-    "STACK_POLICY",
-    "POLICIES",
-    "POLICY_ENV",
-    "FUSED_MERGE_ENV",
-    "ALGORITHMS",
-    "ALGORITHM_ENV",
-    "EXCHANGES",
-    "EXCHANGE_ENV",
-    "DOCUMENT_PLACEMENTS",
-    "DOCUMENTS_ENV",
-    "DOCUMENT_CAPACITY_ENV",
-    "CPConfig",
-    "resolve_config",
-    "document_placement",
-    "documents_from_env",
-    "document_capacity_from_env",
-]
+__all__ = ["HANDLE_POLICY", "STACK_POLICY", "POLICIES", "POLICY_ENV", "FUSED_MERGE_ENV", "ALGORITHMS",
+           "ALGORITHM_ENV", "EXCHANGES", "EXCHANGE_ENV", "DOCUMENT_PLACEMENTS", "DOCUMENTS_ENV",
+           "DOCUMENT_CAPACITY_ENV", "CPConfig", "resolve_config", "document_placement",
+           "documents_from_env", "document_capacity_from_env"]
 
 POLICY_ENV = "CP_CACHE_POLICY"
 FUSED_MERGE_ENV = "CP_CACHE_FUSED_MERGE"
@@ -49,30 +35,23 @@ GRAD_PARTIALS_ENV = "CP_CACHE_GRAD_PARTIALS"
 
 @dataclass(frozen=True)
 class CPConfig:
-    """How the CP attention handlers run.
+    """How the CP attention handlers run (docs/api.md).
 
-    policy: where the step cache waits for its backward: "handle" (in the op's seed
-        output, owned by autograd) or "stack" (torch_npu's discipline, natively).
-    kernel: the step kernel, "npu" or "reference"; None picks "npu" when the op exists.
-    algorithm: how the sequence is distributed: "ring", "ulysses" (all-to-all to head
-        shards), "hybrid" (Ulysses over the inner of two CP mesh dims, the ring over the
-        outer) or "auto" (per call, ``plan.choose_algorithm``).
-    fused_merge: merge ring steps with ``npu_ring_attention_update`` when the op exists
-        (else, or when False, the float32 merge in plain torch).
-    exchange: how the ring's K/V travel: "direct" (each rank sends each other rank only the
-        rows that rank's queries may attend to) or "ring" (whole blocks relayed round the ring).
-    documents: where packed documents (TND) go under load balancing: "balanced" (whole
-        documents where the balance allows, long ones head-tail over as few ranks as needed)
-        or "head_tail" (every document over all ranks); without load balancing, contiguous.
-    document_capacity: packed documents (TND) at a fixed shape: every rank holds this many rows,
-        its placed tokens first, then padding (attending to nothing, zero gradients), and the
-        global sequence is W x capacity rows; None: each rank holds what its placement gives it.
-    keep_kv: the ring's forward keeps the K/V rows it received (in the step cache) for its
-        backward, which then receives no K/V and sends only the dK/dV partials: memory for
-        traffic (the direct exchange only; Ulysses' all-to-alls keep nothing).
-    grad_partials: the dtype of the dK/dV partials the ring's backward sends back to their
-        owners: "float32" (default) or "input" (K/V's dtype: half the bytes in bf16/fp16, one
-        rounding per partial before the owner adds it in float32; the direct exchange only).
+    policy: where the step cache waits for its backward: "handle" (owned by autograd) or "stack".
+    kernel: the step kernel; None picks "npu" when the op exists.
+    algorithm: "ring", "ulysses", "hybrid" (Ulysses over the inner of two CP mesh dims, the ring
+        over the outer) or "auto" (per call, ``plan.choose_algorithm``).
+    fused_merge: merge ring steps with ``npu_ring_attention_update`` when the op exists.
+    exchange: "direct" (each rank sends each other rank only the K/V rows its queries may attend
+        to) or "ring" (whole blocks relayed round the ring).
+    documents: where packed documents go under load balancing, "balanced" or "head_tail"
+        (without load balancing: contiguous).
+    document_capacity: packed documents at a fixed shape: rows per rank, placed tokens first,
+        then padding; None: what the placement gives each rank.
+    keep_kv: the ring's forward keeps the K/V rows it received for its backward (memory for
+        traffic; the direct exchange only).
+    grad_partials: the dtype of the dK/dV partials sent back to their owners, "float32" or
+        "input" (K/V's dtype: half the bytes in bf16/fp16; the direct exchange only).
     """
 
     policy: str = HANDLE_POLICY
@@ -105,10 +84,8 @@ def resolve_config(policy: str | None = None, *, kernel: str | None = None,
                    exchange: str | None = None, documents: str | None = None,
                    keep_kv: bool | None = None, grad_partials: str | None = None,
                    document_capacity: int | None = None) -> CPConfig:
-    """A CPConfig from explicit arguments, falling back on the environment (CP_CACHE_POLICY,
-    CP_CACHE_FUSED_MERGE: "0" turns the fused merge off, CP_CACHE_ALGORITHM, CP_CACHE_EXCHANGE,
-    CP_CACHE_DOCUMENTS, CP_CACHE_KEEP_KV: "1" keeps the received K/V for the backward,
-    CP_CACHE_GRAD_PARTIALS: "float32" or "input", CP_CACHE_DOCUMENT_CAPACITY: rows per rank)."""
+    """A CPConfig from explicit arguments, else the environment: ``CP_CACHE_<ARGUMENT>`` for each
+    but ``kernel`` (the flags CP_CACHE_FUSED_MERGE and CP_CACHE_KEEP_KV take 0 or 1)."""
     if exchange is None:
         exchange = _from_env(EXCHANGE_ENV, "direct", EXCHANGES, "exchange")
     if algorithm is None:
@@ -120,9 +97,8 @@ def resolve_config(policy: str | None = None, *, kernel: str | None = None,
     if policy is None:
         policy = os.environ.get(POLICY_ENV, HANDLE_POLICY)
         if policy not in POLICIES:
-            raise ValueError(
-                f"environment variable {POLICY_ENV}={policy!r} is not a cp_cache policy; use one of {POLICIES}"
-            )
+            raise ValueError(f"environment variable {POLICY_ENV}={policy!r} is not a cp_cache policy; use one of "
+                             f"{POLICIES}")
     if fused_merge is None:
         fused_merge = _flag_from_env(FUSED_MERGE_ENV, True)
     if keep_kv is None:

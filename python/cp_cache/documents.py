@@ -1,21 +1,15 @@
-"""Packed documents (TND) under context parallelism: the cumulative lengths, the
-per-document sharding layout, and the user helpers (docs/documents.md).
+"""Packed documents (TND) under CP: their cumulative ends, which positions each rank holds,
+the fixed-shape capacity, and the checks of an op's documents (docs/documents.md).
 
-A packed sequence of T tokens holds documents given by their cumulative end offsets
-``cu_seqlens`` (``actual_seq_qlen`` of the op: strictly increasing, the last = T). Which
-rank holds which tokens is the placement's (``placement.py``: "balanced", "head_tail",
-"contiguous"); every rank holds its tokens in increasing global position.
-
-``document_pieces`` / ``document_positions`` are the one rule; the ring's per-step plan
-(``algorithms/packed.py``) and the user helpers ``document_layout``, ``shard_documents`` /
-``unshard_documents`` (``packing``) follow it.
+Documents are given by their cumulative ends ``cu`` (``actual_seq_qlen``: strictly increasing,
+the last = T); the placement (``placement.py``) decides which rank holds which tokens, each rank
+in increasing global position.
 
 On a two-dimensional CP mesh (hybrid: Ulysses over the inner dimension, the ring over the
-outer), ``world`` is the pair of sizes (W0, W1), outer first: the placement lays the documents
-over the W0 outer positions, and each outer share (its tokens in increasing position) is cut into
-W1 contiguous slices whose sizes differ by at most one; CP rank i*W1 + j (mesh coordinate (i, j))
-holds slice j of share i. Ulysses' all-to-all over the inner ranks then gathers share i whole, in
-the order the ring over the outer ranks takes it.
+outer) ``world`` is (W0, W1), outer first: the documents are placed over the W0 outer positions
+and each outer share is cut into W1 contiguous slices (sizes differing by at most one); CP rank
+i*W1 + j holds slice j of share i, so Ulysses' all-to-all over the inner ranks gathers share i
+whole, in the order the outer ring takes it.
 """
 
 from __future__ import annotations
@@ -29,32 +23,16 @@ from torch import Tensor
 
 from .placement import BALANCED, CONTIGUOUS, PLACEMENTS, Piece, check_placeable, placement_pieces, sequence_pieces
 
-__all__ = [
-    "cumulative_lengths",
-    "check_lengths_tensor",
-    "check_documents",
-    "document_pieces",
-    "document_positions",
-    "sequence_positions",
-    "sequence_order",
-    "placement_positions",
-    "placement_order",
-    "mesh_sizes",
-    "local_lengths",
-    "check_local_length",
-    "check_capacity",
-    "check_capacity_fits",
-    "check_capacity_rows",
-    "capacity_positions",
-    "same_documents",
-    "check_packed_tokens",
-    "read_documents",
-]
+__all__ = ["cumulative_lengths", "check_lengths_tensor", "check_documents", "document_pieces",
+           "document_positions", "sequence_positions", "sequence_order", "placement_positions",
+           "placement_order", "mesh_sizes", "local_lengths", "check_local_length", "check_capacity",
+           "check_capacity_fits", "check_capacity_rows", "capacity_positions", "same_documents",
+           "check_packed_tokens", "read_documents"]
 
 
 def cumulative_lengths(value: Any, name: str = "cu_seqlens") -> tuple[int, ...]:
-    """The cumulative end offsets given as ``name`` (a 1-D integer tensor, or a list of ints),
-    checked to be strictly increasing and positive; ValueError naming the values otherwise."""
+    """The cumulative ends given as ``name`` (a 1-D integer tensor or a list of ints), checked
+    strictly increasing and positive; ValueError naming the values."""
     if isinstance(value, Tensor):
         check_lengths_tensor(value, name)
         ends = tuple(int(x) for x in value.tolist())
@@ -65,18 +43,15 @@ def cumulative_lengths(value: Any, name: str = "cu_seqlens") -> tuple[int, ...]:
                          f"got {type(value).__name__}")
     if not ends:
         raise ValueError(f"{name} is empty; it needs the cumulative end of every document (the last = T)")
-    previous = 0
-    for i, end in enumerate(ends):
+    for i, (previous, end) in enumerate(zip((0,) + ends, ends)):
         if end <= previous:
             raise ValueError(f"{name}={list(ends)} must be strictly increasing cumulative document ends: entry {i} "
                              f"is {end} after {previous} (document {i} would have length {end - previous})")
-        previous = end
     return ends
 
 
 def check_lengths_tensor(value: Tensor, name: str = "cu_seqlens") -> None:
-    """What a tensor of cumulative document ends must be, from its shape and dtype alone (its
-    values are not read: under fake tensors they are unknown): 1-D, integer, not empty."""
+    """1-D, integer, not empty: checked from shape and dtype alone (fake tensors have no values)."""
     if value.dim() != 1 or value.dtype.is_floating_point or value.dtype == torch.bool:
         raise ValueError(f"{name} must be a 1-D integer tensor of cumulative document ends, got a tensor of "
                          f"shape {tuple(value.shape)} and dtype {value.dtype}")
@@ -88,8 +63,7 @@ World = Union[int, Sequence[int]]  # W ranks, or the sizes (W0, W1) of a two-dim
 
 
 def mesh_sizes(world: World) -> tuple[int, ...]:
-    """``world`` as the sizes of the CP mesh dimensions the documents lie over, outer first: (W,)
-    for an int, else (W0, W1) (hybrid; see the module docstring)."""
+    """``world`` as the CP mesh sizes the documents lie over, outer first: (W,) or (W0, W1)."""
     sizes = (int(world),) if isinstance(world, int) else tuple(int(s) for s in world)
     if len(sizes) not in (1, 2) or min(sizes) < 1:
         raise ValueError(f"world={world!r}: packed documents lie over W ranks (an int >= 1) or a two-dimensional "
@@ -110,9 +84,8 @@ def _slices(length: int, parts: int) -> list[tuple[int, int]]:
 
 def check_documents(cu: Sequence[int], total: int, world_size: World, placement: str,
                     name: str = "cu_seqlens") -> None:
-    """ValueError unless the documents ``cu`` fill ``total`` tokens and ``placement`` can lay
-    them out over ``world_size`` ranks (head-tail: every length divides by 2W; contiguous: T by W);
-    on a (W0, W1) mesh, over W0, every share holding at least W1 tokens."""
+    """ValueError unless the documents ``cu`` fill ``total`` tokens and ``placement`` can lay them
+    out over ``world_size`` (on a (W0, W1) mesh: over W0, each share holding at least W1 tokens)."""
     if cu[-1] != total:
         raise ValueError(f"{name}={list(cu)}: the document lengths sum to {cu[-1]}, but the global sequence has "
                          f"T={total} tokens")
@@ -128,16 +101,14 @@ def check_documents(cu: Sequence[int], total: int, world_size: World, placement:
 
 def document_pieces(cu: Sequence[int], rank: int, world_size: int,
                     placement: str) -> list[tuple[int, int, int, int]]:
-    """The pieces of documents ``rank`` holds under ``placement``, in local order (increasing
-    global position): (document, local start, global start, length)."""
+    """(document, local start, global start, length) of the pieces ``rank`` holds, in local order."""
     if not isinstance(placement, str):
         raise TypeError(f"placement={placement!r}: give a placement name, one of {PLACEMENTS}")
     return [(p.document, p.local, p.start, p.length) for p in placement_pieces(cu, world_size, placement)[rank]]
 
 
 def document_positions(cu: Sequence[int], rank: int, world_size: World, placement: str) -> Tensor:
-    """The global token positions ``rank`` holds, in local order (int64); on a (W0, W1) mesh,
-    ``rank`` is i*W1 + j."""
+    """The global positions (int64) ``rank`` holds, in local order; on a (W0, W1) mesh rank i*W1 + j."""
     sizes = mesh_sizes(world_size)
     if len(sizes) == 1:
         return _positions(placement_pieces(cu, sizes[0], placement)[rank])
@@ -147,8 +118,7 @@ def document_positions(cu: Sequence[int], rank: int, world_size: World, placemen
 
 
 def sequence_positions(rank: int, world_size: int, local_length: int, load_balance: bool) -> Tensor:
-    """The global positions ``rank`` holds of one sequence of ``world_size`` x ``local_length``
-    tokens, in local order (int64): ``placement.sequence_pieces``, the dense shards' one rule."""
+    """The global positions (int64) ``rank`` holds of a dense sequence of ``world_size`` x ``local_length``."""
     return _positions(sequence_pieces(rank, world_size, local_length, load_balance))
 
 
@@ -174,14 +144,13 @@ def placement_positions(cu: Sequence[int], world_size: World, placement: str) ->
 
 @functools.lru_cache(maxsize=16)  # the same documents in every layer of a step; callers only read it
 def placement_order(cu: tuple[int, ...], world_size: World, placement: str) -> Tensor:
-    """The global position of each row of the ranks' shards laid end to end in rank order
-    (``sequence_order`` of packed documents)."""
+    """``sequence_order`` of packed documents."""
     return torch.cat(placement_positions(cu, world_size, placement))
 
 
 def check_local_length(cu: Sequence[int], world_size: World, placement: str, rank: int, local_rows: int,
                        name: str = "actual_seq_qlen") -> None:
-    """ValueError, naming both, unless ``rank`` holds the ``local_rows`` tokens ``placement`` gives it."""
+    """ValueError unless ``rank`` holds the ``local_rows`` tokens ``placement`` gives it."""
     held = local_lengths(cu, world_size, placement)[rank]
     if local_rows != held:
         raise ValueError(f"rank {rank} holds {local_rows} local tokens, but placement {placement!r} of "
@@ -198,9 +167,6 @@ def local_lengths(cu: Sequence[int], world_size: World, placement: str) -> list[
     return [stop - start for share in shares for start, stop in _slices(share, sizes[1])]
 
 
-# ---------------------------------------------------------------- a fixed shape: the capacity
-
-
 def check_capacity(capacity: Any, name: str = "capacity") -> Optional[int]:
     """``capacity`` (rows every rank holds) when it is None or a positive int; ValueError naming it."""
     if capacity is not None and (isinstance(capacity, bool) or not isinstance(capacity, int) or capacity < 1):
@@ -210,8 +176,7 @@ def check_capacity(capacity: Any, name: str = "capacity") -> Optional[int]:
 
 def check_capacity_fits(cu: Sequence[int], world_size: int, placement: str, capacity: int,
                         name: str = "cu_seqlens", what: str = "capacity") -> list[int]:
-    """Each rank's placed tokens (``local_lengths``), after checking that every rank's fit in
-    ``capacity`` rows; ValueError naming the first rank that holds more and the least capacity."""
+    """Each rank's placed tokens; ValueError naming the first rank whose tokens exceed ``capacity``."""
     held = local_lengths(cu, world_size, placement)
     over = [rank for rank, n in enumerate(held) if n > capacity]
     if over:
@@ -222,8 +187,8 @@ def check_capacity_fits(cu: Sequence[int], world_size: int, placement: str, capa
 
 
 def check_capacity_rows(plan, *local_rows: int) -> list[int]:
-    """Each rank's placed tokens under a CallPlan's capacity, after checking that this rank's
-    ``local_rows`` are the capacity and that every rank's placed tokens fit in it."""
+    """Each rank's placed tokens under a CallPlan's capacity, checking that ``local_rows`` are the
+    capacity and that every rank's tokens fit in it."""
     for rows in local_rows:
         if rows != plan.capacity:
             raise ValueError(f"rank {plan.rank} holds {rows} local tokens, but document_capacity={plan.capacity} "
@@ -233,8 +198,8 @@ def check_capacity_rows(plan, *local_rows: int) -> list[int]:
 
 
 def capacity_positions(cu: Sequence[int], world_size: int, placement: str, capacity: int) -> list[Tensor]:
-    """Every rank's ``capacity`` global positions in local order: its placed tokens' positions,
-    then its padding rows' (positions T.. of a W x capacity sequence, rank 0's padding first)."""
+    """Every rank's ``capacity`` positions: its placed tokens', then its padding rows' (positions
+    T.. of a W x capacity sequence, rank 0's padding first)."""
     held = check_capacity_fits(cu, world_size, placement, capacity)
     positions, padding = [], cu[-1]
     for real, n in zip(placement_positions(cu, world_size, placement), held):
@@ -243,11 +208,8 @@ def capacity_positions(cu: Sequence[int], world_size: int, placement: str, capac
     return positions
 
 
-# ---------------------------------------------------------------- the op's documents
-
-
 def same_documents(qlen: Any, kvlen: Any) -> tuple[int, ...]:
-    """The documents of ``actual_seq_qlen`` (reads its values), the same as ``actual_seq_kvlen``'s."""
+    """The documents of ``actual_seq_qlen`` (a host read), checked equal to ``actual_seq_kvlen``'s."""
     cu_q = cumulative_lengths(qlen, "actual_seq_qlen")
     cu_kv = cumulative_lengths(kvlen, "actual_seq_kvlen")
     if cu_q != cu_kv:
@@ -257,10 +219,8 @@ def same_documents(qlen: Any, kvlen: Any) -> tuple[int, ...]:
 
 
 def check_packed_tokens(plan, total: int) -> None:
-    """The global T against a CallPlan's documents and placement when known (ValueError naming
-    them), else from the shapes alone: contiguous slices need T divisible by W (on a (W0, W1)
-    mesh: by W0, the ranks the placement is over). With a capacity, the global length is W x
-    capacity and the documents' placed tokens fit each rank's rows."""
+    """ValueError unless the global T fits a CallPlan: its documents and placement when known,
+    else contiguous slices need T divisible by W0; with a capacity, T = W x capacity."""
     if plan.capacity is not None:
         if total != plan.world_size * plan.capacity:
             raise ValueError(f"document_capacity={plan.capacity} gives each of W={plan.world_size} ranks "
@@ -277,9 +237,9 @@ def check_packed_tokens(plan, total: int) -> None:
 
 
 def read_documents(plan, qlen: Optional[Tensor], kvlen: Optional[Tensor], local_rows: int):
-    """The CallPlan ``plan`` with the documents of the lengths tensors the handler left to the
-    custom op, read on the host and checked against this rank's ``local_rows``. Run by the op's kernel, never while tracing: the lengths are host data
-    (a CPU tensor: no device sync), and a graph records the op, not the values."""
+    """``plan`` with the documents of the lengths tensors, read on the host and checked against
+    this rank's ``local_rows``. Run by the op's kernel, never while tracing: a graph records the
+    op, not the values (CPU tensors: no device sync)."""
     plan = replace(plan, documents=same_documents(qlen, kvlen))
     placement, mesh = plan.document_placement, plan.document_mesh
     if plan.capacity is not None:  # even shards of capacity rows, the placed tokens first

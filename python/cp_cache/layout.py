@@ -1,6 +1,4 @@
-"""Tensor layout facts for the attention layouts the NPU ops accept.
-
-Layouts (``input_layout`` of ``npu_fusion_attention_v3``):
+"""The layouts the NPU ops accept (``input_layout``), the one place their names are written.
 
 ========  ==================  ========  ========  ====================  ==============================
 layout    shape               seq dim   head dim  4-D view              softmax stats (seq, head dims)
@@ -12,15 +10,8 @@ SBH       [S, B, N*D]         0         2         [S, B, N, D]          [B, N, S
 TND       [T, N, D]           0         1         (packed documents)    [T, N, 8] (0, 1)
 ========  ==================  ========  ========  ====================  ==============================
 
-V's head size may differ from Q/K's (MLA, e.g. DeepSeek-V3: 192 for Q/K, 128 for V): the
-value is then ``[..., D_v]`` (BSH/SBH: hidden ``N_kv * D_v``) and so is the output (BSH/SBH:
-``N * D_v``), as the op's meta function gives it; every other dim of V is K's.
-
-The 4-D view keeps the sequence dimension where the layout has it, so a
-sequence range can be narrowed on either form. TND (packed documents, varlen) has
-no 4-D view: its tensors are used as they are ([T, N, D], the LSE [T, N]); ``to_bnsd`` /
-``from_bnsd`` take it as a batch of one ([1, N, T, D]: Ulysses' all-to-all).
-This module is the one place the layout names are written.
+V's head size may differ from Q/K's (MLA): V and the output then end in ``D_v`` (BSH/SBH: ``N * D_v``).
+TND has no 4-D view (``to_bnsd`` / ``from_bnsd``: a batch of one). ``load_balance_enabled``: torch's option.
 """
 
 from __future__ import annotations
@@ -29,27 +20,9 @@ from dataclasses import dataclass
 
 from torch import Tensor
 
-__all__ = [
-    "LAYOUTS",
-    "ALL_LAYOUTS",
-    "TND",
-    "head_dim_index",
-    "stats_dims",
-    "Dims",
-    "check_layout",
-    "seq_dim",
-    "dims",
-    "as_4d",
-    "lse_view",
-    "to_bnsd",
-    "from_bnsd",
-    "narrow_seq",
-    "load_balance_enabled",
-    "lse_shape",
-    "check_value",
-    "value_head_dim",
-    "output_shape",
-]
+__all__ = ["LAYOUTS", "ALL_LAYOUTS", "TND", "head_dim_index", "stats_dims", "Dims", "check_layout",
+           "seq_dim", "dims", "as_4d", "lse_view", "to_bnsd", "from_bnsd", "narrow_seq",
+           "load_balance_enabled", "lse_shape", "check_value", "value_head_dim", "output_shape"]
 
 LAYOUTS = ("BNSD", "BSND", "BSH", "SBH")  # the dense layouts (a 4-D view each)
 TND = "TND"  # packed documents
@@ -72,10 +45,8 @@ def check_layout(layout: str) -> str:
     if layout in LAYOUTS:
         return layout
     if layout == TND:
-        raise NotImplementedError(
-            "input_layout='TND' (varlen) is not supported by cp_cache ring attention; "
-            f"supported layouts: {', '.join(LAYOUTS)}"
-        )
+        raise NotImplementedError("input_layout='TND' (varlen) is not supported by cp_cache ring attention; "
+                                  f"supported layouts: {', '.join(LAYOUTS)}")
     raise ValueError(f"unknown input_layout={layout!r}; supported layouts: {', '.join(LAYOUTS)}")
 
 
@@ -116,16 +87,16 @@ class Dims:
     head_dim: int
 
 
-def dims(x: Tensor, layout: str, head_num: int) -> Dims:
-    """Batch, head count, sequence length and head size of ``x`` in ``layout``.
-
-    ``head_num`` is the head count of ``x`` (for K/V under GQA, their own count).
-    """
+def _check_ndim(x: Tensor, layout: str) -> None:
     check_layout(layout)
     if x.dim() != _NDIM[layout]:
-        raise ValueError(
-            f"input_layout={layout!r} expects a {_NDIM[layout]}-D tensor, got shape {tuple(x.shape)}"
-        )
+        raise ValueError(f"input_layout={layout!r} expects a {_NDIM[layout]}-D tensor, got shape {tuple(x.shape)}")
+
+
+def dims(x: Tensor, layout: str, head_num: int) -> Dims:
+    """Batch, head count, sequence length and head size of ``x`` in ``layout`` (``head_num``: the
+    head count of ``x``, K/V's own under GQA)."""
+    _check_ndim(x, layout)
     if head_num <= 0:
         raise ValueError(f"head_num must be positive, got {head_num}")
     if layout == "BNSD":
@@ -138,39 +109,27 @@ def dims(x: Tensor, layout: str, head_num: int) -> Dims:
         else:
             s, b, h = x.shape
         if h % head_num:
-            raise ValueError(
-                f"input_layout={layout!r}: hidden size {h} is not divisible by head_num={head_num}"
-            )
+            raise ValueError(f"input_layout={layout!r}: hidden size {h} is not divisible by head_num={head_num}")
         n, d = head_num, h // head_num
     if n != head_num:
-        raise ValueError(
-            f"input_layout={layout!r}: tensor of shape {tuple(x.shape)} has {n} heads, head_num={head_num}"
-        )
+        raise ValueError(f"input_layout={layout!r}: tensor of shape {tuple(x.shape)} has {n} heads, "
+                         f"head_num={head_num}")
     return Dims(b, n, s, d)  # sizes as they are: symbolic while tracing with dynamic shapes
 
 
 def heads_of(x: Tensor, layout: str, head_dim: int) -> int:
-    """Head count of ``x`` given its head size (used for K/V, whose count may differ from Q's)."""
-    check_layout(layout)
-    if x.dim() != _NDIM[layout]:
-        raise ValueError(
-            f"input_layout={layout!r} expects a {_NDIM[layout]}-D tensor, got shape {tuple(x.shape)}"
-        )
-    if layout == "BNSD":
-        return int(x.shape[1])
-    if layout == "BSND":
-        return int(x.shape[2])
+    """Head count of ``x`` given its head size (K/V's may differ from Q's)."""
+    _check_ndim(x, layout)
+    if layout in ("BNSD", "BSND"):
+        return int(x.shape[_HEAD_DIM[layout]])
     h = int(x.shape[2])
     if h % head_dim:
-        raise ValueError(
-            f"input_layout={layout!r}: hidden size {h} is not a multiple of the head size {head_dim}"
-        )
+        raise ValueError(f"input_layout={layout!r}: hidden size {h} is not a multiple of the head size {head_dim}")
     return h // head_dim
 
 
 def as_4d(x: Tensor, layout: str, head_num: int) -> Tensor:
-    """A 4-D view of ``x`` (BSH -> [B, S, N, D], SBH -> [S, B, N, D]; 4-D layouts and
-    tensors that already are the 4-D view are returned unchanged; TND tensors too)."""
+    """The 4-D view of ``x`` (BSH -> [B, S, N, D], SBH -> [S, B, N, D]); 4-D and TND tensors as they are."""
     if layout == TND:
         return x
     check_layout(layout)
@@ -181,8 +140,7 @@ def as_4d(x: Tensor, layout: str, head_num: int) -> Tensor:
 
 
 def lse_view(lse: Tensor, layout: str) -> Tensor:
-    """View an LSE of shape [B, N, S] ([T, N] for TND) so it broadcasts against ``as_4d`` of an
-    output in ``layout``."""
+    """An LSE [B, N, S] ([T, N] for TND) viewed to broadcast against ``as_4d`` of an output in ``layout``."""
     if layout == TND:
         return lse.unsqueeze(-1)
     return lse.permute(_LSE_PERM[check_layout(layout)]).unsqueeze(-1)
@@ -196,7 +154,7 @@ def to_bnsd(x: Tensor, layout: str, head_num: int) -> Tensor:
 
 
 def from_bnsd(x: Tensor, layout: str) -> Tensor:
-    """Turn a [B, N, S, D] tensor into a contiguous tensor in ``layout`` (TND: from a batch of one)."""
+    """A [B, N, S, D] tensor as a contiguous tensor in ``layout`` (TND: from a batch of one)."""
     if layout == TND:
         if x.size(0) != 1:
             raise ValueError(f"input_layout='TND' is a batch of one; got a [B, N, S, D] tensor of shape "
@@ -219,21 +177,16 @@ def narrow_seq(x: Tensor, layout: str, start: int, length: int) -> Tensor:
 
 
 def check_value(k: Tensor, v: Tensor, layout: str, kv_heads: int) -> int:
-    """V's head size, after checking ``v`` against the key ``k`` (``kv_heads`` heads): every dim
-    but the last (the head size, or BSH/SBH's hidden size ``N_kv * D_v``) must be K's, since only
-    the head size may differ (MLA). ValueError naming both shapes otherwise."""
+    """V's head size, after checking that ``v`` agrees with the key ``k`` (``kv_heads`` heads) on
+    every dim but the last (only the head size may differ: MLA); ValueError naming both shapes."""
     _known(layout)
     same = v.dim() == k.dim() and all(v.size(i) == k.size(i) for i in range(k.dim() - 1))
     if not same:
-        raise ValueError(
-            f"key {tuple(k.shape)} and value {tuple(v.shape)} disagree (input_layout={layout!r}): they must "
-            "agree on batch, heads and sequence length; only the head size may differ (MLA)"
-        )
+        raise ValueError(f"key {tuple(k.shape)} and value {tuple(v.shape)} disagree (input_layout={layout!r}): they "
+                         "must agree on batch, heads and sequence length; only the head size may differ (MLA)")
     if layout in ("BSH", "SBH") and (kv_heads <= 0 or v.size(2) % kv_heads):
-        raise ValueError(
-            f"input_layout={layout!r}: the value's hidden size {v.size(2)} (shape {tuple(v.shape)}) is not a "
-            f"multiple of the K/V head count {kv_heads}"
-        )
+        raise ValueError(f"input_layout={layout!r}: the value's hidden size {v.size(2)} (shape {tuple(v.shape)}) "
+                         f"is not a multiple of the K/V head count {kv_heads}")
     return value_head_dim(v, layout, kv_heads)
 
 
@@ -245,8 +198,8 @@ def value_head_dim(v: Tensor, layout: str, kv_heads: int) -> int:
 
 
 def output_shape(q: Tensor, k: Tensor, v: Tensor, layout: str, head_num: int) -> tuple[int, ...]:
-    """The attention output's shape: the query's with V's head size, from shapes alone (BSH/SBH:
-    the K/V head count is K's hidden size over Q's head size, as torch_npu's meta function)."""
+    """The output's shape: the query's with V's head size, from shapes alone as torch_npu's meta
+    function (BSH/SBH: the K/V head count is K's hidden size over Q's head size)."""
     shape = list(q.shape)
     if layout in ("BSH", "SBH"):
         q_head = q.size(2) // head_num if head_num > 0 else 0
@@ -259,8 +212,7 @@ def output_shape(q: Tensor, k: Tensor, v: Tensor, layout: str, head_num: int) ->
 
 def load_balance_enabled() -> bool:
     """torch's ``_cp_options.enable_load_balance`` (the one read of it): whether the sequence lies
-    head-tail over the CP ranks (rank r holds chunks r and 2W-1-r of 2W, as
-    ``context_parallel(buffers=...)`` shards it) rather than contiguously."""
+    head-tail over the CP ranks (rank r: chunks r and 2W-1-r of 2W), else contiguously."""
     global _CP_OPTIONS
     if _CP_OPTIONS is None:  # imported at the first read (torch.distributed may be absent until then)
         from torch.distributed.tensor.experimental._context_parallel._attention import _cp_options

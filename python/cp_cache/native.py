@@ -1,9 +1,6 @@
-"""The native extension ``cp_cache._C``, loaded only when it was built against the running torch.
-
-A torch C++ extension is tied to the torch it was compiled against: under another version it
-fails to load with an undefined symbol, or loads and misbehaves. ``setup.py`` records the build's
-torch version beside the extension (``native-build.txt``); ``load()`` compares it with the running
-torch before loading.
+"""The native extension ``cp_cache._C``, loaded only when it was built against the running torch
+(under another it fails with an undefined symbol, or loads and misbehaves): ``setup.py`` records
+the build's torch version beside it (``native-build.txt``). Also the supported versions.
 """
 
 from __future__ import annotations
@@ -22,7 +19,7 @@ REBUILD = ("rebuild it against the running torch: `make build` in a checkout, or
 
 
 def built_with_torch() -> str | None:
-    """The torch version the native extension was built against (None: no record, an older build)."""
+    """The torch version the extension was built against (None: no record)."""
     try:
         return BUILD_RECORD.read_text().strip() or None
     except FileNotFoundError:

@@ -1,13 +1,7 @@
-"""The conventions of torch_npu's fused attention ops, in one place.
-
-Everything the handlers, the NPU step kernel and the CPU emulator must agree on
-about ``npu_fusion_attention(_v3)`` and its grad: the op schemas and the binding of a call's
-``(args, kwargs)`` to their argument names (``bind_arguments``; ``describe`` for error
-messages), the sparse modes, the compressed causal mask, and the ``[B, N, S, 8]`` softmax
-statistics, and the dtype rule (``check_one_dtype``: the op takes q/k/v of one dtype and is in
-no autocast list; ``autocast_off``: a kernel's own math runs as it would on the device, without
-the caller's autocast).
-Layouts and their dimensions live in ``layout.py``.
+"""The conventions of torch_npu's fused attention ops that the handlers, the step kernels and
+the emulator share: the op schemas and binding a call's arguments by name, the sparse modes,
+the compressed causal mask, the ``[B, N, S, 8]`` softmax statistics and the dtype rules (the op
+takes one dtype and is in no autocast list). Layouts live in ``layout.py``.
 """
 
 from __future__ import annotations
@@ -21,32 +15,11 @@ from typing import Any, NamedTuple
 import torch
 from torch import Tensor
 
-__all__ = [
-    "bind_arguments",
-    "describe",
-    "INT_MAX",
-    "MASK_SIZE",
-    "STATS_WIDTH",
-    "FLOAT32_LOWEST",
-    "SparseMode",
-    "CAUSAL_MODES",
-    "COMPRESSED_MASK_MODES",
-    "FORWARD_V3",
-    "GRAD_V3",
-    "FORWARD_V1",
-    "GRAD_V1",
-    "RING_UPDATE",
-    "SCHEMAS",
-    "causal_mask",
-    "is_compressed_mask",
-    "stats_from_lse",
-    "stats_views_from_lse",
-    "lse_from_stats",
-    "op_exists",
-    "check_one_dtype",
-    "autocast_off",
-    "autocast_inputs",
-]
+__all__ = ["bind_arguments", "describe", "INT_MAX", "MASK_SIZE", "STATS_WIDTH", "FLOAT32_LOWEST",
+           "SparseMode", "CAUSAL_MODES", "COMPRESSED_MASK_MODES", "FORWARD_V3", "GRAD_V3", "FORWARD_V1",
+           "GRAD_V1", "RING_UPDATE", "SCHEMAS", "causal_mask", "is_compressed_mask", "stats_from_lse",
+           "stats_views_from_lse", "lse_from_stats", "op_exists", "check_one_dtype", "autocast_off",
+           "autocast_inputs"]
 
 log = logging.getLogger("cp_cache")
 
@@ -70,16 +43,13 @@ class SparseMode(enum.IntEnum):
     BAND_LEFT_UP_CAUSAL = 8
 
 
-# left-up and right-down causal agree for a square global attention
 CAUSAL_MODES = (SparseMode.LEFT_UP_CAUSAL, SparseMode.RIGHT_DOWN_CAUSAL)
 COMPRESSED_MASK_MODES = (
     SparseMode.LEFT_UP_CAUSAL, SparseMode.RIGHT_DOWN_CAUSAL, SparseMode.BAND,
     SparseMode.RIGHT_DOWN_CAUSAL_BAND, SparseMode.BAND_LEFT_UP_CAUSAL,
 )
 
-# ---------------------------------------------------------------- schemas
-# v3 carries seed/offset as tensors and the varlen lengths as tensors; v1 carries
-# them as ints and lists. Both are rendered from the argument lists below.
+# ---------------------------------------------------------------- schemas (v1: seed, offset and lengths as ints)
 
 _MASKS = "Tensor? pse=None, Tensor? padding_mask=None, Tensor? atten_mask=None"
 _BAND = "int pre_tockens=2147483647, int next_tockens=2147483647, int inner_precise=0"
@@ -156,16 +126,15 @@ def causal_mask(device: torch.device | str) -> Tensor:
 
 
 def causal_arguments(device: torch.device | str, *, right_down: bool = False) -> dict:
-    """The op's mask arguments for causal attention: the compressed mask, ``sparse_mode`` 2
-    (left-up) or, ``right_down``, 3 (a query shorter than its keys sits at their end; packed
-    documents: causal in each), ``next_tockens`` 0."""
+    """The op's mask arguments for causal attention: ``sparse_mode`` 2 (left-up) or, ``right_down``,
+    3 (a query shorter than its keys sits at their end; packed documents: causal in each)."""
     mode = SparseMode.RIGHT_DOWN_CAUSAL if right_down else SparseMode.LEFT_UP_CAUSAL
     return dict(atten_mask=causal_mask(device), sparse_mode=int(mode), next_tockens=0)
 
 
 def band_arguments(device: torch.device | str, pre_tockens: int, next_tockens: int = 0) -> dict:
-    """The op's mask arguments for a band (``sparse_mode`` 4 with the compressed mask): query i
-    sees keys i - ``pre_tockens`` .. i + ``next_tockens``; a causal window of w keys is (w - 1, 0)."""
+    """The op's mask arguments for a band: query i sees keys i - ``pre_tockens`` .. i + ``next_tockens``
+    (a causal window of w keys: (w - 1, 0))."""
     return dict(atten_mask=causal_mask(device), sparse_mode=int(SparseMode.BAND), pre_tockens=pre_tockens,
                 next_tockens=next_tockens)
 
@@ -180,17 +149,15 @@ def is_compressed_mask(mask: Tensor) -> bool:
 
 
 def stats_from_lse(lse: Tensor) -> tuple[Tensor, Tensor]:
-    """(softmax_max, softmax_sum) in the ops' [B, N, S, 8] float32 form encoding ``lse``
-    as max = LSE, sum = 1, which the grad kernel treats like the forward's own pair."""
+    """(softmax_max, softmax_sum) [B, N, S, 8] float32 encoding ``lse`` as max = LSE, sum = 1 (the grad
+    kernel treats them like the forward's own pair)."""
     softmax_max = lse.float().unsqueeze(-1).expand(*lse.shape, STATS_WIDTH).contiguous()
     return softmax_max, torch.ones_like(softmax_max)
 
 
 def stats_views_from_lse(lse: Tensor) -> tuple[Tensor, Tensor]:
-    """(softmax_max, softmax_sum) as stride-0 views: max = the LSE expanded over the 8 lanes,
-    sum = a single 1 expanded. They hold 4 bytes per query token and head (the LSE) plus 4,
-    where the contiguous pair holds 64: what autograd saves between forward and backward
-    (docs/lifetime.md, the memory floor). The grad kernels get the contiguous form (``stats_from_lse``)."""
+    """``stats_from_lse`` as stride-0 views: 4 bytes per query token and head, not 64, for autograd to
+    save (docs/lifetime.md); the grad kernels get the contiguous form."""
     shape = (*lse.shape, STATS_WIDTH)
     one = torch.ones((), dtype=torch.float32, device=lse.device)
     return lse.float().unsqueeze(-1).expand(shape), one.expand(shape)
@@ -211,8 +178,8 @@ class _Parameter(NamedTuple):
     default: Any
 
 
-# id(schema) -> (schema, its parameters, how many of them may be positional, their names): read once
-# per schema object (an op overload keeps its own), the schema held so that its id stays its own
+# id(schema) -> (schema, its parameters, how many may be positional, their names); the schema is held so
+# that its id stays its own
 _PARAMETERS: dict[int, tuple[Any, tuple[_Parameter, ...], int, frozenset]] = {}
 
 
@@ -227,12 +194,8 @@ def _parameters(schema) -> tuple[tuple[_Parameter, ...], int, frozenset]:
 
 
 def bind_arguments(schema: torch._C.FunctionSchema, args: tuple, kwargs: dict) -> dict[str, Any]:
-    """The op's arguments by schema name, positional or keyword, defaults filled in.
-
-    Dispatch passes positional arguments in ``args`` (trailing defaults may be absent)
-    and keyword-only ones in ``kwargs``; reading them by name needs no index table.
-    ``schema``: ``op._schema`` of an op overload, or a parsed schema string.
-    """
+    """The op's arguments by schema name, defaults filled in (``schema``: ``op._schema`` or a parsed
+    schema); TypeError as Python's for a wrong call."""
     params, positional, names = _parameters(schema)
     if len(args) > positional:
         raise TypeError(f"{schema.name}: takes {positional} positional arguments, got {len(args)}")
@@ -254,17 +217,15 @@ def bind_arguments(schema: torch._C.FunctionSchema, args: tuple, kwargs: dict) -
 
 
 def describe(value: Any) -> str:
-    """A short description of an argument for error messages (tensors by shape and dtype)."""
+    """An argument for error messages (tensors by shape and dtype)."""
     if isinstance(value, Tensor):
         return f"<tensor of shape {tuple(value.shape)} and dtype {value.dtype}>"
     return repr(value)
 
 
 def check_one_dtype(op: str, a: dict[str, Any], names: tuple[str, ...]) -> None:
-    """The op's inputs ``names`` (those given) share one dtype, as op-plugin documents for q/k/v
-    (float16, bfloat16 or float32). The op is in none of torch_npu's autocast lists, so under
-    autocast it receives what the caller passes: a model whose RoPE left q/k float32 beside a
-    bfloat16 v is refused here by name (SDPA, a front end, casts under autocast first)."""
+    """TypeError naming them unless the given inputs ``names`` share one dtype: the op is in no
+    autocast list, so float32 q/k (after RoPE) beside a bfloat16 v would reach it."""
     given = [(name, a[name]) for name in names if isinstance(a.get(name), Tensor)]
     dtypes = {t.dtype for _, t in given}
     if len(dtypes) > 1:
@@ -275,18 +236,15 @@ def check_one_dtype(op: str, a: dict[str, Any], names: tuple[str, ...]) -> None:
 
 
 def autocast_off(device_type: str):
-    """A block without the caller's autocast on ``device_type`` (a null context where it is off):
-    the op's math casts nothing but what it means to."""
+    """A block without the caller's autocast on ``device_type``: a kernel's math as on the device."""
     if torch.is_autocast_enabled(device_type):
         return torch.autocast(device_type, enabled=False)
     return contextlib.nullcontext()
 
 
 def autocast_inputs(*tensors: Tensor) -> tuple[Tensor, ...]:
-    """``tensors`` as ``scaled_dot_product_attention`` receives them under autocast (its
-    lower_precision_fp rule on CPU, CUDA and torch_npu's NPU): where autocast is on for their
-    device, every floating tensor but float64 in autocast's dtype; else as they are. The front
-    ends (the SDPA route, the transformers attention) call the op with one dtype this way."""
+    """``tensors`` as ``scaled_dot_product_attention`` receives them under autocast: every floating
+    tensor but float64 in autocast's dtype where it is on for their device (one dtype for the op)."""
     device_type = tensors[0].device.type
     if not torch.is_autocast_enabled(device_type):
         return tensors

@@ -1,17 +1,10 @@
-"""The user helpers for packed documents under CP (docs/documents.md): ``document_layout``
-(every rank's global token positions), ``shard_documents`` / ``unshard_documents`` (lay
-out and gather back a packed tensor by it) and ``pad_documents``. Exported as
-``cp_cache.document_layout`` etc.
+"""The user helpers for packed documents under CP (docs/documents.md): ``document_layout``,
+``shard_documents`` / ``unshard_documents`` and ``pad_documents``.
 
-The placement is the configured one (``cp_cache.enable(documents=...)``, else
-CP_CACHE_DOCUMENTS, default "balanced") under torch's load balancing, contiguous without:
-the rule the TND handlers follow (``config.document_placement``). The capacity (rows every rank
-holds, its placed tokens first, then padding) is the configured one
-(``enable(document_capacity=...)``, else CP_CACHE_DOCUMENT_CAPACITY, default none) unless given.
-
-A two-dimensional mesh (hybrid: both dimensions carry the sequence) takes the documents as
-``documents.py`` lays them over (W0, W1): placed over the outer dimension, each outer share
-cut contiguously over the inner one (no capacity there yet).
+Unless given, the placement is the one the TND handlers use (the configured one under torch's
+load balancing, contiguous without: ``config.document_placement``) and the capacity is the
+configured one. A 2-D mesh (hybrid) takes the layout of ``documents.py`` over (W0, W1), with no
+capacity yet.
 """
 
 from __future__ import annotations
@@ -32,7 +25,7 @@ __all__ = ["document_layout", "shard_documents", "unshard_documents", "pad_docum
 
 
 def _mesh_coordinates(mesh) -> tuple[int, tuple[int, ...]]:
-    """(this rank's CP rank, the mesh's sizes): on two dimensions, coordinate (i, j) is rank i*W1 + j."""
+    """(this rank's CP rank, the mesh's sizes): on two dimensions, (i, j) is rank i*W1 + j."""
     if mesh.ndim not in (1, 2):
         raise ValueError(f"packed documents are sharded over a 1-D mesh, or a 2-D one whose dimensions both carry "
                          f"the sequence (hybrid), got a {mesh.ndim}-D mesh {mesh}")
@@ -53,8 +46,7 @@ def configured_placement(placement: Optional[str], load_balance: Optional[bool])
 
 
 def _capacity(capacity: Optional[int], sizes: tuple[int, ...] = (1,)) -> Optional[int]:
-    """``capacity`` when given, else the configured one (None: none); ValueError for one on a
-    two-dimensional mesh (``sizes``), whose layout takes none yet."""
+    """``capacity`` when given, else the configured one; ValueError for one on a 2-D mesh (``sizes``)."""
     if capacity is None:
         config = active_config()
         capacity = config.document_capacity if config is not None else document_capacity_from_env()
@@ -68,15 +60,12 @@ def _capacity(capacity: Optional[int], sizes: tuple[int, ...] = (1,)) -> Optiona
 
 def document_layout(cu_seqlens: Any, world, *, placement: Optional[str] = None,
                     load_balance: Optional[bool] = None, capacity: Optional[int] = None) -> list[Tensor]:
-    """For each of ``world`` ranks, the int64 tensor of the global token positions it holds, in
-    local order, for the documents ending at ``cu_seqlens`` (global cumulative ends, last = T).
-    ``world``: W, or the sizes (W0, W1) of a two-dimensional CP mesh (hybrid; W0*W1 tensors,
-    rank i*W1 + j for mesh coordinate (i, j)). ``placement``: "balanced", "head_tail" or
-    "contiguous"; None: as the TND handlers place them (the configured placement under load
-    balancing, contiguous without). ``capacity``: rows per rank (None: the configured one, if
-    any; one dimension only): each rank's placed positions, then its padding's, positions T.. of
-    a W x capacity sequence, rank 0's padding first. The same on every rank: a function of the
-    ends, W, the placement and the capacity only."""
+    """For each rank, the int64 global positions it holds in local order, for the documents ending
+    at ``cu_seqlens`` (global cumulative ends). ``world``: W, or (W0, W1) for a 2-D CP mesh (W0*W1
+    tensors, rank i*W1 + j). ``placement``: "balanced", "head_tail" or "contiguous"; None: as the
+    TND handlers place them. ``capacity``: rows per rank (1-D only): the placed positions, then
+    the padding's, positions T.. of a W x capacity sequence, rank 0's first. A function of its
+    arguments only: the same on every rank."""
     cu = cumulative_lengths(cu_seqlens)
     sizes = mesh_sizes(world)
     chosen, rows = configured_placement(placement, load_balance), _capacity(capacity, sizes)
@@ -88,14 +77,12 @@ def document_layout(cu_seqlens: Any, world, *, placement: Optional[str] = None,
 
 def shard_documents(tensor: Tensor, cu_seqlens: Any, mesh, dim: int = 0, *, load_balance: Optional[bool] = None,
                     placement: Optional[str] = None, capacity: Optional[int] = None) -> Tensor:
-    """This rank's shard of a packed full-sequence ``tensor`` (documents along ``dim``): its
-    positions of ``document_layout`` (same ``placement`` / ``load_balance`` / ``capacity``; a 2-D
-    ``mesh``: the hybrid layout over its two dimensions). Returns a plain tensor; local lengths
-    may differ between ranks, so make the op's input with ``DTensor.from_local(shard, mesh,
-    [Shard(dim)] * mesh.ndim, shape=tensor.shape, stride=tensor.stride())``. With a capacity
-    every shard has ``capacity`` rows (``from_local`` needs no shape; the global length is W x
-    capacity): ``tensor`` holds the T tokens (the padding rows are zeros) or W x capacity rows
-    (positions T.. are the padding, e.g. labels padded with an ignore index)."""
+    """This rank's shard (a plain tensor) of a packed full-sequence ``tensor`` (documents along
+    ``dim``): its positions of ``document_layout``. Local lengths may differ between ranks: make
+    the op's input with ``DTensor.from_local(shard, mesh, [Shard(dim)] * mesh.ndim,
+    shape=tensor.shape, stride=tensor.stride())``. With a capacity every shard has ``capacity``
+    rows and ``tensor`` holds the T tokens (zero padding) or W x capacity rows (positions T.. the
+    padding, e.g. labels padded with an ignore index)."""
     cu = cumulative_lengths(cu_seqlens)
     rank, sizes = _mesh_coordinates(mesh)
     chosen, rows = configured_placement(placement, load_balance), _capacity(capacity, sizes)
@@ -117,10 +104,9 @@ def shard_documents(tensor: Tensor, cu_seqlens: Any, mesh, dim: int = 0, *, load
 
 def unshard_documents(local: Tensor, cu_seqlens: Any, mesh, dim: int = 0, *, load_balance: Optional[bool] = None,
                       placement: Optional[str] = None, capacity: Optional[int] = None) -> Tensor:
-    """The full packed sequence of T tokens from every rank's shard (``shard_documents``'s
-    layout): an all-gather on the mesh's group (shards padded to the longest), then each rank's
-    tokens put back at their positions; with a capacity, shards of ``capacity`` rows whose
-    padding rows are dropped. A DTensor ``local`` is taken by its local tensor."""
+    """The full packed sequence of T tokens from every rank's shard (``shard_documents``'s layout,
+    a DTensor taken by its local tensor): an all-gather, each rank's tokens put back at their
+    positions, the capacity's padding dropped."""
     from torch.distributed.tensor import DTensor
 
     if isinstance(local, DTensor):
@@ -147,8 +133,8 @@ def unshard_documents(local: Tensor, cu_seqlens: Any, mesh, dim: int = 0, *, loa
 
 
 def _all_gather_uneven(local: Tensor, dim: int, held: list[int], mesh) -> list[Tensor]:
-    """Every rank's shard (``held[r]`` tokens along ``dim``), through an all-gather of shards
-    padded to the longest per mesh dimension (the inner first: ranks come out in order i*W1 + j)."""
+    """Every rank's shard (``held[r]`` tokens along ``dim``): all-gathers of shards padded to the
+    longest, the inner mesh dimension first (ranks come out in order i*W1 + j)."""
     import torch.distributed as dist
 
     if len(held) == 1:
@@ -167,14 +153,10 @@ def _all_gather_uneven(local: Tensor, dim: int, held: list[int], mesh) -> list[T
 
 def pad_documents(tensor: Tensor, cu_seqlens: Any, multiple: int, dim: int = 0,
                   value: float = 0) -> tuple[Tensor, Tensor, Tensor]:
-    """Pad every document of a packed ``tensor`` at its end up to a multiple of ``multiple``
-    (2W for placement "head_tail" over W ranks; placement "balanced" needs none). Returns
-    ``(padded, cu_padded, real)``: the padded tensor, its cumulative ends (int64), and a bool
-    mask over the padded tokens (True = an original token) to drop the padding from a loss.
-
-    The padding sits at each document's end, so under causal attention no original token
-    sees it; under full (non-causal) attention it would, so pad there only if that is
-    intended (or mask the padded keys another way)."""
+    """Pad every document of a packed ``tensor`` at its end up to a multiple of ``multiple`` (2W for
+    placement "head_tail"). Returns ``(padded, cu_padded, real)``: the padded tensor, its
+    cumulative ends (int64) and a bool mask, True = an original token (to drop the padding from a
+    loss). Causal attention never lets an original token see the padding; full attention does."""
     if int(multiple) < 1:
         raise ValueError(f"pad_documents: multiple={multiple} must be a positive integer")
     cu = cumulative_lengths(cu_seqlens)

@@ -1,30 +1,17 @@
-"""Where packed documents go over W ranks (docs/documents.md): the placements, each rank's
-pieces of documents, and what a placement costs (tokens, attention work and the K/V rows a
-rank needs from the others).
+"""Where packed documents go over W ranks: the placements, each rank's pieces, and what a
+placement costs (tokens, causal work, K/V rows needed from other ranks).
 
-A placement is a deterministic function of the global cumulative document ends ``cu``, W
-and its name, so every rank computes every rank's pieces without communicating. A rank
-holds its pieces in increasing global position (a document's pieces on a rank are then
-adjacent, and causal order within the rank is causal order globally):
+A placement is a deterministic function of the cumulative document ends ``cu``, W and its
+name, so every rank computes every rank's pieces without communicating. A rank holds its
+pieces in increasing global position (causal order within a rank is then causal order).
 
-* ``"balanced"``: whole documents on one rank where the balance allows; a document that
-  must be split goes head-tail over as few ranks as possible (cut into 2k chunks whose sizes
-  differ by at most one; the i-th of its k ranks, in rank order, holds chunks i and 2k-1-i).
-  Objective: tokens and causal attention work per rank each within ``BALANCE_TOLERANCE`` of
-  the mean, then the fewest K/V rows needed from other ranks (``_rows``: 0.75 L (k-1) for a
-  document of L tokens over k ranks). A search (``_Search``, ``_balanced``): largest documents
-  first, each whole on the rank it raises least, split only where no rank could take it whole
-  beside the documents split so far; then moves and swaps of whole documents between ranks,
-  depth-first packings with up to two documents split (small mixes), and one more rank at a
-  time for a document of the busiest rank, while a rank is above the tolerance. The documents
-  it must split are widened (1.5x, 2x, 4x, every rank) where the fewest ranks leave the rest
-  no room. The widening greedy of issue 23 (``_widening``) runs beside it on small mixes and
-  wherever it misses: the better one wins. Integer loads and bounded budgets (``_Budgets``):
-  the same result on every rank, in bounded time;
-* ``"head_tail"``: every document cut into 2W equal chunks, rank r holding chunks r and
-  2W-1-r of each (every length must divide by 2W);
-* ``"contiguous"``: T/W consecutive tokens per rank (T must divide by W); documents may
-  cross rank boundaries.
+* ``"balanced"``: whole documents where the balance allows, a split one head-tail over as few
+  ranks as needed; tokens and causal work per rank within ``BALANCE_TOLERANCE`` of the mean,
+  then the fewest K/V rows. The search and its fallbacks are in docs/documents.md; every path
+  of it changes the result on some mixes. Integer loads and bounded budgets: the same result
+  on every rank, in bounded time.
+* ``"head_tail"``: every document in 2W equal chunks, rank r holding chunks r and 2W-1-r.
+* ``"contiguous"``: T/W consecutive tokens per rank; documents may cross rank boundaries.
 """
 
 from __future__ import annotations
@@ -49,12 +36,11 @@ BALANCE_TOLERANCE = 1.05  # max/mean of tokens and of work per rank the balanced
 
 @dataclass(frozen=True)
 class Piece:
-    """Consecutive tokens of one document held by one rank: (document, local start, global
-    start, length)."""
+    """Consecutive tokens of one document held by one rank."""
 
     document: int
-    local: int
-    start: int
+    local: int  # start in the rank's local order
+    start: int  # global start
     length: int
 
 
@@ -71,15 +57,13 @@ def check_placeable(cu: Sequence[int], world: int, placement: str, name: str = "
         raise ValueError(f"world={world}: a placement needs at least one rank")
     total = cu[-1]
     if placement == HEAD_TAIL:
-        start = 0
-        for doc, end in enumerate(cu):
-            if (end - start) % (2 * world):
+        for doc, length in enumerate(_document_lengths(cu)):
+            if length % (2 * world):
                 raise ValueError(
-                    f"document {doc} of {name} has length {end - start}, not divisible by 2*W = {2 * world}: "
+                    f"document {doc} of {name} has length {length}, not divisible by 2*W = {2 * world}: "
                     f"per-document head-tail (placement 'head_tail') cuts every document into 2W equal chunks "
                     f"(cp_cache.pad_documents pads each document up to a multiple of {2 * world}; placement "
                     f"'balanced' takes any lengths)")
-            start = end
     elif placement == CONTIGUOUS and total % world:
         raise ValueError(f"{name}={list(cu)}: the global sequence of T={total} tokens does not divide into "
                          f"W={world} contiguous slices")
@@ -100,15 +84,14 @@ def placement_pieces(cu: Sequence[int], world: int, placement: str) -> tuple[tup
 
 
 def sequence_pieces(rank: int, world: int, local_length: int, load_balance: bool) -> tuple[Piece, ...]:
-    """The one-document case: the pieces ``rank`` holds of one sequence of ``world`` x
-    ``local_length`` tokens (a dense call's shards): head-tail under load balancing (chunks r and
-    2W-1-r of 2W), else contiguous. Every dense position rule asks this."""
+    """The pieces ``rank`` holds of one sequence of ``world`` x ``local_length`` tokens (a dense
+    call's shards): head-tail under load balancing, else contiguous. A formula, not the search:
+    ``local_length`` may be symbolic (torch.compile, dynamic shapes)."""
     if local_length == 0:
         return ()
     if not load_balance or world == 1:
         return (Piece(0, 0, rank * local_length, local_length),)
 
-    # a formula, not the placement search: the length may be symbolic (torch.compile, dynamic)
     def bound(chunk: int):  # where chunk ``chunk`` of 2W starts (chunks differ by at most one)
         return chunk * local_length // 2
 
@@ -135,8 +118,10 @@ def _pieces(cu: tuple[int, ...], world: int, placement: str) -> tuple[tuple[Piec
     return out
 
 
-def _as_pieces(spans: Sequence[Sequence[tuple[int, int, int]]]) -> tuple[tuple[Piece, ...], ...]:
-    """Each rank's (document, global start, length) spans as pieces in local order."""
+Spans = list[list[tuple[int, int, int]]]  # per rank: (document, global start, length)
+
+
+def _as_pieces(spans: Spans) -> tuple[tuple[Piece, ...], ...]:
     out = []
     for held in spans:
         local, pieces = 0, []
@@ -147,9 +132,9 @@ def _as_pieces(spans: Sequence[Sequence[tuple[int, int, int]]]) -> tuple[tuple[P
     return tuple(out)
 
 
-def _contiguous(cu: tuple[int, ...], world: int) -> list[list[tuple[int, int, int]]]:
+def _contiguous(cu: tuple[int, ...], world: int) -> Spans:
     per_rank = cu[-1] // world
-    spans: list[list[tuple[int, int, int]]] = [[] for _ in range(world)]
+    spans: Spans = [[] for _ in range(world)]
     start = 0
     for doc, end in enumerate(cu):
         for rank in range(start // per_rank, min(world, -(-end // per_rank))):
@@ -160,29 +145,24 @@ def _contiguous(cu: tuple[int, ...], world: int) -> list[list[tuple[int, int, in
     return spans
 
 
-def _split(cu: tuple[int, ...], world: int, groups: Sequence[tuple[int, ...]]) -> list[list[tuple[int, int, int]]]:
-    """Each document head-tail over its group of ranks (a group of one: the whole document)."""
-    spans: list[list[tuple[int, int, int]]] = [[] for _ in range(world)]
+def _bounds(length: int, k: int) -> list[int]:
+    """Where the 2k head-tail chunks of a document split over k ranks start (sizes differ by at most one)."""
+    return [j * length // (2 * k) for j in range(2 * k + 1)]
+
+
+def _split(cu: tuple[int, ...], world: int, groups: Sequence[tuple[int, ...]]) -> Spans:
+    """Each document head-tail over its group of ranks: the i-th of k holds chunks i and 2k-1-i
+    (a group of one: the whole document), touching chunks as one span."""
+    spans: Spans = [[] for _ in range(world)]
     start = 0
     for doc, (end, group) in enumerate(zip(cu, groups)):
-        length, k = end - start, len(group)
-        bounds = [start + j * length // (2 * k) for j in range(2 * k + 1)]
+        k = len(group)
+        bounds = [start + b for b in _bounds(end - start, k)]
         for i, rank in enumerate(group):
-            for chunk in (i, 2 * k - 1 - i) if k > 1 else (0, 1):
-                if bounds[chunk + 1] > bounds[chunk]:
-                    spans[rank].append((doc, bounds[chunk], bounds[chunk + 1] - bounds[chunk]))
+            held = ((i, i + 1), (2 * k - 1 - i, 2 * k - i)) if i < k - 1 else ((i, i + 2),)
+            spans[rank] += [(doc, bounds[a], bounds[b] - bounds[a]) for a, b in held if bounds[b] > bounds[a]]
         start = end
-    return [_merge_adjacent(s) for s in spans]
-
-
-def _merge_adjacent(spans: list[tuple[int, int, int]]) -> list[tuple[int, int, int]]:
-    out: list[tuple[int, int, int]] = []
-    for doc, start, length in sorted(spans, key=lambda s: s[1]):
-        if out and out[-1][0] == doc and out[-1][1] + out[-1][2] == start:
-            out[-1] = (doc, out[-1][1], out[-1][2] + length)
-        else:
-            out.append((doc, start, length))
-    return out
+    return spans
 
 
 # ---------------------------------------------------------------- the balanced placement's search
@@ -193,13 +173,10 @@ def _document_lengths(cu: Sequence[int]) -> list[int]:
 
 
 def _balanced(cu: tuple[int, ...], world: int) -> list[tuple[int, ...]]:
-    """The group of ranks of every document (one rank: whole), from ``_Search``: its first pass
-    and descent with the documents no rank can take whole split over the fewest ranks, then over
-    more (``_WIDEN``), the first within the tolerance winning (small mixes: each repaired before
-    the next); none: their repairs in the same order while the budgets last, the first within
-    winning, else the lowest peak. On small mixes (up to ``_COMPARED`` documents), and wherever
-    the search misses the tolerance, the widening greedy (``_widening``) too: the better of the
-    two (within the tolerance at fewer rows, else the lower peak)."""
+    """Every document's group of ranks (one rank: whole). ``_Search`` with the forced splits
+    over the fewest ranks, then widened (``_WIDEN``): the first within the tolerance wins; none:
+    their repairs in turn while the budgets last, else the best standing. On up to ``_COMPARED``
+    documents, and wherever the search misses the tolerance, the better of it and ``_widening``."""
     lengths = _document_lengths(cu)
     budgets, searches, found = _Budgets(), [], None
     for widen in _WIDEN:
@@ -233,8 +210,8 @@ def _balanced(cu: tuple[int, ...], world: int) -> list[tuple[int, ...]]:
 
 
 def _tolerated_load(total: int, world: int) -> int:
-    """The most of ``total`` one of ``world`` ranks may hold within ``BALANCE_TOLERANCE`` of the
-    mean, tested as ``PlacementCost`` computes its ratios (within here is within there)."""
+    """The most of ``total`` a rank may hold within ``BALANCE_TOLERANCE`` of the mean, tested as
+    ``PlacementCost`` computes its ratios (within here is within there)."""
     mean = total / world
     cap = int(BALANCE_TOLERANCE * mean) + 1
     while cap / mean > BALANCE_TOLERANCE:
@@ -244,22 +221,19 @@ def _tolerated_load(total: int, world: int) -> int:
 
 @functools.lru_cache(maxsize=4096)
 def _shares(length: int, k: int) -> tuple[tuple[int, int], ...]:
-    """(tokens, causal work) of each of the k members, in rank order, of a document of ``length``
-    split head-tail over k ranks, as ``_split`` cuts it."""
+    """(tokens, causal work) of each of the k members, in rank order, of a document split as ``_split`` cuts it."""
     if k == 1:
         return ((length, causal_pairs(0, length)),)
-    bounds = [j * length // (2 * k) for j in range(2 * k + 1)]
-    return tuple((bounds[i + 1] - bounds[i] + bounds[2 * k - i] - bounds[2 * k - 1 - i],
-                  causal_pairs(bounds[i], bounds[i + 1] - bounds[i])
-                  + causal_pairs(bounds[2 * k - 1 - i], bounds[2 * k - i] - bounds[2 * k - 1 - i]))
+    b = _bounds(length, k)
+    return tuple((b[i + 1] - b[i] + b[2 * k - i] - b[2 * k - 1 - i],
+                  causal_pairs(b[i], b[i + 1] - b[i]) + causal_pairs(b[2 * k - 1 - i], b[2 * k - i] - b[2 * k - 1 - i]))
                  for i in range(k))
 
 
 def _rows(length: int, k: int) -> int:
-    """K/V rows the k members of a document of ``length`` split head-tail need from each other:
-    member i misses, before its last query, all but its own chunk i (0.75 * length * (k-1))."""
-    bounds = [j * length // (2 * k) for j in range(2 * k + 1)]
-    return sum(bounds[2 * k - 1 - i] - bounds[i + 1] + bounds[i] for i in range(k)) if k > 1 else 0
+    """K/V rows the k members of a split document need from each other (about 0.75 * length * (k-1))."""
+    b = _bounds(length, k)
+    return sum(b[2 * k - 1 - i] - b[i + 1] + b[i] for i in range(k)) if k > 1 else 0
 
 
 @dataclass
@@ -278,17 +252,11 @@ _WIDEN_TRIES = 3  # documents widened by one rank (each followed by the descent)
 
 
 class _Search:
-    """The balanced placement's search over every document's group of ranks. Loads are integers
-    (tokens and causal pairs per rank); a rank's level is the larger of its tokens and its work as
-    fractions of their capacities (``_tolerated_load``): the objective is every level at most 1, then the
-    fewest K/V rows (``_rows``). Documents of no tokens are left out (rank 0 keeps them).
-
-    ``first_pass`` (largest documents first, each whole on the rank it raises least, split only
-    where no rank could take it whole beside the documents split so far), ``descend`` (moves of
-    whole documents and swaps of two between ranks) and, while a rank is above its capacities,
-    ``repair`` (depth-first packings with up to two documents split on small mixes, and one more
-    rank at a time for a document of the busiest rank, the fewest added rows first). Every step
-    is deterministic (ties go to the lower document or rank) and charges ``budgets``."""
+    """The balanced placement's search over every document's group of ranks. Loads are integers;
+    a rank's level is the larger of its tokens and work as fractions of the capacities
+    (``_tolerated_load``). Objective: every level at most 1, then the fewest rows (``_rows``).
+    Documents of no tokens are left out (rank 0 keeps them). Deterministic (ties go to the lower
+    document or rank); every step charges ``budgets``."""
 
     def __init__(self, lengths: Sequence[int], world: int, widen: float, budgets: _Budgets):
         self.lengths, self.world, self.widen, self.budgets = list(lengths), world, widen, budgets
@@ -304,18 +272,13 @@ class _Search:
         self.forced = False  # whether the first pass split a document no rank could take whole
         self.small = len(self.docs) * world <= _PACKED  # depth-first packings weighed
 
-    # -- loads
-    def level(self, r: int) -> float:
-        return max(self.tokens[r] / self.cap_tokens, self.work[r] / self.cap_work)
-
-    def level_with(self, r: int, tokens: int, work: int) -> float:
+    def level(self, r: int, tokens: int = 0, work: int = 0) -> float:  # after taking tokens and work more
         return max((self.tokens[r] + tokens) / self.cap_tokens, (self.work[r] + work) / self.cap_work)
 
     def size(self, doc: int) -> float:
         return max(self.lengths[doc] / self.cap_tokens, self.pairs[doc] / self.cap_work)
 
-    def most_ranks(self, doc: int) -> int:
-        """The widest group of a document: every member holds tokens (two chunks of at least one)."""
+    def most_ranks(self, doc: int) -> int:  # the widest group: every member holds two chunks of a token or more
         return min(self.world, max(1, self.lengths[doc] // 2))
 
     def peak(self) -> float:
@@ -325,23 +288,19 @@ class _Search:
         return sum(max(0, t - self.cap_tokens) / self.cap_tokens + max(0, w - self.cap_work) / self.cap_work
                    for t, w in zip(self.tokens, self.work))
 
-    def rows(self) -> int:
-        return sum(_rows(self.lengths[d], len(self.groups[d])) for d in self.docs)
-
     def standing(self, groups: Sequence[tuple[int, ...]]) -> tuple[bool, float, int]:
-        """How good ``groups`` are, lower better: (above the tolerance, if so the larger max/mean
-        of tokens and work as ``PlacementCost`` computes them (inf where a rank holds no tokens),
-        the rows)."""
+        """Lower is better: (above the tolerance, if so the worse max/mean of tokens and work as
+        ``PlacementCost`` computes them (inf where a rank holds nothing), the rows)."""
         saved = list(self.groups)
         self.assign(groups)
-        above, rows = self.peak() > 1.0, self.rows()
+        above = self.peak() > 1.0
+        rows = sum(_rows(self.lengths[d], len(self.groups[d])) for d in self.docs)
         worst = max(max(self.tokens) * self.world / sum(self.tokens), max(self.work) * self.world / sum(self.work))
         ratio = worst if all(self.count) else math.inf
         self.assign(saved)
         return above, ratio if above else 0.0, rows
 
-    # -- changes
-    def place(self, doc: int, group: tuple[int, ...], sign: int = 1) -> None:
+    def place(self, doc: int, group: tuple[int, ...], sign: int = 1) -> None:  # sign -1: take it away
         split = len(group) > 1
         for r, (tokens, work) in zip(group, _shares(self.lengths[doc], len(group)) if group else ()):
             self.tokens[r] += sign * tokens
@@ -369,11 +328,9 @@ class _Search:
                 self.groups[d] = groups[d]
                 self.place(d, groups[d])
 
-    # -- the search
     def repair(self) -> None:
-        """After the first pass and the descent, while a rank is above its capacities: depth-first
-        packings with up to two documents split (small mixes), then one more rank at a time for a
-        document of the busiest rank, each followed by the descent (and by a packing)."""
+        """While a rank is above its capacities: depth-first packings (small mixes), then one more
+        rank at a time for a document of the busiest rank, each followed by the descent."""
         if self.peak() > 1.0 and self.small:
             self.pack_splits(paired=True)
         while self.peak() > 1.0 and self.budgets.moves > 0 and self.widen_one():
@@ -381,11 +338,10 @@ class _Search:
                 self.pack_splits(paired=False)
 
     def first_pass(self) -> None:
-        """Documents largest first: one no rank could take whole beside the documents split so far
-        over the fewest ranks that stay within the capacities (``group_for``); every other whole on
-        the rank it raises least among the lowest in level, in tokens and in work."""
-        # three heaps of (level, tokens or work; rank; the rank's version when pushed): entries of
-        # ranks loaded since are stale
+        """Documents largest first, each whole on the rank it raises least (the lowest in level, in
+        tokens and in work are weighed), split (``group_for``) only where no rank could take it
+        whole beside the documents split so far."""
+        # heaps of (level, tokens or work; rank; the rank's version when pushed): older versions are stale
         heaps: list[list[tuple]] = [[(0, r, 0) for r in range(self.world)] for _ in range(3)]
         version = [0] * self.world
         rooms = {(self.cap_tokens, self.cap_work)}  # what ranks have left beside the split documents
@@ -402,7 +358,7 @@ class _Search:
                 for heap in heaps:
                     while heap[0][2] != version[heap[0][1]]:
                         heapq.heappop(heap)
-                    key = (self.level_with(heap[0][1], n, work), heap[0][1])
+                    key = (self.level(heap[0][1], n, work), heap[0][1])
                     best = key if best is None or key < best else best
                 group = (best[1],)
             self.move(doc, group)
@@ -415,9 +371,9 @@ class _Search:
                     heapq.heappush(heap, (key, r, version[r]))
 
     def group_for(self, doc: int) -> tuple[int, ...]:
-        """The fewest ranks a document split over stays within the capacities on (the k ranks its
-        share raises least; a bisection: the peak mostly falls as k grows), times ``widen``; none
-        within: the group of the lower peak of the narrowest and the widest."""
+        """The fewest ranks a split document stays within the capacities on (a bisection: the peak
+        mostly falls as k grows), times ``widen``; none within: the lower peak of the narrowest
+        and the widest group."""
         most = self.most_ranks(doc)
         low = min(most, max(2, math.ceil(self.size(doc))))
         narrowest, widest = self.lowest(doc, low), self.lowest(doc, most)
@@ -443,10 +399,8 @@ class _Search:
         return after[group[-1]], tuple(sorted(group))
 
     def descend(self, budget: int | None = None) -> None:
-        """While a rank is above its capacities: the move of one whole document to another rank
-        or the swap of two that lowers the excess over the capacities most, or keeps it and lowers
-        the sum of the squared levels (room gathered on fewer ranks), the busiest ranks' largest
-        documents first. Stops where none does or ``budget`` (default: all that is left) is spent."""
+        """While a rank is above its capacities, the next ``improvement``, until none or
+        ``budget`` (default: all that is left) is spent."""
         stop = self.budgets.moves - budget if budget is not None else 0
         while self.budgets.moves > stop and self.excess() > 0:
             change = self.improvement(stop)
@@ -458,8 +412,10 @@ class _Search:
                 self.move(b, (p,))
 
     def improvement(self, stop: int) -> tuple[int, int, int, int] | None:
-        """(document, its rank, the rank it goes to, the document swapped back or -1) of the
-        descent's next change; None: none, or the budget is down to ``stop``."""
+        """(document, its rank p, the rank q it goes to, the document swapped back or -1): the move
+        or swap that lowers the excess most, or keeps it and lowers the sum of squared levels
+        (room gathered on fewer ranks), the busiest ranks' largest documents first. None: none,
+        or the budget is down to ``stop``."""
         ct, cw = self.cap_tokens, self.cap_work
         t = [x / ct for x in self.tokens]
         w = [x / cw for x in self.work]
@@ -517,10 +473,10 @@ class _Search:
                 return
 
     def pack(self, docs: Sequence[int], splits: dict[int, int]) -> dict[int, tuple[int, ...]] | None:
-        """Groups for ``docs`` (whole, or over k ranks where ``splits`` maps them to k) within the
-        capacities on top of the other documents' loads: items (a document, or each member's
-        largest share of a split one) largest first, each on a rank in increasing level, ranks of
-        equal loads tried once. None: none within ``_PACK_TRIES`` placements or the packing budget."""
+        """Groups for ``docs`` (whole, or over ``splits[d]`` ranks) within the capacities beside the
+        other documents: items (a document, or a split one's largest share per member) largest
+        first, each on a rank in increasing level, ranks of equal loads tried once. None: none
+        within ``_PACK_TRIES`` placements or the packing budget."""
         ct, cw, world = self.cap_tokens, self.cap_work, self.world
         items = []
         for d in docs:
@@ -532,22 +488,23 @@ class _Search:
             for r, (n, c) in zip(self.groups[d], _shares(self.lengths[d], len(self.groups[d]))):
                 tokens[r] -= n
                 work[r] -= c
-        self.budgets.packing -= len(items) * self.world  # setting up: about a node per item
+        self.budgets.packing -= len(items) * world  # setting up: about a node per item
         held: dict[int, set[int]] = {d: set() for d in docs}
-        tries = [min(self.budgets.packing // self.world, _PACK_TRIES)]
+        allowed = tries = min(self.budgets.packing // world, _PACK_TRIES)
 
         def search(i: int) -> bool:
+            nonlocal tries
             if i == len(items):
                 return True
-            tries[0] -= 1
+            tries -= 1
             n, c, d = items[i]
             tried = set()
             for r in sorted(range(world), key=lambda q: (max(tokens[q] / ct, work[q] / cw), q)):
                 if (tokens[r], work[r]) in tried or tokens[r] + n > ct or work[r] + c > cw or r in held[d]:
                     continue
                 tried.add((tokens[r], work[r]))
-                tries[0] -= 1
-                if tries[0] < 0:
+                tries -= 1
+                if tries < 0:
                     return False
                 tokens[r] += n
                 work[r] += c
@@ -560,14 +517,13 @@ class _Search:
             return False
 
         found = search(0)
-        self.budgets.packing -= (min(self.budgets.packing // self.world, _PACK_TRIES) - max(tries[0], 0)) * self.world
+        self.budgets.packing -= (allowed - max(tries, 0)) * world
         return {d: tuple(sorted(held[d])) for d in docs} if found else None
 
     def widen_one(self) -> bool:
-        """One document of the busiest rank over one more rank (a whole one over two) followed by
-        the descent, kept where that lowers the excess over the capacities: the candidates with
-        the fewest added rows first (of equal rows: the larger drop of their group's excess), at
-        most ``_WIDEN_TRIES``. False when none is kept."""
+        """One document of the busiest rank over one more rank, then the descent, kept where that
+        lowers the excess: the fewest added rows first (then the larger drop of its group's
+        excess), at most ``_WIDEN_TRIES``. False when none is kept."""
         p = max(range(self.world), key=lambda r: (self.level(r), -r))
         ct, cw = self.cap_tokens, self.cap_work
 
@@ -600,9 +556,11 @@ class _Search:
         return False
 
 
+# ---------------------------------------------------------------- the widening greedy (issue 23)
+
+
 class _Loads:
-    """Tokens and causal work per rank while the greedy places documents, as fractions of the
-    final means (a rank's level: the larger of the two)."""
+    """Tokens and causal work per rank as fractions of their means (a rank's level: the larger)."""
 
     def __init__(self, lengths: Sequence[int], world: int):
         self.world = world
@@ -614,34 +572,33 @@ class _Loads:
     def level(self, rank: int) -> float:
         return max(self.tokens[rank], self.work[rank])
 
-    def levels_after(self, length: int, k: int) -> list[float]:
-        """Each rank's level after taking a 1/k share (tokens and work) of a document of ``length``."""
-        tokens, work = length / k * self.token_unit, causal_pairs(0, length) / k * self.work_unit
-        return [max(t + tokens, w + work) for t, w in zip(self.tokens, self.work)]
+    def share(self, length: int, k: int) -> tuple[float, float]:  # a 1/k share of a document's tokens and work
+        return length / k * self.token_unit, causal_pairs(0, length) / k * self.work_unit
 
     def lowest(self, k: int, length: int) -> tuple[tuple[int, ...], float]:
-        """The ``k`` ranks (in rank order) a document of ``length`` split over k raises least, and
-        the highest level among them after."""
-        after = self.levels_after(length, k)
+        """The ``k`` ranks (in rank order) a document split over k raises least, and their peak after."""
+        tokens, work = self.share(length, k)
+        after = [max(t + tokens, w + work) for t, w in zip(self.tokens, self.work)]
         group = sorted(range(self.world), key=lambda r: (after[r], r))[:k]
         return tuple(sorted(group)), max(after[r] for r in group)
 
     def add(self, ranks: Sequence[int], length: int) -> None:
-        k = len(ranks)
-        tokens, work = length / k * self.token_unit, causal_pairs(0, length) / k * self.work_unit
+        tokens, work = self.share(length, len(ranks))
         for r in ranks:
             self.tokens[r] += tokens
             self.work[r] += work
 
 
 def _widening(lengths: Sequence[int], world: int) -> list[tuple[int, ...]]:
-    """The greedy placement of issue 23 (``_greedy``), run with settings from the fewest split
-    ranks up; the first within ``BALANCE_TOLERANCE`` wins (none: the most even). The search's
-    fallback where it misses the tolerance."""
+    """``_greedy`` with the fewest split ranks first, then widened: the first within the tolerance
+    wins, else the most even. The search's fallback where it misses the tolerance."""
     best, best_peak = None, None
     for widen in _WIDEN:
         groups = _greedy(lengths, world, _AIM, widen)
-        peak = _balance(lengths, groups, world)
+        loads = _Loads(lengths, world)
+        for length, group in zip(lengths, groups):
+            loads.add(group, length)
+        peak = max(loads.level(r) for r in range(world))
         if peak <= BALANCE_TOLERANCE:
             return groups
         if best_peak is None or peak < best_peak:
@@ -654,17 +611,14 @@ _WIDEN = (1.0, 1.5, 2.0, 4.0, float("inf"))  # a split document goes over this m
 
 
 def _widening_cost(cu: Sequence[int], world: int) -> PlacementCost:
-    """What the widening greedy alone (the balanced placement before the search) would cost: the
-    bench's and the tests' reference."""
+    """What the widening greedy alone would cost: the bench's and the tests' reference."""
     cu = tuple(int(x) for x in cu)
-    lengths = _document_lengths(cu)
-    return _cost(cu, _as_pieces(_split(cu, world, _widening(lengths, world))))
+    return _cost(cu, _as_pieces(_split(cu, world, _widening(_document_lengths(cu), world))))
 
 
 def _greedy(lengths: Sequence[int], world: int, aim: float, widen: float) -> list[tuple[int, ...]]:
-    """Documents longest first, each whole on the rank it raises least if that stays within
-    ``aim`` of the means, else head-tail over the fewest ranks that stay within it (times
-    ``widen``; none: the group of the lowest peak)."""
+    """Documents longest first, each whole on the rank it raises least if that stays within ``aim``,
+    else head-tail over the fewest ranks within it times ``widen`` (none: the most ranks)."""
     loads = _Loads(lengths, world)
     groups: list[tuple[int, ...]] = [()] * len(lengths)
     for doc in sorted(range(len(lengths)), key=lambda d: (-lengths[d], d)):
@@ -674,11 +628,10 @@ def _greedy(lengths: Sequence[int], world: int, aim: float, widen: float) -> lis
 
 
 def _group_for(loads: _Loads, length: int, aim: float, widen: float) -> tuple[int, ...]:
-    after = loads.levels_after(length, 1)
-    whole = min(range(loads.world), key=lambda r: (after[r], r))
+    whole, peak = loads.lowest(1, length)
     most = min(loads.world, max(1, length // 2))
-    if after[whole] <= aim or most == 1:
-        return (whole,)
+    if peak <= aim or most == 1:
+        return whole
     widest, peak = loads.lowest(most, length)
     if peak > aim:
         return widest  # nothing fits: over the most ranks, where the peak is lowest
@@ -690,14 +643,6 @@ def _group_for(loads: _Loads, length: int, aim: float, widen: float) -> tuple[in
         else:
             low = middle + 1
     return loads.lowest(most if widen > most else min(most, math.ceil(low * widen)), length)[0]
-
-
-def _balance(lengths: Sequence[int], groups: Sequence[tuple[int, ...]], world: int) -> float:
-    """The larger of max/mean tokens and max/mean work per rank of ``groups``."""
-    loads = _Loads(lengths, world)
-    for length, group in zip(lengths, groups):
-        loads.add(group, length)
-    return max(loads.level(r) for r in range(world))
 
 
 # ---------------------------------------------------------------- what a placement costs
@@ -712,23 +657,17 @@ class PlacementCost:
     work: tuple[int, ...]
     rows_needed: tuple[int, ...]
 
-    @staticmethod
-    def _ratio(values: Sequence[int]) -> float:
-        return max(values) / (sum(values) / len(values))
-
     @property
-    def token_ratio(self) -> float:
-        """max / mean tokens per rank (1.0: even)."""
-        return self._ratio(self.tokens)
+    def token_ratio(self) -> float:  # max / mean tokens per rank (1.0: even)
+        return max(self.tokens) / (sum(self.tokens) / len(self.tokens))
 
     @property
     def work_ratio(self) -> float:
-        return self._ratio(self.work)
+        return max(self.work) / (sum(self.work) / len(self.work))
 
 
 def placement_cost(cu: Sequence[int], world: int, placement: str) -> PlacementCost:
-    """Tokens, causal work and K/V rows needed per rank of ``placement`` (causal attention
-    within documents)."""
+    """Tokens, causal work and K/V rows needed per rank of ``placement`` (causal attention within documents)."""
     cu = tuple(int(x) for x in cu)
     return _cost(cu, placement_pieces(cu, world, placement))
 

@@ -1,16 +1,15 @@
 """Laying a full sequence out the way the CP handlers expect it, and back.
 
-* One CP mesh dimension (ring, Ulysses): with load balancing (torch's
-  ``_cp_options.enable_load_balance``, the default of ``load_balance``) rank r holds the
-  chunks r and 2W-1-r of 2W (head-tail), else the contiguous chunk r.
-* Two CP mesh dimensions (hybrid): DTensor's nested order, contiguous: mesh coordinate
-  (i, j) holds chunk i*W1 + j of W0*W1; load balancing is not supported there.
-* Mesh dimensions that are not CP dimensions: ``Replicate()``.
+One CP mesh dimension: with load balancing (default: torch's ``_cp_options.enable_load_balance``)
+rank r holds chunks r and 2W-1-r of 2W, else chunk r. Two (hybrid): contiguous, (i, j) holding
+chunk i*W1 + j of W0*W1. Other mesh dimensions: ``Replicate()``.
 """
 
 from __future__ import annotations
 
 from typing import Optional, Sequence
+
+import math
 
 import torch
 from torch import Tensor
@@ -34,10 +33,8 @@ def _order(seq: int, world: int, load_balance: bool, cp_dims: tuple) -> Optional
     if not load_balance:
         return None
     if len(cp_dims) > 1:
-        raise NotImplementedError(
-            "load balancing (head-tail) over two CP mesh dimensions (hybrid) is not supported; "
-            "pass load_balance=False"
-        )
+        raise NotImplementedError("load balancing (head-tail) over two CP mesh dimensions (hybrid) is not "
+                                  "supported; pass load_balance=False")
     if seq % (2 * world):
         raise ValueError(f"load balancing needs the sequence length {seq} divisible by 2*W = {2 * world}")
     return sequence_order(world, seq // world, True)
@@ -46,12 +43,9 @@ def _order(seq: int, world: int, load_balance: bool, cp_dims: tuple) -> Optional
 def shard_sequence(x: Tensor, mesh, seq_dim: int, *, cp_dims: Optional[Sequence[int]] = None,
                    load_balance: Optional[bool] = None) -> DTensor:
     """``x`` (the full sequence, the same on every rank) as a DTensor sharded on ``seq_dim`` over
-    the CP dimensions ``cp_dims`` of ``mesh`` (default: all of them), Replicate elsewhere.
-    ``load_balance``: head-tail layout; None reads torch's ``_cp_options.enable_load_balance``."""
+    the CP dimensions ``cp_dims`` of ``mesh`` (default: all of them), Replicate elsewhere."""
     dims = _cp_dims(mesh, cp_dims)
-    world = 1
-    for d in dims:
-        world *= mesh.size(d)
+    world = math.prod(mesh.size(d) for d in dims)
     if load_balance is None:
         load_balance = load_balance_enabled() and len(dims) == 1
     order = _order(x.size(seq_dim), world, load_balance, dims)
@@ -64,9 +58,7 @@ def shard_sequence(x: Tensor, mesh, seq_dim: int, *, cp_dims: Optional[Sequence[
 def unshard_sequence(x: DTensor, seq_dim: int, *, load_balance: Optional[bool] = None) -> Tensor:
     """The full sequence of a DTensor laid out by ``shard_sequence`` (same ``load_balance``)."""
     dims = tuple(d for d, p in enumerate(x.placements) if p == Shard(seq_dim))
-    world = 1
-    for d in dims:
-        world *= x.device_mesh.size(d)
+    world = math.prod(x.device_mesh.size(d) for d in dims)
     if load_balance is None:
         load_balance = load_balance_enabled() and len(dims) == 1
     full = x.full_tensor()

@@ -1,24 +1,15 @@
 """cp_cache's context parallelism in Hugging Face's ``Trainer``: docs/transformers.md.
 
-``ContextParallelTrainer`` is ``transformers.Trainer`` with ``ContextParallelMixin`` in front of it
-(mix it into any Trainer subclass, TRL's ``SFTTrainer`` for one). Each training and evaluation
-step then runs inside ``cp_cache.context_parallel(mesh, buffers=[...])``: every per-token entry
-of the batch (``input_ids``, ``labels``, ``shift_labels`` made from the labels before sharding as
-Trainer's own CP does, ``position_ids``, ``seq_idx``, ...) is sharded over the CP ranks. A packed
-batch (``cu_seq_lens_q/k``, or position ids that restart) is laid out by its documents
-(``documents=``): the attention "cp_cache" runs it as packed documents (TND), with the model's
-sliding windows and sinks, at any length; a dense batch keeps torch's head-tail sharding.
+``ContextParallelMixin`` (in front of any Trainer subclass; ``ContextParallelTrainer`` is it with
+``Trainer``) runs each step inside ``cp_cache.context_parallel(mesh, buffers=[...])`` with every
+per-token entry of the batch sharded (``shift_labels`` made before sharding, as Trainer's own CP
+does). A packed batch (``cu_seq_lens_q/k``, or position ids that restart) is laid out by its
+documents; a dense one keeps torch's head-tail sharding.
 
-Where the CP mesh comes from:
-
-* ``TrainingArguments(parallelism_config=ParallelismConfig(cp_size=N))`` (accelerate; FSDP2 or
-  one process per accelerator): accelerate's "cp" mesh dimension, its data loading (every rank of
-  a CP group gets the same batches) and its gradient reduction; cp_cache takes the place of
-  accelerate's torch-ring preparation (which refuses sliding-window models and drops masks).
-* ``ContextParallelTrainer(..., cp_size=N)`` where accelerate has no CP (DDP, CPU processes):
-  cp_cache builds a ``("dp_replicate", "cp")`` mesh over the processes and gives it to
-  accelerate, whose data loaders then give each CP group the same batches; DDP averages the
-  gradients over every process, and Trainer normalizes the loss by ``get_cp_size()``.
+The CP mesh: accelerate's "cp" dimension (``ParallelismConfig(cp_size=N)``; cp_cache replaces
+its torch-ring preparation, which refuses sliding windows and drops masks), or, with
+``cp_size=N`` where accelerate has no CP (DDP, CPU), a ``("dp_replicate", "cp")`` mesh cp_cache
+builds and gives accelerate, whose data loaders then give each CP group the same batches.
 """
 
 from __future__ import annotations
@@ -75,9 +66,7 @@ class ContextParallelMixin:
 
     def _prepare_context_parallel_inputs(self, model: torch.nn.Module,
                                          inputs: dict) -> tuple[Callable, dict]:
-        """(the step's CP context, the inputs it shards): Trainer enters the context around the
-        forward and backward of the step. A packed batch (``cu_seq_lens_q``, or position ids that
-        restart) is laid out by its documents; every per-token entry is sharded with the tokens."""
+        """(the step's CP context, the inputs it shards): Trainer enters it around the step."""
         if self.cp_mesh is None:
             return super()._prepare_context_parallel_inputs(model, inputs)
         _check_attention(model)
@@ -99,8 +88,8 @@ class ContextParallelTrainer(ContextParallelMixin, Trainer):
 
 
 def _prepare_cp(accelerator, *args):
-    """Takes the place of accelerate's ``Accelerator._prepare_cp`` (torch's ring): the region is
-    cp_cache's, and the model keeps its masks (no hooks, no refusal of sliding windows)."""
+    """In place of accelerate's ``Accelerator._prepare_cp`` (torch's ring): cp_cache's region, the
+    model's masks kept."""
     accelerator._cp_context = functools.partial(context_parallel, mesh=accelerator.torch_device_mesh["cp"])
     return args
 
@@ -145,18 +134,14 @@ def _drop_all_true_mask(inputs: dict) -> None:
 
 
 def _per_token(name: str, value: Any, ids: torch.Tensor) -> bool:
-    """Whether a batch entry is per token ([B, T, ...], like ``input_ids``): sharded with the tokens
-    (``labels``, ``shift_labels``, ``position_ids``, ``seq_idx``, a collator's masks), never left at
-    the global length beside sharded ones."""
+    """Whether a batch entry is per token ([B, T, ...], like ``input_ids``): sharded with the tokens."""
     return (isinstance(value, torch.Tensor) and name not in DOCUMENT_ENTRIES and value.dim() >= 2
             and value.shape[:2] == ids.shape[:2])
 
 
 def _documents(inputs: dict) -> Optional[torch.Tensor]:
-    """A packed batch's cumulative document ends (``cu_seq_lens_q``, leading 0), or None for a dense
-    batch. Position ids that restart without ``cu_seq_lens_q/k`` (``DataCollatorWithFlattening``
-    without ``return_flash_attn_kwargs``) give the documents, added to the inputs for the model's
-    attention (one host read per step)."""
+    """A packed batch's cumulative document ends (``cu_seq_lens_q``, leading 0), or None (dense).
+    Without them, position ids that restart give them, added to the inputs (a host read per step)."""
     given = inputs.get("cu_seq_lens_q")
     if given is not None:
         return given

@@ -1,25 +1,21 @@
 """cp_cache as an attention implementation of Hugging Face transformers (5.x): docs/transformers.md.
 
-``register()`` adds "cp_cache" to transformers' ``AttentionInterface``, and a mask hook to its
-``AttentionMaskInterface`` so that transformers builds no dense mask for it. A model made with
-``attn_implementation="cp_cache"`` then calls ``attention_forward`` with each layer's local
-q/k/v ``[B, N, S, D]``:
+``register()`` adds "cp_cache" to transformers' ``AttentionInterface`` (and a mask hook so that
+no dense mask is built). ``attention_forward`` gets each layer's local q/k/v ``[B, N, S, D]``
+and calls ``torch.ops.npu.npu_fusion_attention_v3``: inside ``cp_cache.context_parallel(mesh,
+buffers=[...])`` on DTensors sharded as the buffers were (cp_cache's handlers run it), outside
+on the plain tensors.
 
-* inside ``cp_cache.context_parallel(mesh, buffers=[input_ids, position_ids, labels], ...)`` it
-  wraps them as DTensors sharded on the sequence over the region's mesh (in the layout the
-  buffers were sharded in) and calls ``torch.ops.npu.npu_fusion_attention_v3``, which
-  cp_cache's CP handlers run;
-* outside, it calls the same op on the plain tensors (single-process attention).
-
-The mask is the one the model asks for: causal from ``module.is_causal``, ``sliding_window``
-as a band, packed documents from ``cu_seq_lens_q/k``; ``s_aux`` is the sink. What the op cannot
-express raises naming it, never a silently different mask. transformers is imported only by
-``register()``; ``import cp_cache`` never needs it.
+The mask is the one the model asks for: causal from ``module.is_causal``, ``sliding_window`` as
+a band, packed documents from ``cu_seq_lens_q/k``; ``s_aux`` is the sink. What the op cannot
+express raises naming it, never a silently different mask. Only ``register()`` imports
+transformers.
 """
 
 from __future__ import annotations
 
 import functools
+import math
 import weakref
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
@@ -43,9 +39,7 @@ _REFUSED = {"softcap": "logit soft-capping", "position_bias": "an additive posit
 
 
 def register() -> None:
-    """Register "cp_cache" in transformers' ``AttentionInterface`` and ``AttentionMaskInterface``
-    (idempotent); then ``from_config(..., attn_implementation="cp_cache")`` or
-    ``model.set_attn_implementation("cp_cache")`` selects it."""
+    """Register "cp_cache" in transformers' attention and mask interfaces (idempotent)."""
     from transformers import AttentionInterface
     from transformers.masking_utils import AttentionMaskInterface
 
@@ -55,10 +49,8 @@ def register() -> None:
 
 def mask_hook(batch_size: int, q_length: int, kv_length: int, *args, attention_mask: Optional[Tensor] = None,
               **kwargs) -> Optional[Tensor]:
-    """transformers' mask function for "cp_cache": no dense mask is built (the attention takes
-    causal, window and documents from its own arguments). A 2-D padding mask that masks
-    nothing is dropped (one host read of it per mask); any other mask goes on to
-    ``attention_forward``, which refuses it."""
+    """transformers' mask function for "cp_cache": none. A 2-D padding mask that masks nothing is
+    dropped (a host read); any other goes on to ``attention_forward``, which refuses it."""
     if attention_mask is not None and attention_mask.dim() == 2 and bool(attention_mask.all()):
         return None
     return attention_mask
@@ -70,7 +62,7 @@ class _Mask:
 
     causal: bool
     window: Optional[int]  # sliding_window w: keys i-w < j <= i (causal only)
-    documents: Optional[tuple[int, ...]]  # cumulative document lengths, leading 0, the last = S
+    documents: Optional[tuple[int, ...]]  # cumulative document ends, leading 0
 
 
 @dataclass(frozen=True)
@@ -81,8 +73,8 @@ class _Sharding:
     held: Optional[Tensor]  # the global positions of the local tokens (CPU int64); None: KV cache
     seq: int  # the global sequence length
     load_balance: bool
-    documents: Optional[tuple[int, ...]] = None  # the region's documents its buffers were laid out by (ends)
-    placement: Optional[str] = None  # and their placement
+    documents: Optional[tuple[int, ...]] = None  # the ends the region laid its buffers out by
+    placement: Optional[str] = None
 
     @property
     def contiguous(self) -> bool:
@@ -204,10 +196,9 @@ def _sharding(mesh, query: Tensor, key: Tensor) -> _Sharding:
 
 
 class _Checked:
-    """The documents of the last (position_ids, cu_seq_lens_q, cu_seq_lens_k) read and checked.
-
-    Every layer of one forward passes the same tensors, so they are read (a host read) once per
-    forward: the cache holds them by identity and version (weak references)."""
+    """The documents of the last (position_ids, cu_seq_lens_q, cu_seq_lens_k) read and checked: every
+    layer of a forward passes the same tensors, so one host read per forward (held by identity and
+    version, weakly)."""
 
     def __init__(self):
         self._refs: tuple = ()
@@ -216,21 +207,19 @@ class _Checked:
 
     def documents(self, kwargs: dict, sharding: _Sharding) -> Optional[tuple[int, ...]]:
         given = (kwargs.get("position_ids"), kwargs.get("cu_seq_lens_q"), kwargs.get("cu_seq_lens_k"))
-        if torch.compiler.is_compiling():  # no cache (its key would pin the lengths) and no host read of positions
-            documents = _read_documents(given[1], given[2], sharding)
-            if given[0] is not None and sharding.held is not None:
-                _assert_positions(given[0], sharding, documents)
-            return documents
-        key = (tuple(_identity(t) for t in given), sharding.seq, sharding.documents, sharding.placement,
-               None if sharding.held is None else tuple(sharding.held[:1].tolist() + [len(sharding.held)]),
-               sharding.load_balance, None if sharding.mesh is None else sharding.mesh.get_local_rank())
-        if key == self._key and all(ref() is t for ref, t in zip(self._refs, given) if isinstance(t, Tensor)):
-            return self._documents
+        compiling = torch.compiler.is_compiling()  # no cache (its key would pin the lengths), no host read
+        if not compiling:
+            key = (tuple(_identity(t) for t in given), sharding.seq, sharding.documents, sharding.placement,
+                   None if sharding.held is None else tuple(sharding.held[:1].tolist() + [len(sharding.held)]),
+                   sharding.load_balance, None if sharding.mesh is None else sharding.mesh.get_local_rank())
+            if key == self._key and all(ref() is t for ref, t in zip(self._refs, given) if isinstance(t, Tensor)):
+                return self._documents
         documents = _read_documents(given[1], given[2], sharding)
         if given[0] is not None and sharding.held is not None:
-            _check_positions(given[0], sharding, documents)
-        self._refs = tuple(weakref.ref(t) if isinstance(t, Tensor) else None for t in given)
-        self._key, self._documents = key, documents
+            (_assert_positions if compiling else _check_positions)(given[0], sharding, documents)
+        if not compiling:
+            self._refs = tuple(weakref.ref(t) if isinstance(t, Tensor) else None for t in given)
+            self._key, self._documents = key, documents
         return documents
 
 
@@ -271,10 +260,9 @@ _POSITIONS_HINT = ("Under cp_cache.context_parallel pass position_ids among its 
 
 def _positions_against(position_ids: Tensor, sharding: _Sharding,
                        documents: Optional[tuple[int, ...]]) -> tuple[Tensor, Tensor]:
-    """(the given position ids [B, S] int64, the expected ones [S]): the model's RoPE reads
-    ``position_ids``; the mask here follows the tokens' places in the sequence (and the
-    documents): the two must agree, else a packed batch without its cu_seq_lens (or an
-    unsharded position_ids under CP) would silently get another mask."""
+    """(the given position ids [B, S] int64, the expected ones [S]): RoPE reads ``position_ids``, the
+    mask follows the tokens' places: they must agree, else a packed batch without cu_seq_lens (or
+    unsharded position_ids) would silently get another mask."""
     held = sharding.held
     expected = held
     if documents is not None:
@@ -301,8 +289,7 @@ def _check_positions(position_ids: Tensor, sharding: _Sharding, documents: Optio
 
 
 def _assert_positions(position_ids: Tensor, sharding: _Sharding, documents: Optional[tuple[int, ...]]) -> None:
-    """``_check_positions`` inside a compiled graph: the comparison is an assertion in the graph
-    (no host read while tracing; it fails when the graph runs)."""
+    """``_check_positions`` inside a compiled graph: an assertion that fails when the graph runs."""
     got, expected = _positions_against(position_ids, sharding, documents)
     torch._assert_async((got == expected).all(), "cp_cache attention: position_ids are not the positions of the "
                         "tokens in their sequence or documents. " + _POSITIONS_HINT)
@@ -352,10 +339,8 @@ def _dense_call(query: Tensor, key: Tensor, value: Tensor, mask: _Mask, sharding
 
 def _packed_call(query: Tensor, key: Tensor, value: Tensor, mask: _Mask, sharding: _Sharding,
                  options: dict) -> Tensor:
-    """Packed documents in the op's packed layout ``[T, N, D]`` with the documents' cumulative
-    ends, on buffers laid out by the region's documents or on contiguous slices of the
-    sequence: the causal rule, a window as the band inside each document, sinks as the op's
-    ``sink``."""
+    """Packed documents as TND ``[T, N, D]`` with their cumulative ends (buffers laid out by the
+    region's documents, or contiguous slices): a window as the band inside each document."""
     ends = torch.tensor(mask.documents[1:], dtype=torch.int64)
     mask_args = _band(_Mask(mask.causal, mask.window, None), query.device)
     q, k, v = (_sharded(t[0].transpose(0, 1).contiguous(), sharding, 0) for t in (query, key, value))
@@ -377,17 +362,9 @@ def _sharded(t: Tensor, sharding: _Sharding, seq_dim: int) -> Tensor:
         return DTensor.from_local(t, sharding.mesh, [Shard(seq_dim)], run_check=False)
     shape = list(t.shape)
     shape[seq_dim] = sharding.seq
-    stride = _contiguous_strides(shape)
+    stride = tuple(math.prod(shape[i + 1:]) for i in range(len(shape)))
     return DTensor.from_local(t, sharding.mesh, [Shard(seq_dim)], run_check=False, shape=torch.Size(shape),
                               stride=stride)
-
-
-def _contiguous_strides(shape: list) -> tuple[int, ...]:
-    strides, step = [], 1
-    for size in reversed(shape):
-        strides.append(step)
-        step *= size
-    return tuple(reversed(strides))
 
 
 def _local(t: Tensor) -> Tensor:
