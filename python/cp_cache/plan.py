@@ -24,7 +24,8 @@ from dataclasses import dataclass, fields, replace
 from typing import Optional, Sequence
 
 from . import layout as L
-from .npu_ops import INT_MAX, describe
+from .masks import MaskSpec
+from .npu_ops import describe
 from .placement import CONTIGUOUS, HEAD_TAIL
 
 __all__ = [
@@ -67,53 +68,6 @@ def check_exchange_options(exchange: str, keep_kv: bool, grad_partials: str) -> 
                          f"straight home, rounded once), got exchange={exchange!r}")
 # how many mesh dimensions sharded on the sequence each algorithm runs over
 ALGORITHM_CP_DIMS = {"ring": 1, "ulysses": 1, "hybrid": 2}
-
-
-@dataclass(frozen=True)
-class MaskSpec:
-    """The attention mask of a CP call, on global positions.
-
-    causal: lower-triangular (torch's ring rules); window: the band
-    pre_tockens / next_tockens applies; given: an explicit mask is passed with the call
-    (its rows for the local queries, its columns for the whole sequence). band_document
-    (packed documents, sparse_mode 7 / 8): "" the band applies in every document, "last" /
-    "first" only in the last / first document, the others causal.
-    """
-
-    causal: bool = False
-    window: bool = False
-    pre_tockens: int = INT_MAX
-    next_tockens: int = INT_MAX
-    given: bool = False
-    band_document: str = ""
-
-    def __post_init__(self):
-        if self.causal and (self.window or self.given):
-            raise ValueError(f"a causal MaskSpec takes no window and no given mask: {self}")
-        if self.band_document not in ("", "first", "last") or (self.band_document and not self.window):
-            raise ValueError(f"band_document must be '', 'first' or 'last', and set only with a window: {self}")
-
-    def band_document_index(self, documents: int) -> Optional[int]:
-        """The one document of ``documents`` that takes the band while the others are causal, or
-        None when the band applies in every document."""
-        return {"": None, "first": 0, "last": documents - 1}[self.band_document]
-
-    @property
-    def positional(self) -> bool:
-        """Whether the mask depends on global positions (anything but full attention)."""
-        return self.causal or self.window or self.given
-
-    def simplified(self, seq: int) -> "MaskSpec":
-        """The same mask over a sequence of ``seq`` tokens, as the cheapest kind: a band that
-        covers every earlier key and no later one is causal, one that covers all is full."""
-        if not self.window or self.given:
-            return self
-        sees_all_past = self.pre_tockens >= seq - 1
-        if sees_all_past and self.next_tockens >= seq - 1:
-            return MaskSpec()
-        if sees_all_past and self.next_tockens == 0:
-            return MaskSpec(causal=True)
-        return self
 
 
 def _flat(obj) -> dict:
@@ -180,6 +134,8 @@ class CallPlan:
         check_exchange_options(self.exchange, self.keep_kv, self.grad_partials)
         if self.cp_sizes and math.prod(self.cp_sizes) != self.world_size:
             raise ValueError(f"cp_sizes={self.cp_sizes} do not multiply to world_size={self.world_size}")
+        # the plan as a string (the custom op's argument, the step cache's record): made once
+        object.__setattr__(self, "text", json.dumps(dict(_flat(self), mask=_flat(self.mask)), sort_keys=True))
 
     @property
     def ulysses_size(self) -> int:
@@ -237,8 +193,8 @@ class CallPlan:
     # ------------------------------------------------------------ encoding
 
     def encode(self) -> str:
-        """The plan as a string: the custom op's argument and the step cache's record."""
-        return _encode(self)
+        """The plan as a string: the custom op's argument and the step cache's record (``text``)."""
+        return self.text
 
     @staticmethod
     def decode(text: str) -> "CallPlan":
@@ -266,11 +222,6 @@ class CallPlan:
                     "torch's _cp_options.enable_load_balance unchanged between a forward with a given mask "
                     "and its backward")
         return None
-
-
-@functools.lru_cache(maxsize=256)  # one plan per layer in a model: the same few strings every step
-def _encode(plan: CallPlan) -> str:
-    return json.dumps(dict(_flat(plan), mask=_flat(plan.mask)), sort_keys=True)
 
 
 @functools.lru_cache(maxsize=256)

@@ -1,18 +1,12 @@
 """The step cache of one CP attention call, and the cache policies: the one home of policy.
 
-A cache holds the call's plan (``CallPlan.encode()``) as metadata and one record per ring
-step: the step's part as the tag, and the dropout ``seed`` and ``offset`` tensors of each
-kernel call of the step, in order (seed, offset, seed, offset, ...), or nothing (the
-reference kernel draws none).
-
-Policies: where the cache waits for its backward.
-
-* "handle" (default): the forward's ``seed`` output is a handle tensor whose storage owns
-  the cache; autograd saves it and hands it to the backward, so the cache lives exactly as
-  long as the graph;
-* "stack": torch_npu's discipline, natively: the forward pushes the cache (skipped in a
-  recompute) and its seed slot carries a pairing key, a fingerprint of everything the
-  backward reads, which the backward's pop compares with the top entry.
+A cache holds the call's plan (its text) and one record per ring step: the step's part as the tag
+and the dropout ``seed`` / ``offset`` tensors of each kernel call (seed, offset, seed, offset, ...),
+or nothing; with ``keep_kv``, the K/V rows the step received after them. Policies: "handle"
+(default): the forward's ``seed`` output is a handle tensor whose storage owns the cache, so it lives
+exactly as long as autograd keeps the graph; "stack": torch_npu's discipline natively: the forward
+pushes (skipped in a recompute), the seed slot carries a pairing key, a fingerprint of everything
+the backward reads, which the backward's pop compares with the top entry.
 """
 
 from __future__ import annotations
@@ -53,7 +47,7 @@ def _step_tensors(step: RingStep) -> list:
 def _cache_from_forward(plan: CallPlan, steps: list[RingStep]):
     """A new cache of the process-wide store holding what the backward of this call needs."""
     cache = _C.default_store().create()
-    cache.set_meta(_PLAN_KEY, plan.encode())
+    cache.set_meta(_PLAN_KEY, plan.text)
     for step in steps:
         cache.add_step(step.part + (_KEPT if step.kept else ""), _step_tensors(step) + list(step.kept))
     return cache
@@ -85,7 +79,7 @@ def pairing_key(plan: CallPlan, steps: list[RingStep]) -> int:
     """A fingerprint of everything the backward reads from the cache: two forwards with
     the same key are interchangeable for their backwards (the stack policy's pop check)."""
     digest = hashlib.blake2b(digest_size=8)
-    digest.update(plan.encode().encode())
+    digest.update(plan.text.encode())
     for step in steps:
         digest.update(step.part.encode())
         for tensor in _step_tensors(step):
@@ -104,15 +98,17 @@ def seed_slot(policy: str, plan: CallPlan, steps: list[RingStep]) -> Tensor:
     return torch.tensor([cache.pairing_key], dtype=torch.int64)
 
 
-def claim(seed: Tensor, policy: str):
-    """The forward's cache from the backward's seed slot: resolve a handle (releasing the cache
-    when this graph's backward runs once), or pop the stack."""
+def claim(seed: Tensor, policy: str) -> tuple[str, list[RingStep], int]:
+    """(the plan's text, the step records, the cache's id) of the forward's cache that the backward's
+    seed slot names: a handle resolved (and the cache released when this graph's backward runs once),
+    or the stack popped. No reference to the cache outlives the call."""
     store = _C.default_store()
     if store.is_handle(seed):
         cache = store.resolve(seed)
         if _C.in_graph_task() and not _C.current_graph_task_keeps_graph():
             store.release(seed)  # this graph's backward runs once: free the cache now
-        return cache
-    if policy == STACK_POLICY:
-        return store.pop(int(seed.reshape(-1)[0]))
-    return store.resolve(seed)  # raises, naming what was passed and the likely cause
+    elif policy == STACK_POLICY:
+        cache = store.pop(int(seed.reshape(-1)[0]))
+    else:
+        cache = store.resolve(seed)  # raises, naming what was passed and the likely cause
+    return cache.meta(_PLAN_KEY), steps_of(cache), cache.id

@@ -303,13 +303,13 @@ def test_steady_state_reads_nothing_on_the_host(case):
 
 
 def test_documented_host_reads_only():
-    """A given mask's block classification and need set (engine/steps.py reads the mask; the
-    rows each stage moves are then counted on the host, also in engine/steps.py) and the stack
+    """A given mask's block classification and need set (masks/given.py reads the mask; the
+    rows each stage moves are then counted on the host, in engine/exchange.py) and the stack
     policy's seed fingerprint (step_cache.py) are the documented host reads; they do happen
     (the recorder sees reads), and nowhere else."""
     for rank, res in enumerate(_results()):
         given, stack = res["reads"]["given_mask"], res["reads"]["stack"]
-        assert given and "engine/steps.py" in given and set(given) == {"engine/steps.py"}, \
+        assert given and "masks/given.py" in given and set(given) <= {"masks/given.py", "engine/exchange.py"}, \
             (rank, given)
         assert stack and set(stack) == {"step_cache.py"}, (rank, stack)
 

@@ -108,7 +108,7 @@ def _agreement_rank(rank: int, world: int) -> dict:
 
     # agreeing calls: right answer against dense float64; one all_gather per call on the CPU side
     # group, none on the CP group, signature built once
-    from cp_cache.engine.transport import SideGroup
+    from cp_cache.engine.agreement import SideGroup
 
     gathers, on_cp_group, inside = [], [], []
     real_all_gather, real_side_gather = dist.all_gather, SideGroup.all_gather_async

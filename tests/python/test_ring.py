@@ -29,7 +29,7 @@ from cp_cache import layout as L
 from cp_cache.kernels import NpuKernel, ReferenceKernel, get_kernel
 from cp_cache.algorithms import RING, run_backward, run_forward
 from cp_cache.engine.loop import RingStep
-from cp_cache.engine.steps import step_part
+from cp_cache.masks.causal import step_part
 from cp_cache.plan import CallPlan
 from cp_cache.testing.reference import ring_plan
 from cp_cache.testing.multiprocess import run_ranks

@@ -18,12 +18,12 @@ import torch
 
 from cp_cache.documents import document_positions
 from cp_cache.testing.multiprocess import run_ranks
-from cp_cache.engine.steps import exchange_plan
+from cp_cache.engine.exchange import exchange_plan
 from cp_cache.npu_ops import INT_MAX
 from cp_cache.plan import CallPlan, MaskSpec
 from cp_cache.testing.reference import error_bound, exchanged_rows, rel_err
 from cp_cache.testing.varlen_reference import band_modes, document_masked
-from cp_cache.algorithms.packed import plan_varlen_step, step_pairs
+from cp_cache.masks import document_step, step_pairs
 
 pytestmark = pytest.mark.slow  # exhaustive sweeps: left out of make matrix's fast subset
 
@@ -33,7 +33,7 @@ D = 8
 # ---------------------------------------------------------------- the plan, without processes
 
 
-def _covered(cu, world, causal, placement, window=None, band_document=None):
+def _covered(cu, world, placement, spec):
     """Every (query, key) global pair the ring's steps compute, counted, pairs per rank, and the
     number of kernel calls; each call's segments must not share query rows (they merge row by row)."""
     T = cu[-1]
@@ -43,7 +43,7 @@ def _covered(cu, world, causal, placement, window=None, band_document=None):
         qpos = document_positions(cu, rank, world, placement)
         pairs = 0
         for index in range(world):
-            step = plan_varlen_step(cu, rank, index, world, causal, placement, window, band_document)
+            step = document_step(cu, rank, index, world, placement, spec)
             kpos = document_positions(cu, (rank - index) % world, world, placement)
             calls += len(step.calls)
             for call in step.calls:
@@ -79,7 +79,7 @@ PLAN_CASES = [(docs, p) for docs in PLAN_DOCS for p in PLACEMENTS if not (p == "
 @pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
 def test_plan_covers_the_block_diagonal_exactly_once(world, docs, placement, causal):
     cu = PLAN_DOCS[docs]
-    count, per_rank, _ = _covered(cu, world, causal, placement)
+    count, per_rank, _ = _covered(cu, world, placement, MaskSpec(causal=causal))
     allowed = ~document_masked(cu, cu, "left_up" if causal else "full")
     assert torch.equal(count, allowed.long())  # every pair once, nothing outside
     assert sum(per_rank) == int(allowed.sum())  # FLOPs counted from the segments = the block-diagonal minimum
@@ -121,7 +121,7 @@ def test_band_plan_covers_the_band_inside_documents_exactly_once(world, placemen
     causal): every pair of the mask computed once and nothing else, and the direct exchange
     moves exactly the rows the mask needs."""
     spec = MaskSpec(window=True, pre_tockens=pre, next_tockens=nxt, band_document=BAND_DOCUMENT[mode])
-    count, per_rank, calls = _covered(cu, world, False, placement, (pre, nxt), spec.band_document_index(len(cu)))
+    count, per_rank, calls = _covered(cu, world, placement, spec)
     allowed = ~document_masked(cu, cu, band_modes(len(cu), mode), pre, nxt)
     assert torch.equal(count, allowed.long())
     assert sum(per_rank) == int(allowed.sum())
@@ -149,7 +149,7 @@ def test_steps_without_work_make_no_kernel_call():
     cu = [16, 32, 48, 64]  # one document per rank at W = 4
     for rank in range(4):
         for index in range(1, 4):
-            step = plan_varlen_step(cu, rank, index, 4, True, "contiguous")
+            step = document_step(cu, rank, index, 4, "contiguous", MaskSpec(causal=True))
             assert step.part == "skip" and step.calls == ()
 
 

@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from cp_cache.npu_ops import causal_mask
-from cp_cache.engine.steps import hops_needed, plan_step
+from cp_cache.masks import hops_needed, plan_step
 from cp_cache.plan import MaskSpec
 from cp_cache.testing import install_npu_emulator
 

@@ -18,8 +18,7 @@ from typing import Optional
 from torch import Tensor
 
 from ..engine.agreement import open_agreement
-from ..engine.loop import BackwardResult, ForwardResult
-from ..engine.transport import group_info
+from ..engine.loop import BackwardResult, ForwardResult, group_info
 from ..plan import CallPlan
 from .capacity import WithCapacity
 from .packed import PACKED, PackedDocuments

@@ -1,29 +1,11 @@
 """Ring attention over a 1-D process group, forward and backward, on any step kernel.
 
-Each rank keeps its query block. Step i on rank r computes against the K/V of group rank
-``(r - i) % W``. By default (``exchange="direct"``) each rank sends straight to rank r+i only
-the rows of its block that rank needs (``engine/steps.py``: the mask's lower bound); with
-``exchange="ring"`` the whole blocks travel around the ring (rank r sends to r+1, receives from
-r-1). The next step's transfer is posted before the current step is computed and waited after
-(every stage at once where the whole direct exchange is small: ``engine/loop.SMALL_EXCHANGE_BYTES``).
-Step results are merged in float32 with the log-sum-exp rule.
-
-Causal rules (torch's ``_templated_ring_attention``):
-
-* without load balancing rank r holds contiguous chunk r: step 0 is the causal
-  diagonal block, blocks from lower ranks are full, from higher ranks skipped;
-* with head-tail load balancing rank r holds chunks r and 2W-1-r of 2W: step 0
-  is causal over the whole local block, a block from a lower rank is seen by
-  all local queries through its first half ("kv_head"), a block from a higher
-  rank is seen fully by the second half of the local queries ("q_tail").
-
-Band (sliding window) and explicit masks are planned per block in ``engine/steps.py``
-(``plan_step``); with a band and contiguous sharding the steps stop after the last hop any
-rank needs.
-
-Backward receives the K/V rows again; the float32 dK/dV partials go straight back to their
-owner (direct exchange), or travel with their block and go back after the last step (ring). The loops, the transport
-and the merge are the engine's (``engine/``); this module says what each step computes.
+Each rank keeps its query block; step i on rank r computes against the K/V of group rank
+``(r - i) % W``, the rows it needs brought by the engine's loop (the direct exchange, or whole
+blocks with ``exchange="ring"``). What each step computes is the mask kind's (``masks``: torch's
+causal rules, bands and given masks per chunk pair; a band on contiguous shards stops after the last
+hop any rank needs), planned once per shapes for positional masks. Step results merge in float32 by
+the log-sum-exp rule; the backward reuses the recorded parts and seeds.
 """
 
 from __future__ import annotations
@@ -48,13 +30,10 @@ from ..engine.loop import (
     check_steps,
     empty_outputs,
     forward_ring,
-    kept_rows,
-    partials_dtype,
 )
 from ..engine.merge import merge_into
-from ..engine.steps import BlockTask, exchange_plan, hops_needed, plan_step
-from ..engine.transport import group_info, own_group
 from ..kernels import StepKernel
+from ..masks import BlockTask, hops_needed, plan_step
 from ..plan import CallPlan
 
 __all__ = ["Ring", "RING"]
@@ -133,7 +112,8 @@ def _task_operands(task: BlockTask, seq_dim: int, q: Tensor, k: Tensor, v: Tenso
 def _recorded_tasks(step: RingStep, plan: CallPlan, checked: _Shapes, kv_len: int, mask_rows):
     """The step's kernel calls, planned again, each with the (seed, offset) its forward drew."""
     part, tasks = _step(plan, checked, step.index, kv_len, mask_rows)
-    check_step(step, plan.rank, part, len(tasks))
+    if step.part != part or (step.rng and len(step.rng) != len(tasks)):
+        check_step(step, plan.rank, part, len(tasks))  # raises, naming both
     return zip(tasks, step.rng or [(None, None)] * len(tasks))
 
 
@@ -154,30 +134,21 @@ class Ring:
 
     def forward(self, plan: CallPlan, q: Tensor, k: Tensor, v: Tensor, *, groups: Sequence = (),
                 kernel: StepKernel, mask: Optional[Tensor] = None, checked: _Shapes, agreement) -> ForwardResult:
-        """Ring attention of the local queries against every rank's K/V block.
-
-        ``mask``: with a given mask (``plan.mask.given``), its rows of the local queries over
-        the whole sequence (True = masked out). ``checked``: what ``check_forward`` returned;
-        ``agreement``: the ranks' (``engine/agreement.Agreement``), waited for after step 0.
-        Returns the merged output (query dtype, input layout), the float32 LSE [B, Nq, Sq], the
-        per-step records (for backward) and the bytes sent.
-        """
-        size, rank, group = group_info(plan.world_size, plan.rank, own_group(groups))
-        seq_dim = checked.seq_dim
+        """Ring attention of the local queries against every rank's K/V block: the merged output (query
+        dtype, input layout), the float32 LSE [B, Nq, Sq], the step records and the traffic. ``mask``:
+        a given mask's rows of the local queries over the whole sequence; ``checked``: what
+        ``check_forward`` returned; ``agreement``: the ranks', waited for after step 0."""
         compute = _ForwardSteps(plan, checked, kernel, q, mask)
-        steps, traffic, compute_s, wait_s, lengths = forward_ring(
-            k, v, seq_dim, checked.last, compute, _ready(plan, agreement, group, mask), group=group, rank=rank,
-            size=size, direct=plan.exchange == "direct", keep=plan.keep_kv)
+        steps, traffic, compute_s, wait_s, lengths = forward_ring(plan, groups, k, v, checked.seq_dim, checked.last,
+                                                                  compute, agreement, mask_rows=mask)
         return compute.result(steps, traffic.fields(), compute_s, wait_s, lengths)
 
     def backward(self, plan: CallPlan, dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
                  steps: list[RingStep], *, groups: Sequence = (), kernel: StepKernel,
                  mask: Optional[Tensor] = None, checked: _Shapes, agreement) -> BackwardResult:
-        """Gradients of the local q and of this rank's own K/V block; ``out``/``lse`` are the
-        forward's merged results, ``steps`` its records (parts and seeds reused as recorded);
-        ``checked``, ``agreement`` as in ``forward`` (from ``check_backward``)."""
-        size, rank, group = group_info(plan.world_size, plan.rank, own_group(groups))
-        seq_dim, qd, lse = checked.seq_dim, checked.dims, lse.float()
+        """Gradients of the local q and of this rank's own K/V block, from the forward's merged ``out``
+        and ``lse`` and its step records (parts and seeds reused as recorded)."""
+        seq_dim, lse = checked.seq_dim, lse.float()
         dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
         kernel_args = checked.kernel_args
 
@@ -195,20 +166,11 @@ class Ring:
                 del grads
             return kv_grads
 
-        def add_rows(acc: Tensor, kv_rows: tuple[int, int], grad: Tensor) -> None:
-            acc.narrow(seq_dim, *kv_rows).add_(grad)
-
-        dk, dv, traffic, compute_s, wait_s, lengths = backward_ring(
-            k, v, seq_dim, checked.last, compute, add_rows, _ready(plan, agreement, group, mask), group=group,
-            rank=rank, size=size, direct=plan.exchange == "direct", kept=kept_rows(plan, steps),
-            partials=partials_dtype(plan, k))
-        return self._grads(plan, q, k, v, dq, dk, dv, traffic.fields(), compute_s, wait_s, lengths)
-
-    def _grads(self, plan: CallPlan, q: Tensor, k: Tensor, v: Tensor, dq: Tensor, dk: Tensor, dv: Tensor,
-               traffic: dict, compute_s: float, wait_s: float, lengths: list) -> BackwardResult:
+        dk, dv, traffic, compute_s, wait_s, lengths = backward_ring(plan, groups, k, v, seq_dim, checked.last, compute,
+                                                                    agreement, steps, mask_rows=mask)
         log.debug("ring backward rank %d/%d: %s", plan.rank, plan.world_size, traffic)
         return BackwardResult(dq=dq.to(q.dtype), dk=dk.to(k.dtype), dv=dv.to(v.dtype), compute_seconds=compute_s,
-                              wait_seconds=wait_s, lengths=lengths, **traffic)
+                              wait_seconds=wait_s, lengths=lengths, **traffic.fields())
 
     def fake(self, plan: CallPlan, q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
         """Empty (out, lse) of the shapes ``forward`` returns: for tracing with fake tensors."""
@@ -267,14 +229,6 @@ def _empty_accumulators(out_shape: tuple, lse_shape: tuple, device) -> tuple[Ten
     """The float32 (out, LSE) of rows that have seen no key yet: zeros and -inf."""
     return (torch.zeros(out_shape, dtype=torch.float32, device=device),
             torch.full(lse_shape, float("-inf"), dtype=torch.float32, device=device))
-
-
-def _ready(plan: CallPlan, agreement, group, mask: Optional[Tensor]):
-    """The loop's ``ready``: the ranks' lengths once they agree, and the direct exchange's plan."""
-    def ready():
-        lengths = agreement.lengths()
-        return lengths, exchange_plan(plan, lengths, group=group, mask_rows=mask)
-    return ready
 
 
 RING = Ring()

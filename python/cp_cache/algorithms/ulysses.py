@@ -1,42 +1,16 @@
-"""Ulysses (all-to-all) and hybrid (Ulysses x ring) context-parallel attention, forward and backward.
+"""Ulysses (all-to-all) and hybrid (Ulysses x ring) context-parallel attention.
 
-Ulysses over a group of U ranks, each holding a sequence shard of every head:
-
-1. one all-to-all turns the sequence shards of q, k, v into head shards: rank u gets
-   query heads [u*Nq/U, (u+1)*Nq/U) over the whole sequence (K/V: their own head
-   count; with GQA and Nkv < U dividing U, each K/V head is first repeated U/Nkv times,
-   so rank u gets the one K/V head its query heads use);
-2. the sequence arrives in the order the ranks hold it; head-tail load balancing is
-   undone (global order) before the local call and redone after it;
-3. one full-sequence attention call of the step kernel (causal, band, full, or a given mask
-   shared by the heads), with its own dropout seed/offset, recorded like a ring step;
-4. one all-to-all brings the output and the LSE back to sequence shards.
-
-V, the output, its gradient and dV travel at V's head size, which may differ from Q/K's (MLA).
-
-Backward exchanges q, k, v, the output, its gradient and the LSE again (nothing but
-the op's outputs is kept from forward), replays the recorded seed/offset, and an
-all-to-all brings dq, dk, dv home (repeated K/V heads summed).
-
-Hybrid (USP): the CP ranks form a W0 x W1 grid; rank (i, j) holds sequence chunk
-i*W1 + j of W0*W1. Ulysses runs over j (the inner group): rank (i, j) then holds head
-group j of the contiguous block i of W0. The ring it is given (``Ulysses(inner=...)``)
-runs over i (the outer groups) on those blocks (contiguous layout), then Ulysses brings
-the output back.
-
-Packed documents (TND): Ulysses around the packed-documents ring (``Ulysses(inner=PACKED)``).
-The tensors travel as a batch of one ([1, N, T_r, D]); ranks may hold different lengths (the
-placement's), so the all-to-alls carry uneven splits. On one CP dimension the gathered rows
-come in the placement's rank order and are put in global order, and the inner strategy runs
-as a ring of one rank: one TND kernel call over the whole documents. On two, the placement is
-over the outer ranks and each share is cut contiguously over the inner ranks
-(``documents.py``), so the inner all-to-all gathers an outer rank's share as the packed ring
-over the outer ranks takes it. The inner strategy's input checks check the local shards.
-
-Dropout: every rank of a Ulysses group computes different heads, so no two may share
-a mask. Rank u advances the random generator of the query's device by u draws before
-its attention call(s) and by U-1-u after them: each rank draws its own seed/offset,
-and every rank leaves the generator in the same state.
+Over a group of U ranks: one all-to-all turns the sequence shards of q, k, v into head shards (rank
+u gets query heads [u*Nq/U, (u+1)*Nq/U) over the whole sequence; with Nkv < U dividing U each K/V
+head is first repeated U/Nkv times), head-tail load balancing is undone before one full-sequence
+call of the step kernel and redone after, and one all-to-all brings the output and LSE back. V and
+its gradient travel at V's head size (MLA). The backward exchanges again and replays the recorded
+seeds; repeated K/V heads' gradients are summed. Hybrid: on a W0 x W1 grid Ulysses runs over the
+inner dimension and the ring it is given over the outer one, on contiguous blocks. Packed documents:
+Ulysses around the packed ring, the all-to-alls carrying the placement's uneven splits (on one CP
+dimension the inner ring is of one rank: one TND call over whole documents). Dropout: rank u
+advances the device's generator by u draws before its call and U-1-u after, so no two ranks share
+a mask and every rank leaves the generator in the same state.
 """
 
 from __future__ import annotations
@@ -53,8 +27,9 @@ from torch import Tensor
 from .. import layout as L
 from ..documents import local_lengths, placement_order, sequence_order
 from ..engine.agreement import Agreement
-from ..engine.loop import BackwardResult, ForwardResult, RingStep, check_backward_operands, check_qkv, empty_outputs
-from ..engine.transport import exchange_heads, own_group, own_storage
+from ..engine.loop import (BackwardResult, ForwardResult, RingStep, check_backward_operands, check_qkv, empty_outputs,
+                           own_group)
+from ..engine.transport import exchange_heads, own_storage
 from ..kernels import StepKernel, StepMask
 from ..placement import CONTIGUOUS
 from ..plan import CallPlan, HeadPlan, head_plan

@@ -1,20 +1,13 @@
-"""The ring's loop, shared by the strategies that rotate K/V blocks (the ring, packed
-documents, the ring inside hybrid): the step records, the results, the forward and backward
-loops, per-call timing, drain on error; and the checks every strategy makes of its local
-inputs (``check_qkv``, ``check_backward_operands``, the step records against their plan).
+"""The ring's loop, shared by the strategies that rotate K/V blocks (the ring, packed documents, the
+ring inside hybrid): the step records and results, the forward and backward loops (step 0 on the
+rank's own block, then the ranks' agreement, then the other steps as their K/V rows arrive), timing,
+drain on error; and the checks every strategy makes of its local inputs.
 
-Step i on rank r uses the block of group rank ``(r - i) % W``; at most two K/V blocks are
-alive (a direct exchange of at most ``SMALL_EXCHANGE_BYTES`` posts every stage before step 0:
-then the rows it receives are). A strategy gives the loop a ``compute`` callback for one step
-on the block it holds. Two ways for the blocks to get there:
-
-* the direct exchange (an ``ExchangePlan``, ``engine/steps.py``): at stage i rank r sends
-  rank r+i only the rows of its own block that rank needs and receives from rank r-i the
-  rows it needs, posted before the previous step's compute; the received rows are put in
-  place in a block of zeros (rows none of this rank's queries may read). In backward the
-  dK/dV partials of those rows go straight back to their owner;
-* the whole-block ring (no plan): K/V blocks travel round the ring, each rank relaying
-  what it received; the dK/dV accumulators travel with their block and go home at the end.
+Step i on rank r uses the block of group rank ``(r - i) % W``. The rows get there by the direct
+exchange (``engine/exchange.py``: rank r sends rank r+i only the rows of its block that rank needs,
+posted before the previous step's compute, every stage at once where the whole exchange is small;
+in backward the dK/dV partials go straight back to their owner), or with ``exchange="ring"`` as
+whole blocks relayed round the ring, the dK/dV accumulators travelling with their block.
 """
 
 from __future__ import annotations
@@ -25,27 +18,66 @@ from dataclasses import dataclass
 from typing import Callable, Optional
 
 import torch
+import torch.distributed as dist
 from torch import Tensor
 
 from .. import layout as L
 from ..plan import CallPlan
-from .steps import ExchangePlan, StageRows
-from .transport import TAG_DKV, TAG_KV, Rotation, Transfer, join_once, with_length
+from .exchange import ExchangePlan, StageRows, exchange_plan
+from .transport import TAG_DKV, TAG_KV, Rotation, Transfer, group_state, join_once
 
 # A rank whose whole direct exchange receives at most this many bytes posts every stage before
 # step 0 instead of one stage ahead: below it a stage's latency, not its bytes, sets its time, so
 # W-1 rounds become one; the extra memory is at most this.
 SMALL_EXCHANGE_BYTES = 1 << 20
 
-__all__ = ["RingStep", "ForwardResult", "BackwardResult", "Traffic", "forward_ring", "backward_ring", "placed_block",
-           "kept_rows", "partials_dtype", "check_steps", "check_step", "empty_outputs", "check_qkv",
+__all__ = ["own_group", "group_info", "with_length", "planned_exchange", "RingStep", "ForwardResult", "BackwardResult", "Traffic", "forward_ring", "backward_ring", "placed_block",
+           "check_steps", "check_step", "empty_outputs", "check_qkv",
            "check_keep_prob", "check_backward_operands"]
+
+
+def own_group(groups):
+    """A strategy's own process group: the innermost of ``groups`` (outer first; empty: none).
+    Hybrid's Ulysses takes the inner CP dimension and gives its ring the rest."""
+    return groups[-1] if len(groups) else None
+
+
+def group_info(world_size: int, rank: int, group) -> tuple[int, int, object]:
+    """(world size, rank, group) of a plan's ring after checking them against ``group`` (None:
+    the default group when W > 1, none when W == 1)."""
+    if world_size < 1:
+        raise ValueError(f"world_size must be >= 1, got {world_size}")
+    if group is None and world_size > 1:
+        if not (dist.is_available() and dist.is_initialized()):
+            raise ValueError(
+                f"world_size={world_size} needs a process group, but group is None "
+                "and torch.distributed is not initialized"
+            )
+        group = dist.group.WORLD
+    if group is None:
+        size, rank_in_group = 1, 0
+    elif isinstance(group, dist.ProcessGroup):  # its own size and rank: no lookup through the default group
+        size, rank_in_group = group.size(), group.rank()
+    else:
+        size, rank_in_group = dist.get_world_size(group), dist.get_rank(group)
+    if size != world_size:
+        raise ValueError(f"plan.world_size={world_size} but the process group has {size} ranks")
+    if rank_in_group != rank:
+        raise ValueError(f"plan.rank={rank} but this process is rank {rank_in_group} of the group")
+    return size, rank, group
+
+
+def with_length(t: Tensor, seq_dim: int, length: int) -> torch.Size:
+    """``t``'s shape with ``length`` on its sequence dim ``seq_dim``."""
+    shape = list(t.shape)
+    shape[seq_dim] = length
+    return torch.Size(shape)
 
 
 @dataclass
 class RingStep:
     index: int  # 0..W-1
-    part: str  # one of engine.steps.PARTS
+    part: str  # "causal", "full", "q_tail", "kv_head", "band", "masked" or "skip"
     rng: tuple = ()  # per kernel call of the step: (seed, offset) tensors, or () without
     kept: tuple = ()  # keep_kv: the (K rows, V rows) this step received, kept for the backward
 
@@ -188,7 +220,7 @@ class _KVDirect:
         self.kept: dict[int, tuple] = {}
         self._own = [k.contiguous(), v.contiguous()]
         self.current = self._own
-        self._plan = exchange.on(k.device)
+        self._plan = exchange
         self._lengths, self._dim = lengths, seq_dim
         self._group, self._rank, self._size = group, rank, size
         self._transfers: dict[int, Transfer] = {}  # stage -> its transfer in flight
@@ -226,7 +258,7 @@ class _KVDirect:
 
     def _transfer(self, stage: int) -> Transfer:
         send, recv = self._plan.send[stage], self._plan.recv[stage]
-        sending = [send.taken(t, self._dim) for t in self._own] if send.count else []
+        sending = [_taken(send, t, self._dim) for t in self._own] if send.count else []
         if not recv.count:
             receiving = []
         elif recv.index is None:  # the whole block: straight into a block buffer
@@ -308,7 +340,35 @@ def placed_block(own: list[Tensor], received: list[Tensor], rows: StageRows, sha
         zeros = [torch.zeros(shape, dtype=t.dtype, device=t.device) for t, shape in zip(own, shapes)]
     else:
         zeros = buffers(shapes)
-    return [rows.placed(buf, seq_dim, got) for buf, got in zip(zeros, received)], True
+    return [_placed(rows, buf, seq_dim, got) for buf, got in zip(zeros, received)], True
+
+
+def _taken(rows: StageRows, t: Tensor, dim: int) -> Tensor:
+    """These rows of ``t`` (a block) on ``dim``: ``t`` itself (all), a view (consecutive) or a copy."""
+    if rows.index is None:
+        return t
+    if rows.start is not None:
+        return t.narrow(dim, rows.start, rows.count)
+    return t.index_select(dim, rows.index)
+
+
+def _placed(rows: StageRows, buffer: Tensor, dim: int, got: Tensor) -> Tensor:
+    """``buffer`` (a block) with ``got`` (these rows of it) copied in place."""
+    if rows.start is not None:
+        buffer.narrow(dim, rows.start, rows.count).copy_(got)
+        return buffer
+    return buffer.index_copy_(dim, rows.index, got)
+
+
+def planned_exchange(plan: CallPlan, lengths: list, device: torch.device, *, group=None,
+                     mask_rows: Optional[Tensor] = None) -> ExchangePlan:
+    """This rank's direct exchange for ``plan`` with its indices on ``device``: made per call for a given
+    mask (its values decide), else remembered by value on the CP group (a layer's calls repeat it)."""
+    if plan.mask.given or plan.world_size == 1:
+        return exchange_plan(plan, lengths, group=group, mask_rows=mask_rows).on(device)
+    key = ("exchange", plan.world_size, plan.rank, plan.layout, plan.mask, plan.load_balance, plan.documents,
+           plan.placement, tuple(map(tuple, lengths)), device)
+    return group_state(group).remember(key, lambda: exchange_plan(plan, lengths).on(device))
 
 
 def _kv_blocks(k: Tensor, v: Tensor, lengths: list, seq_dim: int, exchange: Optional[ExchangePlan], *,
@@ -324,45 +384,52 @@ def _kv_blocks(k: Tensor, v: Tensor, lengths: list, seq_dim: int, exchange: Opti
     return _KVDirect(k, v, lengths, seq_dim, exchange, keep=keep, **where)
 
 
-def _agreed_first(compute, ready, k: Tensor, v: Tensor):
-    """Step 0 on this rank's own block, before the ranks' agreement is waited for. A step 0 that
-    fails waits for it first: ranks whose calls disagree then raise the agreement's error, the
-    same on every rank, not what their mismatched step ran into."""
+def _agreed_first(compute, agreement, k: Tensor, v: Tensor):
+    """Step 0 on this rank's own block, before the agreement is waited for. A step 0 that fails waits
+    for it first: ranks whose calls disagree then raise the agreement's error, the same on every rank."""
     try:
         return compute(0, k, v)
     except BaseException:
-        ready()
+        agreement.lengths()
         raise
 
 
-def forward_ring(k: Tensor, v: Tensor, seq_dim: int, last: int, compute, ready, *, group, rank: int, size: int,
-                 direct: bool = True, keep: bool = False) -> tuple[list[RingStep], Traffic, float, float, list]:
-    """Steps 0..``last`` of a forward ring. ``compute(i, cur_k, cur_v) -> (part, rng)`` computes
-    step i on the block it holds. Step 0 is this rank's own block; then ``ready() -> (every
-    rank's (query, K/V) lengths, the direct exchange plan or None)`` waits for the ranks'
-    agreement (``engine/agreement.Agreement``), and from stage 1 on the K/V rows each step needs
-    arrive by the direct exchange (or, without a plan or not ``direct``, the whole blocks travel
-    round the ring), each stage posted before the previous step's compute. ``keep``: each step's record keeps the rows it
-    received (``RingStep.kept``, for a backward that does not fetch them again). Returns (the step
-    records, the traffic, compute seconds, seconds blocked on a receive, the lengths)."""
+def _agreed(plan: CallPlan, agreement, lengths: Optional[list], group, device, mask_rows) -> tuple:
+    """Once the ranks agree: every rank's (query, K/V) lengths (the agreement's, or ``lengths`` where
+    the placement gives them) and the direct exchange's plan (also the bound of the ring's)."""
+    agreed = agreement.lengths()
+    lengths = agreed if lengths is None else lengths
+    return lengths, planned_exchange(plan, lengths, device, group=group, mask_rows=mask_rows)
+
+
+def forward_ring(plan: CallPlan, groups, k: Tensor, v: Tensor, seq_dim: int, last: int, compute, agreement, *,
+                 mask_rows: Optional[Tensor] = None,
+                 lengths: Optional[list] = None) -> tuple[list[RingStep], Traffic, float, float, list]:
+    """Steps 0..``last`` of a forward ring on the innermost of ``groups``: ``compute(i, cur_k, cur_v) ->
+    (part, rng)`` computes step i on the block held. Step 0 runs on this rank's own block while the
+    ``agreement`` settles; then the K/V rows each step needs arrive, each stage posted before the
+    previous step's compute. With ``plan.keep_kv`` each record keeps the rows its step received.
+    Returns (the step records, the traffic, compute seconds, seconds blocked, the lengths)."""
+    size, rank, group = group_info(plan.world_size, plan.rank, own_group(groups))
     steps: list[RingStep] = []
     traffic = Traffic()
     compute_s = wait_s = 0.0
-    kv = lengths = exchange = None
+    kv = exchange = None
+    keep = plan.keep_kv
     try:
         for i in range(last + 1):
             cur_k, cur_v = (k, v) if kv is None else kv.current
             if kv is not None:
                 traffic.sent += kv.post_next(i, last)
             started = time.perf_counter()
-            part, rng = compute(i, cur_k, cur_v) if kv is not None else _agreed_first(compute, ready, k, v)
+            part, rng = compute(i, cur_k, cur_v) if kv is not None else _agreed_first(compute, agreement, k, v)
             steps.append(RingStep(index=i, part=part, rng=tuple(rng), kept=kv.kept.get(i, ()) if keep and kv else ()))
             compute_s += time.perf_counter() - started
             del cur_k, cur_v
             if kv is None:
-                lengths, exchange = ready()
-                kv = _kv_blocks(k, v, lengths, seq_dim, exchange if direct else None, keep=keep, group=group,
-                                rank=rank, size=size)
+                lengths, exchange = _agreed(plan, agreement, lengths, group, k.device, mask_rows)
+                kv = _kv_blocks(k, v, lengths, seq_dim, exchange if plan.exchange == "direct" else None, keep=keep,
+                                group=group, rank=rank, size=size)
                 traffic.sent += kv.post_next(0, last)
             wait_s += kv.advance()
     except BaseException:
@@ -370,8 +437,7 @@ def forward_ring(k: Tensor, v: Tensor, seq_dim: int, last: int, compute, ready, 
             kv.drain()
         raise
     traffic.received = kv.received
-    if exchange is not None:
-        _bounds(traffic, exchange, k, v, seq_dim, backward=False)
+    _bounds(traffic, exchange, k, v, seq_dim, backward=False)
     return steps, traffic, compute_s, wait_s, lengths
 
 
@@ -432,7 +498,7 @@ class _GradReturns:
         self._own = (torch.zeros(k.shape, dtype=torch.float32, device=k.device),
                      torch.zeros(v.shape, dtype=torch.float32, device=v.device))
         self._partials_dtype = partials  # what the partials travel in (added in float32 at home)
-        self._plan, self._dim = exchange.on(k.device), seq_dim
+        self._plan, self._dim = exchange, seq_dim
         self._group, self._rank, self._size = group, rank, size
         self._pending: Optional[tuple[Transfer, int]] = None
         self._partials: list[Optional[tuple[Tensor, Tensor]]] = [None, None]
@@ -459,7 +525,7 @@ class _GradReturns:
         if i == 0:
             return waited
         back, coming = self._plan.recv[i], self._plan.send[i]
-        sending = [back.taken(t, self._dim).to(self._partials_dtype) for t in held] if back.count else []
+        sending = [_taken(back, t, self._dim).to(self._partials_dtype) for t in held] if back.count else []
         receiving = [torch.empty(with_length(t, self._dim, coming.count), dtype=self._partials_dtype,
                                  device=t.device) for t in self._own] if coming.count else []
         # the partials go back to the block's owner, rank r-i; rank r+i's come in
@@ -496,20 +562,30 @@ class _GradReturns:
         return self._own
 
 
-def backward_ring(k: Tensor, v: Tensor, seq_dim: int, last: int, compute, add_rows, ready, *, group, rank: int,
-                  size: int, direct: bool = True, kept: Optional[list] = None,
-                  partials: torch.dtype = torch.float32) -> tuple[Tensor, Tensor, Traffic, float, float, list]:
-    """Steps 0..``last`` of a backward ring: step 0 and ``ready()`` as in ``forward_ring``, the
-    K/V rows arriving as there; ``compute(i, cur_k, cur_v) -> [(where, dk, dv)]`` computes step
-    i, whose gradients ``add_rows(accumulator, where, grad)`` adds into the held block's float32
-    accumulators, which then go back to the block's owner (the direct exchange: the rows
-    received, straight back; the ring: with their block, home after the last step). Returns
-    (this rank's own block's dK and dV accumulators, the traffic, compute seconds, seconds
-    blocked on a receive, the lengths). ``kept``: per step, the K/V rows its forward kept
-    (``keep_kv``): the blocks are rebuilt from them and no K/V moves. ``partials``: the dtype the
-    direct exchange returns the dK/dV partials in."""
+def _add_at(acc: Tensor, where, grad: Tensor, dim: int) -> None:
+    """Add ``grad`` into the rows ``where`` of ``acc``: all (None), (start, length), or an index."""
+    if where is None:
+        acc.add_(grad)
+    elif isinstance(where, tuple):
+        acc.narrow(dim, *where).add_(grad)
+    else:
+        acc.index_add_(dim, where, grad.to(acc.dtype))
+
+
+def backward_ring(plan: CallPlan, groups, k: Tensor, v: Tensor, seq_dim: int, last: int, compute, agreement,
+                  steps: list[RingStep], *, mask_rows: Optional[Tensor] = None,
+                  lengths: Optional[list] = None) -> tuple[Tensor, Tensor, Traffic, float, float, list]:
+    """Steps 0..``last`` of a backward ring, as ``forward_ring``: ``compute(i, cur_k, cur_v) -> [(rows,
+    dk, dv)]`` gives step i's gradients of the held block's ``rows`` (``_add_at``), added into its
+    float32 accumulators, which then go back to the block's owner. A ``plan.keep_kv`` forward's
+    records (``steps``) rebuild the blocks: no K/V moves. Returns (this rank's own block's dK and dV
+    accumulators, the traffic, compute seconds, seconds blocked, the lengths)."""
+    size, rank, group = group_info(plan.world_size, plan.rank, own_group(groups))
     where = dict(group=group, rank=rank, size=size)
-    kv = accumulators = lengths = exchange = None
+    kept = [step.kept for step in steps] if plan.keep_kv else None
+    partials = k.dtype if plan.grad_partials == "input" else torch.float32
+    direct = plan.exchange == "direct"
+    kv = accumulators = exchange = None
     traffic = Traffic()
     compute_s = wait_s = 0.0
     try:
@@ -518,20 +594,20 @@ def backward_ring(k: Tensor, v: Tensor, seq_dim: int, last: int, compute, add_ro
             if kv is not None:
                 traffic.sent += kv.post_next(i, last)
             started = time.perf_counter()
-            kv_grads = compute(i, cur_k, cur_v) if kv is not None else _agreed_first(compute, ready, k, v)
+            kv_grads = compute(i, cur_k, cur_v) if kv is not None else _agreed_first(compute, agreement, k, v)
             computed = time.perf_counter()
             if kv is None:
-                lengths, exchange = ready()
+                lengths, exchange = _agreed(plan, agreement, lengths, group, k.device, mask_rows)
                 kv = _kv_blocks(k, v, lengths, seq_dim, exchange if direct else None, kept=kept, **where)
-                accumulators = (_GradReturns(k, v, seq_dim, exchange, partials=partials, **where)
-                                if direct and exchange is not None else _GradAccumulators(kv, **where))
+                accumulators = (_GradReturns(k, v, seq_dim, exchange, partials=partials, **where) if direct
+                                else _GradAccumulators(kv, **where))
                 traffic.sent += kv.post_next(0, last)
             ready_at = time.perf_counter()
             held = accumulators.for_block(i, cur_k, cur_v)
             received = time.perf_counter()
-            for at, dk_i, dv_i in kv_grads:
-                add_rows(held[0], at, dk_i)
-                add_rows(held[1], at, dv_i)
+            for rows, dk_i, dv_i in kv_grads:
+                _add_at(held[0], rows, dk_i, seq_dim)
+                _add_at(held[1], rows, dv_i, seq_dim)
             del kv_grads
             blocked = accumulators.pass_on(i, last, held)
             passed = time.perf_counter()
@@ -549,21 +625,9 @@ def backward_ring(k: Tensor, v: Tensor, seq_dim: int, last: int, compute, add_ro
     wait_s += time.perf_counter() - homed
     traffic.sent += accumulators.bytes_sent
     traffic.received = kv.received + accumulators.received
-    if exchange is not None:
-        _bounds(traffic, exchange, k, v, seq_dim, backward=True, kv_kept=kept is not None,
-                partial_itemsize=partials.itemsize)
+    _bounds(traffic, exchange, k, v, seq_dim, backward=True, kv_kept=kept is not None,
+            partial_itemsize=partials.itemsize)
     return dk, dv, traffic, compute_s, wait_s, lengths
-
-
-def partials_dtype(plan: CallPlan, k: Tensor) -> torch.dtype:
-    """The dtype a backward's dK/dV partials travel home in (``plan.grad_partials``)."""
-    return k.dtype if plan.grad_partials == "input" else torch.float32
-
-
-def kept_rows(plan: CallPlan, steps: list[RingStep]) -> Optional[list]:
-    """A backward's ``kept`` argument of ``backward_ring``: the rows each step of a keep_kv forward
-    kept, else None (the backward receives them again)."""
-    return [step.kept for step in steps] if plan.keep_kv else None
 
 
 def check_steps(steps: list[RingStep], rank: int, size: int, expected: int) -> None:

@@ -1,27 +1,12 @@
-"""The merge of one ring step's result into its float32 accumulators: the one merge of every
-strategy that rotates K/V blocks.
+"""The merge of one ring step's result into its float32 accumulators (every strategy that rotates
+K/V blocks), by the log-sum-exp rule, at all rows or at the rows a step computed: in plain torch, or
+(``fused``) by ``npu_ring_attention_update``, which takes SBH or TND outputs and ``[B, N, S, 8]``
+statistics (the LSE encoded as max = LSE, sum = 1; rows that saw no key as max = float32 lowest,
+sum = 0, which the op merges without NaN). Both agree to float32 rounding.
 
-``merge_into`` folds a step's output and LSE into the accumulators in place, by the
-log-sum-exp rule, at all rows or (``index``) at the rows a step computed (packed
-documents gather them), on one of two paths:
-
-* float32 (``fused=False``): plain torch, in the accumulators' own layout;
-* fused (``fused=True``): ``torch.ops.npu.npu_ring_attention_update`` (torch_npu's
-  fused merge, or the CPU emulator's). The op takes SBH (or TND) outputs and
-  ``[B, N, S, 8]`` (TND: ``[T, N, 8]``) float32 statistics, so dense outputs go to float32 SBH, the LSEs
-  are encoded as max = LSE, sum = 1 (rows that saw no key as max = float32 lowest,
-  sum = 0, which the op merges to out 0 / sum 0 without NaN), and the result comes
-  back into the accumulators (LSE = max + log(sum)).
-
-Both give the same result to float32 rounding. The ring takes the fused path when
-the op exists and ``CPConfig.fused_merge`` is on (env ``CP_CACHE_FUSED_MERGE``, read in
-``config.py``).
-
-Attention sinks (``merge_sink``, ``sink_grad``): the sink is one more logit per row of head
-h, ``sink[h]``, whose column has no value row: merged ONCE into a call's final result, as a
-block with LSE ``sink[h]`` and output 0 (``LSE' = logaddexp(LSE, sink)``, out scaled by
-``exp(LSE - LSE')``), never per step; its gradient is the sink's probability times
-``0 - rowsum(dout * out)``, summed over the rows this rank holds.
+Attention sinks: one more logit per row of head h, ``sink[h]``, without a value row, merged ONCE
+into a call's result (``LSE' = logaddexp(LSE, sink)``, out scaled by ``exp(LSE - LSE')``), never per
+step; its gradient is the sink's probability times ``-rowsum(dout * out)`` over the rank's rows.
 """
 
 from __future__ import annotations
@@ -88,38 +73,30 @@ def _merge_float32(acc_out: Tensor, acc_lse: Tensor, out_i: Tensor, lse_i: Tenso
     return None
 
 
-def _stats(lse: Tensor) -> tuple[Tensor, Tensor]:
-    """The op's [B, N, S, 8] float32 (max, sum) of ``lse``: (LSE, 1), or (lowest, 0) where LSE = -inf."""
-    softmax_max, softmax_sum = stats_from_lse(lse)
-    dead = torch.isneginf(softmax_max)
-    softmax_max = softmax_max.masked_fill(dead, FLOAT32_LOWEST)
-    softmax_sum = softmax_sum.masked_fill(dead, 0.0)
-    return softmax_max, softmax_sum
-
-
-def _to_sbh(x: Tensor, layout: str, head_num: int) -> Tensor:
-    """A contiguous float32 [S, B, N*D] copy (or ``x`` itself when already so) of ``x`` in ``layout``."""
-    return L.from_bnsd(L.to_bnsd(x, layout, head_num), "SBH").float()
+def _stats(*lses: Tensor) -> list[Tensor]:
+    """The op's [B, N, S, 8] float32 (max, sum) of each LSE: (LSE, 1), or (lowest, 0) where LSE = -inf."""
+    stats = [stats_from_lse(lse) for lse in lses]
+    out = []
+    for softmax_max, softmax_sum in stats:
+        dead = torch.isneginf(softmax_max)
+        out += softmax_max.masked_fill(dead, FLOAT32_LOWEST), softmax_sum.masked_fill(dead, 0.0)
+    return out
 
 
 def _merge_fused(acc_out: Tensor, acc_lse: Tensor, out_i: Tensor, lse_i: Tensor, layout: str,
                  head_num: int, actual_seq_qlen: Optional[Tensor]) -> Optional[tuple[Tensor, Tensor]]:
     """As ``_merge_float32``, by the fused op (SBH for the dense layouts, TND as it is)."""
     op = getattr(torch.ops.npu, OP_NAME)
-    prev_max, prev_sum = _stats(acc_lse)
-    cur_max, cur_sum = _stats(lse_i)
+    prev_max, prev_sum, cur_max, cur_sum = _stats(acc_lse, lse_i)
     if layout == L.TND:
         merged, new_max, new_sum = op(acc_out, prev_max, prev_sum, out_i.float(), cur_max, cur_sum,
                                       actual_seq_qlen=actual_seq_qlen, input_layout=L.TND)
         return merged, lse_from_stats(new_max, new_sum)
-    out_sbh, new_max, new_sum = op(
-        _to_sbh(acc_out, layout, head_num), prev_max, prev_sum,
-        _to_sbh(out_i, layout, head_num), cur_max, cur_sum,
-        input_layout="SBH",
-    )
+    # float32 [S, B, N*D] copies (or the tensors themselves when already so)
+    prev_sbh, cur_sbh = [L.from_bnsd(L.to_bnsd(x, layout, head_num), "SBH").float() for x in (acc_out, out_i)]
+    out_sbh, new_max, new_sum = op(prev_sbh, prev_max, prev_sum, cur_sbh, cur_max, cur_sum, input_layout="SBH")
     L.to_bnsd(acc_out, layout, head_num).copy_(L.to_bnsd(out_sbh, "SBH", head_num))
-    # sum 0 (no key on either side): lowest + log(0) = -inf
-    acc_lse.copy_(lse_from_stats(new_max, new_sum))
+    acc_lse.copy_(lse_from_stats(new_max, new_sum))  # sum 0 (no key on either side): lowest + log(0) = -inf
     return None
 
 

@@ -13,46 +13,14 @@ backend.
 from __future__ import annotations
 
 import threading
-from datetime import timedelta
 from typing import Callable, Optional
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
-__all__ = ["own_group", "group_info", "Exchange", "Transfer", "with_length", "join_once", "Rotation", "TAG_KV",
-           "TAG_DKV", "exchange_heads", "own_storage", "SideGroup", "side_group"]
-
-
-def own_group(groups):
-    """A strategy's own process group: the innermost of ``groups`` (outer first; empty: none).
-    Hybrid's Ulysses takes the inner CP dimension and gives its ring the rest."""
-    return groups[-1] if len(groups) else None
-
-
-def group_info(world_size: int, rank: int, group) -> tuple[int, int, object]:
-    """(world size, rank, group) of a plan's ring after checking them against ``group`` (None:
-    the default group when W > 1, none when W == 1)."""
-    if world_size < 1:
-        raise ValueError(f"world_size must be >= 1, got {world_size}")
-    if group is None and world_size > 1:
-        if not (dist.is_available() and dist.is_initialized()):
-            raise ValueError(
-                f"world_size={world_size} needs a process group, but group is None "
-                "and torch.distributed is not initialized"
-            )
-        group = dist.group.WORLD
-    if group is None:
-        size, rank_in_group = 1, 0
-    elif isinstance(group, dist.ProcessGroup):  # its own size and rank: no lookup through the default group
-        size, rank_in_group = group.size(), group.rank()
-    else:
-        size, rank_in_group = dist.get_world_size(group), dist.get_rank(group)
-    if size != world_size:
-        raise ValueError(f"plan.world_size={world_size} but the process group has {size} ranks")
-    if rank_in_group != rank:
-        raise ValueError(f"plan.rank={rank} but this process is rank {rank_in_group} of the group")
-    return size, rank, group
+__all__ = ["Exchange", "Transfer", "join_once", "Rotation", "TAG_KV",
+           "TAG_DKV", "GroupState", "group_state", "exchange_heads", "own_storage"]
 
 
 class Exchange:
@@ -71,31 +39,51 @@ class Exchange:
         return self._transfer.wait()
 
 
-_JOINED: set = set()  # names of the CP groups whose every rank took part in one collective here
-_JOINED_LOCK = threading.Lock()
+class GroupState:
+    """What cp_cache keeps per CP process group: whether its ranks joined one collective, and what
+    its calls compute that depends only on values (``remember``), bounded."""
+
+    LIMIT = 256
+
+    def __init__(self) -> None:
+        self.joined = False
+        self._memo: dict = {}
+
+    def remember(self, key, make: Callable[[], object]):
+        """``make()``, made once per ``key`` (a value) on this group."""
+        found = self._memo.get(key)
+        if found is None:
+            if len(self._memo) >= self.LIMIT:
+                self._memo.clear()
+            found = self._memo[key] = make()
+        return found
+
+
+_STATES: dict[str, GroupState] = {}
+_STATES_LOCK = threading.Lock()
+
+
+def group_state(group) -> GroupState:
+    """The state of the CP group ``group`` (None: the default group), by its name."""
+    name = (dist.group.WORLD if group is None else group).group_name
+    state = _STATES.get(name)
+    if state is None:
+        with _STATES_LOCK:
+            state = _STATES.setdefault(name, GroupState())
+    return state
 
 
 def join_once(group, device: torch.device) -> None:
-    """Before the direct exchange's first stage on ``group``, once per process: one collective
-    every rank of the group takes part in (a one-element all_reduce on the payload device; no
-    host read). NCCL wants every rank of a group in its first batched point-to-point call, and
-    the direct exchange's stages post only the operations a rank has; after one collective,
-    calls among some of the ranks are allowed. Every rank of the group runs the same plan, so
-    every rank reaches this call."""
-    group = dist.group.WORLD if group is None else group
-    name = group.group_name
-    with _JOINED_LOCK:
-        if name in _JOINED:
+    """Before the direct exchange's first stage on ``group``, once per process: one collective every
+    rank of the group takes part in (a one-element all_reduce on the payload device; no host read).
+    NCCL wants every rank of a group in its first batched point-to-point call; the direct exchange's
+    stages post only the operations a rank has. Every rank runs the same plan, so every rank gets here."""
+    state = group_state(group)
+    with _STATES_LOCK:
+        if state.joined:
             return
-        _JOINED.add(name)
-    dist.all_reduce(torch.zeros(1, device=device), group=group)
-
-
-def with_length(t: Tensor, seq_dim: int, length: int) -> torch.Size:
-    """``t``'s shape with ``length`` on its sequence dim ``seq_dim``."""
-    shape = list(t.shape)
-    shape[seq_dim] = length
-    return torch.Size(shape)
+        state.joined = True
+    dist.all_reduce(torch.zeros(1, device=device), group=dist.group.WORLD if group is None else group)
 
 
 class Transfer:
@@ -366,83 +354,3 @@ def own_storage(x: Tensor) -> Tensor:
     if x.untyped_storage().nbytes() == x.nbytes and x.is_contiguous():
         return x
     return x.clone(memory_format=torch.contiguous_format)
-
-
-# ---------------------------------------------------------------- the CPU side group
-
-
-class SideGroup:
-    """A gloo group over the ranks of a CP group, for the call's metadata (host tensors).
-
-    A gloo backend of its own, whatever the CP group's backend (one path on every cluster: the
-    CP group carries payload only), not registered with torch.distributed and keyed in the
-    default store by its ranks alone: its members create it together, at the first call that
-    needs it, whatever other groups each rank has made before; no other rank takes part. It
-    waits as long as the CP group does.
-    """
-
-    def __init__(self, group):
-        from torch.distributed.distributed_c10d import _get_default_store
-
-        ranks = dist.get_process_group_ranks(group)
-        self.ranks, self.rank, self.size = tuple(ranks), dist.get_rank(group), len(ranks)
-        store = dist.PrefixStore("cp_cache/side/" + "_".join(map(str, ranks)) + "/", _get_default_store())
-        self._backend = dist.ProcessGroupGloo(store, self.rank, self.size, _timeout_of(group))
-
-    def all_gather(self, tensor: Tensor) -> list[Tensor]:
-        """Every member's ``tensor`` (a CPU tensor of the same shape and dtype on every rank)."""
-        return self.all_gather_async(tensor)()
-
-    def all_gather_async(self, tensor: Tensor) -> Callable[[], list[Tensor]]:
-        """``all_gather`` started in the background: call the result to wait for it."""
-        gathered = [torch.empty_like(tensor) for _ in range(self.size)]
-        work = self._backend.allgather([gathered], [tensor])
-
-        def wait() -> list[Tensor]:
-            work.wait()
-            return gathered
-
-        return wait
-
-    def all_gather_text(self, text: str) -> list[str]:
-        """Every member's ``text``."""
-        data = torch.tensor(list(text.encode()), dtype=torch.uint8)
-        lengths = self.all_gather(torch.tensor([data.numel()], dtype=torch.int64))
-        longest = max(int(n) for n in lengths)  # host tensors: no device involved
-        padded = torch.zeros(longest, dtype=torch.uint8)
-        padded[:data.numel()] = data
-        return [bytes(t[:int(n)].tolist()).decode() for t, n in zip(self.all_gather(padded), lengths)]
-
-
-def _timeout_of(group) -> timedelta:
-    """How long ``group``'s collectives wait for their peers (the side group waits as long; torch's
-    default where no backend says)."""
-    for device in ("cpu", "cuda", "npu"):
-        try:
-            return group._get_backend(torch.device(device)).options._timeout
-        except (AttributeError, RuntimeError, ValueError):
-            continue
-    from torch.distributed.constants import default_pg_timeout
-
-    return default_pg_timeout
-
-
-_side_lock = threading.Lock()
-_side_groups: dict[tuple[int, ...], SideGroup] = {}
-_side_by_name: dict[str, SideGroup] = {}  # the same, by CP group name: no rank lookup per call
-
-
-def side_group(group) -> SideGroup:
-    """The CPU side group of the CP group ``group`` (one per set of ranks, created by its
-    members at the first call that needs it, then cached)."""
-    found = _side_by_name.get(group.group_name)
-    if found is not None:
-        return found
-    ranks = tuple(dist.get_process_group_ranks(group))
-    with _side_lock:
-        found = _side_groups.get(ranks)
-        if found is None:
-            found = _side_groups[ranks] = SideGroup(group)
-        _side_by_name[group.group_name] = found
-    return found
-

@@ -61,10 +61,6 @@ def strategy_for(plan: CallPlan, sink: Optional[Tensor] = None):
     return strategy if sink is None else WithSink(strategy, sink)
 
 
-def _kernel(name: str):
-    return KERNELS.get(name) or get_kernel(name)  # get_kernel names what is registered
-
-
 class AttentionHandlers:
     """The forward and backward handlers of one ``cp_cache.enable()``, and the table that maps the
     ops to them (the same bound methods every time, so a table can be checked)."""
@@ -135,7 +131,8 @@ class AttentionHandlers:
         if not self._runs(a, backward=True):
             return self._pass_on(op_call, args, kwargs)
         try:
-            check_seed(a["seed"])
+            if not isinstance(a["seed"], Tensor):
+                check_seed(a["seed"])  # raises, naming it
             call = read_call(a, self.config, backward=True)
             for name in ("dy", "attention_in"):
                 a[name] = sharded_like(a[name], name, call.sharding.mesh, call.sharding.placements)
@@ -232,12 +229,6 @@ def run_backward(dy: Tensor, query: Tensor, key: Tensor, value: Tensor, out: Ten
                          called.encode(), policy, actual_seq_qlen, actual_seq_kvlen, sink)
 
 
-def _check_sink(plan: CallPlan, sink: Optional[Tensor]) -> None:
-    if (sink is not None) != plan.sink or (sink is not None and tuple(sink.shape) != (plan.head_num,)):
-        raise ValueError(f"cp_cache: the plan says sink={plan.sink} for {plan.head_num} local heads, the op got "
-                         f"sink={describe(sink)}")
-
-
 # nondeterministic_seeded: the kernels draw dropout seeds from the default generator, so a compiled
 # backward that recomputes this op (checkpointing) replays the generator state, as for torch's dropout
 @torch.library.custom_op("cp_cache::ring_forward", mutates_args=(), tags=(torch.Tag.nondeterministic_seeded,))
@@ -258,21 +249,24 @@ def forward_local(query: Tensor, key: Tensor, value: Tensor, mask_rows: Optional
                   sink: Optional[Tensor] = None) -> tuple[Tensor, Tensor, Tensor]:
     """What ``ring_forward`` runs, on its groups and plan as objects, without the caller's autocast."""
     started = time.perf_counter()
+    try:
+        if actual_seq_qlen is not None or actual_seq_kvlen is not None:
+            call = read_documents(call, actual_seq_qlen, actual_seq_kvlen, query.size(0))
+        if (sink is not None) != call.sink or (sink is not None and tuple(sink.shape) != (call.head_num,)):
+            raise ValueError(f"cp_cache: the plan says sink={call.sink} for {call.head_num} local heads, the op got "
+                             f"sink={describe(sink)}")
+        strategy = strategy_for(call, sink)
+        checked = strategy.check_forward(call, query, key, value, mask_rows)
+    except CHECK_ERRORS as error:  # every rank raises: the ranks' error, or where they agree each its own
+        agree_on_refusal("forward", process_groups, error, call, query, key, value, kernel=call.kernel,
+                         mask_rows=mask_rows)
+        raise
+    kernel = KERNELS.get(call.kernel) or get_kernel(call.kernel)  # get_kernel names what is registered
     with autocast_off(query.device.type):
-        try:
-            if actual_seq_qlen is not None or actual_seq_kvlen is not None:
-                call = read_documents(call, actual_seq_qlen, actual_seq_kvlen, query.size(0))
-            _check_sink(call, sink)
-            strategy = strategy_for(call, sink)
-            checked = strategy.check_forward(call, query, key, value, mask_rows)
-        except CHECK_ERRORS as error:  # every rank raises: the ranks' error, or where they agree each its own
-            agree_on_refusal("forward", process_groups, error, call, query, key, value, kernel=call.kernel,
-                             mask_rows=mask_rows)
-            raise
         agreement = start_agreement("forward", call, query, key, value, groups=process_groups, kernel=call.kernel,
                                     mask_rows=mask_rows)
-        result = strategy.forward(call, query, key, value, groups=process_groups, kernel=_kernel(call.kernel),
-                                  mask=mask_rows, checked=checked, agreement=agreement)
+        result = strategy.forward(call, query, key, value, groups=process_groups, kernel=kernel, mask=mask_rows,
+                                  checked=checked, agreement=agreement)
         ring_seconds = time.perf_counter() - started
         seed = step_cache.seed_slot(policy, call, result.steps)
     CALL_LOG.record("forward", result, started, ring_seconds, fused_merge=call.fused_merge)
@@ -306,30 +300,30 @@ def backward_local(dy: Tensor, query: Tensor, key: Tensor, value: Tensor, out: T
     """What ``ring_backward`` runs, on its groups and plan as objects, without the caller's autocast."""
     started = time.perf_counter()
     recorded, steps = None, []
+    try:
+        if actual_seq_qlen is not None or actual_seq_kvlen is not None:
+            called = read_documents(called, actual_seq_qlen, actual_seq_kvlen, query.size(0))
+        if (sink is not None) != called.sink or (sink is not None and tuple(sink.shape) != (called.head_num,)):
+            raise ValueError(f"cp_cache: the plan says sink={called.sink} for {called.head_num} local heads, the op "
+                             f"got sink={describe(sink)}")
+        text, steps, cache_id = step_cache.claim(seed, policy)  # no reference to the cache outlives this call
+        recorded = CallPlan.decode(text)
+        mismatch = recorded.backward_mismatch(called)
+        if mismatch:
+            raise RuntimeError(f"cp_cache: {mismatch} (cache {cache_id})")
+        strategy = strategy_for(recorded, sink)
+        checked = strategy.check_backward(recorded, dy, query, key, value, out, lse, steps, mask_rows)
+    except CHECK_ERRORS as error:  # every rank raises: the ranks' error, or where they agree each its own
+        agree_on_refusal("backward", process_groups, error, recorded, query, key, value,
+                         kernel="" if recorded is None else recorded.kernel, mask_rows=mask_rows, steps=len(steps))
+        raise
+    kernel = KERNELS.get(recorded.kernel) or get_kernel(recorded.kernel)
     with autocast_off(query.device.type):
-        try:
-            if actual_seq_qlen is not None or actual_seq_kvlen is not None:
-                called = read_documents(called, actual_seq_qlen, actual_seq_kvlen, query.size(0))
-            _check_sink(called, sink)
-            cache = step_cache.claim(seed, policy)  # no reference to it outlives this call
-            recorded, steps, cache_id = step_cache.plan_of(cache), step_cache.steps_of(cache), cache.id
-            del cache
-            mismatch = recorded.backward_mismatch(called)
-            if mismatch:
-                raise RuntimeError(f"cp_cache: {mismatch} (cache {cache_id})")
-            strategy = strategy_for(recorded, sink)
-            checked = strategy.check_backward(recorded, dy, query, key, value, out, lse, steps, mask_rows)
-        except CHECK_ERRORS as error:  # every rank raises: the ranks' error, or where they agree each its own
-            agree_on_refusal("backward", process_groups, error, recorded, query, key, value,
-                             kernel="" if recorded is None else recorded.kernel, mask_rows=mask_rows,
-                             steps=len(steps))
-            raise
         agreement = start_agreement("backward", recorded, query, key, value, groups=process_groups,
                                     kernel=recorded.kernel, mask_rows=mask_rows, steps=len(steps))
         ring_started = time.perf_counter()
         result = strategy.backward(recorded, dy, query, key, value, out, lse, steps, groups=process_groups,
-                                   kernel=_kernel(recorded.kernel), mask=mask_rows, checked=checked,
-                                   agreement=agreement)
+                                   kernel=kernel, mask=mask_rows, checked=checked, agreement=agreement)
         dsink = torch.zeros((), dtype=torch.float32, device=query.device) if result.dsink is None else result.dsink
     CALL_LOG.record("backward", result, started, time.perf_counter() - ring_started)
     return result.dq.contiguous(), result.dk.contiguous(), result.dv.contiguous(), dsink

@@ -1,23 +1,13 @@
 """One call of the attention op (or its grad), read once: the ``CallSpec``.
 
-``read_call`` is the one path from the op's bound arguments to what the custom op runs, for
-the forward and the backward alike: the mask the arguments ask for, the CP sharding of q/k/v
-(the mesh dimensions sharded on the sequence, outer first; the others ``Replicate`` or
-``Shard(head)``), the algorithm (``auto`` resolved), the packed documents (TND), the sinks, and
-the ``CallPlan``. Every check that can refuse the call runs here, before the op, and a refusal
-is shared with the other ranks (``share_refusal``). The spec also wraps the op's local results
-back into DTensors.
-
-The backward reads its own arguments the same way only to check them: it runs the plan its
-forward recorded (``handlers/attention.ring_backward``), so its spec resolves no ``auto`` algorithm.
-
-Packed documents (``input_layout="TND"``, docs/documents.md): q/k/v are DTensors ``Shard(0)`` on
-a 1-D mesh (ring or Ulysses), or ``(Shard(0), Shard(0))`` on a 2-D one (hybrid); the lengths are
-the GLOBAL cumulative document ends, the same on every rank (a plain tensor or list). Lengths
-given as tensors are checked here from their shapes alone and travel to the custom op, whose
-kernel reads their values (``documents.read_documents``): a traced call (fake tensors) records
-the op without reading them, and a compiled graph reads the lengths of each call. Lengths
-given as lists go into the plan here.
+``read_call`` goes from the op's bound arguments to what the custom op runs: the mask, the CP
+sharding of q/k/v (the mesh dimensions sharded on the sequence, outer first; the others
+``Replicate`` or ``Shard(head)``), the algorithm, the packed documents, the sinks and the
+``CallPlan``. Every check that can refuse the call runs here, and a refusal is shared with the other
+ranks (``share_refusal``). The backward reads its arguments only to check them against the plan its
+forward recorded, which it runs. Packed documents' lengths given as tensors are checked from their
+shapes and read by the custom op (a traced call records the op without reading them); lists go into
+the plan here. The spec also wraps the op's local results back into DTensors.
 """
 
 from __future__ import annotations

@@ -8,38 +8,9 @@ from typing import Optional, Protocol, runtime_checkable
 import torch
 from torch import Tensor
 
-from ..npu_ops import INT_MAX
+from ..masks import StepMask, masked_positions
 
 __all__ = ["StepForward", "StepKernel", "StepMask", "masked_positions", "repeat_kv_heads", "sum_kv_heads"]
-
-
-@dataclass(frozen=True)
-class StepMask:
-    """The mask of one kernel call, in the op's terms: "none", "causal" (sparse_mode 2),
-    "band" (sparse_mode 4 with the op's pre/next_tockens) or "given" (sparse_mode 1 with
-    ``block``, True = masked out)."""
-
-    kind: str
-    pre_tockens: int = INT_MAX
-    next_tockens: int = INT_MAX
-    block: Optional[Tensor] = field(default=None, compare=False)
-
-
-def masked_positions(mask: StepMask, sq: int, sk: int, device) -> Optional[Tensor]:
-    """The block's [sq, sk] bool mask, True = masked out (None: "none"): "causal" left-up, "band"
-    anchored at the bottom-right corner as sparse_mode 4, "given" its block."""
-    if mask.kind == "none":
-        return None
-    if mask.kind == "given":
-        return mask.block.bool()
-    i = torch.arange(sq, device=device).view(-1, 1)
-    j = torch.arange(sk, device=device).view(1, -1)
-    if mask.kind == "causal":
-        return j > i
-    if mask.kind == "band":
-        d = sk - sq
-        return (j - i > mask.next_tockens + d) | (i - j > mask.pre_tockens - d)
-    raise ValueError(f"unknown step mask kind {mask.kind!r}")
 
 
 def repeat_kv_heads(x: Tensor, groups: int) -> Tensor:

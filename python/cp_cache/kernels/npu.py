@@ -9,8 +9,9 @@ import torch
 from torch import Tensor
 
 from .. import layout as L
-from ..npu_ops import SparseMode, causal_mask, lse_from_stats, op_exists, stats_from_lse
-from .base import StepForward, StepMask
+from ..masks import StepMask, npu_arguments
+from ..npu_ops import lse_from_stats, op_exists, stats_from_lse
+from .base import StepForward
 
 __all__ = ["NpuKernel", "available"]
 
@@ -21,25 +22,15 @@ def available() -> bool:
     return op_exists("npu_fusion_attention_v3")
 
 
-def _mask_args(mask: StepMask, device: torch.device, layout: str = "") -> dict:
-    if mask.kind == "given":
-        return dict(atten_mask=mask.block, sparse_mode=int(SparseMode.ALL_MASK))
+def _mask_args(mask: StepMask, device: torch.device, layout: str) -> dict:
+    if mask.kind == "given":  # its block: a tensor of its own each call
+        return npu_arguments(mask, device, layout)
     return _positional_mask_args(mask, device, layout)
 
 
-@functools.lru_cache(maxsize=64)
+@functools.lru_cache(maxsize=64)  # a few masks serve every call
 def _positional_mask_args(mask: StepMask, device: torch.device, layout: str) -> dict:
-    if mask.kind == "none":
-        return dict(atten_mask=None, sparse_mode=int(SparseMode.MASK))
-    if mask.kind == "causal":
-        # TND: per segment; the ring's causal segments are square, where both causal modes agree,
-        # and right-down is the mode varlen callers use
-        mode = SparseMode.RIGHT_DOWN_CAUSAL if layout == L.TND else SparseMode.LEFT_UP_CAUSAL
-        return dict(atten_mask=causal_mask(device), sparse_mode=int(mode), next_tockens=0)
-    if mask.kind == "band":
-        return dict(atten_mask=causal_mask(device), sparse_mode=int(SparseMode.BAND),
-                    pre_tockens=mask.pre_tockens, next_tockens=mask.next_tockens)
-    raise ValueError(f"unknown step mask kind {mask.kind!r}")
+    return npu_arguments(mask, device, layout)
 
 
 def _layout_args(layout: str, actual_seq_lens) -> dict:

@@ -62,9 +62,9 @@ def _cumulative(lengths: Sequence[int]) -> list[int]:
 
 
 def _ring_pairs(cu: Sequence[int], world: int, placement: str) -> list[int]:
-    from ...algorithms.packed import plan_varlen_step, step_pairs
+    from ...masks import MaskSpec, document_step, step_pairs
 
-    return [sum(step_pairs(plan_varlen_step(cu, rank, i, world, True, placement)) for i in range(world))
+    return [sum(step_pairs(document_step(cu, rank, i, world, placement, MaskSpec(causal=True))) for i in range(world))
             for rank in range(world)]
 
 

@@ -41,7 +41,7 @@ def _one(window, load_balance: bool, local: list, plan: dict, rank: int, world_s
     from torch.distributed.tensor import DTensor, Shard
 
     import cp_cache
-    from ...engine.steps import plan_step
+    from ...masks import plan_step
     from ...npu_ops import band_arguments, causal_arguments
     from ...plan import MaskSpec
 
