@@ -1,9 +1,6 @@
 """What ``cp_cache.enable()`` decides, frozen: ``CPConfig``, its environment fallbacks and
-``document_placement`` (the placement a TND call uses).
-
-``enable()`` builds one ``CPConfig`` and registers handlers bound to it; nothing else carries
-configuration to the handlers.
-"""
+``document_placement`` (the placement a TND call uses). ``enable()`` builds one ``CPConfig`` and
+registers handlers bound to it; nothing else carries configuration to the handlers."""
 
 from __future__ import annotations
 
@@ -14,7 +11,7 @@ from typing import Optional
 from .documents import check_capacity
 from .kernels import kernel_names
 from .placement import BALANCED, CONTIGUOUS, HEAD_TAIL
-from .plan import ALGORITHMS, EXCHANGES, GRAD_PARTIALS, check_exchange_options
+from .plan import ALGORITHMS, EXCHANGES, GRAD_PARTIALS, check_choice, check_exchange_options
 from .step_cache import HANDLE_POLICY, POLICIES, STACK_POLICY
 
 __all__ = ["HANDLE_POLICY", "STACK_POLICY", "POLICIES", "POLICY_ENV", "FUSED_MERGE_ENV", "ALGORITHMS",
@@ -35,23 +32,16 @@ GRAD_PARTIALS_ENV = "CP_CACHE_GRAD_PARTIALS"
 
 @dataclass(frozen=True)
 class CPConfig:
-    """How the CP attention handlers run (docs/api.md).
+    """How the CP attention handlers run: the arguments of ``enable()`` (docs/api.md).
 
-    policy: where the step cache waits for its backward: "handle" (owned by autograd) or "stack".
+    policy: where the step cache waits for its backward, "handle" (owned by autograd) or "stack".
     kernel: the step kernel; None picks "npu" when the op exists.
-    algorithm: "ring", "ulysses", "hybrid" (Ulysses over the inner of two CP mesh dims, the ring
-        over the outer) or "auto" (per call, ``plan.choose_algorithm``).
+    algorithm: "ring", "ulysses", "hybrid" (Ulysses over the inner of two CP mesh dims) or "auto".
     fused_merge: merge ring steps with ``npu_ring_attention_update`` when the op exists.
-    exchange: "direct" (each rank sends each other rank only the K/V rows its queries may attend
-        to) or "ring" (whole blocks relayed round the ring).
-    documents: where packed documents go under load balancing, "balanced" or "head_tail"
-        (without load balancing: contiguous).
-    document_capacity: packed documents at a fixed shape: rows per rank, placed tokens first,
-        then padding; None: what the placement gives each rank.
-    keep_kv: the ring's forward keeps the K/V rows it received for its backward (memory for
-        traffic; the direct exchange only).
-    grad_partials: the dtype of the dK/dV partials sent back to their owners, "float32" or
-        "input" (K/V's dtype: half the bytes in bf16/fp16; the direct exchange only).
+    exchange: "direct" (only the K/V rows each rank's queries may attend to) or "ring" (whole blocks).
+    keep_kv, grad_partials: the ring's backward reuses the K/V its forward received; the dK/dV partials'
+        dtype, "float32" or "input". Both need the direct exchange.
+    documents, document_capacity: packed documents' placement under load balancing; rows per rank (or None).
     """
 
     policy: str = HANDLE_POLICY
@@ -67,42 +57,28 @@ class CPConfig:
     def __post_init__(self) -> None:
         check_exchange_options(self.exchange, self.keep_kv, self.grad_partials)
         check_capacity(self.document_capacity, "document_capacity")
-        _check_choice("policy", self.policy, POLICIES)
+        check_choice("policy", self.policy, POLICIES)
         if self.kernel is not None:
-            _check_choice("kernel", self.kernel, kernel_names(), "step kernel (cp_cache.kernels.register adds one)")
-        _check_choice("algorithm", self.algorithm, ALGORITHMS)
-        _check_choice("documents", self.documents, DOCUMENT_PLACEMENTS, "document placement")
+            check_choice("kernel", self.kernel, kernel_names(), "step kernel (cp_cache.kernels.register adds one)")
+        check_choice("algorithm", self.algorithm, ALGORITHMS)
+        check_choice("documents", self.documents, DOCUMENT_PLACEMENTS, "document placement")
 
 
-def _check_choice(name: str, value, choices: tuple, what: str = "") -> None:
-    if value not in choices:
-        raise ValueError(f"{name}={value!r} is not a cp_cache {what or name}; use one of {choices}")
-
-
-def resolve_config(policy: str | None = None, *, kernel: str | None = None,
-                   fused_merge: bool | None = None, algorithm: str | None = None,
-                   exchange: str | None = None, documents: str | None = None,
+def resolve_config(policy: str | None = None, *, kernel: str | None = None, fused_merge: bool | None = None,
+                   algorithm: str | None = None, exchange: str | None = None, documents: str | None = None,
                    keep_kv: bool | None = None, grad_partials: str | None = None,
                    document_capacity: int | None = None) -> CPConfig:
     """A CPConfig from explicit arguments, else the environment: ``CP_CACHE_<ARGUMENT>`` for each
     but ``kernel`` (the flags CP_CACHE_FUSED_MERGE and CP_CACHE_KEEP_KV take 0 or 1)."""
-    if exchange is None:
-        exchange = _from_env(EXCHANGE_ENV, "direct", EXCHANGES, "exchange")
-    if algorithm is None:
-        algorithm = _from_env(ALGORITHM_ENV, "ring", ALGORITHMS, "algorithm")
-    if documents is None:
-        documents = documents_from_env()
-    if document_capacity is None:
-        document_capacity = document_capacity_from_env()
-    if policy is None:
+    exchange = _from_env(EXCHANGE_ENV, "direct", EXCHANGES, "exchange") if exchange is None else exchange
+    algorithm = _from_env(ALGORITHM_ENV, "ring", ALGORITHMS, "algorithm") if algorithm is None else algorithm
+    documents = documents_from_env() if documents is None else documents
+    document_capacity = document_capacity_from_env() if document_capacity is None else document_capacity
+    if policy is None:  # unlike the others, neither stripped nor defaulted when empty
         policy = os.environ.get(POLICY_ENV, HANDLE_POLICY)
-        if policy not in POLICIES:
-            raise ValueError(f"environment variable {POLICY_ENV}={policy!r} is not a cp_cache policy; use one of "
-                             f"{POLICIES}")
-    if fused_merge is None:
-        fused_merge = _flag_from_env(FUSED_MERGE_ENV, True)
-    if keep_kv is None:
-        keep_kv = _flag_from_env(KEEP_KV_ENV, False)
+        check_choice(f"environment variable {POLICY_ENV}", policy, POLICIES, "policy")
+    fused_merge = _flag_from_env(FUSED_MERGE_ENV, True) if fused_merge is None else fused_merge
+    keep_kv = _flag_from_env(KEEP_KV_ENV, False) if keep_kv is None else keep_kv
     if grad_partials is None:
         grad_partials = _from_env(GRAD_PARTIALS_ENV, "float32", GRAD_PARTIALS, "grad_partials")
     return CPConfig(policy=policy, kernel=kernel, fused_merge=fused_merge, algorithm=algorithm, exchange=exchange,
@@ -135,8 +111,7 @@ def document_capacity_from_env() -> Optional[int]:
 
 def _from_env(name: str, default: str, choices: tuple, what: str) -> str:
     value = os.environ.get(name, default).strip() or default
-    if value not in choices:
-        raise ValueError(f"environment variable {name}={value!r} is not a cp_cache {what}; use one of {choices}")
+    check_choice(f"environment variable {name}", value, choices, what)
     return value
 
 

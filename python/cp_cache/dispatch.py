@@ -1,26 +1,14 @@
 """Turning the CP handlers on and off, next to torch's and torch_npu's CP registration.
 
-``enable()`` builds one frozen ``CPConfig`` and registers an ``AttentionHandlers``
-bound to it: in the live DTensor handler table, and on every entry into and exit
-from torch's CP dispatcher. Every CP entry point (torch's ``context_parallel()``,
-the module-wrapper path ``_enable_context_parallel_dispatcher()``, torch_npu's
-re-export, ``cp_cache.context_parallel()``) switches the dispatcher through two
-module functions of torch's ``_context_parallel._attention``:
-``_enable_cp_dtensor_dispatcher`` / ``_disable_cp_dtensor_dispatcher``. torch's
-replace the handler table; ``import torch_npu`` replaces both functions with its
-own, which write torch_npu's handlers for the NPU ops on top. cp_cache wraps
-whichever pair it finds: the wrapper runs the previous function (so torch's and
-torch_npu's other effects still happen: SDPA and sharding rules, implicit
-replication), then puts cp_cache's handlers on top. ``disable()`` puts back the
-previous pair and every table entry cp_cache replaced, so torch_npu's behaviour
-returns exactly.
-
-The handlers stay in the table between CP regions too, and take effect only where CP is:
-the registration counts the CP entries not yet left (``in_cp``) and keeps the entries the
-handlers displaced outside and inside a region (``displaced``); a call that is not context
-parallel goes to that entry, or to DTensor's own sharding propagation when there was none
-(``handlers/attention.py``). The table after ``disable()`` is the table before ``enable()``,
-and after the last CP exit the table before the first entry: the same entries, the same objects.
+``enable()`` registers ``AttentionHandlers`` bound to one frozen ``CPConfig`` in DTensor's handler
+table, and again on every entry into and exit from torch's CP dispatcher: every CP entry point goes
+through torch's ``_enable_cp_dtensor_dispatcher`` / ``_disable_cp_dtensor_dispatcher`` (which
+``import torch_npu`` replaces), and cp_cache wraps whichever pair it finds, running it first so that
+torch's and torch_npu's other effects still happen. The handlers stay in the table between regions
+and act only inside one: the registration counts the CP entries not yet left (``depth``) and keeps
+the entries it displaced outside and inside a region, which serve the calls that are not CP. After
+``disable()`` (or the last CP exit) the table is as before ``enable()`` (or the first entry): the
+same entries, the same objects.
 """
 
 from __future__ import annotations
@@ -28,7 +16,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
-from typing import Callable, Iterator
+from typing import Iterator
 
 import torch
 from torch.distributed.tensor import DTensor
@@ -53,8 +41,8 @@ def _torch_cp():
 
 
 def _cp_region_active() -> bool:
-    """Whether a CP region is active now, whoever entered it: torch's and torch_npu's CP
-    dispatcher switches both register torch's CP sharding rules on entry and drop them on exit."""
+    """Whether a CP region is active now, whoever entered it (torch's and torch_npu's switches both
+    register torch's CP sharding rules on entry and drop them on exit)."""
     from torch.distributed.tensor.experimental._context_parallel import _sharding_rules
 
     return bool(_sharding_rules._cp_strategy_contexts)
@@ -69,41 +57,32 @@ class _Registration:
 
     def __init__(self, handlers: AttentionHandlers):
         self.adopt(handlers)
-        # CP dispatcher entries not yet left; enabled inside a region, its exit counts too
-        self.depth = 1 if _cp_region_active() else 0
-        # the foreign entries the handlers displaced: outside CP (at enable) and inside
-        # the current CP entry (torch's or torch_npu's CP handlers), {op: entry or _MISSING}
+        self.depth = 1 if _cp_region_active() else 0  # CP entries not yet left (enabled inside one: its exit counts)
+        # the foreign entries displaced outside CP and inside the current CP entry: {op: entry or _MISSING}
         self._displaced_outside: dict = {}
         self._displaced_inside: dict = {}
         cp = _torch_cp()
-        self.previous_enable: Callable[[], None] = cp._enable_cp_dtensor_dispatcher
-        self.previous_disable: Callable[[], None] = cp._disable_cp_dtensor_dispatcher
-        self.enter_cp = self._enter_cp  # one bound-method object each, so identity checks work
-        self.exit_cp = self._exit_cp
+        self.previous_enable, self.previous_disable = (cp._enable_cp_dtensor_dispatcher,
+                                                       cp._disable_cp_dtensor_dispatcher)
+        self.enter_cp, self.exit_cp = self._enter_cp, self._exit_cp  # one bound-method object each, for identity
 
     def adopt(self, handlers: AttentionHandlers) -> None:
         """Register ``handlers`` here (a new configuration keeps the switches and the depth)."""
         self.handlers = handlers
         handlers.registration = self
 
-    # ------------------------------------------------------------ what serves a call that is not CP
-
-    def in_cp(self) -> bool:
-        """Whether a CP region is active (entered after enable() and not yet left)."""
-        return self.depth > 0
+    def _here(self) -> dict:
+        return self._displaced_inside if self.depth else self._displaced_outside
 
     def displaced(self, op):
-        """The entry the handlers displaced for ``op`` where the process is now (inside or outside
-        a CP region): what would serve the op without cp_cache; None when there was none."""
-        entry = (self._displaced_inside if self.depth else self._displaced_outside).get(op, _MISSING)
+        """The entry the handlers displaced for ``op`` where the process is now (inside or outside a
+        CP region): what would serve it without cp_cache; None when there was none."""
+        entry = self._here().get(op, _MISSING)
         return None if entry is _MISSING else entry
-
-    # ------------------------------------------------------------ the handler table
 
     def overlay(self) -> None:
         """Put the handlers on top of the live table, remembering the foreign entries they displace."""
-        displaced = self._displaced_inside if self.depth else self._displaced_outside
-        table = DTensor._op_dispatcher._custom_op_handlers
+        displaced, table = self._here(), DTensor._op_dispatcher._custom_op_handlers
         for op, handler in self.handlers.table().items():
             previous = table.get(op, _MISSING)
             if not _is_ours(previous):
@@ -112,8 +91,7 @@ class _Registration:
 
     def restore_table(self) -> None:
         """Put back in the live table the entries the handlers displaced there."""
-        displaced = self._displaced_inside if self.depth else self._displaced_outside
-        table = DTensor._op_dispatcher._custom_op_handlers
+        displaced, table = self._here(), DTensor._op_dispatcher._custom_op_handlers
         for op in [op for op, handler in table.items() if _is_ours(handler)]:
             previous = displaced.get(op, _MISSING)
             if previous is _MISSING:
@@ -121,12 +99,9 @@ class _Registration:
             else:
                 table[op] = previous
 
-    # ------------------------------------------------------------ torch's CP dispatcher switches
-
     def hook(self) -> None:
         cp = _torch_cp()
-        cp._enable_cp_dtensor_dispatcher = self.enter_cp
-        cp._disable_cp_dtensor_dispatcher = self.exit_cp
+        cp._enable_cp_dtensor_dispatcher, cp._disable_cp_dtensor_dispatcher = self.enter_cp, self.exit_cp
 
     def hooked(self) -> bool:
         cp = _torch_cp()
@@ -138,11 +113,9 @@ class _Registration:
             cp._enable_cp_dtensor_dispatcher = self.previous_enable
             cp._disable_cp_dtensor_dispatcher = self.previous_disable
         else:
-            log.warning(
-                "cp_cache.disable(): torch's CP dispatcher switches were replaced after cp_cache.enable() "
-                "(now %s / %s); leaving them as they are", cp._enable_cp_dtensor_dispatcher,
-                cp._disable_cp_dtensor_dispatcher,
-            )
+            log.warning("cp_cache.disable(): torch's CP dispatcher switches were replaced after cp_cache.enable() "
+                        "(now %s / %s); leaving them as they are", cp._enable_cp_dtensor_dispatcher,
+                        cp._disable_cp_dtensor_dispatcher)
 
     def _enter_cp(self) -> None:
         self.depth += 1
@@ -152,12 +125,9 @@ class _Registration:
             self.overlay()
 
     def _exit_cp(self) -> None:
-        if self.depth > 0:
-            self.depth -= 1
-            if self.depth == 0:
-                self._displaced_inside.clear()
-                self.previous_disable()
-        else:  # an exit whose entry came before cp_cache.enable()
+        self.depth = max(self.depth - 1, 0)  # at 0: an exit whose entry came before cp_cache.enable()
+        if self.depth == 0:
+            self._displaced_inside.clear()  # already empty when the depth was 0
             self.previous_disable()
         if _registered is self:
             self.overlay()
@@ -165,8 +135,6 @@ class _Registration:
 
 # The registration of the enabled handlers (None: disabled).
 _registered: _Registration | None = None
-# Measurements of every call, kept across enable()/disable() so they can be read afterwards.
-_call_log = CALL_LOG
 
 
 @dataclasses.dataclass(frozen=True)
@@ -183,15 +151,13 @@ _active_regions: list[_Region] = []
 
 
 def _forget_restored(wrapped) -> None:
-    """Drop torch's record of the SDPA wrapper its dispatcher just restored: torch's
-    ``_restore_function`` puts the original back but keeps the wrapper (and its closure) in
-    ``_replaced_functions``, one more entry every time a CP region is entered."""
+    """Drop torch's record of the SDPA wrapper its dispatcher just restored: ``_restore_function`` keeps
+    the wrapper (and its closure) in ``_replaced_functions``, one more entry per CP region otherwise."""
     if torch.nn.functional.scaled_dot_product_attention is not wrapped:  # restored: the record is stale
         getattr(_torch_cp(), "_replaced_functions", {}).pop(wrapped, None)
 
 
 def _enable_config(config: CPConfig) -> None:
-    """``enable`` with every field of ``config``."""
     enable(**{f.name: getattr(config, f.name) for f in dataclasses.fields(config)})
 
 
@@ -199,49 +165,25 @@ def enable(policy: str | None = None, *, kernel: str | None = None, fused_merge:
            algorithm: str | None = None, exchange: str | None = None, documents: str | None = None,
            keep_kv: bool | None = None, grad_partials: str | None = None,
            document_capacity: int | None = None) -> None:
-    """Register the CP handlers for the NPU attention ops (idempotent; a new configuration
-    replaces the handlers).
-
-    ``policy``: "handle" (default) or "stack"; None reads CP_CACHE_POLICY.
-    ``kernel``: the step kernel, "npu" or "reference"; None picks "npu" when the op exists.
-    ``fused_merge``: merge ring steps with ``npu_ring_attention_update`` when it exists;
-    None reads CP_CACHE_FUSED_MERGE (default on).
-    ``algorithm``: "ring" (default), "ulysses", "hybrid" or "auto"; None reads CP_CACHE_ALGORITHM.
-    ``exchange``: how the ring's K/V travel, "direct" (default: only the rows each rank's queries
-    may attend to, straight to it) or "ring" (whole blocks relayed); None reads CP_CACHE_EXCHANGE.
-    ``documents``: where packed documents (TND) go under load balancing, "balanced" (default)
-    or "head_tail"; None reads CP_CACHE_DOCUMENTS (``cp_cache.document_layout``).
-    ``keep_kv``: the ring's forward keeps the K/V rows it received for its backward (which then
-    receives no K/V: memory for traffic, ``call_stats()["forward"]["kept_bytes"]``); None reads
-    CP_CACHE_KEEP_KV (default off). Needs the direct exchange.
-    ``grad_partials``: the dtype of the dK/dV partials the ring's backward returns, "float32"
-    (default) or "input" (K/V's dtype: half the bytes in bf16/fp16, one rounding per partial;
-    docs/benchmarks.md measures the error); None reads CP_CACHE_GRAD_PARTIALS. Needs the direct exchange.
-    ``document_capacity``: packed documents (TND) at a fixed shape: every rank holds this many rows
-    (its placed tokens, then padding), the global sequence W x capacity; None reads
-    CP_CACHE_DOCUMENT_CAPACITY (default none: the rows the placement gives; docs/documents.md).
-
-    Call it after ``import torch_npu``: torch_npu's import replaces torch's CP dispatcher
-    switches and its handler table, and cp_cache wraps what it finds.
-    """
+    """Register the CP handlers for the NPU attention ops (idempotent; a new configuration replaces them).
+    The arguments are ``CPConfig``'s; one left None reads ``CP_CACHE_<NAME>`` (``kernel``: None picks "npu"
+    when the op exists; values and defaults: docs/api.md). RuntimeError without the NPU op, or when the
+    policy changes while stack entries wait for their backward. Call it after ``import torch_npu``, which
+    replaces torch's CP dispatcher switches and handler table."""
     global _registered
     config = resolve_config(policy, kernel=kernel, fused_merge=fused_merge, algorithm=algorithm, exchange=exchange,
                             documents=documents, keep_kv=keep_kv, grad_partials=grad_partials,
                             document_capacity=document_capacity)
-    handlers = AttentionHandlers(config, _call_log)
+    handlers = AttentionHandlers(config, CALL_LOG)
     if not handlers.table():
-        raise RuntimeError(
-            "cp_cache.enable(): torch.ops.npu.npu_fusion_attention_v3 does not exist; import "
-            "torch_npu on an Ascend machine, or call cp_cache.emulator.install_npu_emulator() on CPU"
-        )
+        raise RuntimeError("cp_cache.enable(): torch.ops.npu.npu_fusion_attention_v3 does not exist; import "
+                           "torch_npu on an Ascend machine, or call cp_cache.emulator.install_npu_emulator() on CPU")
     previous = _registered
     if previous is not None and config.policy != previous.handlers.config.policy:
         depth = _C.default_store().depth
         if depth:
-            raise RuntimeError(
-                f"cp_cache.enable(policy={config.policy!r}): {depth} stack entries of the "
-                f"{previous.handlers.config.policy!r} policy still wait for their backward"
-            )
+            raise RuntimeError(f"cp_cache.enable(policy={config.policy!r}): {depth} stack entries of the "
+                               f"{previous.handlers.config.policy!r} policy still wait for their backward")
     if previous is not None and previous.hooked():
         registration = previous  # keep the wrapped switches, the replaced entries and the depth
         registration.adopt(handlers)
@@ -261,8 +203,8 @@ def _unregister(registration: _Registration) -> None:
 
 
 def disable() -> None:
-    """Unregister the handlers and give torch's (or torch_npu's) CP dispatcher back as it was;
-    log the caches still alive (stack entries are dropped)."""
+    """Unregister the handlers and give torch's (or torch_npu's) CP dispatcher back as it was; log the
+    caches still alive (stack entries are dropped)."""
     global _registered
     if _registered is not None:
         registration, _registered = _registered, None
@@ -272,10 +214,8 @@ def disable() -> None:
     if dropped:
         log.warning("cp_cache disabled: dropped %d stack entries whose backward never ran", dropped)
     if stats["live_entries"]:
-        log.warning(
-            "cp_cache disabled with %d step caches (%d bytes) still alive: graphs that still "
-            "hold their handles", stats["live_entries"], stats["live_bytes"],
-        )
+        log.warning("cp_cache disabled with %d step caches (%d bytes) still alive: graphs that still hold their "
+                    "handles", stats["live_entries"], stats["live_bytes"])
 
 
 def enabled() -> bool:
@@ -288,23 +228,21 @@ def active_config() -> CPConfig | None:
 
 
 def active_mesh():
-    """The mesh of the innermost ``cp_cache.context_parallel()`` region now active, or None
-    outside one (a region entered through torch's ``context_parallel()`` alone is not seen)."""
+    """The mesh of the innermost active ``cp_cache.context_parallel()`` region, or None (a region entered
+    through torch's ``context_parallel()`` alone is not seen)."""
     return _active_regions[-1].mesh if _active_regions else None
 
 
 def active_documents() -> tuple[tuple[int, ...], str] | None:
-    """The documents (cumulative ends, last = T) and the placement that the innermost
-    ``cp_cache.context_parallel(..., documents=...)`` region laid its buffers out by; None
-    outside one, or in a region without documents."""
+    """(cumulative ends, placement) of the documents the innermost region laid its buffers out by; None
+    outside a region or in one without documents."""
     region = _active_regions[-1] if _active_regions else None
     return None if region is None or region.documents is None else (region.documents, region.placement)
 
 
 def in_cp_region() -> bool:
-    """Whether a CP region (cp_cache's or torch's ``context_parallel()``) is active while cp_cache
-    is enabled."""
-    return _registered is not None and _registered.in_cp()
+    """Whether a CP region (cp_cache's or torch's) is active while cp_cache is enabled."""
+    return _registered is not None and _registered.depth > 0
 
 
 def registered_handlers() -> AttentionHandlers | None:
@@ -313,42 +251,25 @@ def registered_handlers() -> AttentionHandlers | None:
 
 
 def call_stats() -> dict[str, dict]:
-    """The last CP attention call of each direction on this process:
-    ``{"forward": {...}, "backward": {...}}``, each with ``bytes_sent`` and ``bytes_received``
-    (this rank) next to ``bytes_lower_bound`` and ``bytes_received_lower_bound`` (the least the
-    call's mask needs of this rank; None under Ulysses and hybrid),
-    ``handler_seconds`` (whole handler), ``ring_seconds`` (kernels and communication),
-    ``overhead_seconds`` (their difference) and ``calls`` (count since import)."""
-    return _call_log.snapshot()
+    """The last CP attention call of each direction, ``{"forward": {...}, "backward": {...}}``: ``bytes_sent``,
+    ``bytes_received``, their ``*_lower_bound`` (the least the mask needs; None under Ulysses and hybrid),
+    ``handler_seconds``, ``ring_seconds`` (kernels and communication), ``overhead_seconds``, ``calls``."""
+    return CALL_LOG.snapshot()
 
 
 @contextlib.contextmanager
-def context_parallel(
-    mesh,
-    *,
-    buffers: list[torch.Tensor] | None = None,
-    buffer_seq_dims: list[int] | None = None,
-    no_restore_buffers: set[torch.Tensor] | None = None,
-    algorithm: str | None = None,
-    documents=None,
-) -> Iterator[None]:
-    """torch's ``context_parallel()`` with the cp_cache handlers active inside.
-
-    Enables cp_cache (default policy) when it is not enabled, and disables it again
-    on exit in that case. ``algorithm`` (None: as enabled, or CP_CACHE_ALGORITHM) applies
-    inside; the configuration before entry comes back on exit.
-
-    ``documents``: a packed batch's cumulative document ends (a tensor or list, with or
-    without the leading 0, e.g. ``cu_seq_lens_q``): the buffers are then laid out by cp_cache's
-    document placement (``cp_cache.shard_documents``, the placement the TND handlers use)
-    instead of torch's sequence sharding, and restored on exit as torch restores them; the
-    transformers integration then runs the batch's attention as packed documents (TND).
-    """
+def context_parallel(mesh, *, buffers: list[torch.Tensor] | None = None, buffer_seq_dims: list[int] | None = None,
+                     no_restore_buffers: set[torch.Tensor] | None = None, algorithm: str | None = None,
+                     documents=None) -> Iterator[None]:
+    """torch's ``context_parallel()`` with the cp_cache handlers active inside; enables cp_cache for the block
+    when it is not enabled. ``algorithm`` (None: as enabled) applies inside only. ``documents``: a packed
+    batch's cumulative ends (tensor or list, leading 0 or not, e.g. ``cu_seq_lens_q``): the buffers are laid
+    out by ``shard_documents`` instead of torch's sharding (restored on exit), and the transformers
+    integration runs the batch as packed documents."""
     from torch.distributed.tensor.experimental import context_parallel as torch_context_parallel
 
-    was_enabled = enabled()
-    outer_config = _registered.handlers.config if was_enabled else None
-    if not was_enabled:
+    outer_config = active_config()  # None: cp_cache is enabled for the block only
+    if outer_config is None:
         enable(algorithm=algorithm)
     elif not _registered.hooked() or (algorithm is not None and algorithm != outer_config.algorithm):
         if not _registered.hooked():
@@ -358,19 +279,17 @@ def context_parallel(
     try:
         region = _Region(mesh, *_region_documents(documents, mesh))
     except BaseException:
-        _leave(was_enabled, outer_config)
+        _leave(outer_config)
         raise
     _active_regions.append(region)
     try:
         if buffers and documents is not None:
-            with _documents_buffers(region, buffers, buffer_seq_dims, no_restore_buffers):
-                with _dispatcher_only(mesh):
-                    yield
+            with _documents_buffers(region, buffers, buffer_seq_dims, no_restore_buffers), _dispatcher_only(mesh):
+                yield
         elif buffers:
             _check_sequence_lengths(mesh, buffers, buffer_seq_dims)
-            with torch_context_parallel(
-                mesh, buffers=buffers, buffer_seq_dims=buffer_seq_dims, no_restore_buffers=no_restore_buffers
-            ):
+            with torch_context_parallel(mesh, buffers=buffers, buffer_seq_dims=buffer_seq_dims,
+                                        no_restore_buffers=no_restore_buffers):
                 wrapped = torch.nn.functional.scaled_dot_product_attention
                 yield
             _forget_restored(wrapped)
@@ -379,11 +298,11 @@ def context_parallel(
                 yield
     finally:
         _active_regions.pop()
-        _leave(was_enabled, outer_config)
+        _leave(outer_config)
 
 
-def _leave(was_enabled: bool, outer_config) -> None:
-    if not was_enabled:
+def _leave(outer_config: CPConfig | None) -> None:
+    if outer_config is None:
         disable()
     elif _registered is not None and _registered.handlers.config != outer_config:
         _enable_config(outer_config)
@@ -391,25 +310,21 @@ def _leave(was_enabled: bool, outer_config) -> None:
 
 @contextlib.contextmanager
 def _dispatcher_only(mesh) -> Iterator[None]:
-    """torch's context_parallel() without buffers to shard: only its dispatcher part (the SDPA
-    patch and the handler table)."""
-    from torch.distributed.tensor.experimental._context_parallel import _attention
-
-    _attention._dispatch_mode = _attention._DispatchMode.MONKEY_PATCH
-    _attention._enable_context_parallel_dispatcher_impl(seq_dim=2, mesh=mesh)
+    """torch's context_parallel() without buffers: only its dispatcher part (SDPA patch, handler table)."""
+    attention = _torch_cp()
+    attention._dispatch_mode = attention._DispatchMode.MONKEY_PATCH
+    attention._enable_context_parallel_dispatcher_impl(seq_dim=2, mesh=mesh)
     wrapped = torch.nn.functional.scaled_dot_product_attention
     try:
         yield
     finally:
-        _attention._disable_context_parallel_dispatcher_impl()
+        attention._disable_context_parallel_dispatcher_impl()
         _forget_restored(wrapped)
 
 
 def _check_sequence_lengths(mesh, buffers, seq_dims) -> None:
-    """torch's sequence sharding cuts each buffer into W (contiguous) or 2W (head-tail) equal
-    chunks; a length it cannot cut is refused here, naming it, W and the ways out (on every rank:
-    the buffers are the same everywhere), never sharded unevenly beside the lengths the
-    attention rebuilds from its shards."""
+    """ValueError (on every rank: the buffers are the same everywhere) for a buffer torch's sharding cannot
+    cut into W (contiguous) or 2W (head-tail) equal chunks, rather than an uneven shard."""
     from .layout import load_balance_enabled
 
     world = mesh.size()
@@ -449,8 +364,8 @@ def _region_documents(documents, mesh) -> tuple[tuple[int, ...] | None, str | No
 
 @contextlib.contextmanager
 def _documents_buffers(region: _Region, buffers, seq_dims, no_restore) -> Iterator[None]:
-    """Each buffer replaced in place by this rank's shard of it under the region's document
-    placement (``shard_documents``), put back on exit unless in ``no_restore``."""
+    """Each buffer replaced in place by this rank's shard under the region's document placement, put back
+    on exit unless in ``no_restore``."""
     from .packing import shard_documents
 
     seq_dims = list(seq_dims) if seq_dims is not None else [0] * len(buffers)

@@ -1,12 +1,10 @@
 """The step cache of one CP attention call, and the cache policies: the one home of policy.
 
-A cache holds the call's plan (its text) and one record per ring step: the step's part as the tag
-and the dropout ``seed`` / ``offset`` tensors of each kernel call (seed, offset, seed, offset, ...),
-or nothing; with ``keep_kv``, the K/V rows the step received after them. Policies: "handle"
-(default): the forward's ``seed`` output is a handle tensor whose storage owns the cache, so it lives
-exactly as long as autograd keeps the graph; "stack": torch_npu's discipline natively: the forward
-pushes (skipped in a recompute), the seed slot carries a pairing key, a fingerprint of everything
-the backward reads, which the backward's pop compares with the top entry.
+A cache holds the plan's text and one record per ring step: the step's part as the tag, then the
+dropout (seed, offset) tensors of each kernel call, then (``keep_kv``) the K/V rows it received.
+"handle" (default): the forward's ``seed`` output is a handle tensor whose storage owns the cache,
+which lives exactly as long as autograd keeps the graph. "stack" (torch_npu's discipline): the
+forward pushes and its seed slot carries a pairing key that the backward's pop checks.
 """
 
 from __future__ import annotations
@@ -21,8 +19,7 @@ from . import _C
 from .engine.loop import RingStep
 from .plan import CallPlan
 
-__all__ = ["HANDLE_POLICY", "STACK_POLICY", "POLICIES", "seed_slot", "claim", "plan_of", "steps_of",
-           "pairing_key"]
+__all__ = ["HANDLE_POLICY", "STACK_POLICY", "POLICIES", "seed_slot", "claim", "plan_of", "steps_of", "pairing_key"]
 
 HANDLE_POLICY = "handle"
 STACK_POLICY = "stack"
@@ -36,21 +33,10 @@ def _step_tensors(step: RingStep) -> list:
     tensors = []
     for call, (seed, offset) in enumerate(step.rng):
         if seed is None or offset is None:
-            raise RuntimeError(
-                f"ring step {step.index} ({step.part}), kernel call {call}: a dropout seed without an "
-                f"offset or the reverse (seed={seed}, offset={offset}); a call records both"
-            )
+            raise RuntimeError(f"ring step {step.index} ({step.part}), kernel call {call}: a dropout seed without an "
+                               f"offset or the reverse (seed={seed}, offset={offset}); a call records both")
         tensors += [seed, offset]
     return tensors
-
-
-def _cache_from_forward(plan: CallPlan, steps: list[RingStep]):
-    """A new cache of the process-wide store holding what the backward of this call needs."""
-    cache = _C.default_store().create()
-    cache.set_meta(_PLAN_KEY, plan.text)
-    for step in steps:
-        cache.add_step(step.part + (_KEPT if step.kept else ""), _step_tensors(step) + list(step.kept))
-    return cache
 
 
 def plan_of(cache) -> CallPlan:
@@ -66,18 +52,15 @@ def steps_of(cache) -> list[RingStep]:
         if part.endswith(_KEPT):
             part, kept, tensors = part[:-len(_KEPT)], tuple(tensors[-2:]), tensors[:-2]
         if len(tensors) % 2:
-            raise RuntimeError(
-                f"cp_cache: step {index} of cache {cache.id} holds {len(tensors)} tensors; a step record "
-                "holds a seed and an offset per kernel call, or nothing"
-            )
-        rng = tuple(zip(tensors[0::2], tensors[1::2]))
-        steps.append(RingStep(index=index, part=part, rng=rng, kept=kept))
+            raise RuntimeError(f"cp_cache: step {index} of cache {cache.id} holds {len(tensors)} tensors; a step "
+                               "record holds a seed and an offset per kernel call, or nothing")
+        steps.append(RingStep(index=index, part=part, rng=tuple(zip(tensors[0::2], tensors[1::2])), kept=kept))
     return steps
 
 
 def pairing_key(plan: CallPlan, steps: list[RingStep]) -> int:
-    """A fingerprint of everything the backward reads from the cache: two forwards with
-    the same key are interchangeable for their backwards (the stack policy's pop check)."""
+    """A fingerprint of all the backward reads from the cache: forwards with the same key are
+    interchangeable for their backwards (the stack policy's pop check)."""
     digest = hashlib.blake2b(digest_size=8)
     digest.update(plan.text.encode())
     for step in steps:
@@ -88,13 +71,17 @@ def pairing_key(plan: CallPlan, steps: list[RingStep]) -> int:
 
 
 def seed_slot(policy: str, plan: CallPlan, steps: list[RingStep]) -> Tensor:
-    """The forward's seed output: the new cache's handle, or (stack policy) its pairing key
-    after the push."""
-    cache = _cache_from_forward(plan, steps)
+    """The forward's seed output, from a new cache holding what the backward needs: the cache's handle, or
+    (stack policy) its pairing key after the push."""
+    store = _C.default_store()
+    cache = store.create()
+    cache.set_meta(_PLAN_KEY, plan.text)
+    for step in steps:
+        cache.add_step(step.part + (_KEPT if step.kept else ""), _step_tensors(step) + list(step.kept))
     if policy != STACK_POLICY:
-        return _C.default_store().attach(cache)
+        return store.attach(cache)
     cache.pairing_key = pairing_key(plan, steps)
-    _C.default_store().push(cache)  # skipped (and the cache dropped) in a recompute
+    store.push(cache)  # skipped (and the cache dropped) in a recompute
     return torch.tensor([cache.pairing_key], dtype=torch.int64)
 
 

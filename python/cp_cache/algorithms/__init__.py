@@ -1,14 +1,12 @@
-"""The CP attention strategies, one interface each: ``check_forward`` / ``check_backward`` (this
-rank's inputs), ``forward`` / ``backward`` (given what the check returned and the ranks'
-``agreement``, which the run waits for before its first exchange) and ``fake`` (shapes only).
+"""The CP attention strategies, one interface: ``check_forward`` / ``check_backward`` (this rank's
+inputs), ``forward`` / ``backward`` (given what the check returned and the ranks' ``agreement``,
+waited for before the first exchange) and ``fake`` (shapes only).
 
-``ring`` (every dense layout and mask), ``ulysses`` (all-to-all to head shards around one local
-call; hybrid = Ulysses around the ring), ``packed`` (packed documents on the ring's loop; under
-Ulysses or hybrid, Ulysses around it), ``sinks`` (``WithSink`` around any of them) and
-``capacity`` (``WithCapacity``: packed documents at a fixed shape). ``groups`` are the CP groups,
-outer first: a strategy takes the innermost and gives an inner strategy the rest. None imports
-another's private names; the engine is what they share. The handlers pick the strategy of a plan
-(``handlers/attention.strategy_for``); ``run_forward`` / ``run_backward`` drive one directly.
+``ring`` (dense), ``ulysses`` (all-to-all to head shards; hybrid = Ulysses around the ring),
+``packed`` (packed documents on the ring's loop; Ulysses around it under Ulysses or hybrid),
+``WithSink`` (sinks around any) and ``WithCapacity`` (packed documents at a fixed shape).
+``groups`` are the CP groups, outer first: a strategy takes the innermost and gives an inner one the
+rest. The strategies share only the engine. ``run_forward`` / ``run_backward`` drive one directly.
 """
 
 from __future__ import annotations
@@ -35,10 +33,9 @@ PACKED_ULYSSES = Ulysses(inner=PACKED)  # packed documents under "ulysses" and "
 
 def run_forward(strategy, plan: CallPlan, q: Tensor, k: Tensor, v: Tensor, *, groups=(), kernel,
                 mask: Optional[Tensor] = None) -> ForwardResult:
-    """``strategy``'s forward of the local shards driven directly (no custom op): this rank's
-    checks, the ranks' agreement on ``groups`` (outer first), the run."""
-    checked, agreement = open_agreement("forward", lambda: strategy.check_forward(plan, q, k, v, mask), plan, q, k,
-                                        v, groups=_agreeing(plan, groups), kernel=getattr(kernel, "name", ""),
+    """``strategy``'s forward driven directly (no custom op): checks, agreement on ``groups``, the run."""
+    checked, agreement = open_agreement("forward", lambda: strategy.check_forward(plan, q, k, v, mask), plan, q, k, v,
+                                        groups=_agreeing(plan, groups), kernel=getattr(kernel, "name", ""),
                                         mask_rows=mask)
     return strategy.forward(plan, q, k, v, groups=groups, kernel=kernel, mask=mask, checked=checked,
                             agreement=agreement)

@@ -1,9 +1,7 @@
-"""Packed documents at a fixed shape (``CallPlan.capacity``): every rank holds ``capacity`` rows,
-the tokens its placement gives it first, then padding. Around the packed-documents strategy (as
-``WithSink`` goes around any): the inner strategy runs on the placed rows only (so the exchange,
-the step records and the bounds are those of the call without a capacity), and the padding rows
-come back as a query row that sees no key does from the NPU op: output 0, LSE -inf, and zero
-gradients for q, k and v. docs/documents.md."""
+"""Packed documents at a fixed shape (``CallPlan.capacity``): every rank holds ``capacity`` rows, its
+placed tokens first, then padding. The inner (packed) strategy runs on the placed rows only, so the
+exchange, step records and bounds are those of the call without a capacity; the padding rows come
+back as the NPU op gives a row that sees no key: output 0, LSE -inf, zero gradients. docs/documents.md."""
 
 from __future__ import annotations
 
@@ -20,8 +18,8 @@ __all__ = ["WithCapacity"]
 
 
 def _placed_rows(plan: CallPlan, *tensors: Tensor) -> int:
-    """This rank's placed tokens, after checking that each of ``tensors`` has the plan's capacity
-    rows and that every rank's placed tokens fit in them."""
+    """This rank's placed tokens, once each of ``tensors`` is checked to have the capacity rows and every
+    rank's placed tokens checked to fit."""
     return check_capacity_rows(plan, *(t.size(0) for t in tensors))[plan.rank]
 
 
@@ -63,5 +61,4 @@ class WithCapacity:
                  steps, **where) -> BackwardResult:
         rows = _placed_rows(plan, q)
         result = self.inner.backward(plan, *_placed(rows, dout, q, k, v, out, lse), steps, **where)
-        return replace(result, dq=_padded(result.dq, plan.capacity, 0.0), dk=_padded(result.dk, plan.capacity, 0.0),
-                       dv=_padded(result.dv, plan.capacity, 0.0))
+        return replace(result, **{n: _padded(getattr(result, n), plan.capacity, 0.0) for n in ("dq", "dk", "dv")})

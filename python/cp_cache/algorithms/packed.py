@@ -1,14 +1,6 @@
-"""Ring attention over packed documents (input_layout TND).
-
-The local q/k/v are ``[T_r, N, D]``: the tokens the call's placement gives rank r, in increasing
-global position (T_r may differ between ranks; every rank derives every rank's length from the
-documents, W and the placement). Attention never crosses a document: each step's work is, per
-document, what its pieces on the two ranks allow (``masks.document_step``: the mask kind's rules per
-document), as the segments of one TND kernel call (a band: one call per distinct shifted band), so
-the kernel does the masking. The rows a call uses are gathered only when they are not the whole
-block; a step without work makes no call. A kernel without TND runs once per segment. Step results
-merge into float32 accumulators at the gathered rows (the engine's merge), statistics ``[T, N]``.
-"""
+"""Ring attention over packed documents: rank r holds the ``[T_r, N, D]`` tokens its placement gives it, in
+global order. A step's work is, per document, what its pieces on the two ranks allow (``masks.document_step``),
+as the segments of one packed kernel call on the rows it needs (per segment for a kernel without the layout)."""
 
 from __future__ import annotations
 
@@ -19,7 +11,7 @@ import torch
 from torch import Tensor
 
 from .. import layout as L
-from ..documents import check_documents, check_local_length, cumulative_lengths, document_pieces, local_lengths
+from ..documents import check_documents, check_local_length, cumulative_lengths, local_lengths
 from ..engine.loop import (BackwardResult, ForwardResult, RingStep, backward_ring, check_backward_operands,
                            check_keep_prob, check_step, check_steps, empty_outputs, forward_ring)
 from ..engine.merge import merge_into
@@ -31,17 +23,15 @@ __all__ = ["PackedDocuments", "PACKED"]
 
 log = logging.getLogger("cp_cache")
 
+
 def _documents(plan: CallPlan) -> tuple[int, ...]:
     if not plan.documents:
         raise ValueError("a packed-documents call needs plan.documents (the global cumulative document ends)")
     return cumulative_lengths(list(plan.documents), "plan.documents")
 
 
-# ---------------------------------------------------------------- checks
-
-
 def _check_inputs(q: Tensor, k: Tensor, v: Tensor, plan: CallPlan, cu: Sequence[int]) -> int:
-    """The K/V head count, after checking the local TND shapes against the documents."""
+    """The K/V head count, after checking the local packed shapes against the documents."""
     if plan.layout != L.TND:
         raise ValueError(f"varlen ring attention takes input_layout='TND', got {plan.layout!r}")
     for name, t in (("query", q), ("key", k), ("value", v)):
@@ -62,9 +52,6 @@ def _check_inputs(q: Tensor, k: Tensor, v: Tensor, plan: CallPlan, cu: Sequence[
     return nkv
 
 
-# ---------------------------------------------------------------- one step's kernel call
-
-
 def _rows_index(spans: list[tuple[int, int]], total: int, device) -> Optional[Tensor]:
     """Index of the rows of ``spans`` (start, length) in order, or None when they are all rows."""
     if len(spans) and spans[0][0] == 0 and sum(n for _, n in spans) == total and all(
@@ -77,14 +64,8 @@ def _take(x: Tensor, index: Optional[Tensor]) -> Tensor:
     return x if index is None else x.index_select(0, index)
 
 
-def _cumulative(lengths: list[int]) -> Tensor:
-    return torch.tensor(lengths, dtype=torch.int64).cumsum(0)
-
-
 class _StepOperands:
-    """A kernel call's gathered rows and its segments' cumulative ends (``q_rows``: the local
-    queries, ``kv_rows``: the K/V block's rows, the source rank's length: under the balanced
-    placement ranks hold different lengths)."""
+    """A kernel call's rows of ``q_rows`` queries and a ``kv_rows`` K/V block, and its segments' ends."""
 
     def __init__(self, call: VarlenCall, q_rows: int, kv_rows: int, device):
         segs = call.segments
@@ -92,14 +73,13 @@ class _StepOperands:
         self.kv_index = _rows_index([(s.kv_start, s.kv_len) for s in segs], kv_rows, device)
         self.q_lens = [s.q_len for s in segs]
         self.kv_lens = [s.kv_len for s in segs]
-        self.actual_seq_lens = (_cumulative(self.q_lens), _cumulative(self.kv_lens))
+        self.actual_seq_lens = tuple(torch.tensor(n, dtype=torch.int64).cumsum(0) for n in (self.q_lens, self.kv_lens))
 
 
 def _segments_forward(kernel: StepKernel, q, k, v, ops: _StepOperands, mask: StepMask, kw) -> StepForward:
     if kernel.takes_tnd:
         return kernel.forward(q, k, v, mask=mask, layout=L.TND, actual_seq_lens=ops.actual_seq_lens, **kw)
-    # a kernel without TND: one call per segment, each segment a batch of one in BSND
-    outs, lses = [], []
+    outs, lses = [], []  # one call per segment, each a batch of one in BSND
     for qs, ks, vs in zip(q.split(ops.q_lens), k.split(ops.kv_lens), v.split(ops.kv_lens)):
         res = kernel.forward(qs.unsqueeze(0), ks.unsqueeze(0), vs.unsqueeze(0), mask=mask, layout="BSND", **kw)
         outs.append(res.out.squeeze(0))
@@ -122,9 +102,6 @@ def _segments_backward(kernel: StepKernel, q, k, v, dout, out, lse, ops: _StepOp
     return tuple(torch.cat(g) for g in grads)
 
 
-# ---------------------------------------------------------------- forward and backward
-
-
 def _plan_step(plan: CallPlan, cu, index: int) -> VarlenStep:
     return document_step(cu, plan.rank, index, plan.world_size, plan.document_placement, plan.mask)
 
@@ -134,22 +111,12 @@ def _ring_lengths(plan: CallPlan, cu) -> list[tuple[int, int]]:
     return [(n, n) for n in local_lengths(cu, plan.world_size, plan.document_placement)]
 
 
-def _check_records(steps: list[RingStep], plan: CallPlan, cu) -> list[VarlenStep]:
-    check_steps(steps, plan.rank, plan.world_size, plan.world_size)
-    planned = [_plan_step(plan, cu, i) for i in range(len(steps))]
-    for st, step in zip(steps, planned):
-        check_step(st, plan.rank, step.part, len(step.calls))
-    return planned
-
-
 def _kernel_args(plan: CallPlan) -> dict:
     return dict(head_num=plan.head_num, scale=plan.scale, keep_prob=plan.keep_prob)
 
 
 class PackedDocuments:
-    """The ring over packed documents (layout TND) on the innermost of the given groups. Its input
-    checks take any packed plan (the layout of ``plan.document_mesh``): Ulysses around it checks
-    the local shards with them."""
+    """The packed ring on the innermost group; its checks take any packed plan (Ulysses checks with them)."""
 
     def fake(self, plan: CallPlan, q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
         """Empty (out, lse [T/W, Nq]) of the shapes ``forward`` returns: from shapes only."""
@@ -161,18 +128,20 @@ class PackedDocuments:
 
     def check_backward(self, plan: CallPlan, dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
                        steps: list[RingStep], mask: Optional[Tensor] = None) -> list[VarlenStep]:
-        """This rank's inputs of a backward, and the forward's step records: the steps planned again."""
+        """This rank's inputs of a backward and the forward's step records: the steps planned again."""
         cu = _documents(plan)
         _check_inputs(q, k, v, plan, cu)
         check_backward_operands(plan, dout, q, k, v, out, lse)
-        return _check_records(steps, plan, cu)
+        check_steps(steps, plan.rank, plan.world_size, plan.world_size)
+        planned = [_plan_step(plan, cu, i) for i in range(len(steps))]
+        for st, step in zip(steps, planned):
+            check_step(st, plan.rank, step.part, len(step.calls))
+        return planned
 
     def forward(self, plan: CallPlan, q: Tensor, k: Tensor, v: Tensor, *, groups: Sequence = (),
                 kernel: StepKernel, mask: Optional[Tensor] = None, checked=None, agreement) -> ForwardResult:
-        """Ring attention of the local packed queries ``[T/W, Nq, D]`` against every rank's K/V,
-        within documents (``plan.documents``); ``mask`` is unused (None); ``checked``,
-        ``agreement`` as for the ring. Returns the merged output (query dtype), the float32 LSE
-        ``[T/W, Nq]``, the per-step records and the bytes sent."""
+        """The local queries against every rank's K/V within documents (``mask`` unused): output (query
+        dtype), float32 LSE ``[T/W, Nq]``, step records, traffic."""
         cu = _documents(plan)
         rows = q.size(0)
         acc_out = torch.zeros(L.output_shape(q, k, v, L.TND, plan.head_num), dtype=torch.float32, device=q.device)
@@ -203,8 +172,7 @@ class PackedDocuments:
     def backward(self, plan: CallPlan, dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
                  steps: list[RingStep], *, groups: Sequence = (), kernel: StepKernel,
                  mask: Optional[Tensor] = None, checked: list[VarlenStep], agreement) -> BackwardResult:
-        """Gradients of the local packed q and of this rank's own K/V block (``lse``: [T/W, Nq]);
-        ``checked``: the steps ``check_backward`` planned."""
+        """Gradients of the local q and own K/V block; ``checked``: the steps ``check_backward`` planned."""
         cu, planned = _documents(plan), checked
         rows, lse = q.size(0), lse.float()
         dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)

@@ -1,12 +1,6 @@
-"""Ring attention over a 1-D process group, forward and backward, on any step kernel.
-
-Each rank keeps its query block; step i on rank r computes against the K/V of group rank
-``(r - i) % W``, the rows it needs brought by the engine's loop (the direct exchange, or whole
-blocks with ``exchange="ring"``). What each step computes is the mask kind's (``masks``: torch's
-causal rules, bands and given masks per chunk pair; a band on contiguous shards stops after the last
-hop any rank needs), planned once per shapes for positional masks. Step results merge in float32 by
-the log-sum-exp rule; the backward reuses the recorded parts and seeds.
-"""
+"""Ring attention over a 1-D process group on any step kernel: step i on rank r computes its queries against
+group rank ``(r - i) % W``'s K/V rows, as the mask kind plans (``masks``; once per shapes for positional
+masks), merged in float32; the backward reuses the recorded parts and seeds."""
 
 from __future__ import annotations
 
@@ -19,18 +13,8 @@ import torch
 from torch import Tensor
 
 from .. import layout as L
-from ..engine.loop import (
-    BackwardResult,
-    ForwardResult,
-    RingStep,
-    backward_ring,
-    check_backward_operands,
-    check_qkv,
-    check_step,
-    check_steps,
-    empty_outputs,
-    forward_ring,
-)
+from ..engine.loop import (BackwardResult, ForwardResult, RingStep, backward_ring, check_backward_operands, check_qkv,
+                           check_step, check_steps, empty_outputs, forward_ring)
 from ..engine.merge import merge_into
 from ..kernels import StepKernel
 from ..masks import BlockTask, hops_needed, plan_step
@@ -41,23 +25,9 @@ __all__ = ["Ring", "RING"]
 log = logging.getLogger("cp_cache")
 
 
-def _check_mask_rows(plan: CallPlan, q_len: int, kv_len: int, mask_rows: Optional[Tensor]) -> None:
-    if not plan.mask.given:
-        return
-    expected = (q_len, kv_len * plan.world_size)
-    if mask_rows is None or tuple(mask_rows.shape[-2:]) != expected:
-        got = None if mask_rows is None else tuple(mask_rows.shape)
-        raise ValueError(
-            f"a masked ring call needs the mask rows of the local queries over the whole "
-            f"sequence, [..., {expected[0]}, {expected[1]}]; got {got}"
-        )
-
-
 @dataclass(frozen=True)
 class _Shapes:
-    """What a ring call's checked shapes give: the query's dims, the sequence dim, the output's
-    shape (the query's with V's head size), the last step, the kernel's arguments, and each
-    step's (part, tasks) where a positional mask plans them (None: a given mask, planned per call)."""
+    """What a ring call's checked shapes give; ``steps``: each step's (part, tasks), None for a given mask."""
 
     dims: L.Dims
     seq_dim: int
@@ -80,26 +50,19 @@ def _shapes(plan: CallPlan, q_shape: tuple, k_shape: tuple, v_shape: tuple) -> _
                    dict(layout=plan.layout, head_num=plan.head_num, scale=plan.scale, keep_prob=plan.keep_prob), steps)
 
 
-def _check_inputs(plan: CallPlan, q: Tensor, k: Tensor, v: Tensor, mask_rows: Optional[Tensor]) -> _Shapes:
-    shapes = _shapes(plan, tuple(q.shape), tuple(k.shape), tuple(v.shape))
-    _check_mask_rows(plan, shapes.dims.seq, shapes.kv_len, mask_rows)
-    return shapes
-
-
 def _plan_step(plan: CallPlan, index: int, q_len: int, kv_len: int, mask_rows: Optional[Tensor]):
     return plan_step(plan.rank, index, plan.world_size, plan.load_balance, plan.mask, q_len, kv_len, mask_rows)
 
 
 def _step(plan: CallPlan, checked: _Shapes, index: int, kv_len: int, mask_rows: Optional[Tensor]):
-    """(part, tasks) of step ``index`` on a K/V block of ``kv_len`` rows: planned once per shapes where
-    the mask is positional and the block has this rank's length (uneven shards: planned per block)."""
+    """(part, tasks) of step ``index`` on a block of ``kv_len`` rows: the shapes' plan where it applies."""
     if checked.steps is not None and kv_len == checked.kv_len:
         return checked.steps[index]
     return _plan_step(plan, index, checked.dims.seq, kv_len, mask_rows)
 
 
 def _task_operands(task: BlockTask, seq_dim: int, q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-    """The task's query rows and K/V rows: views, or the tensors themselves where the task takes all rows."""
+    """The task's query and K/V rows: views, or the tensors themselves where it takes all rows."""
     q_start, q_rows = task.q_rows
     kv_start, kv_rows = task.kv_rows
     if q_start or q_rows != q.shape[seq_dim]:
@@ -122,22 +85,25 @@ class Ring:
 
     def check_forward(self, plan: CallPlan, q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor] = None) -> _Shapes:
         """This rank's inputs of a forward (ValueError/NotImplementedError naming them)."""
-        return _check_inputs(plan, q, k, v, mask)
+        shapes = _shapes(plan, tuple(q.shape), tuple(k.shape), tuple(v.shape))
+        expected = (shapes.dims.seq, shapes.kv_len * plan.world_size)
+        if plan.mask.given and (mask is None or tuple(mask.shape[-2:]) != expected):
+            raise ValueError(f"a masked ring call needs the mask rows of the local queries over the whole sequence, "
+                             f"[..., {expected[0]}, {expected[1]}]; got {None if mask is None else tuple(mask.shape)}")
+        return shapes
 
     def check_backward(self, plan: CallPlan, dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
                        steps: list[RingStep], mask: Optional[Tensor] = None) -> _Shapes:
         """This rank's inputs of a backward, and the forward's step records against them."""
-        shapes = _check_inputs(plan, q, k, v, mask)
+        shapes = self.check_forward(plan, q, k, v, mask)
         check_steps(steps, plan.rank, plan.world_size, shapes.last + 1)
         check_backward_operands(plan, dout, q, k, v, out, lse)
         return shapes
 
     def forward(self, plan: CallPlan, q: Tensor, k: Tensor, v: Tensor, *, groups: Sequence = (),
                 kernel: StepKernel, mask: Optional[Tensor] = None, checked: _Shapes, agreement) -> ForwardResult:
-        """Ring attention of the local queries against every rank's K/V block: the merged output (query
-        dtype, input layout), the float32 LSE [B, Nq, Sq], the step records and the traffic. ``mask``:
-        a given mask's rows of the local queries over the whole sequence; ``checked``: what
-        ``check_forward`` returned; ``agreement``: the ranks', waited for after step 0."""
+        """The local queries against every rank's K/V (``mask``: a given mask's rows of them over the whole
+        sequence): output (query dtype), float32 LSE [B, Nq, Sq], step records, traffic."""
         compute = _ForwardSteps(plan, checked, kernel, q, mask)
         steps, traffic, compute_s, wait_s, lengths = forward_ring(plan, groups, k, v, checked.seq_dim, checked.last,
                                                                   compute, agreement, mask_rows=mask)
@@ -146,8 +112,7 @@ class Ring:
     def backward(self, plan: CallPlan, dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
                  steps: list[RingStep], *, groups: Sequence = (), kernel: StepKernel,
                  mask: Optional[Tensor] = None, checked: _Shapes, agreement) -> BackwardResult:
-        """Gradients of the local q and of this rank's own K/V block, from the forward's merged ``out``
-        and ``lse`` and its step records (parts and seeds reused as recorded)."""
+        """Gradients of the local q and of this rank's own K/V block, reusing the forward's parts and seeds."""
         seq_dim, lse = checked.seq_dim, lse.float()
         dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
         kernel_args = checked.kernel_args
@@ -156,11 +121,9 @@ class Ring:
             kv_grads = []
             for task, (seed, offset) in _recorded_tasks(steps[i], plan, checked, cur_k.size(seq_dim), mask):
                 rows = task.q_rows
-                grads = kernel.backward(
-                    *_task_operands(task, seq_dim, q, cur_k, cur_v),
-                    dout.narrow(seq_dim, *rows), out.narrow(seq_dim, *rows), lse.narrow(2, *rows),
-                    mask=task.mask, seed=seed, offset=offset, **kernel_args,
-                )
+                grads = kernel.backward(*_task_operands(task, seq_dim, q, cur_k, cur_v), dout.narrow(seq_dim, *rows),
+                                        out.narrow(seq_dim, *rows), lse.narrow(2, *rows), mask=task.mask, seed=seed,
+                                        offset=offset, **kernel_args)
                 dq.narrow(seq_dim, *rows).add_(grads[0])
                 kv_grads.append((task.kv_rows, grads[1], grads[2]))
                 del grads
@@ -178,8 +141,7 @@ class Ring:
 
 
 class _ForwardSteps:
-    """A ring forward's steps on this rank's queries ``q``: ``self(i, k, v) -> (part, rng)`` computes
-    step i on the K/V block held, merged into float32 accumulators; ``result`` gives the call's."""
+    """``self(i, k, v) -> (part, rng)``: step i on the block held, merged into float32 accumulators."""
 
     def __init__(self, plan: CallPlan, checked: _Shapes, kernel: StepKernel, q: Tensor, mask: Optional[Tensor]):
         self.plan, self.checked, self.kernel, self.q, self.mask = plan, checked, kernel, q, mask
@@ -214,8 +176,7 @@ class _ForwardSteps:
                    plan.layout, plan.head_num, fused=plan.fused_merge)
 
     def result(self, steps: list, traffic: dict, compute_s: float, wait_s: float, lengths: list) -> ForwardResult:
-        """The call's result: the merged output (the query's dtype), the float32 LSE, the step
-        records; ``traffic``: its bytes (``Traffic.fields()``)."""
+        """The call's result; ``traffic``: ``Traffic.fields()``."""
         plan = self.plan
         if log.isEnabledFor(logging.DEBUG):  # the parts' list is built only to be logged
             log.debug("ring forward rank %d/%d: parts %s, %s", plan.rank, plan.world_size, [s.part for s in steps],

@@ -1,9 +1,7 @@
-"""Attention sinks around any strategy (as Ulysses goes around the ring): the inner strategy
-computes the call without the sink, and the sink's logit joins every row's softmax once, on the
-merged result (``engine/merge.merge_sink``: LSE' = logaddexp(LSE, sink[h]), out scaled by
-exp(LSE - LSE')). The backward gives the inner strategy the merged LSE' (the statistics the
-forward returned) and the sink its gradient over this rank's rows (``engine/merge.sink_grad``).
-docs/sinks.md."""
+"""Attention sinks around any strategy: the inner strategy computes the call without the sink, whose
+logit then joins every row's softmax once, on the merged result (``merge_sink``: LSE' =
+logaddexp(LSE, sink[h]), out scaled by exp(LSE - LSE')). The backward gives the inner strategy the
+merged LSE' (what the forward returned) and the sink its gradient over this rank's rows. docs/sinks.md."""
 
 from __future__ import annotations
 

@@ -1,9 +1,6 @@
-"""Which K/V rows travel in the direct exchange: every rank's positions, and per stage the rows of
-a block its receiver needs (``ExchangePlan``). Rank r holds global positions P_r; it needs from rank
-p the rows of p's block that some query of P_r may see, which the mask's kind decides
-(``masks.needed_keys``): every rank computes every rank's need sets without communicating, except
-for a given mask, whose columns the ranks share once per call over the CPU side group. Stage s =
-1..W-1: rank r sends rank r+s the rows it needs of r's block and receives from r-s."""
+"""Which K/V rows the direct exchange moves (``ExchangePlan``): at stage s = 1..W-1 rank r sends rank r+s
+the rows of its block some query of r+s may see, by the mask's rule on every rank's positions (a given
+mask's columns shared once per call over the CPU side group)."""
 
 from __future__ import annotations
 
@@ -21,9 +18,7 @@ __all__ = ["rank_positions", "StageRows", "ExchangePlan", "exchange_plan"]
 
 
 def rank_positions(plan, lengths: list) -> list[tuple[Tensor, Tensor]]:
-    """(query positions, key positions) of every rank, in local order; ``lengths``: every rank's
-    (local query length, local K/V length). Uneven shards (full or causal, contiguous) lie in rank
-    order; for the causal rules a rank's queries sit at its keys' positions."""
+    """Every rank's (query, key) positions in local order; uneven shards lie contiguous in rank order."""
     world = plan.world_size
     if plan.packed:
         held = [document_positions(plan.documents, p, world, plan.document_placement) for p in range(world)]
@@ -39,15 +34,12 @@ def rank_positions(plan, lengths: list) -> list[tuple[Tensor, Tensor]]:
 
 
 def _contiguous(lengths: list[int]) -> list[Tensor]:
-    starts = [sum(lengths[:p]) for p in range(len(lengths))]
-    return [torch.arange(s, s + n) for s, n in zip(starts, lengths)]
+    return [torch.arange(sum(lengths[:p]), sum(lengths[:p]) + n) for p, n in enumerate(lengths)]
 
 
 @dataclass(frozen=True)
 class StageRows:
-    """Rows of one stage, local indices of a block in order (``index`` None: all ``count`` rows of a
-    block of ``count`` rows; ``count`` 0: none); ``start``: the first where they are consecutive (a
-    narrow then serves instead of the index)."""
+    """One stage's rows of a block (``index`` None: all); ``start``: the first where they are consecutive."""
 
     index: Optional[Tensor]
     count: int
@@ -69,8 +61,7 @@ class StageRows:
 
 @dataclass(frozen=True)
 class ExchangePlan:
-    """One rank's stages: ``send[s]`` rows of its own block for rank r+s, ``recv[s]`` rows of rank
-    r-s's block it needs (s = 1..W-1; index 0 unused); ``rows_sent`` / ``rows_received`` in all."""
+    """``send[s]``: rows of this block for rank r+s; ``recv[s]``: rows it needs of rank r-s's (0 unused)."""
 
     send: tuple[StageRows, ...]
     recv: tuple[StageRows, ...]
@@ -82,7 +73,6 @@ class ExchangePlan:
         object.__setattr__(self, "rows_received", sum([r.count for r in self.recv[1:]]))
 
     def on(self, device: torch.device) -> "ExchangePlan":
-        """The same plan with its indices on ``device``."""
         return ExchangePlan(tuple(rows.on(device) for rows in self.send), tuple(rows.on(device) for rows in self.recv))
 
 
@@ -94,9 +84,7 @@ def _plan_from(need, world: int, rank: int) -> ExchangePlan:
 
 
 def exchange_plan(plan, lengths: list, *, group=None, mask_rows: Optional[Tensor] = None) -> ExchangePlan:
-    """This rank's ``ExchangePlan`` for a ring call of ``plan`` (``lengths``: every rank's (query, K/V)
-    lengths; ``mask_rows``: a given mask's rows of this rank, whose columns the ranks share over
-    ``group``'s side group)."""
+    """This rank's ``ExchangePlan``; ``mask_rows``: a given mask's rows of this rank (columns shared)."""
     if plan.world_size == 1:
         return ExchangePlan((StageRows(None, 0),), (StageRows(None, 0),))
     held = rank_positions(plan, lengths)
@@ -110,8 +98,7 @@ def exchange_plan(plan, lengths: list, *, group=None, mask_rows: Optional[Tensor
 
 
 def _share_columns(mine: Tensor, group) -> list[Tensor]:
-    """Every rank's bool columns (each holds its own): packed to bits, one all_gather on the CP
-    group's CPU side group."""
+    """Every rank's bool columns, packed to bits: one all_gather on the CP group's CPU side group."""
     total = mine.numel()
     bits = torch.zeros((total + 7) // 8 * 8, dtype=torch.uint8)
     bits[:total] = mine.to(torch.uint8)

@@ -1,13 +1,6 @@
-"""The merge of one ring step's result into its float32 accumulators (every strategy that rotates
-K/V blocks), by the log-sum-exp rule, at all rows or at the rows a step computed: in plain torch, or
-(``fused``) by ``npu_ring_attention_update``, which takes SBH or TND outputs and ``[B, N, S, 8]``
-statistics (the LSE encoded as max = LSE, sum = 1; rows that saw no key as max = float32 lowest,
-sum = 0, which the op merges without NaN). Both agree to float32 rounding.
-
-Attention sinks: one more logit per row of head h, ``sink[h]``, without a value row, merged ONCE
-into a call's result (``LSE' = logaddexp(LSE, sink)``, out scaled by ``exp(LSE - LSE')``), never per
-step; its gradient is the sink's probability times ``-rowsum(dout * out)`` over the rank's rows.
-"""
+"""The log-sum-exp merge of a ring step into float32 accumulators, in plain torch or (``fused``) by
+``npu_ring_attention_update``; and attention sinks (one more logit per head, without a value row), merged
+once into a call's result, never per step."""
 
 from __future__ import annotations
 
@@ -31,16 +24,11 @@ def fused_merge_available() -> bool:
 
 def merge_into(acc_out: Tensor, acc_lse: Tensor, out_i: Tensor, lse_i: Tensor, layout: str, head_num: int,
                *, fused: bool, index: Optional[Tensor] = None, actual_seq_qlen: Optional[Tensor] = None) -> None:
-    """In place: ``(acc_out, acc_lse) <- logsumexp-merge((acc_out, acc_lse), (out_i, lse_i))``.
-
-    ``acc_out``: float32 in ``layout``, possibly a view (a row range); ``acc_lse``: float32
-    ``[B, N, S]`` (TND: ``[T, N]``), possibly a view; ``out_i``: the step's output in
-    ``layout``, any float dtype; ``lse_i``: float32, ``-inf`` for rows that saw no key.
-    ``index``: the accumulators' rows (dim 0, TND) the step computed, None for all rows;
-    ``actual_seq_qlen``: the step's TND segment ends (the fused op takes them). Rows that saw
-    no key on either side keep ``-inf`` and a zero output.
-    """
-    old_out, old_lse = _take(acc_out, index), _take(acc_lse, index)
+    """In place: ``(acc_out, acc_lse) <- logsumexp-merge((acc_out, acc_lse), (out_i, lse_i))``; rows that saw no
+    key (LSE ``-inf``) keep ``-inf`` and a zero output. ``index``: the rows (dim 0, packed) the step
+    computed, None for all; ``actual_seq_qlen``: the step's packed segment ends, for the fused op."""
+    old_out, old_lse = (acc_out, acc_lse) if index is None else (acc_out.index_select(0, index),
+                                                                 acc_lse.index_select(0, index))
     if fused:
         merged = _merge_fused(old_out, old_lse, out_i, lse_i, layout, head_num, actual_seq_qlen)
     else:
@@ -53,13 +41,9 @@ def merge_into(acc_out: Tensor, acc_lse: Tensor, out_i: Tensor, lse_i: Tensor, l
         acc_lse.copy_(merged[1])
 
 
-def _take(x: Tensor, index: Optional[Tensor]) -> Tensor:
-    return x if index is None else x.index_select(0, index)
-
-
 def _merge_float32(acc_out: Tensor, acc_lse: Tensor, out_i: Tensor, lse_i: Tensor, layout: str,
                    head_num: int) -> Optional[tuple[Tensor, Tensor]]:
-    """Merges into ``acc_out``/``acc_lse`` in place; for TND returns the merged rows instead."""
+    """Merges into ``acc_out``/``acc_lse`` in place; for packed documents returns the merged rows instead."""
     new_lse = torch.logaddexp(acc_lse, lse_i)
     # rows with no key seen on either side keep -inf and a zero output (never NaN)
     ref = torch.where(torch.isneginf(new_lse), torch.zeros_like(new_lse), new_lse)
@@ -75,9 +59,8 @@ def _merge_float32(acc_out: Tensor, acc_lse: Tensor, out_i: Tensor, lse_i: Tenso
 
 def _stats(*lses: Tensor) -> list[Tensor]:
     """The op's [B, N, S, 8] float32 (max, sum) of each LSE: (LSE, 1), or (lowest, 0) where LSE = -inf."""
-    stats = [stats_from_lse(lse) for lse in lses]
     out = []
-    for softmax_max, softmax_sum in stats:
+    for softmax_max, softmax_sum in [stats_from_lse(lse) for lse in lses]:
         dead = torch.isneginf(softmax_max)
         out += softmax_max.masked_fill(dead, FLOAT32_LOWEST), softmax_sum.masked_fill(dead, 0.0)
     return out
@@ -85,7 +68,7 @@ def _stats(*lses: Tensor) -> list[Tensor]:
 
 def _merge_fused(acc_out: Tensor, acc_lse: Tensor, out_i: Tensor, lse_i: Tensor, layout: str,
                  head_num: int, actual_seq_qlen: Optional[Tensor]) -> Optional[tuple[Tensor, Tensor]]:
-    """As ``_merge_float32``, by the fused op (SBH for the dense layouts, TND as it is)."""
+    """As ``_merge_float32``, by the fused op (SBH for the dense layouts, packed as it is)."""
     op = getattr(torch.ops.npu, OP_NAME)
     prev_max, prev_sum, cur_max, cur_sum = _stats(acc_lse, lse_i)
     if layout == L.TND:
@@ -100,18 +83,13 @@ def _merge_fused(acc_out: Tensor, acc_lse: Tensor, out_i: Tensor, lse_i: Tensor,
     return None
 
 
-# ---------------------------------------------------------------- attention sinks
-
-
 def _per_head(sink: Tensor, lse: Tensor) -> Tensor:
-    """``sink`` [N] as float32 broadcasting against an LSE [B, N, S] (TND: [T, N])."""
+    """``sink`` [N] as float32 broadcasting against an LSE [B, N, S] (packed: [T, N])."""
     return sink.float().view(-1, 1) if lse.dim() == 3 else sink.float().view(1, -1)
 
 
 def merge_sink(out: Tensor, lse: Tensor, sink: Tensor, layout: str, head_num: int) -> tuple[Tensor, Tensor]:
-    """(out', LSE'): a call's merged ``out`` (in ``layout``) and float32 ``lse`` with the sink's
-    logit added to every row's softmax: ``LSE' = logaddexp(LSE, sink[h])``, out scaled by
-    ``exp(LSE - LSE')`` in float32 (rows that saw no key: LSE' = sink[h], out 0)."""
+    """(out', LSE'): ``LSE' = logaddexp(LSE, sink[h])``, ``out`` scaled by ``exp(LSE - LSE')`` in float32."""
     new_lse = torch.logaddexp(lse.float(), _per_head(sink, lse))
     weight = L.lse_view(torch.exp(lse.float() - new_lse), layout)
     scaled = L.as_4d(out, layout, head_num).float() * weight
@@ -119,7 +97,7 @@ def merge_sink(out: Tensor, lse: Tensor, sink: Tensor, layout: str, head_num: in
 
 
 def _row_dot(a: Tensor, b: Tensor, layout: str, head_num: int) -> Tensor:
-    """rowsum(a * b) in float32, in the LSE's shape ([B, N, S]; TND: [T, N])."""
+    """rowsum(a * b) in float32, in the LSE's shape."""
     if layout == L.TND:
         return (a.float() * b.float()).sum(-1)
     return (L.to_bnsd(a, layout, head_num).float() * L.to_bnsd(b, layout, head_num).float()).sum(-1)

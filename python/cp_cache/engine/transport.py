@@ -1,62 +1,39 @@
-"""How strategies move tensors between ranks: the CP process groups, ring shifts (point to
-point, two receive buffers reused from hop to hop), the all-to-all of Ulysses, and the CPU
-side group of a CP group.
-
-The CP group carries only the call's payload tensors, on their device: on a cluster it is
-usually accelerator-only (HCCL, NCCL), which refuses CPU tensors, and reading a device
-value back on the host would stall the device queue. The call's metadata (the ranks'
-agreement: integer signatures, refusal messages) goes over a gloo group of its own over the
-same ranks instead (``side_group``). Payload messages go through torch.distributed, as on any
-backend.
-"""
+"""How strategies move payload tensors between ranks, on their device (HCCL and NCCL refuse CPU tensors):
+point-to-point ring stages and shifts, the all-to-all of Ulysses, and per-group state."""
 
 from __future__ import annotations
 
 import threading
-from typing import Callable, Optional
+from typing import Optional
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
-__all__ = ["Exchange", "Transfer", "join_once", "Rotation", "TAG_KV",
-           "TAG_DKV", "GroupState", "group_state", "exchange_heads", "own_storage"]
+__all__ = ["Transfer", "join_once", "Rotation", "TAG_KV", "TAG_DKV", "GroupState", "group_state", "exchange_heads",
+           "own_storage"]
 
-
-class Exchange:
-    """One ring shift of a list of tensors: send to the rank ``shift`` ahead, receive from the
-    rank ``shift`` behind (``Transfer``: one message each way)."""
-
-    def __init__(self, tensors: list[Tensor], group, rank: int, size: int, tag: int, shift: int = 1,
-                 recv: Optional[list[Tensor]] = None, recv_shapes: Optional[list[torch.Size]] = None):
-        if recv is None:
-            shapes = recv_shapes or [t.shape for t in tensors]
-            recv = [torch.empty(shape, dtype=t.dtype, device=t.device) for t, shape in zip(tensors, shapes)]
-        self._transfer = Transfer.shifted(tensors, recv, shift, rank, size, group, tag)
-        self.nbytes = self._transfer.nbytes
-
-    def wait(self) -> list[Tensor]:
-        return self._transfer.wait()
+# Message j of an exchange is tagged tag + j. In backward a K/V and a dK/dV exchange may be in flight between
+# the same two ranks: distinct tags keep a receive from matching the other's send.
+TAG_KV = 0  # k: 0, v: 1
+TAG_DKV = 2  # dk: 2, dv: 3
 
 
 class GroupState:
-    """What cp_cache keeps per CP process group: whether its ranks joined one collective, and what
-    its calls compute that depends only on values (``remember``), bounded."""
+    """Per CP group: whether its ranks joined one collective, and values computed from values (bounded)."""
 
     LIMIT = 256
 
     def __init__(self) -> None:
         self.joined = False
-        self._memo: dict = {}
+        self.memo: dict = {}  # read with .get(key); written by ``keep``
 
-    def remember(self, key, make: Callable[[], object]):
-        """``make()``, made once per ``key`` (a value) on this group."""
-        found = self._memo.get(key)
-        if found is None:
-            if len(self._memo) >= self.LIMIT:
-                self._memo.clear()
-            found = self._memo[key] = make()
-        return found
+    def keep(self, key, value):
+        """Remember ``value`` for ``key`` (a value) on this group; returns it."""
+        if len(self.memo) >= self.LIMIT:
+            self.memo.clear()
+        self.memo[key] = value
+        return value
 
 
 _STATES: dict[str, GroupState] = {}
@@ -74,10 +51,8 @@ def group_state(group) -> GroupState:
 
 
 def join_once(group, device: torch.device) -> None:
-    """Before the direct exchange's first stage on ``group``, once per process: one collective every
-    rank of the group takes part in (a one-element all_reduce on the payload device; no host read).
-    NCCL wants every rank of a group in its first batched point-to-point call; the direct exchange's
-    stages post only the operations a rank has. Every rank runs the same plan, so every rank gets here."""
+    """Once per group, before the direct exchange's first stage, a one-element all_reduce every rank joins:
+    NCCL wants every rank of a group in its first batched point-to-point call, which a stage may not have."""
     state = group_state(group)
     with _STATES_LOCK:
         if state.joined:
@@ -87,31 +62,22 @@ def join_once(group, device: torch.device) -> None:
 
 
 class Transfer:
-    """One point-to-point stage: ``send`` to group rank ``to`` and receive into ``recv`` from group
-    rank ``source`` (either list may be empty: no operation for it). Tensors of one dtype travel
-    as one message each way (packed into one buffer, unpacked into ``recv`` on ``wait``): every
-    message costs the backend a round of its own, whatever its size."""
+    """``send`` to group rank ``to``, ``recv`` from ``source``: one message of each dtype (each costs a round)."""
 
     def __init__(self, send: list[Tensor], to: int, recv: list[Tensor], source: int, group, tag: int):
         packed_send = _sendable(_packed(send))
         self._packed_recv = _packed_buffer(recv)
         self._unpack = self._packed_recv is not recv
-        # the backends receive into contiguous memory only: a strided target gets a landing buffer
-        self._landing = _sendable(self._packed_recv)
-        nbytes = received = 0
-        for t in send:
-            nbytes += t.nbytes
-        for t in recv:
-            received += t.nbytes
-        self.nbytes, self.received_bytes = nbytes, received
+        self._landing = _sendable(self._packed_recv)  # the backends receive into contiguous memory only
+        self.nbytes = sum([t.nbytes for t in send])
+        self.received_bytes = sum([t.nbytes for t in recv])
         self.recv, self._sent = recv, packed_send  # kept until the sends complete
         self._works = _post(packed_send, to, self._landing, source, group, tag)
 
     @classmethod
     def shifted(cls, send: list[Tensor], recv: list[Tensor], shift: int, rank: int, size: int, group,
                 tag: int) -> "Transfer":
-        """A stage of a ring shift on ``rank`` of ``size``: ``send`` to the rank ``shift`` ahead,
-        ``recv`` from the rank ``shift`` behind (a negative ``shift``: the other way round)."""
+        """A ring shift's stage: ``send`` to the rank ``shift`` ahead, ``recv`` from the one ``shift`` behind."""
         return cls(send, (rank + shift) % size, recv, (rank - shift) % size, group, tag)
 
     def wait(self) -> list[Tensor]:
@@ -124,17 +90,15 @@ class Transfer:
                 if target is not landed:
                     target.copy_(landed)
         if self._unpack:  # one message: its pieces into the receive tensors
-            offset = 0
-            message = packed[0]
+            offset, message = 0, packed[0]
             for t in recv:
-                size = t.numel()
-                t.copy_(message.narrow(0, offset, size).view(t.shape))
-                offset += size
+                t.copy_(message.narrow(0, offset, t.numel()).view(t.shape))
+                offset += t.numel()
         self.recv, self._sent, self._packed_recv, self._landing = None, None, None, None
         return recv
 
     def drain(self) -> None:
-        """Wait, dropping errors (after an error on this rank: see ``Rotation.drain``)."""
+        """Wait, dropping errors (after one here): no buffer freed under the backend, no message left over."""
         try:
             self.wait()
         except Exception:  # noqa: BLE001 - the original error is the one raised
@@ -142,8 +106,7 @@ class Transfer:
 
 
 def _post(send: list[Tensor], to: int, recv: list[Tensor], source: int, group, tag: int) -> list:
-    """Post one stage's messages (message j tagged ``tag + j``) as one batch through
-    torch.distributed (NCCL and HCCL want a stage's sends and receives together); the works."""
+    """One stage's messages as one batch (NCCL and HCCL want a stage's sends and receives together)."""
     if not send and not recv:
         return []
     ops = [dist.P2POp(dist.isend, t, dist.get_global_rank(group, to), group, tag + j) for j, t in enumerate(send)]
@@ -153,8 +116,7 @@ def _post(send: list[Tensor], to: int, recv: list[Tensor], source: int, group, t
 
 
 def _sendable(tensors: list[Tensor]) -> list[Tensor]:
-    """``tensors`` in contiguous memory, which gloo, NCCL and HCCL take (the list itself when
-    they all are): a run of rows narrowed out of a block, or a strided view, is copied."""
+    """``tensors`` in contiguous memory (the list itself when they all are), which the backends take."""
     for t in tensors:
         if not t.is_contiguous():
             return [t if t.is_contiguous() else t.contiguous() for t in tensors]
@@ -173,94 +135,61 @@ def _one_message(tensors: list[Tensor]) -> bool:
 
 def _packed(tensors: list[Tensor]) -> list[Tensor]:
     """``tensors`` as one flat message when they share a dtype and device (else as they are)."""
-    if not _one_message(tensors):
-        return tensors
-    return [torch.cat([t.reshape(-1) for t in tensors])]
+    return [torch.cat([t.reshape(-1) for t in tensors])] if _one_message(tensors) else tensors
 
 
 def _packed_buffer(tensors: list[Tensor]) -> list[Tensor]:
-    """Where the message of ``tensors`` arrives: one flat buffer when they travel packed, else
-    ``tensors`` themselves."""
+    """Where the message of ``tensors`` arrives: one flat buffer when they travel packed, else themselves."""
     if not _one_message(tensors):
         return tensors
-    first = tensors[0]
-    return [torch.empty(sum([t.numel() for t in tensors]), dtype=first.dtype, device=first.device)]
+    return [torch.empty(sum([t.numel() for t in tensors]), dtype=tensors[0].dtype, device=tensors[0].device)]
 
 
 class Rotation:
-    """Tensors travelling around the ring (the K/V blocks, or the dK/dV accumulators), with
-    two receive buffers reused from hop to hop: a block, once sent, receives the block after
-    next. The first tensors (possibly the caller's) are never received into."""
+    """Tensors travelling round the ring; a block once sent receives the one after next (never the first)."""
 
     def __init__(self, tensors: list[Tensor], group, rank: int, size: int, tag: int):
-        self.current = tensors
-        self._own = tensors
+        self.current = self._own = tensors
         self._spare: Optional[list[Tensor]] = None
-        self._exchange: Optional[Exchange] = None
+        self._transfer: Optional[Transfer] = None
         self._group, self._rank, self._size, self._tag = group, rank, size, tag
 
     def post(self, shift: int = 1, recv_shapes: Optional[list[torch.Size]] = None) -> int:
-        """Send the current tensors ``shift`` ranks ahead, receive from ``shift`` behind (tensors
-        of ``recv_shapes``, default the current ones' shapes: uneven shards); bytes sent."""
-        spare = self._spare
-        if spare is not None and recv_shapes is not None and [t.shape for t in spare] != list(recv_shapes):
-            spare = None
-        self._exchange = Exchange(self.current, self._group, self._rank, self._size, self._tag, shift,
-                                   recv=spare, recv_shapes=recv_shapes)
+        """Send the current tensors ``shift`` ranks ahead, receive ``recv_shapes`` (default theirs); bytes sent."""
+        recv = self._spare
+        if recv is None or (recv_shapes is not None and [t.shape for t in recv] != list(recv_shapes)):
+            shapes = recv_shapes or [t.shape for t in self.current]
+            recv = [torch.empty(shape, dtype=t.dtype, device=t.device) for t, shape in zip(self.current, shapes)]
+        self._transfer = Transfer.shifted(self.current, recv, shift, self._rank, self._size, self._group, self._tag)
         self._spare = None
-        return self._exchange.nbytes
+        return self._transfer.nbytes
 
     def advance(self) -> None:
         """Wait for the hop; the received tensors become current, the sent ones the spare buffers."""
-        exchange, self._exchange = self._exchange, None  # waited once, even if the wait fails
-        received = exchange.wait()
+        transfer, self._transfer = self._transfer, None  # waited once, even if the wait fails
+        received = transfer.wait()
         if self.current is not self._own:
             self._spare = self.current
         self.current = received
 
     @property
     def in_flight(self) -> bool:
-        return self._exchange is not None
+        return self._transfer is not None
 
     def drain(self) -> None:
-        """After an error on this rank: wait for the hop in flight (its peers posted the matching
-        operations; bounded by the process group's timeout) so no buffer is freed under the
-        backend and no message is left to match a later call's; errors are dropped."""
-        if self._exchange is not None:
-            try:
-                self._exchange.wait()
-            except Exception:  # noqa: BLE001 - the original error is the one raised
-                pass
-            self._exchange = None
-
-
-# Each exchange uses tags tag, tag + 1 (one per message: K and V travel packed as one when
-# they share a dtype). In backward a K/V shift and a dK/dV shift are in flight between the
-# same two ranks at once: distinct tags keep a receive from matching the other exchange's send.
-TAG_KV = 0  # k: 0, v: 1
-TAG_DKV = 2  # dk: 2, dv: 3
+        """After an error on this rank: wait for the hop in flight, dropping errors (``Transfer.drain``)."""
+        if self._transfer is not None:
+            self._transfer.drain()
+            self._transfer = None
 
 
 # ---------------------------------------------------------------- Ulysses
 
 
-def _all_to_all(rows: Tensor, group, world: int) -> tuple[Tensor, int]:
-    """[W, n] -> [W, n]: row j goes to rank j, row i of the result came from rank i."""
-    received = torch.empty_like(rows)
-    dist.all_to_all_single(received, rows, group=group)
-    return received, rows.nbytes * (world - 1) // world
-
-
 def exchange_heads(tensors: list[Tensor], group, world: int, to_heads: bool,
                    lengths: Optional[list[int]] = None) -> tuple[list[Tensor], int]:
-    """Sequence shards -> head shards (``to_heads``) or back, of [B, N, S, D] tensors.
-
-    to_heads: [B, N, s, D] on each rank -> [B, N/W, W*s, D], the sequence in rank order.
-    back: [B, N/W, W*s, D] -> [B, N, s, D], the heads in rank order.
-    Each tensor keeps its own N and D (V, the output and their gradients at V's head size);
-    tensors of one dtype travel in one all-to-all. ``lengths``: each rank's s where they differ
-    (packed documents); the all-to-all then carries uneven splits, and W*s is their sum.
-    """
+    """Sequence shards -> head shards (``to_heads``: [B, N, s, D] -> [B, N/W, W*s, D]) or back, one all-to-all
+    per dtype; ``lengths``: each rank's s where they differ (packed documents). Also returns bytes sent."""
     if world == 1:
         return [t.contiguous() for t in tensors], 0
     if lengths is not None and len(set(lengths)) > 1:
@@ -277,28 +206,28 @@ def exchange_heads(tensors: list[Tensor], group, world: int, to_heads: bool,
     sent = 0
     for dtype in dict.fromkeys(t.dtype for t in tensors):
         members = [i for i, t in enumerate(tensors) if t.dtype == dtype]
-        received, nbytes = _all_to_all(torch.cat([pieces[i] for i in members], dim=1), group, world)
-        sent += nbytes
+        rows = torch.cat([pieces[i] for i in members], dim=1)  # row j goes to rank j
+        received = torch.empty_like(rows)  # row i came from rank i
+        dist.all_to_all_single(received, rows, group=group)
+        sent += rows.nbytes * (world - 1) // world
         start = 0
         for i in members:
             b, n, s, d = tensors[i].shape
             width = pieces[i].shape[1]
-            rows = received[:, start:start + width]
+            got = received[:, start:start + width]
             start += width
             if to_heads:  # row r: rank r's sequence shard of my heads
-                results[i] = rows.reshape(world, b, n // world, s, d).permute(1, 2, 0, 3, 4).reshape(
+                results[i] = got.reshape(world, b, n // world, s, d).permute(1, 2, 0, 3, 4).reshape(
                     b, n // world, world * s, d)
             else:  # row r: head group r of my sequence shard
-                results[i] = rows.reshape(world, b, n, s // world, d).transpose(0, 1).reshape(
+                results[i] = got.reshape(world, b, n, s // world, d).transpose(0, 1).reshape(
                     b, world * n, s // world, d)
     return results, sent
 
 
 def _exchange_uneven(tensors: list[Tensor], group, world: int, to_heads: bool,
                      lengths: list[int]) -> tuple[list[Tensor], int]:
-    """``exchange_heads`` where rank r holds ``lengths[r]`` rows: one all-to-all per dtype with
-    split sizes (rank r sends each rank its lengths[r] rows of that rank's heads; back, each rank
-    its own rows of this rank's heads)."""
+    """``exchange_heads`` where rank r holds ``lengths[r]`` rows: all-to-alls with split sizes."""
     me = dist.get_rank(group)
     starts = [sum(lengths[:r]) for r in range(world)]
     results: list[Optional[Tensor]] = [None] * len(tensors)
@@ -311,10 +240,8 @@ def _exchange_uneven(tensors: list[Tensor], group, world: int, to_heads: bool,
             t = tensors[i]
             b, n, s, d = t.shape
             for r in range(world):
-                if to_heads:
-                    pieces[r].append(t[:, r * (n // world):(r + 1) * (n // world)].reshape(-1))
-                else:
-                    pieces[r].append(t.narrow(2, starts[r], lengths[r]).reshape(-1))
+                piece = t.narrow(1, r * (n // world), n // world) if to_heads else t.narrow(2, starts[r], lengths[r])
+                pieces[r].append(piece.reshape(-1))
         send = torch.cat([p for per_rank in pieces for p in per_rank])
         in_splits = [sum(p.numel() for p in per_rank) for per_rank in pieces]
         # what each source sends me: its rows of my heads (to_heads), or my rows of its heads
@@ -332,25 +259,20 @@ def _exchange_uneven(tensors: list[Tensor], group, world: int, to_heads: bool,
             for source, chunk in enumerate(chunks):
                 offset = sum(widths[source][:slot])
                 piece = chunk[offset:offset + widths[source][slot]]
-                if to_heads:
-                    parts.append(piece.view(b, n // world, lengths[source], d))
-                else:
-                    parts.append(piece.view(b, n, lengths[me], d))
+                parts.append(piece.view(b, n // world, lengths[source], d) if to_heads else
+                             piece.view(b, n, lengths[me], d))
             results[i] = torch.cat(parts, dim=2 if to_heads else 1)
     return results, sent
 
 
 def _piece_numel(t: Tensor, world: int, to_heads: bool, rows: int) -> int:
-    """Elements of one rank's piece of ``t`` ([B, N, s, D]) with ``rows`` sequence rows: a 1/W
-    share of its heads (to_heads), or all of them (back)."""
+    """Elements of one rank's piece of ``t`` with ``rows`` rows: 1/W of its heads (to_heads), or all."""
     b, n, _, d = t.shape
     return b * (n // world if to_heads else n) * rows * d
 
 
 def own_storage(x: Tensor) -> Tensor:
-    """``x`` in storage of its own: a result of ``exchange_heads`` can be a view of a receive buffer
-    shared with the other tensors of its all-to-all, which it would keep alive (autograd saves
-    the output and the LSE until backward)."""
+    """``x`` in storage of its own, not a view keeping a shared all-to-all buffer alive (autograd saves it)."""
     if x.untyped_storage().nbytes() == x.nbytes and x.is_contiguous():
         return x
     return x.clone(memory_format=torch.contiguous_format)

@@ -2,14 +2,11 @@
 
 ``ContextParallelMixin`` (in front of any Trainer subclass; ``ContextParallelTrainer`` is it with
 ``Trainer``) runs each step inside ``cp_cache.context_parallel(mesh, buffers=[...])`` with every
-per-token entry of the batch sharded (``shift_labels`` made before sharding, as Trainer's own CP
-does). A packed batch (``cu_seq_lens_q/k``, or position ids that restart) is laid out by its
-documents; a dense one keeps torch's head-tail sharding.
-
-The CP mesh: accelerate's "cp" dimension (``ParallelismConfig(cp_size=N)``; cp_cache replaces
-its torch-ring preparation, which refuses sliding windows and drops masks), or, with
-``cp_size=N`` where accelerate has no CP (DDP, CPU), a ``("dp_replicate", "cp")`` mesh cp_cache
-builds and gives accelerate, whose data loaders then give each CP group the same batches.
+per-token entry sharded (``shift_labels`` made first) and a packed batch laid out by its documents.
+The CP mesh: accelerate's "cp" dimension (cp_cache replaces its torch-ring preparation, which refuses
+sliding windows and drops masks), or, with ``cp_size=N`` where accelerate has no CP (DDP, CPU), a
+``("dp_replicate", "cp")`` mesh given to accelerate, whose data loaders then feed each CP group the
+same batches.
 """
 
 from __future__ import annotations
@@ -64,8 +61,7 @@ class ContextParallelMixin:
                              "TrainingArguments(parallelism_config=ParallelismConfig(cp_size=N))")
         return _standalone_mesh(accelerator, self.cp_size_requested)
 
-    def _prepare_context_parallel_inputs(self, model: torch.nn.Module,
-                                         inputs: dict) -> tuple[Callable, dict]:
+    def _prepare_context_parallel_inputs(self, model: torch.nn.Module, inputs: dict) -> tuple[Callable, dict]:
         """(the step's CP context, the inputs it shards): Trainer enters it around the step."""
         if self.cp_mesh is None:
             return super()._prepare_context_parallel_inputs(model, inputs)
@@ -88,8 +84,7 @@ class ContextParallelTrainer(ContextParallelMixin, Trainer):
 
 
 def _prepare_cp(accelerator, *args):
-    """In place of accelerate's ``Accelerator._prepare_cp`` (torch's ring): cp_cache's region, the
-    model's masks kept."""
+    """In place of accelerate's ``Accelerator._prepare_cp`` (torch's ring): cp_cache's region, masks kept."""
     accelerator._cp_context = functools.partial(context_parallel, mesh=accelerator.torch_device_mesh["cp"])
     return args
 
@@ -127,9 +122,9 @@ def _drop_all_true_mask(inputs: dict) -> None:
     if mask is None:
         return
     if mask.dim() != 2 or not bool(mask.all()):
-        raise NotImplementedError(
-            "ContextParallelTrainer: a batch with padding (attention_mask with zeros) is not supported under CP; "
-            "pack the batch instead: DataCollatorWithFlattening(return_flash_attn_kwargs=True)")
+        raise NotImplementedError("ContextParallelTrainer: a batch with padding (attention_mask with zeros) is not "
+                                  "supported under CP; pack the batch instead: "
+                                  "DataCollatorWithFlattening(return_flash_attn_kwargs=True)")
     del inputs["attention_mask"]
 
 
@@ -149,7 +144,7 @@ def _documents(inputs: dict) -> Optional[torch.Tensor]:
     if positions.size(0) != 1:
         return None
     starts = (positions[0] == 0).nonzero().flatten().tolist()
-    if starts[1:] == [] and starts[:1] == [0]:
+    if starts == [0]:
         return None  # one sequence
     if starts[:1] != [0]:
         raise ValueError(f"ContextParallelTrainer: position_ids {positions[0, :8].tolist()}... do not start at 0; "

@@ -1,15 +1,12 @@
 """cp_cache as an attention implementation of Hugging Face transformers (5.x): docs/transformers.md.
 
-``register()`` adds "cp_cache" to transformers' ``AttentionInterface`` (and a mask hook so that
-no dense mask is built). ``attention_forward`` gets each layer's local q/k/v ``[B, N, S, D]``
-and calls ``torch.ops.npu.npu_fusion_attention_v3``: inside ``cp_cache.context_parallel(mesh,
-buffers=[...])`` on DTensors sharded as the buffers were (cp_cache's handlers run it), outside
-on the plain tensors.
-
-The mask is the one the model asks for: causal from ``module.is_causal``, ``sliding_window`` as
-a band, packed documents from ``cu_seq_lens_q/k``; ``s_aux`` is the sink. What the op cannot
-express raises naming it, never a silently different mask. Only ``register()`` imports
-transformers.
+``register()`` adds "cp_cache" to transformers' ``AttentionInterface`` (and a mask hook so that no
+dense mask is built). ``attention_forward`` calls ``torch.ops.npu.npu_fusion_attention_v3`` on each
+layer's local q/k/v ``[B, N, S, D]``: inside ``cp_cache.context_parallel(mesh, buffers=[...])`` as
+DTensors sharded as the buffers were (cp_cache's handlers run it), outside as they are. The mask is
+the one the model asks for: causal from ``module.is_causal``, ``sliding_window`` as a band, packed
+documents from ``cu_seq_lens_q/k``; ``s_aux`` is the sink. What the op cannot express raises naming
+it, never a silently different mask. Only ``register()`` imports transformers.
 """
 
 from __future__ import annotations
@@ -22,6 +19,7 @@ from typing import Any, Callable, Optional
 
 import torch
 from torch import Tensor
+from torch.distributed.tensor import DTensor, Shard
 
 from .. import layout as L
 from ..dispatch import active_documents, active_mesh, in_cp_region
@@ -34,8 +32,7 @@ __all__ = ["NAME", "register", "attention_forward", "mask_hook"]
 NAME = "cp_cache"
 
 # keyword arguments of transformers' attention call that change the scores in a way the op cannot express
-_REFUSED = {"softcap": "logit soft-capping", "position_bias": "an additive position bias",
-            "head_mask": "a head mask"}
+_REFUSED = {"softcap": "logit soft-capping", "position_bias": "an additive position bias", "head_mask": "a head mask"}
 
 
 def register() -> None:
@@ -49,8 +46,8 @@ def register() -> None:
 
 def mask_hook(batch_size: int, q_length: int, kv_length: int, *args, attention_mask: Optional[Tensor] = None,
               **kwargs) -> Optional[Tensor]:
-    """transformers' mask function for "cp_cache": none. A 2-D padding mask that masks nothing is
-    dropped (a host read); any other goes on to ``attention_forward``, which refuses it."""
+    """transformers' mask function for "cp_cache": none. A 2-D padding mask that masks nothing is dropped (a
+    host read); any other goes on to ``attention_forward``, which refuses it."""
     if attention_mask is not None and attention_mask.dim() == 2 and bool(attention_mask.all()):
         return None
     return attention_mask
@@ -107,7 +104,9 @@ def attention_forward(module: torch.nn.Module, query: Tensor, key: Tensor, value
             raise NotImplementedError(f"cp_cache attention: packed documents (cu_seq_lens_q/k) need batch size 1 "
                                       f"(the documents flattened into one row), got query {describe(query)}")
         options = dict(scale=query.size(-1) ** -0.5 if scaling is None else float(scaling),
-                       keep_prob=_keep_prob(dropout), sink=None if s_aux is None else s_aux.float())
+                       keep_prob=_keep_prob(dropout))
+        if s_aux is not None:
+            options["sink"] = s_aux.float()
     except CHECK_ERRORS as error:
         if mesh is not None and mesh.ndim == 1:  # a refusal on one rank is raised on every rank, not left waiting
             agree_on_refusal("forward", [mesh.get_group()], error)
@@ -120,15 +119,12 @@ def attention_forward(module: torch.nn.Module, query: Tensor, key: Tensor, value
     return out, None
 
 
-# ---------------------------------------------------------------- what the call asks for
-
-
 def _refuse(attention_mask: Optional[Tensor], kwargs: dict) -> None:
     if attention_mask is not None:
-        raise NotImplementedError(
-            f"cp_cache attention: attention_mask={describe(attention_mask)} is not supported: it takes the causal, "
-            "sliding-window and packed-document masks the model asks for, not a mask tensor (padding, or a custom "
-            "mask); pack the batch without padding (DataCollatorWithFlattening) and pass attention_mask=None")
+        raise NotImplementedError(f"cp_cache attention: attention_mask={describe(attention_mask)} is not supported: it "
+                                  "takes the causal, sliding-window and packed-document masks the model asks for, not "
+                                  "a mask tensor (padding, or a custom mask); pack the batch without padding "
+                                  "(DataCollatorWithFlattening) and pass attention_mask=None")
     for name, what in _REFUSED.items():
         if kwargs.get(name) is not None:
             raise NotImplementedError(f"cp_cache attention: {name}={describe(kwargs[name])} ({what}) is not supported")
@@ -192,18 +188,13 @@ def _sharding(mesh, query: Tensor, key: Tensor) -> _Sharding:
     return _Sharding(mesh, sequence_positions(rank, world, s_q, load_balance), s_q * world, load_balance)
 
 
-# ---------------------------------------------------------------- documents and position ids
-
-
 class _Checked:
-    """The documents of the last (position_ids, cu_seq_lens_q, cu_seq_lens_k) read and checked: every
-    layer of a forward passes the same tensors, so one host read per forward (held by identity and
-    version, weakly)."""
+    """The documents of the last (position_ids, cu_seq_lens_q, cu_seq_lens_k) read and checked: every layer of a
+    forward passes the same tensors, so one host read per forward (held by identity and version, weakly)."""
 
-    def __init__(self):
-        self._refs: tuple = ()
-        self._key: tuple = ()
-        self._documents: Optional[tuple[int, ...]] = None
+    _refs: tuple = ()
+    _key: tuple = ()
+    _documents: Optional[tuple[int, ...]] = None
 
     def documents(self, kwargs: dict, sharding: _Sharding) -> Optional[tuple[int, ...]]:
         given = (kwargs.get("position_ids"), kwargs.get("cu_seq_lens_q"), kwargs.get("cu_seq_lens_k"))
@@ -216,7 +207,7 @@ class _Checked:
                 return self._documents
         documents = _read_documents(given[1], given[2], sharding)
         if given[0] is not None and sharding.held is not None:
-            (_assert_positions if compiling else _check_positions)(given[0], sharding, documents)
+            _check_positions(given[0], sharding, documents, compiling)
         if not compiling:
             self._refs = tuple(weakref.ref(t) if isinstance(t, Tensor) else None for t in given)
             self._key, self._documents = key, documents
@@ -258,47 +249,33 @@ _POSITIONS_HINT = ("Under cp_cache.context_parallel pass position_ids among its 
                    "(DataCollatorWithFlattening(return_flash_attn_kwargs=True))")
 
 
-def _positions_against(position_ids: Tensor, sharding: _Sharding,
-                       documents: Optional[tuple[int, ...]]) -> tuple[Tensor, Tensor]:
-    """(the given position ids [B, S] int64, the expected ones [S]): RoPE reads ``position_ids``, the
-    mask follows the tokens' places: they must agree, else a packed batch without cu_seq_lens (or
-    unsharded position_ids) would silently get another mask."""
-    held = sharding.held
-    expected = held
+def _check_positions(position_ids: Tensor, sharding: _Sharding, documents: Optional[tuple[int, ...]],
+                     compiling: bool) -> None:
+    """RoPE reads ``position_ids``, the mask follows the tokens' places: they must agree, else a packed batch
+    without cu_seq_lens (or unsharded position_ids) would silently get another mask. Compiled: an
+    assertion in the graph, failing when it runs."""
+    held = expected = sharding.held
     if documents is not None:
-        ends = torch.tensor(documents[1:])
-        starts = torch.tensor(documents[:-1])
+        starts, ends = torch.tensor(documents[:-1]), torch.tensor(documents[1:])
         expected = held - starts[torch.searchsorted(ends, held, right=True)]
     got = position_ids.detach().to("cpu", torch.int64)
     if got.dim() != 2 or got.size(-1) != held.numel():
         raise ValueError(f"cp_cache attention: position_ids={describe(position_ids)} must be [B, S] over the "
                          f"{held.numel()} local tokens")
-    return got, expected
-
-
-def _check_positions(position_ids: Tensor, sharding: _Sharding, documents: Optional[tuple[int, ...]]) -> None:
-    got, expected = _positions_against(position_ids, sharding, documents)
+    if compiling:
+        torch._assert_async((got == expected).all(), "cp_cache attention: position_ids are not the positions of "
+                            "the tokens in their sequence or documents. " + _POSITIONS_HINT)
+        return
     wrong = (got != expected).any(0).nonzero().flatten()
     if wrong.numel():
         at = int(wrong[0])
-        raise ValueError(
-            f"cp_cache attention: position_ids={describe(position_ids)} are not the positions of the tokens in "
-            f"their {'documents' if documents else 'sequence'}: local token {at} (global position "
-            f"{int(sharding.held[at])}) has position id {got[:, at].tolist()}, expected {int(expected[at])}. "
-            + _POSITIONS_HINT)
-
-
-def _assert_positions(position_ids: Tensor, sharding: _Sharding, documents: Optional[tuple[int, ...]]) -> None:
-    """``_check_positions`` inside a compiled graph: an assertion that fails when the graph runs."""
-    got, expected = _positions_against(position_ids, sharding, documents)
-    torch._assert_async((got == expected).all(), "cp_cache attention: position_ids are not the positions of the "
-                        "tokens in their sequence or documents. " + _POSITIONS_HINT)
+        raise ValueError(f"cp_cache attention: position_ids={describe(position_ids)} are not the positions of the "
+                         f"tokens in their {'documents' if documents else 'sequence'}: local token {at} (global "
+                         f"position {int(sharding.held[at])}) has position id {got[:, at].tolist()}, expected "
+                         f"{int(expected[at])}. " + _POSITIONS_HINT)
 
 
 _CHECKED = _Checked()
-
-
-# ---------------------------------------------------------------- the op call
 
 
 def _band(mask: _Mask, device) -> dict:
@@ -324,8 +301,7 @@ def _document_mask(documents: tuple[int, ...], causal: bool, window: Optional[in
     return masked
 
 
-def _dense_call(query: Tensor, key: Tensor, value: Tensor, mask: _Mask, sharding: _Sharding,
-                options: dict) -> Tensor:
+def _dense_call(query: Tensor, key: Tensor, value: Tensor, mask: _Mask, sharding: _Sharding, options: dict) -> Tensor:
     """BNSD: causal / window as the op's band, documents as an explicit [S, S] mask."""
     if mask.documents is None:
         mask_args = _band(mask, query.device)
@@ -333,31 +309,23 @@ def _dense_call(query: Tensor, key: Tensor, value: Tensor, mask: _Mask, sharding
         mask_args = dict(atten_mask=_document_mask(mask.documents, mask.causal, mask.window, query.device),
                          sparse_mode=int(SparseMode.ALL_MASK))
     q, k, v = (_sharded(t, sharding, 2) for t in (query, key, value))
-    out = _op()(q, k, v, query.size(1), "BNSD", **mask_args, **_given(options))[0]
+    out = _op()(q, k, v, query.size(1), "BNSD", **mask_args, **options)[0]
     return _local(out).transpose(1, 2)
 
 
-def _packed_call(query: Tensor, key: Tensor, value: Tensor, mask: _Mask, sharding: _Sharding,
-                 options: dict) -> Tensor:
-    """Packed documents as TND ``[T, N, D]`` with their cumulative ends (buffers laid out by the
-    region's documents, or contiguous slices): a window as the band inside each document."""
+def _packed_call(query: Tensor, key: Tensor, value: Tensor, mask: _Mask, sharding: _Sharding, options: dict) -> Tensor:
+    """Packed documents as TND ``[T, N, D]`` with their cumulative ends (buffers laid out by the region's
+    documents, or contiguous slices): a window as the band inside each document."""
     ends = torch.tensor(mask.documents[1:], dtype=torch.int64)
     mask_args = _band(_Mask(mask.causal, mask.window, None), query.device)
     q, k, v = (_sharded(t[0].transpose(0, 1).contiguous(), sharding, 0) for t in (query, key, value))
-    out = _op()(q, k, v, query.size(1), L.TND, **mask_args, actual_seq_qlen=ends, actual_seq_kvlen=ends,
-                **_given(options))[0]
+    out = _op()(q, k, v, query.size(1), L.TND, **mask_args, actual_seq_qlen=ends, actual_seq_kvlen=ends, **options)[0]
     return _local(out).unsqueeze(0)  # [1, S, N, Dv]
-
-
-def _given(options: dict) -> dict:
-    return {name: value for name, value in options.items() if value is not None}
 
 
 def _sharded(t: Tensor, sharding: _Sharding, seq_dim: int) -> Tensor:
     if sharding.mesh is None:
         return t
-    from torch.distributed.tensor import DTensor, Shard
-
     if sharding.documents is None:  # even shards
         return DTensor.from_local(t, sharding.mesh, [Shard(seq_dim)], run_check=False)
     shape = list(t.shape)
@@ -368,8 +336,6 @@ def _sharded(t: Tensor, sharding: _Sharding, seq_dim: int) -> Tensor:
 
 
 def _local(t: Tensor) -> Tensor:
-    from torch.distributed.tensor import DTensor
-
     return t.to_local() if isinstance(t, DTensor) else t
 
 

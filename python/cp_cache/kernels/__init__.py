@@ -1,5 +1,6 @@
-"""Step kernels for ring attention, by name: "npu" (the NPU ops, real or emulated), "torch"
-(torch's fused CPU attention), "reference" (plain torch) and whatever ``register`` adds. A kernel is stateless: one shared instance."""
+"""Step kernels for ring attention, by name: "npu" (the NPU ops, real or emulated), "torch" (torch's
+fused CPU attention), "reference" (plain torch) and whatever ``register`` adds. A kernel is
+stateless: one shared instance."""
 
 from __future__ import annotations
 
@@ -21,11 +22,9 @@ KERNELS = MappingProxyType(_KERNELS)  # the registered kernels by name (read-onl
 
 
 def register(kernel: StepKernel, *, replace: bool = False) -> StepKernel:
-    """Make ``kernel`` the step kernel named ``kernel.name`` (``enable(kernel=name)``). It follows
-    ``StepKernel``: ``name``, ``takes_tnd`` (whether one call takes a step's packed segments,
-    ``layout="TND"`` with ``actual_seq_lens``), ``forward`` and ``backward``. Every rank of a CP
-    group must register the same kernels (the agreement compares the name). ``replace``: allow
-    another kernel of that name to be replaced."""
+    """Make ``kernel`` (a ``StepKernel``) the step kernel named ``kernel.name`` (``enable(kernel=name)``);
+    every rank of a CP group must register the same (the agreement compares the name). ``replace``:
+    allow replacing another kernel of that name; TypeError / ValueError otherwise."""
     name = getattr(kernel, "name", None)
     if not isinstance(name, str) or not name:
         raise TypeError(f"register: kernel={kernel!r} needs a non-empty string name")
@@ -45,8 +44,7 @@ def kernel_names() -> tuple[str, ...]:
 
 
 def get_kernel(name: str | None = None) -> StepKernel:
-    """The step kernel called ``name``; by default "npu" when its op exists (real or
-    emulated), else "torch"."""
+    """The step kernel called ``name``; by default "npu" when its op exists (real or emulated), else "torch"."""
     if name is None:
         name = "npu" if npu_available() else "torch"
     found = _KERNELS.get(name)

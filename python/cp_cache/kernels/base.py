@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Optional, Protocol, runtime_checkable
 
-import torch
 from torch import Tensor
 
 from ..masks import StepMask, masked_positions
@@ -28,13 +27,9 @@ def sum_kv_heads(x: Tensor, groups: int) -> Tensor:
 
 @dataclass
 class StepForward:
-    """Result of one block's forward.
-
-    out: in the input layout and the query dtype.
-    lse: float32 [B, Nq, Sq]; -inf for rows that see no key.
-    seed, offset: int64 [1] CPU tensors the kernel used for dropout (None, or
-        tensor([0]), when there is no dropout).
-    """
+    """One block's forward: ``out`` in the input layout and the query dtype; ``lse`` float32 [B, Nq, Sq],
+    -inf for rows that see no key; ``seed``, ``offset``: the int64 [1] CPU tensors of its dropout
+    (None, or tensor([0]), without dropout)."""
 
     out: Tensor
     lse: Tensor
@@ -44,52 +39,26 @@ class StepForward:
 
 @runtime_checkable
 class StepKernel(Protocol):
-    """Computes attention of a query block against one K/V block.
+    """Attention of a query block against one K/V block.
 
-    ``mask`` (``StepMask``) in the op's terms: "none", "causal" (left-up,
-    sparse_mode 2), "band" (sparse_mode 4 with its pre/next_tockens, anchored at the
-    bottom-right corner) or "given" (its ``block``, True = masked out).
-    K/V may have fewer heads than Q (GQA, Nq % Nkv == 0); kernels handle it. ``takes_tnd``:
-    whether one call takes a step's packed segments (``layout="TND"``, ``actual_seq_lens``: the
-    segments' cumulative query and K/V ends, CPU int64; the LSE then ``[T, N]``); a kernel without
-    it is called once per segment.
+    ``mask`` (``StepMask``) in the op's terms: "none", "causal" (left-up, sparse_mode 2), "band"
+    (sparse_mode 4 with its pre/next_tockens, anchored at the bottom-right corner) or "given" (its
+    ``block``, True = masked out). K/V may have fewer heads than Q (GQA, Nq % Nkv == 0). ``takes_tnd``:
+    whether one call takes a step's packed segments (``layout="TND"``, ``actual_seq_lens``: their
+    cumulative query and K/V ends, CPU int64; the LSE then ``[T, N]``); else one call per segment.
     """
 
     name: str
     takes_tnd: bool
 
-    def forward(
-        self,
-        q: Tensor,
-        k: Tensor,
-        v: Tensor,
-        *,
-        layout: str,
-        head_num: int,
-        scale: float,
-        keep_prob: float,
-        mask: StepMask,
-        actual_seq_lens: Optional[tuple[Tensor, Tensor]] = None,
-    ) -> StepForward: ...
+    def forward(self, q: Tensor, k: Tensor, v: Tensor, *, layout: str, head_num: int, scale: float,
+                keep_prob: float, mask: StepMask,
+                actual_seq_lens: Optional[tuple[Tensor, Tensor]] = None) -> StepForward: ...
 
-    def backward(
-        self,
-        q: Tensor,
-        k: Tensor,
-        v: Tensor,
-        dout: Tensor,
-        out: Tensor,
-        lse: Tensor,
-        *,
-        layout: str,
-        head_num: int,
-        scale: float,
-        keep_prob: float,
-        mask: StepMask,
-        seed: Optional[Tensor],
-        offset: Optional[Tensor],
-        actual_seq_lens: Optional[tuple[Tensor, Tensor]] = None,
-    ) -> tuple[Tensor, Tensor, Tensor]:
-        """Gradients of this block given the FINAL merged ``out`` (query dtype) and
-        float32 ``lse`` of these query rows; returns dq, dk, dv (float32 allowed)."""
+    def backward(self, q: Tensor, k: Tensor, v: Tensor, dout: Tensor, out: Tensor, lse: Tensor, *, layout: str,
+                 head_num: int, scale: float, keep_prob: float, mask: StepMask, seed: Optional[Tensor],
+                 offset: Optional[Tensor],
+                 actual_seq_lens: Optional[tuple[Tensor, Tensor]] = None) -> tuple[Tensor, Tensor, Tensor]:
+        """dq, dk, dv (float32 allowed) of this block given the FINAL merged ``out`` (query dtype) and
+        float32 ``lse`` of these query rows."""
         ...

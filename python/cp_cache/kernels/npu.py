@@ -16,7 +16,6 @@ from .base import StepForward
 __all__ = ["NpuKernel", "available"]
 
 
-
 def available() -> bool:
     """Whether ``torch.ops.npu.npu_fusion_attention_v3`` exists (real or emulated)."""
     return op_exists("npu_fusion_attention_v3")
@@ -43,33 +42,24 @@ def _layout_args(layout: str, actual_seq_lens) -> dict:
 
 
 class NpuKernel:
-    """Step kernel over the fused NPU attention ops. Also takes layout TND, one call for all the
-    step's segments (``actual_seq_lens``: their cumulative q and kv ends); the LSE is then [T, N]."""
+    """Step kernel over the fused NPU attention ops; with layout TND one call takes all the step's
+    segments (``actual_seq_lens``: their cumulative q and kv ends) and the LSE is [T, N]."""
 
     name = "npu"
     takes_tnd = True
 
     def forward(self, q, k, v, *, layout, head_num, scale, keep_prob, mask: StepMask,
                 actual_seq_lens=None) -> StepForward:
-        res = torch.ops.npu.npu_fusion_attention_v3(
-            q, k, v, head_num, layout,
-            scale=float(scale), keep_prob=float(keep_prob),
-            **_layout_args(layout, actual_seq_lens), **_mask_args(mask, q.device, layout),
-        )
-        out, smax, ssum = res[0], res[1], res[2]
-        return StepForward(out=out, lse=lse_from_stats(smax, ssum), seed=res[4], offset=res[5])
+        res = torch.ops.npu.npu_fusion_attention_v3(q, k, v, head_num, layout, scale=float(scale),
+                                                    keep_prob=float(keep_prob), **_layout_args(layout, actual_seq_lens),
+                                                    **_mask_args(mask, q.device, layout))
+        return StepForward(out=res[0], lse=lse_from_stats(res[1], res[2]), seed=res[4], offset=res[5])
 
-    def backward(
-        self, q, k, v, dout, out, lse, *, layout, head_num, scale, keep_prob, mask: StepMask,
-        seed: Optional[Tensor], offset: Optional[Tensor], actual_seq_lens=None,
-    ):
-        layout_args = _layout_args(layout, actual_seq_lens)
-        smax, ssum = stats_from_lse(lse)
+    def backward(self, q, k, v, dout, out, lse, *, layout, head_num, scale, keep_prob, mask: StepMask,
+                 seed: Optional[Tensor], offset: Optional[Tensor], actual_seq_lens=None):
+        args = dict(_layout_args(layout, actual_seq_lens), **_mask_args(mask, q.device, layout))
+        smax, ssum = stats_from_lse(lse)  # after the kernel's own helpers: one visit to npu_ops per call
         res = torch.ops.npu.npu_fusion_attention_grad_v3(
-            q, k, v, dout, head_num, layout,
-            softmax_max=smax, softmax_sum=ssum, attention_in=out,
-            scale_value=float(scale), keep_prob=float(keep_prob),
-            seed=seed, offset=offset,
-            **layout_args, **_mask_args(mask, q.device, layout),
-        )
+            q, k, v, dout, head_num, layout, softmax_max=smax, softmax_sum=ssum, attention_in=out,
+            scale_value=float(scale), keep_prob=float(keep_prob), seed=seed, offset=offset, **args)
         return res[0], res[1], res[2]

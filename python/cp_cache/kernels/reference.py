@@ -21,10 +21,8 @@ class ReferenceKernel:
 
     def _prepare(self, q, k, v, layout, head_num, keep_prob):
         if keep_prob != 1.0:
-            raise NotImplementedError(
-                f"the reference step kernel does not implement dropout (keep_prob={keep_prob}); "
-                "use the npu kernel"
-            )
+            raise NotImplementedError(f"the reference step kernel does not implement dropout (keep_prob={keep_prob}); "
+                                      "use the npu kernel")
         qd = L.dims(q, layout, head_num)
         nkv = L.heads_of(k, layout, qd.head_dim)
         if head_num % nkv:
@@ -33,7 +31,7 @@ class ReferenceKernel:
         qb = L.to_bnsd(q, layout, head_num).float()
         kb = repeat_kv_heads(L.to_bnsd(k, layout, nkv).float(), groups)
         vb = repeat_kv_heads(L.to_bnsd(v, layout, nkv).float(), groups)
-        return qb, kb, vb, nkv, groups
+        return qb, kb, vb, groups
 
     @staticmethod
     def _scores(qb: Tensor, kb: Tensor, scale: float, mask: StepMask) -> Tensor:
@@ -49,23 +47,15 @@ class ReferenceKernel:
 
     def forward(self, q, k, v, *, layout, head_num, scale, keep_prob, mask: StepMask,
                 actual_seq_lens=None) -> StepForward:
-        qb, kb, vb, _, _ = self._prepare(q, k, v, layout, head_num, keep_prob)
+        qb, kb, vb, _ = self._prepare(q, k, v, layout, head_num, keep_prob)
         s = self._scores(qb, kb, scale, mask)
         lse = torch.logsumexp(s, dim=-1)
-        p = self._probs(s, lse)
-        out = torch.matmul(p, vb)
-        return StepForward(
-            out=L.from_bnsd(out.to(q.dtype), layout),
-            lse=lse.float(),
-            seed=None,
-            offset=None,
-        )
+        out = torch.matmul(self._probs(s, lse), vb)
+        return StepForward(out=L.from_bnsd(out.to(q.dtype), layout), lse=lse.float(), seed=None, offset=None)
 
-    def backward(
-        self, q, k, v, dout, out, lse, *, layout, head_num, scale, keep_prob, mask: StepMask,
-        seed: Optional[Tensor] = None, offset: Optional[Tensor] = None, actual_seq_lens=None,
-    ):
-        qb, kb, vb, nkv, groups = self._prepare(q, k, v, layout, head_num, keep_prob)
+    def backward(self, q, k, v, dout, out, lse, *, layout, head_num, scale, keep_prob, mask: StepMask,
+                 seed: Optional[Tensor] = None, offset: Optional[Tensor] = None, actual_seq_lens=None):
+        qb, kb, vb, groups = self._prepare(q, k, v, layout, head_num, keep_prob)
         dob = L.to_bnsd(dout, layout, head_num).float()
         ob = L.to_bnsd(out, layout, head_num).float()
         s = self._scores(qb, kb, scale, mask)
@@ -76,10 +66,5 @@ class ReferenceKernel:
         ds = p * (dp - delta)
         dq = torch.matmul(ds, kb) * scale
         dk = torch.matmul(ds.transpose(-1, -2), qb) * scale
-        dk = sum_kv_heads(dk, groups)
-        dv = sum_kv_heads(dv, groups)
-        return (
-            L.from_bnsd(dq, layout),
-            L.from_bnsd(dk, layout),
-            L.from_bnsd(dv, layout),
-        )
+        dk, dv = sum_kv_heads(dk, groups), sum_kv_heads(dv, groups)
+        return L.from_bnsd(dq, layout), L.from_bnsd(dk, layout), L.from_bnsd(dv, layout)

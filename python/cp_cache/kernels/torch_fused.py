@@ -1,85 +1,313 @@
-"""The "torch" step kernel: torch's own fused CPU attention (``aten._scaled_dot_product_flash_attention_for_cpu``
-and its backward), which gives the output and the logsumexp and never builds the S x S scores.
+"""The "torch" step kernel: torch's own fused attention, the default where the NPU op does not exist.
 
-Causal blocks (square) are the kernel's ``is_causal``; a band or a given mask is the block's
-additive ``attn_mask`` (-inf where masked out: the kernel takes a mask of the query's dtype,
-where the op's bool mask is True for masked out). GQA: K/V heads repeated for the call, their
-gradients summed back. Rows that see no key get LSE -inf (the kernel gives 0). A V head size
-other than Q/K's (MLA), which the kernel does not take, runs the reference kernel's math; dropout
-is refused (the kernel has no seed to replay). CPU tensors only so far: the CUDA kernels
-(``_flash_attention_forward`` and friends) are not wired yet.
+CPU: ``aten._scaled_dot_product_flash_attention_for_cpu`` and its backward (output and logsumexp, GQA
+natively, causal left-up). A band runs in row tiles, each against the key span its rows' band holds
+with a small additive mask (never the block's S x S); a given mask is the block's additive mask.
+CUDA: ``aten._flash_attention_forward`` / ``_backward`` for half precision (causal, the band as
+``window_size_left/right``, a step's packed segments as ``cum_seq_q/k``, dropout replayed from the
+``rng_state`` it returns); ``aten._scaled_dot_product_efficient_attention`` otherwise (float32, MLA,
+given masks, a band beside the diagonal), with the mask as an additive bias. Rows that see no key get
+LSE -inf. Refused: dropout on CPU (the kernel has no seed to replay); on CPU a V head size other than
+Q/K's runs the reference kernel's math.
 """
 
 from __future__ import annotations
 
+import math
 from typing import Optional
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
 from .. import layout as L
-from .base import StepForward, StepMask, masked_positions, repeat_kv_heads, sum_kv_heads
+from ..masks import StepMask, masked_positions
+from ..npu_ops import INT_MAX
+from .base import StepForward
 from .reference import ReferenceKernel
 
 __all__ = ["TorchKernel"]
 
 _REFERENCE = ReferenceKernel()
+_INF = float("inf")
+_FLASH_DTYPES = (torch.float16, torch.bfloat16)
+_TILE = 256  # query rows per band tile at least (and the band's width, when wider)
 
 
 class TorchKernel:
-    """Step kernel over torch's fused CPU attention (see the module's docstring)."""
+    """Step kernel over torch's fused attention (see the module's docstring)."""
 
     name = "torch"
-    takes_tnd = False
-
-    def _operands(self, q, k, v, layout: str, head_num: int, keep_prob: float, mask: StepMask):
-        if keep_prob != 1.0:
-            raise NotImplementedError(f"the torch step kernel does not implement dropout (keep_prob={keep_prob}): "
-                                      "torch's fused CPU attention has no seed to replay in the backward; use "
-                                      "keep_prob=1.0, or the npu kernel")
-        if q.device.type != "cpu":
-            raise NotImplementedError(f"the torch step kernel runs on CPU tensors so far, got {q.device}; use the "
-                                      "npu or reference kernel there")
-        qd = L.dims(q, layout, head_num)
-        nkv = L.heads_of(k, layout, qd.head_dim)
-        groups = head_num // nkv
-        qb = L.to_bnsd(q, layout, head_num)
-        kb, vb = (repeat_kv_heads(L.to_bnsd(t, layout, nkv), groups) for t in (k, v))
-        sq, sk = qb.size(2), kb.size(2)
-        causal = mask.kind == "causal" and sq == sk
-        masked = None if causal else masked_positions(mask, sq, sk, q.device)
-        bias = None if masked is None else torch.zeros(masked.shape, dtype=qb.dtype, device=q.device).masked_fill(
-            masked, float("-inf"))
-        return qb, kb, vb, groups, causal, masked, bias
+    takes_tnd = True
 
     def forward(self, q, k, v, *, layout, head_num, scale, keep_prob, mask: StepMask,
                 actual_seq_lens=None) -> StepForward:
-        if _mla(q, k, v, layout, head_num):  # V at its own head size
+        if layout == L.TND:
+            if q.is_cuda and _flash_takes(q, v, mask):
+                return _flash_varlen_forward(q, k, v, actual_seq_lens, scale, keep_prob, mask)
+            return segments_forward(self, q, k, v, actual_seq_lens, mask, head_num=head_num, scale=scale,
+                                    keep_prob=keep_prob)
+        _check_dropout(q, keep_prob)
+        if not q.is_cuda and _mla(q, k, v, layout, head_num):
             return _REFERENCE.forward(q, k, v, layout=layout, head_num=head_num, scale=scale, keep_prob=keep_prob,
                                       mask=mask)
-        qb, kb, vb, _, causal, masked, bias = self._operands(q, k, v, layout, head_num, keep_prob, mask)
-        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-            qb, kb, vb, 0.0, causal, attn_mask=bias, scale=float(scale))
-        if masked is not None:
-            lse = lse.masked_fill(masked.all(-1), float("-inf"))
-        return StepForward(out=L.from_bnsd(out, layout), lse=lse.float(), seed=None, offset=None)
+        qb, kb, vb = _bnsd(q, k, v, layout, head_num)
+        if not q.is_cuda:
+            out, lse = _cpu_forward(qb, kb, vb, mask, scale)
+            return StepForward(out=L.from_bnsd(out, layout), lse=lse, seed=None, offset=None)
+        if _flash_takes(q, v, mask):
+            out, lse, rng = _flash_forward(qb.transpose(1, 2), kb.transpose(1, 2), vb.transpose(1, 2), None, None,
+                                           scale, keep_prob, mask)
+            return StepForward(out=L.from_bnsd(out.transpose(1, 2), layout), lse=lse, seed=rng[0], offset=rng[1])
+        out, lse, seed, offset = _efficient_forward(qb, kb, vb, mask, scale, keep_prob)
+        return StepForward(out=L.from_bnsd(out, layout), lse=lse, seed=seed, offset=offset)
 
     def backward(self, q, k, v, dout, out, lse, *, layout, head_num, scale, keep_prob, mask: StepMask,
                  seed: Optional[Tensor] = None, offset: Optional[Tensor] = None, actual_seq_lens=None):
-        if _mla(q, k, v, layout, head_num):
+        if layout == L.TND:
+            if q.is_cuda and _flash_takes(q, v, mask):
+                return _flash_varlen_backward(q, k, v, dout, out, lse, actual_seq_lens, scale, keep_prob, mask,
+                                              seed, offset)
+            return segments_backward(self, q, k, v, dout, out, lse, actual_seq_lens, mask, head_num=head_num,
+                                     scale=scale, keep_prob=keep_prob)
+        _check_dropout(q, keep_prob)
+        if not q.is_cuda and _mla(q, k, v, layout, head_num):
             return _REFERENCE.backward(q, k, v, dout, out, lse, layout=layout, head_num=head_num, scale=scale,
                                        keep_prob=keep_prob, mask=mask)
-        qb, kb, vb, groups, causal, _, bias = self._operands(q, k, v, layout, head_num, keep_prob, mask)
-        dob, ob = (L.to_bnsd(t, layout, head_num).to(qb.dtype) for t in (dout, out))
-        # rows that saw no key anywhere: their probabilities are 0 whatever finite LSE they get
-        lse = torch.where(torch.isneginf(lse), torch.zeros_like(lse), lse).float()
-        dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
-            dob, qb, kb, vb, ob, lse, 0.0, causal, attn_mask=bias, scale=float(scale))
-        dk, dv = sum_kv_heads(dk, groups), sum_kv_heads(dv, groups)
-        return L.from_bnsd(dq, layout), L.from_bnsd(dk, layout), L.from_bnsd(dv, layout)
+        qb, kb, vb = _bnsd(q, k, v, layout, head_num)
+        dob, ob = (L.to_bnsd(t, layout, head_num) for t in (dout, out))
+        if not q.is_cuda:
+            grads = _cpu_backward(qb, kb, vb, dob.to(qb.dtype), ob.to(qb.dtype), lse.float(), mask, scale)
+        elif _flash_takes(q, v, mask):
+            grads = _flash_backward(*(t.transpose(1, 2) for t in (qb, kb, vb, dob, ob)), lse, None, None, scale,
+                                    keep_prob, mask, (seed, offset))
+            grads = tuple(g.transpose(1, 2) for g in grads)
+        else:
+            grads = _efficient_backward(qb, kb, vb, dob, ob, lse, mask, scale, keep_prob, seed, offset)
+        return tuple(L.from_bnsd(g, layout) for g in grads)
+
+
+def _segment_lengths(actual_seq_lens) -> tuple[list[int], list[int]]:
+    return tuple(torch.diff(t, prepend=t.new_zeros(1)).tolist() for t in actual_seq_lens)
+
+
+def segments_forward(kernel, q, k, v, actual_seq_lens, mask: StepMask, **kw) -> StepForward:
+    """A step's packed segments ([T, N, D], cumulative ends ``actual_seq_lens``) one kernel call each, a
+    batch of one in BSND: out [T, N, Dv], LSE [T, N]."""
+    q_lens, kv_lens = _segment_lengths(actual_seq_lens)
+    outs, lses = [], []
+    for qs, ks, vs in zip(q.split(q_lens), k.split(kv_lens), v.split(kv_lens)):
+        res = kernel.forward(qs.unsqueeze(0), ks.unsqueeze(0), vs.unsqueeze(0), mask=mask, layout="BSND", **kw)
+        outs.append(res.out.squeeze(0))
+        lses.append(res.lse.squeeze(0).transpose(0, 1))
+    return StepForward(out=torch.cat(outs), lse=torch.cat(lses), seed=None, offset=None)
+
+
+def segments_backward(kernel, q, k, v, dout, out, lse, actual_seq_lens, mask: StepMask, **kw):
+    """``segments_forward``'s gradients, segment by segment."""
+    q_lens, kv_lens = _segment_lengths(actual_seq_lens)
+    grads = ([], [], [])
+    for qs, ks, vs, ds, os_, ls in zip(q.split(q_lens), k.split(kv_lens), v.split(kv_lens), dout.split(q_lens),
+                                       out.split(q_lens), lse.split(q_lens)):
+        res = kernel.backward(qs.unsqueeze(0), ks.unsqueeze(0), vs.unsqueeze(0), ds.unsqueeze(0), os_.unsqueeze(0),
+                              ls.transpose(0, 1).unsqueeze(0), mask=mask, layout="BSND", seed=None, offset=None, **kw)
+        for acc, g in zip(grads, res):
+            acc.append(g.squeeze(0))
+    return tuple(torch.cat(g) for g in grads)
+
+
+def _check_dropout(q: Tensor, keep_prob: float) -> None:
+    if keep_prob != 1.0 and not q.is_cuda:
+        raise NotImplementedError(f"the torch step kernel does not implement dropout (keep_prob={keep_prob}) on "
+                                  "CPU: torch's fused CPU attention has no seed to replay in the backward; use "
+                                  "keep_prob=1.0, or the npu kernel")
 
 
 def _mla(q: Tensor, k: Tensor, v: Tensor, layout: str, head_num: int) -> bool:
-    """Whether V's head size differs from Q/K's (which torch's fused kernel does not take)."""
+    """Whether V's head size differs from Q/K's."""
     head_dim = L.dims(q, layout, head_num).head_dim
     return L.value_head_dim(v, layout, L.heads_of(k, layout, head_dim)) != head_dim
+
+
+def _bnsd(q: Tensor, k: Tensor, v: Tensor, layout: str, head_num: int) -> tuple[Tensor, Tensor, Tensor]:
+    nkv = L.heads_of(k, layout, L.dims(q, layout, head_num).head_dim)
+    return L.to_bnsd(q, layout, head_num), L.to_bnsd(k, layout, nkv), L.to_bnsd(v, layout, nkv)
+
+
+def _bias(masked: Tensor, dtype) -> Tensor:
+    """An additive mask: -inf where ``masked`` (True = masked out), else 0."""
+    return torch.zeros(masked.shape, dtype=dtype, device=masked.device).masked_fill(masked, -_INF)
+
+
+# ---------------------------------------------------------------- CPU
+
+
+def _band_tiles(mask: StepMask, sq: int, sk: int) -> list:
+    """(rows start, rows end, keys start, keys end, bool mask or None) per tile of the rows that see some
+    key under a band anchored at the bottom-right corner: a row sees keys low..high, both growing with
+    the row, so a tile's keys are one span."""
+    i, d = torch.arange(sq), sk - sq
+    low = (i - mask.pre_tockens + d).clamp(min=0) if mask.pre_tockens < INT_MAX else torch.zeros_like(i)
+    high = (i + mask.next_tockens + d).clamp(max=sk - 1) if mask.next_tockens < INT_MAX else torch.full_like(i, sk - 1)
+    live = (low <= high).nonzero().flatten()
+    if live.numel() == 0:
+        return []
+    first, last = int(live[0]), int(live[-1])
+    tile = max(_TILE, min(int((high - low)[first:last + 1].max()) + 1, 4 * _TILE))
+    tiles = []
+    for a in range(first, last + 1, tile):
+        b = min(a + tile, last + 1)
+        k0, k1 = int(low[a]), int(high[b - 1]) + 1
+        cols = torch.arange(k0, k1).view(1, -1)
+        masked = (cols < low[a:b].view(-1, 1)) | (cols > high[a:b].view(-1, 1))
+        tiles.append((a, b, k0, k1, masked if bool(masked.any()) else None))
+    return tiles
+
+
+def _cpu_call(q, k, v, is_causal: bool, masked: Optional[Tensor], scale: float) -> tuple[Tensor, Tensor]:
+    bias = None if masked is None else _bias(masked, q.dtype)
+    out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, is_causal, attn_mask=bias,
+                                                                          scale=float(scale))
+    if masked is not None:  # rows that see no key: the kernel gives LSE 0
+        lse = lse.masked_fill(masked.all(-1).expand_as(lse), -_INF)
+    return out, lse.float()
+
+
+def _cpu_forward(q: Tensor, k: Tensor, v: Tensor, mask: StepMask, scale: float) -> tuple[Tensor, Tensor]:
+    sq, sk = q.size(2), k.size(2)
+    if mask.kind != "band":
+        masked = masked_positions(mask, sq, sk, q.device) if mask.kind == "given" else None
+        return _cpu_call(q, k, v, mask.kind == "causal", masked, scale)
+    out = q.new_zeros(*q.shape[:3], v.size(-1))
+    lse = torch.full(q.shape[:3], -_INF, dtype=torch.float32, device=q.device)
+    for a, b, k0, k1, masked in _band_tiles(mask, sq, sk):
+        out[:, :, a:b], lse[:, :, a:b] = _cpu_call(q[:, :, a:b], k[:, :, k0:k1], v[:, :, k0:k1], False, masked,
+                                                   scale)
+    return out, lse
+
+
+def _cpu_grad(dout, q, k, v, out, lse, is_causal: bool, masked: Optional[Tensor], scale: float):
+    bias = None if masked is None else _bias(masked, q.dtype)
+    # rows that saw no key: their probabilities are 0 whatever finite LSE they get
+    lse = torch.where(torch.isneginf(lse), torch.zeros_like(lse), lse)
+    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+        dout, q, k, v, out, lse, 0.0, is_causal, attn_mask=bias, scale=float(scale))
+
+
+def _cpu_backward(q, k, v, dout, out, lse, mask: StepMask, scale: float) -> tuple[Tensor, Tensor, Tensor]:
+    sq, sk = q.size(2), k.size(2)
+    if mask.kind != "band":
+        masked = masked_positions(mask, sq, sk, q.device) if mask.kind == "given" else None
+        return _cpu_grad(dout, q, k, v, out, lse, mask.kind == "causal", masked, scale)
+    dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+    dk, dv = (torch.zeros(t.shape, dtype=torch.float32, device=t.device) for t in (k, v))
+    for a, b, k0, k1, masked in _band_tiles(mask, sq, sk):
+        grads = _cpu_grad(dout[:, :, a:b], q[:, :, a:b], k[:, :, k0:k1], v[:, :, k0:k1], out[:, :, a:b],
+                          lse[:, :, a:b], False, masked, scale)
+        dq[:, :, a:b] += grads[0]
+        dk[:, :, k0:k1] += grads[1]
+        dv[:, :, k0:k1] += grads[2]
+    return dq, dk, dv
+
+
+# ---------------------------------------------------------------- CUDA
+
+
+def _window(mask: StepMask) -> tuple[Optional[int], Optional[int]]:
+    """The flash kernel's window (left, right) of a band; (None, None) for no band."""
+    if mask.kind != "band":
+        return None, None
+    return (-1 if mask.pre_tockens >= INT_MAX else mask.pre_tockens,
+            -1 if mask.next_tockens >= INT_MAX else mask.next_tockens)
+
+
+def _flash_takes(q: Tensor, v: Tensor, mask: StepMask) -> bool:
+    """Whether the flash kernel serves this call: half precision, V's head size Q/K's, a head size
+    it takes, and a mask it expresses (none, causal, a band that holds its diagonal)."""
+    left, right = _window(mask)
+    return (q.dtype in _FLASH_DTYPES and q.size(-1) == v.size(-1) and q.size(-1) % 8 == 0 and q.size(-1) <= 256
+            and mask.kind != "given" and (left is None or (left >= -1 and right >= -1)))
+
+
+def _flash_forward(q, k, v, cum, max_len, scale, keep_prob, mask: StepMask):
+    """``q``/``k``/``v`` [B, S, N, D] (or [T, N, D] with ``cum`` segment ends): (out, LSE, (rng, unused))."""
+    left, right = _window(mask)
+    cum_q, cum_k = cum if cum is not None else (None, None)
+    max_q, max_k = max_len if max_len is not None else (q.size(1), k.size(1))
+    out, lse, rng, unused, _ = torch.ops.aten._flash_attention_forward(
+        q, k, v, cum_q, cum_k, max_q, max_k, 1.0 - keep_prob, mask.kind == "causal", False, scale=float(scale),
+        window_size_left=left, window_size_right=right)
+    lse = lse.float().masked_fill(torch.isposinf(lse), -_INF)  # rows that see no key: +inf from the kernel
+    return out, lse, (rng, unused) if keep_prob < 1.0 else (None, None)
+
+
+def _flash_backward(q, k, v, dout, out, lse, cum, max_len, scale, keep_prob, mask: StepMask, rng):
+    left, right = _window(mask)
+    cum_q, cum_k = cum if cum is not None else (None, None)
+    max_q, max_k = max_len if max_len is not None else (q.size(1), k.size(1))
+    empty = torch.empty(0, dtype=torch.int64, device=q.device)
+    lse = lse.float().masked_fill(torch.isneginf(lse), _INF).contiguous()  # the kernel's "no key": +inf
+    return torch.ops.aten._flash_attention_backward(
+        dout.contiguous(), q, k, v, out.contiguous(), lse, cum_q, cum_k, max_q, max_k, 1.0 - keep_prob,
+        mask.kind == "causal", empty if rng[0] is None else rng[0], empty if rng[1] is None else rng[1],
+        scale=float(scale), window_size_left=left, window_size_right=right)
+
+
+def _varlen(actual_seq_lens, device) -> tuple[tuple[Tensor, Tensor], tuple[int, int]]:
+    """The segments' cumulative ends as the flash kernel takes them (int32, leading 0, on the device)."""
+    ends = [torch.cat([t.new_zeros(1), t]).to(device=device, dtype=torch.int32) for t in actual_seq_lens]
+    longest = [int((t[1:] - t[:-1]).max()) if t.numel() > 1 else 0 for t in (x.cpu() for x in ends)]
+    return (ends[0], ends[1]), (longest[0], longest[1])
+
+
+def _flash_varlen_forward(q, k, v, actual_seq_lens, scale, keep_prob, mask: StepMask) -> StepForward:
+    cum, max_len = _varlen(actual_seq_lens, q.device)
+    out, lse, rng = _flash_forward(q, k, v, cum, max_len, scale, keep_prob, mask)
+    return StepForward(out=out, lse=lse.transpose(0, 1), seed=rng[0], offset=rng[1])  # LSE [N, T] -> [T, N]
+
+
+def _flash_varlen_backward(q, k, v, dout, out, lse, actual_seq_lens, scale, keep_prob, mask, seed, offset):
+    cum, max_len = _varlen(actual_seq_lens, q.device)
+    return _flash_backward(q, k, v, dout, out, lse.transpose(0, 1), cum, max_len, scale, keep_prob, mask,
+                           (seed, offset))
+
+
+def _efficient_bias(mask: StepMask, q: Tensor, k: Tensor) -> Optional[Tensor]:
+    """The block's additive mask for the memory-efficient kernel: its rows padded to a multiple of 16
+    (the kernel's alignment), then narrowed back."""
+    if mask.kind in ("none", "causal"):
+        return None
+    masked = masked_positions(mask, q.size(2), k.size(2), q.device)
+    sk = masked.size(-1)
+    bias = q.new_zeros(*masked.shape[:-1], math.ceil(sk / 16) * 16)[..., :sk]
+    return bias.masked_fill_(masked, -_INF)
+
+
+def _efficient_forward(q, k, v, mask: StepMask, scale, keep_prob):
+    groups = q.size(1) // k.size(1)
+    k, v = (t.repeat_interleave(groups, 1) if groups > 1 else t for t in (k, v))
+    bias = _efficient_bias(mask, q, k)
+    out, lse, seed, offset = torch.ops.aten._scaled_dot_product_efficient_attention(
+        q, k, v, bias, True, 1.0 - keep_prob, mask.kind == "causal", scale=float(scale))
+    lse = lse[..., :q.size(2)].float()
+    if bias is not None:  # rows that see no key
+        dead = torch.isinf(lse) | torch.isnan(lse)
+        lse, out = lse.masked_fill(dead, -_INF), out.masked_fill(dead.unsqueeze(-1), 0.0)
+    return out, lse, (seed if keep_prob < 1.0 else None), (offset if keep_prob < 1.0 else None)
+
+
+def _efficient_backward(q, k, v, dout, out, lse, mask: StepMask, scale, keep_prob, seed, offset):
+    nkv = k.size(1)
+    groups = q.size(1) // nkv
+    k, v = (t.repeat_interleave(groups, 1) if groups > 1 else t for t in (k, v))
+    bias = _efficient_bias(mask, q, k)
+    padded = math.ceil(q.size(2) / 32) * 32  # the kernel's LSE rows
+    lse = F.pad(lse.float().masked_fill(torch.isneginf(lse), _INF), (0, padded - q.size(2)))
+    empty = torch.empty(0, dtype=torch.int64, device=q.device)
+    dq, dk, dv, _ = torch.ops.aten._scaled_dot_product_efficient_attention_backward(
+        dout.to(q.dtype), q, k, v, bias, out.to(q.dtype), lse, empty if seed is None else seed,
+        empty if offset is None else offset, 1.0 - keep_prob, [True, True, True, False], mask.kind == "causal",
+        scale=float(scale))
+    if groups > 1:
+        dk, dv = (g.view(g.size(0), nkv, groups, *g.shape[2:]).sum(2) for g in (dk, dv))
+    return dq, dk, dv
