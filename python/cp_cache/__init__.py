@@ -13,6 +13,7 @@ from . import native
 
 _C = native.load()  # refuses an extension built against another torch, naming both versions
 from ._C import StepCache, StepCacheStore
+from . import op  # noqa: F401  (defines torch.ops.cp_cache.fusion_attention)
 from .config import CPConfig
 from .dispatch import active_config, active_mesh, call_stats, context_parallel, disable, enable, enabled
 from .packing import document_layout, pad_documents, shard_documents, unshard_documents

@@ -21,10 +21,11 @@ from typing import Iterator
 import torch
 from torch.distributed.tensor import DTensor
 
-from . import _C
+from . import _C, sdpa
 from .config import CPConfig, resolve_config
 from .handlers import AttentionHandlers
 from .handlers.attention import CALL_LOG
+from .kernels.npu import available as npu_available
 
 __all__ = ["enable", "disable", "enabled", "active_config", "active_mesh", "call_stats", "context_parallel",
            "in_cp_region"]
@@ -175,9 +176,8 @@ def enable(policy: str | None = None, *, kernel: str | None = None, fused_merge:
                             documents=documents, keep_kv=keep_kv, grad_partials=grad_partials,
                             document_capacity=document_capacity)
     handlers = AttentionHandlers(config, CALL_LOG)
-    if not handlers.table():
-        raise RuntimeError("cp_cache.enable(): torch.ops.npu.npu_fusion_attention_v3 does not exist; import "
-                           "torch_npu on an Ascend machine, or call cp_cache.emulator.install_npu_emulator() on CPU")
+    if not npu_available():  # SDPA to cp_cache's own op, on torch's fused kernels (torch_npu routes it on an NPU)
+        sdpa.install()
     previous = _registered
     if previous is not None and config.policy != previous.handlers.config.policy:
         depth = _C.default_store().depth
@@ -209,6 +209,7 @@ def disable() -> None:
     if _registered is not None:
         registration, _registered = _registered, None
         _unregister(registration)
+    sdpa.uninstall()
     dropped = _C.default_store().clear()
     stats = _C.default_store().stats()
     if dropped:

@@ -19,7 +19,7 @@ __all__ = ["bind_arguments", "describe", "INT_MAX", "MASK_SIZE", "STATS_WIDTH", 
            "SparseMode", "CAUSAL_MODES", "COMPRESSED_MASK_MODES", "FORWARD_V3", "GRAD_V3", "FORWARD_V1",
            "GRAD_V1", "RING_UPDATE", "SCHEMAS", "causal_mask", "is_compressed_mask", "stats_from_lse",
            "stats_views_from_lse", "lse_from_stats", "op_exists", "check_one_dtype", "autocast_off",
-           "autocast_inputs"]
+           "autocast_inputs", "define_attention_ops"]
 
 log = logging.getLogger("cp_cache")
 
@@ -250,3 +250,106 @@ def autocast_inputs(*tensors: Tensor) -> tuple[Tensor, ...]:
         return tensors
     dtype = torch.get_autocast_dtype(device_type)
     return tuple(t.to(dtype) if t.is_floating_point() and t.dtype != torch.float64 else t for t in tensors)
+
+
+# ---------------------------------------------------------------- defining an op pair (op-plugin's derivative)
+
+# forward arguments the grad op takes as tensors (saved) and as values (kept on ctx)
+_SAVED_INPUTS = ("query", "key", "value", "pse", "padding_mask", "atten_mask", "actual_seq_qlen",
+                 "actual_seq_kvlen", "sink")
+_PASSED_ON = ("head_num", "input_layout", "keep_prob", "pre_tockens", "next_tockens", "inner_precise",
+              "prefix", "sparse_mode", "gen_mask_parallel", "sync", "softmax_layout")
+
+
+def _derivative(forward, grad_op, v3: bool):
+    """(setup_context, backward) of derivatives.yaml's formula: the grad op gets the forward's inputs
+    and saved outputs (result0 as attention_in, result1/2 as softmax_max/sum, result3 as softmax_in,
+    result4/5 as seed/offset; v1 passes them and the lengths as ints and lists, on ctx)."""
+    names = [arg.name for arg in forward._schema.arguments]
+
+    def setup_context(ctx, inputs, output):
+        a = dict(zip(names, inputs))
+        ctx.args = {name: a[name] for name in _PASSED_ON}
+        ctx.args["scale_value"] = a["scale"]
+        saved_outputs = list(output[:4])
+        if v3:
+            ctx.mark_non_differentiable(output[4], output[5])
+            saved_outputs += [output[4], output[5]]
+            ctx.rng = {}
+        else:
+            ctx.rng = dict(seed=output[4], offset=output[5], numels=output[6],
+                           actual_seq_qlen=a["actual_seq_qlen"], actual_seq_kvlen=a["actual_seq_kvlen"])
+        inputs_saved = [a[name] for name in _SAVED_INPUTS]
+        if not v3:
+            inputs_saved[6] = inputs_saved[7] = None  # lists travel on ctx.rng
+        ctx.save_for_backward(*inputs_saved, *saved_outputs)
+
+    def backward(ctx, grad_out, *unused_grads):
+        saved = ctx.saved_tensors
+        inputs = dict(zip(_SAVED_INPUTS, saved[:len(_SAVED_INPUTS)]))
+        results = saved[len(_SAVED_INPUTS):]
+        kwargs = dict(ctx.args, **ctx.rng)
+        if v3:
+            kwargs.update(seed=results[4], offset=results[5], actual_seq_qlen=inputs["actual_seq_qlen"],
+                          actual_seq_kvlen=inputs["actual_seq_kvlen"])
+        head_num, layout = kwargs.pop("head_num"), kwargs.pop("input_layout")
+        dq, dk, dv, dpse, dsink = grad_op(
+            inputs["query"], inputs["key"], inputs["value"], grad_out, head_num, layout, pse=inputs["pse"],
+            padding_mask=inputs["padding_mask"], atten_mask=inputs["atten_mask"], softmax_max=results[1],
+            softmax_sum=results[2], softmax_in=results[3], attention_in=results[0], sink=inputs["sink"], **kwargs)
+        grads = dict.fromkeys(names)
+        grads.update(query=dq, key=dk, value=dv, pse=None if inputs["pse"] is None else dpse,
+                     sink=None if inputs["sink"] is None else dsink)
+        return tuple([grads[name] for name in names])
+
+    return setup_context, backward
+
+
+def _autograd_kernel(op, setup_context, backward):
+    """The op's Autograd kernel: ``backward`` around the op run below autograd, ``setup_context`` given
+    every argument (defaults read once here: ``torch.library.register_autograd`` reads the schema per
+    call, about 0.1 ms per call of these 21-argument ops, host time torch_npu's C++ does not spend)."""
+    defaults = tuple(a.default_value if a.has_default_value() else None for a in op._schema.arguments)
+    below_autograd = torch._C._after_autograd_keyset
+
+    def below(keyset, args: tuple):
+        with torch._C._AutoDispatchBelowAutograd():
+            return op.redispatch(keyset & below_autograd, *args)
+
+    class Derivative(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, keyset, *args):
+            output = below(keyset, args)
+            ctx.passed = len(args)
+            setup_context(ctx, args + defaults[len(args):], output)
+            return output
+
+        @staticmethod
+        def backward(ctx, *grads):
+            return (None, *backward(ctx, *grads)[:ctx.passed])
+
+    def kernel(keyset, *args, **kwargs):
+        if kwargs:  # the schemas have no keyword-only arguments: the dispatcher passes none
+            raise RuntimeError(f"{op}: unexpected keyword-only arguments {sorted(kwargs)}")
+        if torch.is_grad_enabled() and torch._C._any_requires_grad(*args):
+            return Derivative.apply(keyset, *args)
+        return below(keyset, args)
+
+    return kernel
+
+
+def define_attention_ops(lib, forward: str, grad: str, kernels: tuple, fakes: tuple, dispatch_key: str) -> None:
+    """Define the op pair of the schemas ``forward`` / ``grad`` (a v3 or v1 pair, under any name) in the
+    library fragment ``lib``: their ``kernels`` and ``fakes`` (forward, grad) and the derivative."""
+    namespace = lib.ns
+    fname, gname = (schema.split("(", 1)[0] for schema in (forward, grad))
+    lib.define(forward)
+    lib.define(grad)
+    for name, kernel, fake in ((fname, kernels[0], fakes[0]), (gname, kernels[1], fakes[1])):
+        lib.impl(name, kernel, dispatch_key)
+        torch.library.register_fake(f"{namespace}::{name}", fake, lib=lib)
+    ops = getattr(torch.ops, namespace)
+    v3 = len(getattr(ops, fname).default._schema.returns) == 6  # seed and offset as tensors
+    setup_context, backward = _derivative(getattr(ops, fname).default, getattr(ops, gname), v3)
+    lib.impl(fname, _autograd_kernel(getattr(ops, fname).default, setup_context, backward), "Autograd",
+             with_keyset=True)

@@ -84,6 +84,28 @@ def test_torch_kernel_matches_float64(mask_kind, layout, dtype, heads):
     assert rel_err(fwd.lse[live].double(), truth["lse"][live]) <= lse_bound
 
 
+@pytest.mark.parametrize("band", [(150, 3), (-2, 40), (700, 0)], ids=["window", "beside", "wide"])
+def test_torch_kernel_band_in_tiles_matches_float64(band):
+    """A band over many tiles (each its rows' key span), rectangular blocks and rows that see no key."""
+    pre, nxt = band
+    sq, sk = 600, 700
+    g = torch.Generator().manual_seed(2)
+    q, dout = (torch.randn(1, 2, sq, D, generator=g, dtype=torch.float64) for _ in range(2))
+    k, v = (torch.randn(1, 2, sk, D, generator=g, dtype=torch.float64) for _ in range(2))
+    i, j, d = torch.arange(sq).view(-1, 1), torch.arange(sk).view(1, -1), sk - sq
+    masked = (j - i > nxt + d) | (i - j > pre - d)
+    truth, low = _dense(q, k, v, dout, masked, 0.3, torch.float64), _dense(q, k, v, dout, masked, 0.3, torch.float32)
+    kernel, mask = get_kernel("torch"), StepMask("band", pre, nxt)
+    fwd = kernel.forward(q.float(), k.float(), v.float(), layout="BNSD", head_num=2, scale=0.3, keep_prob=1.0,
+                         mask=mask)
+    grads = kernel.backward(q.float(), k.float(), v.float(), dout.float(), fwd.out, fwd.lse, layout="BNSD",
+                            head_num=2, scale=0.3, keep_prob=1.0, mask=mask, seed=None, offset=None)
+    assert torch.equal(torch.isneginf(fwd.lse), torch.isneginf(truth["lse"]))
+    for name, value in zip(("out", "dq", "dk", "dv"), (fwd.out, *grads)):
+        bound = error_bound(rel_err(low[name].double(), truth[name]))
+        assert rel_err(value.double(), truth[name]) <= bound, (name, band)
+
+
 def test_torch_kernel_refuses_dropout_naming_itself():
     q = torch.randn(1, 2, 4, 8)
     kind, message = capture(lambda: get_kernel("torch").forward(q, q, q, layout="BNSD", head_num=2, scale=0.3,

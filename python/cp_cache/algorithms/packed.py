@@ -4,6 +4,7 @@ as the segments of one packed kernel call on the rows it needs (per segment for 
 
 from __future__ import annotations
 
+import functools
 import logging
 from typing import Optional, Sequence
 
@@ -15,7 +16,7 @@ from ..documents import check_documents, check_local_length, cumulative_lengths,
 from ..engine.loop import (BackwardResult, ForwardResult, RingStep, backward_ring, check_backward_operands,
                            check_keep_prob, check_step, check_steps, empty_outputs, forward_ring)
 from ..engine.merge import merge_into
-from ..kernels import StepForward, StepKernel
+from ..kernels import StepForward, StepKernel, segments_backward, segments_forward
 from ..masks import StepMask, VarlenCall, VarlenStep, document_step
 from ..plan import CallPlan
 
@@ -71,35 +72,20 @@ class _StepOperands:
         segs = call.segments
         self.q_index = _rows_index([(s.q_start, s.q_len) for s in segs], q_rows, device)
         self.kv_index = _rows_index([(s.kv_start, s.kv_len) for s in segs], kv_rows, device)
-        self.q_lens = [s.q_len for s in segs]
-        self.kv_lens = [s.kv_len for s in segs]
-        self.actual_seq_lens = tuple(torch.tensor(n, dtype=torch.int64).cumsum(0) for n in (self.q_lens, self.kv_lens))
+        self.actual_seq_lens = tuple(torch.tensor(n, dtype=torch.int64).cumsum(0)
+                                     for n in ([s.q_len for s in segs], [s.kv_len for s in segs]))
 
 
 def _segments_forward(kernel: StepKernel, q, k, v, ops: _StepOperands, mask: StepMask, kw) -> StepForward:
-    if kernel.takes_tnd:
-        return kernel.forward(q, k, v, mask=mask, layout=L.TND, actual_seq_lens=ops.actual_seq_lens, **kw)
-    outs, lses = [], []  # one call per segment, each a batch of one in BSND
-    for qs, ks, vs in zip(q.split(ops.q_lens), k.split(ops.kv_lens), v.split(ops.kv_lens)):
-        res = kernel.forward(qs.unsqueeze(0), ks.unsqueeze(0), vs.unsqueeze(0), mask=mask, layout="BSND", **kw)
-        outs.append(res.out.squeeze(0))
-        lses.append(res.lse.squeeze(0).transpose(0, 1))
-    return StepForward(out=torch.cat(outs), lse=torch.cat(lses), seed=None, offset=None)
+    call = kernel.forward if kernel.takes_tnd else functools.partial(segments_forward, kernel)
+    return call(q, k, v, mask=mask, layout=L.TND, actual_seq_lens=ops.actual_seq_lens, **kw)
 
 
 def _segments_backward(kernel: StepKernel, q, k, v, dout, out, lse, ops: _StepOperands, mask: StepMask, seed,
                        offset, kw) -> tuple[Tensor, Tensor, Tensor]:
-    if kernel.takes_tnd:
-        return kernel.backward(q, k, v, dout, out, lse, mask=mask, layout=L.TND, seed=seed, offset=offset,
-                               actual_seq_lens=ops.actual_seq_lens, **kw)
-    grads = ([], [], [])
-    for qs, ks, vs, ds, os_, ls in zip(q.split(ops.q_lens), k.split(ops.kv_lens), v.split(ops.kv_lens),
-                                       dout.split(ops.q_lens), out.split(ops.q_lens), lse.split(ops.q_lens)):
-        res = kernel.backward(qs.unsqueeze(0), ks.unsqueeze(0), vs.unsqueeze(0), ds.unsqueeze(0), os_.unsqueeze(0),
-                              ls.transpose(0, 1).unsqueeze(0), mask=mask, layout="BSND", seed=None, offset=None, **kw)
-        for acc, g in zip(grads, res):
-            acc.append(g.squeeze(0))
-    return tuple(torch.cat(g) for g in grads)
+    call = kernel.backward if kernel.takes_tnd else functools.partial(segments_backward, kernel)
+    return call(q, k, v, dout, out, lse, mask=mask, layout=L.TND, seed=seed, offset=offset,
+                actual_seq_lens=ops.actual_seq_lens, **kw)
 
 
 def _plan_step(plan: CallPlan, cu, index: int) -> VarlenStep:

@@ -48,7 +48,8 @@ def rank_device(rank: int):
     return torch.device("cpu")
 
 
-def launch(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 600.0) -> list | None:
+def launch(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 600.0,
+           backend: str | None = None) -> list | None:
     """Run ``fn(rank, world_size, *args)`` on every rank; the results by rank (None on ranks > 0
     under torchrun).
 
@@ -59,10 +60,10 @@ def launch(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float =
     if not under_torchrun():
         from ..testing.multiprocess import run_ranks
 
-        return run_ranks(fn, world_size, *args, timeout=timeout)
+        return run_ranks(fn, world_size, *args, timeout=timeout, backend=backend or "gloo")
     import torch.distributed as dist
 
-    backend = "hccl" if npu_present() else "gloo"
+    backend = backend or ("hccl" if npu_present() else "gloo")
     dist.init_process_group(backend, timeout=timedelta(seconds=timeout))
     try:
         rank, size = dist.get_rank(), dist.get_world_size()

@@ -10,7 +10,8 @@ from __future__ import annotations
 import torch
 
 from .. import layout as L
-from ..npu_ops import FORWARD_V1, FORWARD_V3, GRAD_V1, GRAD_V3, autocast_off, bind_arguments, check_one_dtype
+from ..npu_ops import (FORWARD_V1, FORWARD_V3, GRAD_V1, GRAD_V3, autocast_off, bind_arguments, check_one_dtype,
+                       define_attention_ops)
 from . import attention_math as M
 from . import ring_update
 from . import varlen_math as V
@@ -183,131 +184,17 @@ def _grad_fake(schema: str):
     return kernel
 
 
-# ---------------------------------------------------------------- autograd (derivatives.yaml)
-
-# forward arguments the grad op takes as tensors (saved) and as values (kept on ctx)
-_SAVED_INPUTS = ("query", "key", "value", "pse", "padding_mask", "atten_mask", "actual_seq_qlen",
-                 "actual_seq_kvlen", "sink")
-_PASSED_ON = ("head_num", "input_layout", "keep_prob", "pre_tockens", "next_tockens", "inner_precise",
-              "prefix", "sparse_mode", "gen_mask_parallel", "sync", "softmax_layout")
-
-
-def _derivative(forward_schema: str, grad_op_name: str):
-    """(setup_context, backward) of op-plugin's formula: the grad op gets the forward's
-    inputs and its saved outputs (result0 as attention_in, result1/2 as softmax_max/sum,
-    result3 as softmax_in, result4/5 as seed/offset)."""
-    v3 = forward_schema == FORWARD_V3
-    names = [arg.name for arg in _SCHEMAS[forward_schema].arguments]
-
-    def setup_context(ctx, inputs, output):
-        a = dict(zip(names, inputs))
-        ctx.args = {name: a[name] for name in _PASSED_ON}
-        ctx.args["scale_value"] = a["scale"]
-        saved_outputs = list(output[:4])
-        if v3:
-            ctx.mark_non_differentiable(output[4], output[5])
-            saved_outputs += [output[4], output[5]]
-            ctx.rng = {}
-        else:
-            # v1 passes seed/offset/numels as ints and the lengths as lists
-            ctx.rng = dict(seed=output[4], offset=output[5], numels=output[6],
-                           actual_seq_qlen=a["actual_seq_qlen"], actual_seq_kvlen=a["actual_seq_kvlen"])
-        inputs_saved = [a[name] for name in _SAVED_INPUTS]
-        if not v3:
-            inputs_saved[6] = inputs_saved[7] = None  # lists travel on ctx.rng
-        ctx.save_for_backward(*inputs_saved, *saved_outputs)
-
-    def backward(ctx, grad_out, *unused_grads):
-        saved = ctx.saved_tensors
-        inputs = dict(zip(_SAVED_INPUTS, saved[: len(_SAVED_INPUTS)]))
-        results = saved[len(_SAVED_INPUTS):]
-        kwargs = dict(ctx.args)
-        kwargs.update(ctx.rng)
-        if v3:
-            kwargs.update(seed=results[4], offset=results[5],
-                          actual_seq_qlen=inputs["actual_seq_qlen"], actual_seq_kvlen=inputs["actual_seq_kvlen"])
-        head_num, layout = kwargs.pop("head_num"), kwargs.pop("input_layout")
-        grad_op = getattr(torch.ops.npu, grad_op_name)
-        dq, dk, dv, dpse, dsink = grad_op(
-            inputs["query"], inputs["key"], inputs["value"], grad_out, head_num, layout,
-            pse=inputs["pse"], padding_mask=inputs["padding_mask"], atten_mask=inputs["atten_mask"],
-            softmax_max=results[1], softmax_sum=results[2], softmax_in=results[3], attention_in=results[0],
-            sink=inputs["sink"], **kwargs,
-        )
-        grads = dict.fromkeys(names)
-        grads.update(query=dq, key=dk, value=dv)
-        grads["pse"] = dpse if inputs["pse"] is not None else None
-        grads["sink"] = dsink if inputs["sink"] is not None else None
-        return tuple([grads[name] for name in names])
-
-    return setup_context, backward
-
-
-def _autograd_kernel(op, setup_context, backward):
-    """The op's Autograd kernel: ``backward`` (op-plugin's formula) around the op run below
-    autograd, ``setup_context`` given every argument (the ones the dispatcher left out as equal
-    to their defaults filled in). What ``torch.library.register_autograd`` registers, without its
-    per-call cost: that fills the defaults by reading the schema's argument list once per
-    argument, about 0.1 ms per call of these 21-argument ops that needs a gradient, host time
-    torch_npu's C++ autograd does not spend (and which would count as cp_cache's in the
-    ``overhead`` bench); the defaults are read once here."""
-    defaults = tuple(a.default_value if a.has_default_value() else None for a in op._schema.arguments)
-    below_autograd = torch._C._after_autograd_keyset
-
-    def below(keyset, args: tuple):
-        with torch._C._AutoDispatchBelowAutograd():
-            return op.redispatch(keyset & below_autograd, *args)
-
-    class Derivative(torch.autograd.Function):
-        @staticmethod
-        def forward(ctx, keyset, *args):
-            output = below(keyset, args)
-            ctx.passed = len(args)
-            setup_context(ctx, args + defaults[len(args):], output)
-            return output
-
-        @staticmethod
-        def backward(ctx, *grads):
-            return (None, *backward(ctx, *grads)[:ctx.passed])
-
-    def kernel(keyset, *args, **kwargs):
-        if kwargs:  # the schemas have no keyword-only arguments: the dispatcher passes none
-            raise RuntimeError(f"{op}: unexpected keyword-only arguments {sorted(kwargs)}")
-        if torch.is_grad_enabled() and torch._C._any_requires_grad(*args):
-            return Derivative.apply(keyset, *args)
-        return below(keyset, args)
-
-    return kernel
-
-
 # ---------------------------------------------------------------- definition
-
-_OPS = (  # (forward schema, grad schema)
-    (FORWARD_V3, GRAD_V3),
-    (FORWARD_V1, GRAD_V1),
-)
-
-
-def _name(schema: str) -> str:
-    return schema.split("(", 1)[0]
-
 
 def define_ops() -> torch.library.Library:
     """A library fragment defining the four attention ops and ``npu_ring_attention_update``
     under ``torch.ops.npu``; destroy it to undefine."""
     lib = torch.library.Library("npu", "FRAGMENT")  # noqa: TOR901
     try:
-        for forward, grad in _OPS:
-            fname, gname = _name(forward), _name(grad)
-            lib.define(forward)
-            lib.define(grad)
-            lib.impl(fname, _without_autocast(_forward(forward)), "CPU")
-            lib.impl(gname, _without_autocast(_grad(grad)), "CPU")
-            torch.library.register_fake(f"npu::{fname}", _forward_fake(forward), lib=lib)
-            torch.library.register_fake(f"npu::{gname}", _grad_fake(grad), lib=lib)
-            setup_context, backward = _derivative(forward, gname)
-            lib.impl(fname, _autograd_kernel(getattr(torch.ops.npu, fname).default, setup_context, backward),
-                     "Autograd", with_keyset=True)
+        for forward, grad in ((FORWARD_V3, GRAD_V3), (FORWARD_V1, GRAD_V1)):
+            define_attention_ops(lib, forward, grad, (_without_autocast(_forward(forward)),
+                                                      _without_autocast(_grad(grad))),
+                                 (_forward_fake(forward), _grad_fake(grad)), "CPU")
         ring_update.define(lib)  # npu_ring_attention_update: the fused merge, no autograd
     except Exception:
         lib._destroy()

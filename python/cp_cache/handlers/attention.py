@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import threading
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Any, Callable, Optional, Protocol
 
 import torch
@@ -67,18 +67,23 @@ class AttentionHandlers:
 
     def __init__(self, config: CPConfig, call_log: "CallLog"):
         self.config = config
+        # cp_cache's own op runs torch's fused kernels unless a kernel is configured
+        self.configs = {"npu": config, "cp_cache": config if config.kernel else replace(config, kernel="torch")}
         self.call_log = call_log
         self.registration: Optional[Registration] = None  # set by cp_cache.dispatch; None: every CP call
         self.forward_handler = self.forward
         self.backward_handler = self.backward
 
     def table(self) -> dict:
-        """{op overload: handler} for the ops that exist in this process (real or emulated)."""
+        """{op overload: handler} for the ops that exist in this process: the NPU ops (real or emulated)
+        and cp_cache's own (``cp_cache.op``)."""
         table = {}
-        for name, handler in (("npu_fusion_attention_v3", self.forward_handler),
-                              ("npu_fusion_attention_grad_v3", self.backward_handler)):
+        for namespace, forward, grad in (("npu", "npu_fusion_attention_v3", "npu_fusion_attention_grad_v3"),
+                                         ("cp_cache", "fusion_attention", "fusion_attention_grad")):
             try:
-                table[getattr(torch.ops.npu, name).default] = handler
+                ops = getattr(torch.ops, namespace)
+                table[getattr(ops, forward).default] = self.forward_handler
+                table[getattr(ops, grad).default] = self.backward_handler
             except (AttributeError, RuntimeError):
                 pass
         return table
@@ -111,7 +116,7 @@ class AttentionHandlers:
         if not self._runs(a, backward=False):
             return self._pass_on(op_call, args, kwargs)
         try:
-            call = read_call(a, self.config)
+            call = read_call(a, self.configs[op_call.namespace])
         except CHECK_ERRORS as error:
             share_refusal("forward", a, error)
             raise
@@ -133,7 +138,7 @@ class AttentionHandlers:
         try:
             if not isinstance(a["seed"], Tensor):
                 check_seed(a["seed"])  # raises, naming it
-            call = read_call(a, self.config, backward=True)
+            call = read_call(a, self.configs[op_call.namespace], backward=True)
             for name in ("dy", "attention_in"):
                 a[name] = sharded_like(a[name], name, call.sharding.mesh, call.sharding.placements)
             lse = lse_from_stats(local_tensor(a["softmax_max"], "softmax_max"),
@@ -239,8 +244,15 @@ def ring_forward(query: Tensor, key: Tensor, value: Tensor, mask_rows: Optional[
     """CP attention of the local shards: (out, float32 LSE [B, N, S] (TND: [T, N]), seed slot: the
     step cache's handle, or its pairing key under the stack policy). ``mask_rows``: a given mask's
     rows of this rank (ring) or the whole mask (Ulysses); ``sink``: this rank's heads' sinks."""
-    return forward_local(query, key, value, mask_rows, _groups(groups), CallPlan.decode(plan), policy,
-                         actual_seq_qlen, actual_seq_kvlen, sink)
+    call = CallPlan.decode(plan)
+    # a compiled graph holds the layout it was traced with: refuse one run under the other
+    if call.world_size > 1 and (call.mask.positional or call.packed) and call.load_balance != L.load_balance_enabled():
+        raise RuntimeError(f"cp_cache: this compiled graph was traced with torch's CP load balancing "
+                           f"{'on' if call.load_balance else 'off'} and runs with it "
+                           f"{'off' if call.load_balance else 'on'}: the buffers lie otherwise than it assumes; "
+                           "recompile after changing it (torch._dynamo.reset())")
+    return forward_local(query, key, value, mask_rows, _groups(groups), call, policy, actual_seq_qlen,
+                         actual_seq_kvlen, sink)
 
 
 def forward_local(query: Tensor, key: Tensor, value: Tensor, mask_rows: Optional[Tensor], process_groups: list,

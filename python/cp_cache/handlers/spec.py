@@ -30,9 +30,10 @@ from ..engine.merge import fused_merge_available
 from ..engine.transport import group_state
 from ..npu_ops import (CAUSAL_MODES, INT_MAX, SparseMode, check_one_dtype, describe, is_compressed_mask,
                        stats_views_from_lse)
+from ..placement import CONTIGUOUS
 from ..plan import CallPlan, MaskSpec, decide_algorithm
 
-__all__ = ["CallSpec", "CPSharding", "read_call", "share_refusal", "sequence_sharded", "cp_sharding",
+__all__ = ["CallSpec", "CPSharding", "read_call", "read_local", "share_refusal", "sequence_sharded", "cp_sharding",
            "sharded_like", "local_tensor", "sink_grad_like"]
 
 _QKV = ("query", "key", "value")
@@ -215,6 +216,25 @@ def _read_call(a: dict[str, Any], cp: CPConfig, backward: bool) -> CallSpec:
                     mask=spec, load_balance=load_balance, algorithm=algorithm, cp_sizes=tuple(sharding.cp_sizes),
                     sink=sink is not None, **_execution(cp))
     return CallSpec(a, plan, sharding, _mask_rows(a, plan), sink=sink)
+
+
+def read_local(a: dict[str, Any], cp: CPConfig, *, backward: bool = False) -> CallSpec:
+    """A call on plain tensors (one process): the plan of a single rank, through the same strategies."""
+    check_one_dtype(GRAD_OP if backward else FORWARD_OP, a, _ONE_DTYPE[backward])
+    scale, head_num = float(a["scale_value" if backward else "scale"]), int(a["head_num"])
+    sink = local_sink(a["sink"], head_num, None, 1)
+    common = dict(world_size=1, rank=0, head_num=head_num, scale=scale, keep_prob=float(a["keep_prob"]),
+                  sink=sink is not None, **_execution(cp))
+    if a["input_layout"] == L.TND:
+        documents, lengths = packed_documents(a)
+        plan = CallPlan(layout=L.TND, mask=packed_mask(a), documents=documents, placement=CONTIGUOUS, **common)
+        check_packed_tokens(plan, a["query"].size(0))
+        return CallSpec(a, plan, None, None, lengths, sink)
+    layout = L.check_layout(a["input_layout"])
+    seq = a["query"].size(L.seq_dim(layout))
+    plan = CallPlan(layout=layout, mask=mask_spec(a).simplified(seq), **common)
+    rows = local_mask_rows(a["atten_mask"], a["query"], layout, torch.arange(seq)) if plan.mask.given else None
+    return CallSpec(a, plan, None, rows, sink=sink)
 
 
 def _read_packed(a: dict[str, Any], cp: CPConfig, scale: float, backward: bool) -> CallSpec:

@@ -340,8 +340,6 @@ def _local(t: Tensor) -> Tensor:
 
 
 def _op() -> Callable:
+    """The NPU op where it exists (real or emulated), else cp_cache's own (torch's fused kernels)."""
     op = getattr(torch.ops.npu, "npu_fusion_attention_v3", None)
-    if op is None:
-        raise RuntimeError("cp_cache attention: torch.ops.npu.npu_fusion_attention_v3 does not exist; import "
-                           "torch_npu on an Ascend machine, or call cp_cache.emulator.install_npu_emulator() on CPU")
-    return op
+    return op if op is not None else torch.ops.cp_cache.fusion_attention

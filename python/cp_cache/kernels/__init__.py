@@ -1,5 +1,5 @@
 """Step kernels for ring attention, by name: "npu" (the NPU ops, real or emulated), "torch" (torch's
-fused CPU attention), "reference" (plain torch) and whatever ``register`` adds. A kernel is
+fused attention, CPU and CUDA), "reference" (plain torch) and whatever ``register`` adds. A kernel is
 stateless: one shared instance."""
 
 from __future__ import annotations
@@ -7,14 +7,14 @@ from __future__ import annotations
 import threading
 from types import MappingProxyType
 
-from .base import StepForward, StepKernel, StepMask
+from .base import StepForward, StepKernel, StepMask, segments_backward, segments_forward
 from .npu import NpuKernel
 from .npu import available as npu_available
 from .reference import ReferenceKernel
 from .torch_fused import TorchKernel
 
 __all__ = ["StepForward", "StepKernel", "StepMask", "NpuKernel", "ReferenceKernel", "TorchKernel", "register",
-           "KERNELS", "get_kernel", "kernel_names"]
+           "KERNELS", "segments_forward", "segments_backward", "get_kernel", "kernel_names"]
 
 _lock = threading.Lock()
 _KERNELS: dict[str, StepKernel] = {}

@@ -5,11 +5,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional, Protocol, runtime_checkable
 
+import torch
 from torch import Tensor
 
 from ..masks import StepMask, masked_positions
 
-__all__ = ["StepForward", "StepKernel", "StepMask", "masked_positions", "repeat_kv_heads", "sum_kv_heads"]
+__all__ = ["StepForward", "StepKernel", "StepMask", "masked_positions", "repeat_kv_heads", "sum_kv_heads",
+           "segments_forward", "segments_backward"]
 
 
 def repeat_kv_heads(x: Tensor, groups: int) -> Tensor:
@@ -23,6 +25,36 @@ def sum_kv_heads(x: Tensor, groups: int) -> Tensor:
         return x
     b, n, s, d = x.shape
     return x.view(b, n // groups, groups, s, d).sum(dim=2)
+
+
+def _segment_lengths(actual_seq_lens) -> tuple[list[int], list[int]]:
+    return tuple(torch.diff(t, prepend=t.new_zeros(1)).tolist() for t in actual_seq_lens)
+
+
+def segments_forward(kernel, q, k, v, *, actual_seq_lens, mask: StepMask, layout=None, **kw) -> StepForward:
+    """A step's packed segments ([T, N, D], cumulative ends ``actual_seq_lens``) for a kernel without
+    them: one call each, a batch of one in BSND; out [T, N, Dv], LSE [T, N]."""
+    q_lens, kv_lens = _segment_lengths(actual_seq_lens)
+    outs, lses = [], []
+    for qs, ks, vs in zip(q.split(q_lens), k.split(kv_lens), v.split(kv_lens)):
+        res = kernel.forward(qs.unsqueeze(0), ks.unsqueeze(0), vs.unsqueeze(0), mask=mask, layout="BSND", **kw)
+        outs.append(res.out.squeeze(0))
+        lses.append(res.lse.squeeze(0).transpose(0, 1))
+    return StepForward(out=torch.cat(outs), lse=torch.cat(lses), seed=None, offset=None)
+
+
+def segments_backward(kernel, q, k, v, dout, out, lse, *, actual_seq_lens, mask: StepMask, layout=None, seed=None,
+                      offset=None, **kw):
+    """``segments_forward``'s gradients, segment by segment (no dropout to replay)."""
+    q_lens, kv_lens = _segment_lengths(actual_seq_lens)
+    grads = ([], [], [])
+    for qs, ks, vs, ds, os_, ls in zip(q.split(q_lens), k.split(kv_lens), v.split(kv_lens), dout.split(q_lens),
+                                       out.split(q_lens), lse.split(q_lens)):
+        res = kernel.backward(qs.unsqueeze(0), ks.unsqueeze(0), vs.unsqueeze(0), ds.unsqueeze(0), os_.unsqueeze(0),
+                              ls.transpose(0, 1).unsqueeze(0), mask=mask, layout="BSND", seed=None, offset=None, **kw)
+        for acc, g in zip(grads, res):
+            acc.append(g.squeeze(0))
+    return tuple(torch.cat(g) for g in grads)
 
 
 @dataclass

@@ -23,7 +23,7 @@ from torch import Tensor
 from .. import layout as L
 from ..masks import StepMask, masked_positions
 from ..npu_ops import INT_MAX
-from .base import StepForward
+from .base import StepForward, segments_backward, segments_forward
 from .reference import ReferenceKernel
 
 __all__ = ["TorchKernel"]
@@ -31,7 +31,7 @@ __all__ = ["TorchKernel"]
 _REFERENCE = ReferenceKernel()
 _INF = float("inf")
 _FLASH_DTYPES = (torch.float16, torch.bfloat16)
-_TILE = 256  # query rows per band tile at least (and the band's width, when wider)
+_TILE_MIN, _TILE_MAX = 64, 512  # query rows per band tile
 
 
 class TorchKernel:
@@ -45,8 +45,8 @@ class TorchKernel:
         if layout == L.TND:
             if q.is_cuda and _flash_takes(q, v, mask):
                 return _flash_varlen_forward(q, k, v, actual_seq_lens, scale, keep_prob, mask)
-            return segments_forward(self, q, k, v, actual_seq_lens, mask, head_num=head_num, scale=scale,
-                                    keep_prob=keep_prob)
+            return segments_forward(self, q, k, v, actual_seq_lens=actual_seq_lens, mask=mask, head_num=head_num,
+                                    scale=scale, keep_prob=keep_prob)
         _check_dropout(q, keep_prob)
         if not q.is_cuda and _mla(q, k, v, layout, head_num):
             return _REFERENCE.forward(q, k, v, layout=layout, head_num=head_num, scale=scale, keep_prob=keep_prob,
@@ -68,8 +68,8 @@ class TorchKernel:
             if q.is_cuda and _flash_takes(q, v, mask):
                 return _flash_varlen_backward(q, k, v, dout, out, lse, actual_seq_lens, scale, keep_prob, mask,
                                               seed, offset)
-            return segments_backward(self, q, k, v, dout, out, lse, actual_seq_lens, mask, head_num=head_num,
-                                     scale=scale, keep_prob=keep_prob)
+            return segments_backward(self, q, k, v, dout, out, lse, actual_seq_lens=actual_seq_lens, mask=mask,
+                                     head_num=head_num, scale=scale, keep_prob=keep_prob)
         _check_dropout(q, keep_prob)
         if not q.is_cuda and _mla(q, k, v, layout, head_num):
             return _REFERENCE.backward(q, k, v, dout, out, lse, layout=layout, head_num=head_num, scale=scale,
@@ -85,35 +85,6 @@ class TorchKernel:
         else:
             grads = _efficient_backward(qb, kb, vb, dob, ob, lse, mask, scale, keep_prob, seed, offset)
         return tuple(L.from_bnsd(g, layout) for g in grads)
-
-
-def _segment_lengths(actual_seq_lens) -> tuple[list[int], list[int]]:
-    return tuple(torch.diff(t, prepend=t.new_zeros(1)).tolist() for t in actual_seq_lens)
-
-
-def segments_forward(kernel, q, k, v, actual_seq_lens, mask: StepMask, **kw) -> StepForward:
-    """A step's packed segments ([T, N, D], cumulative ends ``actual_seq_lens``) one kernel call each, a
-    batch of one in BSND: out [T, N, Dv], LSE [T, N]."""
-    q_lens, kv_lens = _segment_lengths(actual_seq_lens)
-    outs, lses = [], []
-    for qs, ks, vs in zip(q.split(q_lens), k.split(kv_lens), v.split(kv_lens)):
-        res = kernel.forward(qs.unsqueeze(0), ks.unsqueeze(0), vs.unsqueeze(0), mask=mask, layout="BSND", **kw)
-        outs.append(res.out.squeeze(0))
-        lses.append(res.lse.squeeze(0).transpose(0, 1))
-    return StepForward(out=torch.cat(outs), lse=torch.cat(lses), seed=None, offset=None)
-
-
-def segments_backward(kernel, q, k, v, dout, out, lse, actual_seq_lens, mask: StepMask, **kw):
-    """``segments_forward``'s gradients, segment by segment."""
-    q_lens, kv_lens = _segment_lengths(actual_seq_lens)
-    grads = ([], [], [])
-    for qs, ks, vs, ds, os_, ls in zip(q.split(q_lens), k.split(kv_lens), v.split(kv_lens), dout.split(q_lens),
-                                       out.split(q_lens), lse.split(q_lens)):
-        res = kernel.backward(qs.unsqueeze(0), ks.unsqueeze(0), vs.unsqueeze(0), ds.unsqueeze(0), os_.unsqueeze(0),
-                              ls.transpose(0, 1).unsqueeze(0), mask=mask, layout="BSND", seed=None, offset=None, **kw)
-        for acc, g in zip(grads, res):
-            acc.append(g.squeeze(0))
-    return tuple(torch.cat(g) for g in grads)
 
 
 def _check_dropout(q: Tensor, keep_prob: float) -> None:
@@ -153,7 +124,9 @@ def _band_tiles(mask: StepMask, sq: int, sk: int) -> list:
     if live.numel() == 0:
         return []
     first, last = int(live[0]), int(live[-1])
-    tile = max(_TILE, min(int((high - low)[first:last + 1].max()) + 1, 4 * _TILE))
+    # rows per tile: a quarter of the band's width, within [64, 512] (measured at S = 8192: each tile
+    # computes its rows' key span, so wide tiles waste work and narrow ones pay per-call costs)
+    tile = min(max(int((high - low)[first:last + 1].max()) // 4, _TILE_MIN), _TILE_MAX)
     tiles = []
     for a in range(first, last + 1, tile):
         b = min(a + tile, last + 1)

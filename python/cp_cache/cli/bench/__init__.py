@@ -31,6 +31,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--quick", action="store_true", help="tiny shapes and few repeats (for tests)")
     p.add_argument("--only", nargs="+", choices=NAMES, help="run only these sections")
     p.add_argument("--worlds", type=int, nargs="+", default=None, help="CP world sizes (default 1 2 4)")
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                   help="cuda: the torch_kernel section on this machine's GPUs (under torchrun, NCCL)")
 
 
 def run(args: argparse.Namespace) -> int:

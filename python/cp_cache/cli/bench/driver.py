@@ -31,6 +31,10 @@ def plan_for(quick: bool, worlds: list[int] | None) -> dict:
 def run(args: argparse.Namespace) -> int:
     sections = by_name(args.only or [s.name for s in SECTIONS])
     plan = plan_for(args.quick, args.worlds)
+    plan["device"] = getattr(args, "device", "cpu")
+    if plan["device"] == "cuda" and [s.name for s in sections] != ["torch_kernel"]:
+        raise SystemExit("bench --device cuda runs the torch_kernel section only (the others time the NPU op or "
+                         "its CPU emulator): add --only torch_kernel")
     started = time.perf_counter()
     per_world = _run_ranks(plan, [s for s in sections if s.on_ranks])
     if per_world is None:
@@ -57,7 +61,8 @@ def _run_ranks(plan: dict, sections: list[Section]) -> list[list[dict]] | None:
         if not names:
             continue
         print(f"bench: W={world_size} ({', '.join(names)}) ...", flush=True)
-        results = launch(bench_rank, world_size, plan, names, timeout=900.0)
+        results = launch(bench_rank, world_size, plan, names, timeout=900.0,
+                         backend="nccl" if plan["device"] == "cuda" else None)
         if results is None:
             return None
         per_world.append(results)
@@ -71,8 +76,8 @@ def bench_rank(rank: int, world_size: int, plan: dict, names: list[str]) -> dict
 
     from .._common import rank_device, setup_ops
 
-    ops = setup_ops()
-    device = rank_device(rank)
+    ops = setup_ops() if plan.get("device") != "cuda" else "torch"
+    device = rank_device(rank) if plan.get("device") != "cuda" else torch.device("cuda")
     mesh = init_device_mesh(device.type, (world_size,))
     out = dict(rank=rank, world_size=world_size, ops=ops, torch=torch.__version__)
     for section in by_name(names):

@@ -1,0 +1,74 @@
+"""The SDPA front end: where the NPU op does not exist, ``cp_cache.enable()`` routes
+``F.scaled_dot_product_attention`` here. Inside a CP region (``cp_cache.context_parallel`` or torch's
+``context_parallel()``) a call on the DTensors torch's CP wrapper made runs cp_cache's own op
+(``op.py``): its strategies, step cache and agreement on torch's fused kernels. Anything else is SDPA
+itself. The function is named ``scaled_dot_product_attention``: torch's ``context_parallel()``
+patches SDPA with ``setattr(F, fn.__name__, wrapper)``, so any other name would let attention run
+locally per rank.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+
+import torch
+import torch.nn.functional as F
+from torch.distributed.tensor import DTensor, Shard
+
+from .npu_ops import SparseMode, autocast_inputs, causal_arguments, causal_mask, describe
+from .op import forward_op
+
+__all__ = ["scaled_dot_product_attention", "install", "uninstall"]
+
+log = logging.getLogger("cp_cache")
+_ORIGINAL = F.scaled_dot_product_attention
+
+
+def _cp_call(query) -> bool:
+    from .dispatch import in_cp_region  # at call time: dispatch installs this route
+
+    return isinstance(query, DTensor) and Shard(2) in query.placements and in_cp_region()
+
+
+def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
+                                 enable_gqa=False):
+    """``F.scaled_dot_product_attention``, by cp_cache's op inside a CP region (see the module's docstring)."""
+    if not _cp_call(query):
+        return _ORIGINAL(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal,
+                         scale=scale, enable_gqa=enable_gqa)
+    if query.size(1) != key.size(1) and not enable_gqa:
+        raise ValueError(f"scaled_dot_product_attention: query has {query.size(1)} heads and key {key.size(1)}; "
+                         "pass enable_gqa=True for grouped-query attention")
+    kwargs = dict(scale=float(scale) if scale is not None else 1.0 / math.sqrt(query.size(-1)),
+                  keep_prob=1.0 - float(dropout_p))
+    if is_causal and attn_mask is not None:
+        raise ValueError("scaled_dot_product_attention: pass attn_mask or is_causal=True, not both")
+    if is_causal:
+        kwargs.update(causal_arguments(query.device))
+    elif attn_mask is not None:
+        if attn_mask.dtype != torch.bool:
+            raise NotImplementedError(f"cp_cache's SDPA under context parallelism takes is_causal or a bool "
+                                      f"attn_mask (True = attend), not attn_mask={describe(attn_mask)}")
+        kwargs.update(atten_mask=~attn_mask, sparse_mode=int(SparseMode.MASK))
+    query, key, value = autocast_inputs(query, key, value)  # as SDPA's own autocast casts them
+    return forward_op(query, key, value, query.size(1), "BNSD", **kwargs)[0]
+
+
+def install() -> None:
+    """Route ``F.scaled_dot_product_attention`` here (idempotent)."""
+    global _ORIGINAL
+    # the causal masks built now, not at the first causal call: a model compiled before any eager call
+    # would trace the build (a lock: a graph break)
+    causal_mask("cpu")
+    if torch.cuda.is_available():
+        causal_mask(torch.device("cuda", torch.cuda.current_device()))
+    if F.scaled_dot_product_attention is not scaled_dot_product_attention:
+        _ORIGINAL = F.scaled_dot_product_attention
+        F.scaled_dot_product_attention = scaled_dot_product_attention
+
+
+def uninstall() -> None:
+    """Give SDPA back as it was (unless someone replaced this route since)."""
+    if F.scaled_dot_product_attention is scaled_dot_product_attention:
+        F.scaled_dot_product_attention = _ORIGINAL
