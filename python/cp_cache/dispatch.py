@@ -32,8 +32,6 @@ __all__ = ["enable", "disable", "enabled", "active_config", "active_mesh", "call
 
 log = logging.getLogger("cp_cache")
 
-_MISSING = object()
-
 
 def _torch_cp():
     from torch.distributed.tensor.experimental._context_parallel import _attention
@@ -41,31 +39,28 @@ def _torch_cp():
     return _attention
 
 
-def _cp_region_active() -> bool:
-    """Whether a CP region is active now, whoever entered it (torch's and torch_npu's switches both
-    register torch's CP sharding rules on entry and drop them on exit)."""
-    from torch.distributed.tensor.experimental._context_parallel import _sharding_rules
-
-    return bool(_sharding_rules._cp_strategy_contexts)
-
-
 def _is_ours(handler) -> bool:
     return isinstance(getattr(handler, "__self__", None), AttentionHandlers)
 
 
 class _Registration:
-    """The handlers of one ``enable()`` and everything it changed in torch, to undo it."""
+    """The handlers of one ``enable()`` and everything it changed in torch, to undo it: torch's CP
+    dispatcher switches, wrapped from the start, and the table entries the handlers displaced."""
 
     def __init__(self, handlers: AttentionHandlers):
+        from torch.distributed.tensor.experimental._context_parallel import _sharding_rules
+
         self.adopt(handlers)
-        self.depth = 1 if _cp_region_active() else 0  # CP entries not yet left (enabled inside one: its exit counts)
-        # the foreign entries displaced outside CP and inside the current CP entry: {op: entry or _MISSING}
-        self._displaced_outside: dict = {}
-        self._displaced_inside: dict = {}
+        # CP entries not yet left (enabled inside one: its exit counts); torch's and torch_npu's switches
+        # both register torch's CP sharding rules on entry and drop them on exit, whoever entered
+        self.depth = 1 if _sharding_rules._cp_strategy_contexts else 0
+        # the foreign entries displaced outside CP and inside the current CP entry: {op: entry or None}
+        self._displaced: tuple[dict, dict] = ({}, {})
         cp = _torch_cp()
         self.previous_enable, self.previous_disable = (cp._enable_cp_dtensor_dispatcher,
                                                        cp._disable_cp_dtensor_dispatcher)
         self.enter_cp, self.exit_cp = self._enter_cp, self._exit_cp  # one bound-method object each, for identity
+        cp._enable_cp_dtensor_dispatcher, cp._disable_cp_dtensor_dispatcher = self.enter_cp, self.exit_cp
 
     def adopt(self, handlers: AttentionHandlers) -> None:
         """Register ``handlers`` here (a new configuration keeps the switches and the depth)."""
@@ -73,42 +68,29 @@ class _Registration:
         handlers.registration = self
 
     def _here(self) -> dict:
-        return self._displaced_inside if self.depth else self._displaced_outside
+        return self._displaced[self.depth > 0]
 
     def displaced(self, op):
         """The entry the handlers displaced for ``op`` where the process is now (inside or outside a
         CP region): what would serve it without cp_cache; None when there was none."""
-        entry = self._here().get(op, _MISSING)
-        return None if entry is _MISSING else entry
+        return self._here().get(op)
 
     def overlay(self) -> None:
         """Put the handlers on top of the live table, remembering the foreign entries they displace."""
         displaced, table = self._here(), DTensor._op_dispatcher._custom_op_handlers
         for op, handler in self.handlers.table().items():
-            previous = table.get(op, _MISSING)
+            previous = table.get(op)
             if not _is_ours(previous):
                 displaced.setdefault(op, previous)  # the first: a CP exit may have dropped it since
             table[op] = handler
-
-    def restore_table(self) -> None:
-        """Put back in the live table the entries the handlers displaced there."""
-        displaced, table = self._here(), DTensor._op_dispatcher._custom_op_handlers
-        for op in [op for op, handler in table.items() if _is_ours(handler)]:
-            previous = displaced.get(op, _MISSING)
-            if previous is _MISSING:
-                del table[op]
-            else:
-                table[op] = previous
-
-    def hook(self) -> None:
-        cp = _torch_cp()
-        cp._enable_cp_dtensor_dispatcher, cp._disable_cp_dtensor_dispatcher = self.enter_cp, self.exit_cp
 
     def hooked(self) -> bool:
         cp = _torch_cp()
         return cp._enable_cp_dtensor_dispatcher is self.enter_cp and cp._disable_cp_dtensor_dispatcher is self.exit_cp
 
-    def unhook(self) -> None:
+    def unregister(self) -> None:
+        """Give torch's CP dispatcher switches back (unless replaced since) and the live table the
+        entries the handlers displaced there."""
         cp = _torch_cp()
         if self.hooked():
             cp._enable_cp_dtensor_dispatcher = self.previous_enable
@@ -117,6 +99,12 @@ class _Registration:
             log.warning("cp_cache.disable(): torch's CP dispatcher switches were replaced after cp_cache.enable() "
                         "(now %s / %s); leaving them as they are", cp._enable_cp_dtensor_dispatcher,
                         cp._disable_cp_dtensor_dispatcher)
+        displaced, table = self._here(), DTensor._op_dispatcher._custom_op_handlers
+        for op in [op for op, handler in table.items() if _is_ours(handler)]:
+            if displaced.get(op) is None:
+                del table[op]
+            else:
+                table[op] = displaced[op]
 
     def _enter_cp(self) -> None:
         self.depth += 1
@@ -128,7 +116,7 @@ class _Registration:
     def _exit_cp(self) -> None:
         self.depth = max(self.depth - 1, 0)  # at 0: an exit whose entry came before cp_cache.enable()
         if self.depth == 0:
-            self._displaced_inside.clear()  # already empty when the depth was 0
+            self._displaced[1].clear()  # already empty when the depth was 0
             self.previous_disable()
         if _registered is self:
             self.overlay()
@@ -143,8 +131,7 @@ class _Region:
     """A ``cp_cache.context_parallel()`` region entered and not yet left."""
 
     mesh: object
-    documents: tuple[int, ...] | None  # the packed documents its buffers were laid out by (cumulative ends)
-    placement: str | None  # their placement
+    documents: tuple[tuple[int, ...], str] | None  # the packed documents its buffers were laid out by: ends, placement
 
 
 # The cp_cache.context_parallel() regions entered and not yet left, innermost last.
@@ -156,10 +143,6 @@ def _forget_restored(wrapped) -> None:
     the wrapper (and its closure) in ``_replaced_functions``, one more entry per CP region otherwise."""
     if torch.nn.functional.scaled_dot_product_attention is not wrapped:  # restored: the record is stale
         getattr(_torch_cp(), "_replaced_functions", {}).pop(wrapped, None)
-
-
-def _enable_config(config: CPConfig) -> None:
-    enable(**{f.name: getattr(config, f.name) for f in dataclasses.fields(config)})
 
 
 def enable(policy: str | None = None, *, kernel: str | None = None, fused_merge: bool | None = None,
@@ -185,21 +168,14 @@ def enable(policy: str | None = None, *, kernel: str | None = None, fused_merge:
             raise RuntimeError(f"cp_cache.enable(policy={config.policy!r}): {depth} stack entries of the "
                                f"{previous.handlers.config.policy!r} policy still wait for their backward")
     if previous is not None and previous.hooked():
-        registration = previous  # keep the wrapped switches, the replaced entries and the depth
-        registration.adopt(handlers)
+        previous.adopt(handlers)  # keep the wrapped switches, the replaced entries and the depth
+        _registered = previous
     else:
         if previous is not None:
-            _unregister(previous)
-        registration = _Registration(handlers)
-        registration.hook()
-    _registered = registration
-    registration.overlay()
+            previous.unregister()
+        _registered = _Registration(handlers)  # wraps the switches it finds
+    _registered.overlay()
     log.info("cp_cache enabled: %s, ops=%s", config, sorted(str(op) for op in handlers.table()))
-
-
-def _unregister(registration: _Registration) -> None:
-    registration.unhook()
-    registration.restore_table()
 
 
 def disable() -> None:
@@ -208,7 +184,7 @@ def disable() -> None:
     global _registered
     if _registered is not None:
         registration, _registered = _registered, None
-        _unregister(registration)
+        registration.unregister()
     sdpa.uninstall()
     dropped = _C.default_store().clear()
     stats = _C.default_store().stats()
@@ -237,8 +213,7 @@ def active_mesh():
 def active_documents() -> tuple[tuple[int, ...], str] | None:
     """(cumulative ends, placement) of the documents the innermost region laid its buffers out by; None
     outside a region or in one without documents."""
-    region = _active_regions[-1] if _active_regions else None
-    return None if region is None or region.documents is None else (region.documents, region.placement)
+    return _active_regions[-1].documents if _active_regions else None
 
 
 def in_cp_region() -> bool:
@@ -276,14 +251,11 @@ def context_parallel(mesh, *, buffers: list[torch.Tensor] | None = None, buffer_
         if not _registered.hooked():
             log.warning("cp_cache: torch's CP dispatcher switches were replaced after cp_cache.enable() "
                         "(torch_npu imported late?); enabling again on top of them")
-        _enable_config(dataclasses.replace(outer_config, algorithm=algorithm or outer_config.algorithm))
+        enable(**dataclasses.asdict(dataclasses.replace(outer_config, algorithm=algorithm or outer_config.algorithm)))
+    entered = len(_active_regions)
     try:
-        region = _Region(mesh, *_region_documents(documents, mesh))
-    except BaseException:
-        _leave(outer_config)
-        raise
-    _active_regions.append(region)
-    try:
+        region = _Region(mesh, _region_documents(documents, mesh))
+        _active_regions.append(region)
         if buffers and documents is not None:
             with _documents_buffers(region, buffers, buffer_seq_dims, no_restore_buffers), _dispatcher_only(mesh):
                 yield
@@ -298,7 +270,7 @@ def context_parallel(mesh, *, buffers: list[torch.Tensor] | None = None, buffer_
             with _dispatcher_only(mesh):
                 yield
     finally:
-        _active_regions.pop()
+        del _active_regions[entered:]  # this region, once entered
         _leave(outer_config)
 
 
@@ -306,7 +278,7 @@ def _leave(outer_config: CPConfig | None) -> None:
     if outer_config is None:
         disable()
     elif _registered is not None and _registered.handlers.config != outer_config:
-        _enable_config(outer_config)
+        enable(**dataclasses.asdict(outer_config))
 
 
 @contextlib.contextmanager
@@ -342,10 +314,10 @@ def _check_sequence_lengths(mesh, buffers, seq_dims) -> None:
                 "documents (context_parallel(..., documents=cu_seq_lens_q)), which take any length")
 
 
-def _region_documents(documents, mesh) -> tuple[tuple[int, ...] | None, str | None]:
+def _region_documents(documents, mesh) -> tuple[tuple[int, ...], str] | None:
     """The region's documents (cumulative ends, a leading 0 dropped) and their placement."""
     if documents is None:
-        return None, None
+        return None
     from .documents import cumulative_lengths
     from .packing import configured_placement
 
@@ -373,8 +345,8 @@ def _documents_buffers(region: _Region, buffers, seq_dims, no_restore) -> Iterat
     if len(seq_dims) != len(buffers):
         raise ValueError(f"context_parallel: buffer_seq_dims={seq_dims} must give one dimension for each of the "
                          f"{len(buffers)} buffers")
-    shards = [shard_documents(b, region.documents, region.mesh, dim, placement=region.placement)
-              for b, dim in zip(buffers, seq_dims)]
+    ends, placement = region.documents
+    shards = [shard_documents(b, ends, region.mesh, dim, placement=placement) for b, dim in zip(buffers, seq_dims)]
     kept = [None if no_restore and b in no_restore else b.clone() for b in buffers]
     for buffer, shard in zip(buffers, shards):
         buffer.resize_(shard.shape)

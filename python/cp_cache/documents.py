@@ -15,6 +15,7 @@ whole, in the order the outer ring takes it.
 from __future__ import annotations
 
 import functools
+import math
 from dataclasses import replace
 from typing import Any, Optional, Sequence, Union
 
@@ -35,12 +36,11 @@ def cumulative_lengths(value: Any, name: str = "cu_seqlens") -> tuple[int, ...]:
     strictly increasing and positive; ValueError naming the values."""
     if isinstance(value, Tensor):
         check_lengths_tensor(value, name)
-        ends = tuple(int(x) for x in value.tolist())
-    elif isinstance(value, (list, tuple)):
-        ends = tuple(int(x) for x in value)
-    else:
+        value = value.tolist()
+    elif not isinstance(value, (list, tuple)):
         raise ValueError(f"{name} must be a 1-D integer tensor or a list of cumulative document ends, "
                          f"got {type(value).__name__}")
+    ends = tuple(int(x) for x in value)
     if not ends:
         raise ValueError(f"{name} is empty; it needs the cumulative end of every document (the last = T)")
     for i, (previous, end) in enumerate(zip((0,) + ends, ends)):
@@ -69,12 +69,6 @@ def mesh_sizes(world: World) -> tuple[int, ...]:
         raise ValueError(f"world={world!r}: packed documents lie over W ranks (an int >= 1) or a two-dimensional "
                          "CP mesh (W0, W1), outer first")
     return sizes
-
-
-def _describe(sizes: tuple[int, ...]) -> str:
-    if len(sizes) == 1:
-        return f"W={sizes[0]} ranks"
-    return f"a {sizes[0]}x{sizes[1]} CP mesh (placed over its {sizes[0]} outer positions)"
 
 
 def _slices(length: int, parts: int) -> list[tuple[int, int]]:
@@ -110,10 +104,9 @@ def document_pieces(cu: Sequence[int], rank: int, world_size: int,
 def document_positions(cu: Sequence[int], rank: int, world_size: World, placement: str) -> Tensor:
     """The global positions (int64) ``rank`` holds, in local order; on a (W0, W1) mesh rank i*W1 + j."""
     sizes = mesh_sizes(world_size)
-    if len(sizes) == 1:
-        return _positions(placement_pieces(cu, sizes[0], placement)[rank])
-    share = _positions(placement_pieces(cu, sizes[0], placement)[rank // sizes[1]])
-    start, stop = _slices(share.numel(), sizes[1])[rank % sizes[1]]
+    inner = math.prod(sizes[1:])
+    share = _positions(placement_pieces(cu, sizes[0], placement)[rank // inner])
+    start, stop = _slices(share.numel(), inner)[rank % inner]
     return share[start:stop]
 
 
@@ -135,11 +128,7 @@ def _positions(pieces: Sequence[Piece]) -> Tensor:
 
 def placement_positions(cu: Sequence[int], world_size: World, placement: str) -> list[Tensor]:
     """Every rank's global token positions in local order (int64), under ``placement``."""
-    sizes = mesh_sizes(world_size)
-    shares = [_positions(pieces) for pieces in placement_pieces(cu, sizes[0], placement)]
-    if len(sizes) == 1:
-        return shares
-    return [share[start:stop] for share in shares for start, stop in _slices(share.numel(), sizes[1])]
+    return [document_positions(cu, r, world_size, placement) for r in range(math.prod(mesh_sizes(world_size)))]
 
 
 @functools.lru_cache(maxsize=16)  # the same documents in every layer of a step; callers only read it
@@ -153,8 +142,11 @@ def check_local_length(cu: Sequence[int], world_size: World, placement: str, ran
     """ValueError unless ``rank`` holds the ``local_rows`` tokens ``placement`` gives it."""
     held = local_lengths(cu, world_size, placement)[rank]
     if local_rows != held:
+        sizes = mesh_sizes(world_size)
+        where = (f"W={sizes[0]} ranks" if len(sizes) == 1
+                 else f"a {sizes[0]}x{sizes[1]} CP mesh (placed over its {sizes[0]} outer positions)")
         raise ValueError(f"rank {rank} holds {local_rows} local tokens, but placement {placement!r} of "
-                         f"{name}={list(cu)} over {_describe(mesh_sizes(world_size))} gives it {held} "
+                         f"{name}={list(cu)} over {where} gives it {held} "
                          "(cp_cache.document_layout; cp_cache.shard_documents lays a tensor out by it)")
 
 
@@ -162,9 +154,7 @@ def local_lengths(cu: Sequence[int], world_size: World, placement: str) -> list[
     """How many tokens each rank holds under ``placement`` (on a (W0, W1) mesh: rank i*W1 + j)."""
     sizes = mesh_sizes(world_size)
     shares = [sum(p.length for p in pieces) for pieces in placement_pieces(cu, sizes[0], placement)]
-    if len(sizes) == 1:
-        return shares
-    return [stop - start for share in shares for start, stop in _slices(share, sizes[1])]
+    return [stop - start for share in shares for start, stop in _slices(share, math.prod(sizes[1:]))]
 
 
 def check_capacity(capacity: Any, name: str = "capacity") -> Optional[int]:

@@ -28,16 +28,11 @@ LAYOUTS = ("BNSD", "BSND", "BSH", "SBH")  # the dense layouts (a 4-D view each)
 TND = "TND"  # packed documents
 ALL_LAYOUTS = LAYOUTS + (TND,)
 
-_SEQ_DIM = {"BNSD": 2, "BSND": 1, "BSH": 1, "SBH": 0, TND: 0}
-# the tensor dim holding the heads (BSH/SBH: the hidden dim N*D, split by whole heads)
-_HEAD_DIM = {"BNSD": 1, "BSND": 2, "BSH": 2, "SBH": 2, TND: 1}
-# softmax_max / softmax_sum: (sequence dim, head dim)
-_STATS_DIMS = {"BNSD": (2, 1), "BSND": (2, 1), "BSH": (2, 1), "SBH": (2, 1), TND: (0, 1)}
-_NDIM = {"BNSD": 4, "BSND": 4, "BSH": 3, "SBH": 3}
-# permutation taking the layout's 4-D view to [B, N, S, D]
-_TO_BNSD = {"BNSD": (0, 1, 2, 3), "BSND": (0, 2, 1, 3), "BSH": (0, 2, 1, 3), "SBH": (1, 2, 0, 3)}
-# permutation taking [B, N, S] (the LSE) to the order of the 4-D view's first three dims
-_LSE_PERM = {"BNSD": (0, 1, 2), "BSND": (0, 2, 1), "BSH": (0, 2, 1), "SBH": (2, 0, 1)}
+# layout: (sequence dim, the dim holding the heads (BSH/SBH: the hidden dim N*D, split by whole heads), ndim,
+# the permutation taking its 4-D view to [B, N, S, D], the one taking [B, N, S, D] back to the 4-D view)
+_TABLE = {"BNSD": (2, 1, 4, (0, 1, 2, 3), (0, 1, 2, 3)), "BSND": (1, 2, 4, (0, 2, 1, 3), (0, 2, 1, 3)),
+          "BSH": (1, 2, 3, (0, 2, 1, 3), (0, 2, 1, 3)), "SBH": (0, 2, 3, (1, 2, 0, 3), (2, 0, 1, 3)),
+          TND: (0, 1, 3, None, None)}
 
 
 def check_layout(layout: str) -> str:
@@ -51,24 +46,24 @@ def check_layout(layout: str) -> str:
 
 
 def _known(layout: str) -> str:
-    if layout not in _SEQ_DIM:
+    if layout not in _TABLE:
         raise ValueError(f"unknown input_layout={layout!r}; supported layouts: {', '.join(ALL_LAYOUTS)}")
     return layout
 
 
 def seq_dim(layout: str) -> int:
     """The sequence dimension of a tensor in ``layout`` (same in its 4-D view); TND: 0."""
-    return _SEQ_DIM[_known(layout)]
+    return _TABLE[_known(layout)][0]
 
 
 def head_dim_index(layout: str) -> int:
     """The dimension of a tensor in ``layout`` that holds its heads."""
-    return _HEAD_DIM[_known(layout)]
+    return _TABLE[_known(layout)][1]
 
 
 def stats_dims(layout: str) -> tuple[int, int]:
-    """(sequence dim, head dim) of the op's softmax statistics for ``layout``."""
-    return _STATS_DIMS[_known(layout)]
+    """(sequence dim, head dim) of the op's softmax statistics for ``layout``: [B, N, S, 8], TND [T, N, 8]."""
+    return (0, 1) if _known(layout) == TND else (2, 1)
 
 
 def lse_shape(x: Tensor, layout: str, head_num: int) -> tuple[int, ...]:
@@ -88,9 +83,9 @@ class Dims:
 
 
 def _check_ndim(x: Tensor, layout: str) -> None:
-    check_layout(layout)
-    if x.dim() != _NDIM[layout]:
-        raise ValueError(f"input_layout={layout!r} expects a {_NDIM[layout]}-D tensor, got shape {tuple(x.shape)}")
+    ndim = _TABLE[check_layout(layout)][2]
+    if x.dim() != ndim:
+        raise ValueError(f"input_layout={layout!r} expects a {ndim}-D tensor, got shape {tuple(x.shape)}")
 
 
 def dims(x: Tensor, layout: str, head_num: int) -> Dims:
@@ -99,18 +94,12 @@ def dims(x: Tensor, layout: str, head_num: int) -> Dims:
     _check_ndim(x, layout)
     if head_num <= 0:
         raise ValueError(f"head_num must be positive, got {head_num}")
-    if layout == "BNSD":
-        b, n, s, d = x.shape
-    elif layout == "BSND":
-        b, s, n, d = x.shape
-    else:
-        if layout == "BSH":
-            b, s, h = x.shape
-        else:
-            s, b, h = x.shape
-        if h % head_num:
-            raise ValueError(f"input_layout={layout!r}: hidden size {h} is not divisible by head_num={head_num}")
-        n, d = head_num, h // head_num
+    shape = tuple(x.shape)
+    if len(shape) == 3:  # BSH / SBH: the hidden size split into heads
+        if shape[2] % head_num:
+            raise ValueError(f"input_layout={layout!r}: hidden size {shape[2]} is not divisible by head_num={head_num}")
+        shape = (shape[0], shape[1], head_num, shape[2] // head_num)
+    b, n, s, d = (shape[i] for i in _TABLE[layout][3])
     if n != head_num:
         raise ValueError(f"input_layout={layout!r}: tensor of shape {tuple(x.shape)} has {n} heads, "
                          f"head_num={head_num}")
@@ -121,7 +110,7 @@ def heads_of(x: Tensor, layout: str, head_dim: int) -> int:
     """Head count of ``x`` given its head size (K/V's may differ from Q's)."""
     _check_ndim(x, layout)
     if layout in ("BNSD", "BSND"):
-        return int(x.shape[_HEAD_DIM[layout]])
+        return int(x.shape[_TABLE[layout][1]])
     h = int(x.shape[2])
     if h % head_dim:
         raise ValueError(f"input_layout={layout!r}: hidden size {h} is not a multiple of the head size {head_dim}")
@@ -143,14 +132,14 @@ def lse_view(lse: Tensor, layout: str) -> Tensor:
     """An LSE [B, N, S] ([T, N] for TND) viewed to broadcast against ``as_4d`` of an output in ``layout``."""
     if layout == TND:
         return lse.unsqueeze(-1)
-    return lse.permute(_LSE_PERM[check_layout(layout)]).unsqueeze(-1)
+    return lse.permute(_TABLE[check_layout(layout)][4][:3]).unsqueeze(-1)
 
 
 def to_bnsd(x: Tensor, layout: str, head_num: int) -> Tensor:
     """A [B, N, S, D] view (permuted, not copied) of ``x`` in ``layout`` (TND: [1, N, T, D])."""
     if layout == TND:
         return x.permute(1, 0, 2).unsqueeze(0)
-    return as_4d(x, layout, head_num).permute(_TO_BNSD[check_layout(layout)])
+    return as_4d(x, layout, head_num).permute(_TABLE[check_layout(layout)][3])
 
 
 def from_bnsd(x: Tensor, layout: str) -> Tensor:
@@ -164,11 +153,8 @@ def from_bnsd(x: Tensor, layout: str) -> Tensor:
     b, n, s, d = x.shape
     if layout == "BNSD":
         return x.contiguous()
-    if layout == "BSND":
-        return x.permute(0, 2, 1, 3).contiguous()
-    if layout == "BSH":
-        return x.permute(0, 2, 1, 3).reshape(b, s, n * d)
-    return x.permute(2, 0, 1, 3).reshape(s, b, n * d)
+    x = x.permute(_TABLE[layout][4])
+    return x.contiguous() if layout == "BSND" else x.reshape(x.size(0), x.size(1), n * d)
 
 
 def narrow_seq(x: Tensor, layout: str, start: int, length: int) -> Tensor:

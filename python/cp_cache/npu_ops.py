@@ -10,7 +10,7 @@ import contextlib
 import enum
 import logging
 import threading
-from typing import Any, NamedTuple
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -44,10 +44,8 @@ class SparseMode(enum.IntEnum):
 
 
 CAUSAL_MODES = (SparseMode.LEFT_UP_CAUSAL, SparseMode.RIGHT_DOWN_CAUSAL)
-COMPRESSED_MASK_MODES = (
-    SparseMode.LEFT_UP_CAUSAL, SparseMode.RIGHT_DOWN_CAUSAL, SparseMode.BAND,
-    SparseMode.RIGHT_DOWN_CAUSAL_BAND, SparseMode.BAND_LEFT_UP_CAUSAL,
-)
+COMPRESSED_MASK_MODES = (SparseMode.LEFT_UP_CAUSAL, SparseMode.RIGHT_DOWN_CAUSAL, SparseMode.BAND,
+                         SparseMode.RIGHT_DOWN_CAUSAL_BAND, SparseMode.BAND_LEFT_UP_CAUSAL)
 
 # ---------------------------------------------------------------- schemas (v1: seed, offset and lengths as ints)
 
@@ -56,43 +54,30 @@ _BAND = "int pre_tockens=2147483647, int next_tockens=2147483647, int inner_prec
 _TAIL = 'int sparse_mode=0, bool gen_mask_parallel=True, bool sync=False, str softmax_layout="", Tensor? sink=None'
 
 
-def _lengths(v3: bool) -> str:
-    if v3:
-        return "SymInt[]? prefix=None, Tensor? actual_seq_qlen=None, Tensor? actual_seq_kvlen=None"
-    return "int[]? prefix=None, int[]? actual_seq_qlen=None, int[]? actual_seq_kvlen=None"
-
-
-def _forward_schema(v3: bool) -> str:
-    name = "npu_fusion_attention_v3" if v3 else "npu_fusion_attention"
-    returns = "(Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)" if v3 else "(Tensor, Tensor, Tensor, Tensor, int, int, int)"
+def _schemas(v3: bool) -> tuple[str, str]:
+    """The forward and grad schemas of the v3 op pair (seed, offset and lengths as tensors) or v1's."""
+    suffix = "_v3" if v3 else ""
+    lengths = ("SymInt[]? prefix=None, Tensor? actual_seq_qlen=None, Tensor? actual_seq_kvlen=None" if v3
+               else "int[]? prefix=None, int[]? actual_seq_qlen=None, int[]? actual_seq_kvlen=None")
+    returns = "Tensor, Tensor" if v3 else "int, int, int"
     given_dropout = "" if v3 else ", Tensor? dropout_mask=None, int seed=0, int offset=0"
-    return (
-        f"{name}(Tensor query, Tensor key, Tensor value, int head_num, str input_layout, {_MASKS}, "
-        f"float scale=1., float keep_prob=1., {_BAND}, {_lengths(v3)}, {_TAIL}{given_dropout}) -> {returns}"
-    )
-
-
-def _grad_schema(v3: bool) -> str:
-    name = "npu_fusion_attention_grad_v3" if v3 else "npu_fusion_attention_grad"
     rng = "Tensor? seed=None, Tensor? offset=None" if v3 else "int seed=0, int offset=0, int numels=0"
-    return (
-        f"{name}(Tensor query, Tensor key, Tensor value, Tensor dy, int head_num, str input_layout, *, "
-        f"{_MASKS}, Tensor? softmax_max=None, Tensor? softmax_sum=None, Tensor? softmax_in=None, "
-        f"Tensor? attention_in=None, float scale_value=1., float keep_prob=1., {_BAND}, {rng}, "
-        f"{_lengths(v3)}, {_TAIL}) -> (Tensor, Tensor, Tensor, Tensor, Tensor)"
-    )
+    forward = (f"npu_fusion_attention{suffix}(Tensor query, Tensor key, Tensor value, int head_num, "
+               f"str input_layout, {_MASKS}, float scale=1., float keep_prob=1., {_BAND}, {lengths}, "
+               f"{_TAIL}{given_dropout}) -> (Tensor, Tensor, Tensor, Tensor, {returns})")
+    grad = (f"npu_fusion_attention_grad{suffix}(Tensor query, Tensor key, Tensor value, Tensor dy, int head_num, "
+            f"str input_layout, *, {_MASKS}, Tensor? softmax_max=None, Tensor? softmax_sum=None, "
+            f"Tensor? softmax_in=None, Tensor? attention_in=None, float scale_value=1., float keep_prob=1., "
+            f"{_BAND}, {rng}, {lengths}, {_TAIL}) -> (Tensor, Tensor, Tensor, Tensor, Tensor)")
+    return forward, grad
 
 
-FORWARD_V3 = _forward_schema(v3=True)
-GRAD_V3 = _grad_schema(v3=True)
-FORWARD_V1 = _forward_schema(v3=False)
-GRAD_V1 = _grad_schema(v3=False)
+FORWARD_V3, GRAD_V3 = _schemas(v3=True)
+FORWARD_V1, GRAD_V1 = _schemas(v3=False)
 # the fused merge of two partial attention results (online softmax); layouts SBH and TND
-RING_UPDATE = (
-    "npu_ring_attention_update(Tensor prev_attn_out, Tensor prev_softmax_max, Tensor prev_softmax_sum, "
-    "Tensor cur_attn_out, Tensor cur_softmax_max, Tensor cur_softmax_sum, *, Tensor? actual_seq_qlen=None, "
-    'str input_layout="SBH", str input_softmax_layout="") -> (Tensor, Tensor, Tensor)'
-)
+RING_UPDATE = ("npu_ring_attention_update(Tensor prev_attn_out, Tensor prev_softmax_max, Tensor prev_softmax_sum, "
+               "Tensor cur_attn_out, Tensor cur_softmax_max, Tensor cur_softmax_sum, *, Tensor? actual_seq_qlen=None, "
+               'str input_layout="SBH", str input_softmax_layout="") -> (Tensor, Tensor, Tensor)')
 SCHEMAS = {s.split("(", 1)[0]: s for s in (FORWARD_V3, GRAD_V3, FORWARD_V1, GRAD_V1, RING_UPDATE)}
 
 
@@ -171,25 +156,18 @@ def lse_from_stats(softmax_max: Tensor, softmax_sum: Tensor) -> Tensor:
 # ---------------------------------------------------------------- a call's arguments by name
 
 
-class _Parameter(NamedTuple):
-    name: str
-    positional: bool
-    has_default: bool
-    default: Any
+_REQUIRED = object()  # the default of a parameter that has none
+# id(schema) -> (schema, its parameters' (name, default), how many may be positional, their names); the schema
+# is held so that its id stays its own
+_PARAMETERS: dict[int, tuple[Any, tuple[tuple[str, Any], ...], int, frozenset]] = {}
 
 
-# id(schema) -> (schema, its parameters, how many may be positional, their names); the schema is held so
-# that its id stays its own
-_PARAMETERS: dict[int, tuple[Any, tuple[_Parameter, ...], int, frozenset]] = {}
-
-
-def _parameters(schema) -> tuple[tuple[_Parameter, ...], int, frozenset]:
+def _parameters(schema) -> tuple[tuple[tuple[str, Any], ...], int, frozenset]:
     found = _PARAMETERS.get(id(schema))
     if found is None or found[0] is not schema:
-        params = tuple(_Parameter(a.name, not a.kwarg_only, a.has_default_value(),
-                                  a.default_value if a.has_default_value() else None) for a in schema.arguments)
-        found = _PARAMETERS[id(schema)] = (schema, params, sum(p.positional for p in params),
-                                           frozenset(p.name for p in params))
+        params = tuple((a.name, a.default_value if a.has_default_value() else _REQUIRED) for a in schema.arguments)
+        found = _PARAMETERS[id(schema)] = (schema, params, sum(not a.kwarg_only for a in schema.arguments),
+                                           frozenset(name for name, _ in params))
     return found[1:]
 
 
@@ -199,7 +177,7 @@ def bind_arguments(schema: torch._C.FunctionSchema, args: tuple, kwargs: dict) -
     params, positional, names = _parameters(schema)
     if len(args) > positional:
         raise TypeError(f"{schema.name}: takes {positional} positional arguments, got {len(args)}")
-    bound = {p.name: value for p, value in zip(params, args)}  # the positional parameters come first
+    bound = {name: value for (name, _), value in zip(params, args)}  # the positional parameters come first
     if kwargs:
         unknown = sorted(kwargs.keys() - names)
         if unknown:
@@ -208,11 +186,11 @@ def bind_arguments(schema: torch._C.FunctionSchema, args: tuple, kwargs: dict) -
         if twice:
             raise TypeError(f"{schema.name}: argument {twice[0]!r} given twice")
         bound.update(kwargs)
-    for p in params[len(args):]:
-        if p.name not in bound:
-            if not p.has_default:
-                raise TypeError(f"{schema.name}: missing required argument {p.name!r}")
-            bound[p.name] = p.default
+    for name, default in params[len(args):]:
+        if name not in bound:
+            if default is _REQUIRED:
+                raise TypeError(f"{schema.name}: missing required argument {name!r}")
+            bound[name] = default
     return bound
 
 
@@ -261,55 +239,15 @@ _PASSED_ON = ("head_num", "input_layout", "keep_prob", "pre_tockens", "next_tock
               "prefix", "sparse_mode", "gen_mask_parallel", "sync", "softmax_layout")
 
 
-def _derivative(forward, grad_op, v3: bool):
-    """(setup_context, backward) of derivatives.yaml's formula: the grad op gets the forward's inputs
-    and saved outputs (result0 as attention_in, result1/2 as softmax_max/sum, result3 as softmax_in,
-    result4/5 as seed/offset; v1 passes them and the lengths as ints and lists, on ctx)."""
-    names = [arg.name for arg in forward._schema.arguments]
-
-    def setup_context(ctx, inputs, output):
-        a = dict(zip(names, inputs))
-        ctx.args = {name: a[name] for name in _PASSED_ON}
-        ctx.args["scale_value"] = a["scale"]
-        saved_outputs = list(output[:4])
-        if v3:
-            ctx.mark_non_differentiable(output[4], output[5])
-            saved_outputs += [output[4], output[5]]
-            ctx.rng = {}
-        else:
-            ctx.rng = dict(seed=output[4], offset=output[5], numels=output[6],
-                           actual_seq_qlen=a["actual_seq_qlen"], actual_seq_kvlen=a["actual_seq_kvlen"])
-        inputs_saved = [a[name] for name in _SAVED_INPUTS]
-        if not v3:
-            inputs_saved[6] = inputs_saved[7] = None  # lists travel on ctx.rng
-        ctx.save_for_backward(*inputs_saved, *saved_outputs)
-
-    def backward(ctx, grad_out, *unused_grads):
-        saved = ctx.saved_tensors
-        inputs = dict(zip(_SAVED_INPUTS, saved[:len(_SAVED_INPUTS)]))
-        results = saved[len(_SAVED_INPUTS):]
-        kwargs = dict(ctx.args, **ctx.rng)
-        if v3:
-            kwargs.update(seed=results[4], offset=results[5], actual_seq_qlen=inputs["actual_seq_qlen"],
-                          actual_seq_kvlen=inputs["actual_seq_kvlen"])
-        head_num, layout = kwargs.pop("head_num"), kwargs.pop("input_layout")
-        dq, dk, dv, dpse, dsink = grad_op(
-            inputs["query"], inputs["key"], inputs["value"], grad_out, head_num, layout, pse=inputs["pse"],
-            padding_mask=inputs["padding_mask"], atten_mask=inputs["atten_mask"], softmax_max=results[1],
-            softmax_sum=results[2], softmax_in=results[3], attention_in=results[0], sink=inputs["sink"], **kwargs)
-        grads = dict.fromkeys(names)
-        grads.update(query=dq, key=dk, value=dv, pse=None if inputs["pse"] is None else dpse,
-                     sink=None if inputs["sink"] is None else dsink)
-        return tuple([grads[name] for name in names])
-
-    return setup_context, backward
-
-
-def _autograd_kernel(op, setup_context, backward):
-    """The op's Autograd kernel: ``backward`` around the op run below autograd, ``setup_context`` given
-    every argument (defaults read once here: ``torch.library.register_autograd`` reads the schema per
-    call, about 0.1 ms per call of these 21-argument ops, host time torch_npu's C++ does not spend)."""
+def _autograd_kernel(op, grad_op):
+    """The op's Autograd kernel, derivatives.yaml's formula: the op run below autograd, the grad op given
+    the forward's inputs and saved outputs (result0 as attention_in, result1/2 as softmax_max/sum, result3
+    as softmax_in, result4/5 as seed/offset; v1 passes them and the lengths as ints and lists, on ctx).
+    Defaults are read once here: ``torch.library.register_autograd`` reads the schema per call, about 0.1 ms
+    per call of these 21-argument ops, host time torch_npu's C++ does not spend."""
+    names = [a.name for a in op._schema.arguments]
     defaults = tuple(a.default_value if a.has_default_value() else None for a in op._schema.arguments)
+    v3 = len(op._schema.returns) == 6  # seed and offset as tensors
     below_autograd = torch._C._after_autograd_keyset
 
     def below(keyset, args: tuple):
@@ -321,12 +259,30 @@ def _autograd_kernel(op, setup_context, backward):
         def forward(ctx, keyset, *args):
             output = below(keyset, args)
             ctx.passed = len(args)
-            setup_context(ctx, args + defaults[len(args):], output)
+            a = dict(zip(names, args + defaults[len(args):]))
+            ctx.args = {name: a[name] for name in _PASSED_ON}
+            ctx.args["scale_value"] = a["scale"]
+            saved = {name: a[name] for name in _SAVED_INPUTS}
+            saved.update(attention_in=output[0], softmax_max=output[1], softmax_sum=output[2], softmax_in=output[3])
+            if v3:
+                ctx.mark_non_differentiable(output[4], output[5])
+                saved.update(seed=output[4], offset=output[5])
+            else:
+                lengths = {name: saved.pop(name) for name in ("actual_seq_qlen", "actual_seq_kvlen")}  # lists
+                ctx.args.update(seed=output[4], offset=output[5], numels=output[6], **lengths)
+            ctx.saved_names = tuple(saved)
+            ctx.save_for_backward(*saved.values())
             return output
 
         @staticmethod
-        def backward(ctx, *grads):
-            return (None, *backward(ctx, *grads)[:ctx.passed])
+        def backward(ctx, grad_out, *unused_grads):
+            kwargs = dict(zip(ctx.saved_names, ctx.saved_tensors), **ctx.args)
+            head_num, layout = kwargs.pop("head_num"), kwargs.pop("input_layout")
+            q, k, v = kwargs.pop("query"), kwargs.pop("key"), kwargs.pop("value")
+            dq, dk, dv, dpse, dsink = grad_op(q, k, v, grad_out, head_num, layout, **kwargs)
+            grads = dict(query=dq, key=dk, value=dv, pse=None if kwargs["pse"] is None else dpse,
+                         sink=None if kwargs["sink"] is None else dsink)
+            return (None, *[grads.get(name) for name in names[:ctx.passed]])
 
     def kernel(keyset, *args, **kwargs):
         if kwargs:  # the schemas have no keyword-only arguments: the dispatcher passes none
@@ -341,15 +297,11 @@ def _autograd_kernel(op, setup_context, backward):
 def define_attention_ops(lib, forward: str, grad: str, kernels: tuple, fakes: tuple, dispatch_key: str) -> None:
     """Define the op pair of the schemas ``forward`` / ``grad`` (a v3 or v1 pair, under any name) in the
     library fragment ``lib``: their ``kernels`` and ``fakes`` (forward, grad) and the derivative."""
-    namespace = lib.ns
     fname, gname = (schema.split("(", 1)[0] for schema in (forward, grad))
     lib.define(forward)
     lib.define(grad)
     for name, kernel, fake in ((fname, kernels[0], fakes[0]), (gname, kernels[1], fakes[1])):
         lib.impl(name, kernel, dispatch_key)
-        torch.library.register_fake(f"{namespace}::{name}", fake, lib=lib)
-    ops = getattr(torch.ops, namespace)
-    v3 = len(getattr(ops, fname).default._schema.returns) == 6  # seed and offset as tensors
-    setup_context, backward = _derivative(getattr(ops, fname).default, getattr(ops, gname), v3)
-    lib.impl(fname, _autograd_kernel(getattr(ops, fname).default, setup_context, backward), "Autograd",
-             with_keyset=True)
+        torch.library.register_fake(f"{lib.ns}::{name}", fake, lib=lib)
+    ops = getattr(torch.ops, lib.ns)
+    lib.impl(fname, _autograd_kernel(getattr(ops, fname).default, getattr(ops, gname)), "Autograd", with_keyset=True)

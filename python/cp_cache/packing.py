@@ -18,7 +18,7 @@ from .config import document_capacity_from_env, document_placement, documents_fr
 from .dispatch import active_config
 from .layout import load_balance_enabled
 from .documents import (capacity_positions, check_capacity, check_capacity_fits, check_documents, cumulative_lengths,
-                        document_positions, local_lengths, mesh_sizes, placement_positions)
+                        document_positions, local_lengths, mesh_sizes, placement_order, placement_positions)
 from .placement import check_placement
 
 __all__ = ["document_layout", "shard_documents", "unshard_documents", "pad_documents"]
@@ -123,13 +123,8 @@ def unshard_documents(local: Tensor, cu_seqlens: Any, mesh, dim: int = 0, *, loa
                          f"{given} of cu_seqlens={list(cu)} gives rank {rank} {expected} rows")
     if rows is not None:
         local = local.narrow(dim, 0, held[rank])
-    shards = _all_gather_uneven(local, dim, held, mesh)
-    shape = list(local.shape)
-    shape[dim] = cu[-1]
-    full = local.new_empty(shape)
-    for shard, positions in zip(shards, placement_positions(cu, world, chosen)):
-        full.index_copy_(dim, positions.to(local.device), shard)
-    return full
+    order = placement_order(cu, world, chosen).argsort().to(local.device)  # the gathered row of each position
+    return torch.cat(_all_gather_uneven(local, dim, held, mesh), dim).index_select(dim, order)
 
 
 def _all_gather_uneven(local: Tensor, dim: int, held: list[int], mesh) -> list[Tensor]:

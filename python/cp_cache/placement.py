@@ -145,23 +145,21 @@ def _contiguous(cu: tuple[int, ...], world: int) -> Spans:
     return spans
 
 
-def _bounds(length: int, k: int) -> list[int]:
-    """Where the 2k head-tail chunks of a document split over k ranks start (sizes differ by at most one)."""
-    return [j * length // (2 * k) for j in range(2 * k + 1)]
+def _member_spans(length: int, k: int) -> list[tuple[tuple[int, int], ...]]:
+    """(start, length) of the chunks each of k members holds of a document split head-tail: 2k chunks
+    whose sizes differ by at most one, the i-th member holding chunks i and 2k-1-i, touching ones as one
+    span (a group of one: the whole document)."""
+    b = [j * length // (2 * k) for j in range(2 * k + 1)]
+    return [((b[i], b[i + 1] - b[i]), (b[2 * k - 1 - i], b[2 * k - i] - b[2 * k - 1 - i])) if i < k - 1
+            else ((b[i], b[i + 2] - b[i]),) for i in range(k)]
 
 
 def _split(cu: tuple[int, ...], world: int, groups: Sequence[tuple[int, ...]]) -> Spans:
-    """Each document head-tail over its group of ranks: the i-th of k holds chunks i and 2k-1-i
-    (a group of one: the whole document), touching chunks as one span."""
+    """Each document head-tail over its group of ranks (``_member_spans``)."""
     spans: Spans = [[] for _ in range(world)]
-    start = 0
-    for doc, (end, group) in enumerate(zip(cu, groups)):
-        k = len(group)
-        bounds = [start + b for b in _bounds(end - start, k)]
-        for i, rank in enumerate(group):
-            held = ((i, i + 1), (2 * k - 1 - i, 2 * k - i)) if i < k - 1 else ((i, i + 2),)
-            spans[rank] += [(doc, bounds[a], bounds[b] - bounds[a]) for a, b in held if bounds[b] > bounds[a]]
-        start = end
+    for doc, (start, end, group) in enumerate(zip((0,) + cu[:-1], cu, groups)):
+        for rank, held in zip(group, _member_spans(end - start, len(group))):
+            spans[rank] += [(doc, start + a, n) for a, n in held if n > 0]
     return spans
 
 
@@ -221,19 +219,16 @@ def _tolerated_load(total: int, world: int) -> int:
 
 @functools.lru_cache(maxsize=4096)
 def _shares(length: int, k: int) -> tuple[tuple[int, int], ...]:
-    """(tokens, causal work) of each of the k members, in rank order, of a document split as ``_split`` cuts it."""
-    if k == 1:
-        return ((length, causal_pairs(0, length)),)
-    b = _bounds(length, k)
-    return tuple((b[i + 1] - b[i] + b[2 * k - i] - b[2 * k - 1 - i],
-                  causal_pairs(b[i], b[i + 1] - b[i]) + causal_pairs(b[2 * k - 1 - i], b[2 * k - i] - b[2 * k - 1 - i]))
-                 for i in range(k))
+    """(tokens, causal work) of each of the k members, in rank order, of a document split over them."""
+    return tuple((sum(n for _, n in held), sum(causal_pairs(a, n) for a, n in held))
+                 for held in _member_spans(length, k))
 
 
+@functools.lru_cache(maxsize=4096)
 def _rows(length: int, k: int) -> int:
-    """K/V rows the k members of a split document need from each other (about 0.75 * length * (k-1))."""
-    b = _bounds(length, k)
-    return sum(b[2 * k - 1 - i] - b[i + 1] + b[i] for i in range(k)) if k > 1 else 0
+    """K/V rows the k members of a split document need from each other (about 0.75 * length * (k-1)): the
+    keys before a member's last query that it does not hold."""
+    return sum(held[-1][0] + held[-1][1] - sum(n for _, n in held) for held in _member_spans(length, k))
 
 
 @dataclass
@@ -268,7 +263,6 @@ class _Search:
         self.groups: list[tuple[int, ...]] = [() if n else (0,) for n in lengths]
         self.whole: list[set[int]] = [set() for _ in range(world)]  # documents a rank holds whole
         self.count = [0] * world  # documents a rank holds some of
-        self.split_tokens, self.split_work = [0] * world, [0] * world  # of the documents split
         self.forced = False  # whether the first pass split a document no rank could take whole
         self.small = len(self.docs) * world <= _PACKED  # depth-first packings weighed
 
@@ -284,9 +278,12 @@ class _Search:
     def peak(self) -> float:
         return max(self.level(r) for r in range(self.world)) if all(self.count) else math.inf
 
+    def over(self, r: int, tokens: int = 0, work: int = 0) -> float:  # how far above its capacities, after taking more
+        ct, cw = self.cap_tokens, self.cap_work
+        return max(0, self.tokens[r] + tokens - ct) / ct + max(0, self.work[r] + work - cw) / cw
+
     def excess(self) -> float:
-        return sum(max(0, t - self.cap_tokens) / self.cap_tokens + max(0, w - self.cap_work) / self.cap_work
-                   for t, w in zip(self.tokens, self.work))
+        return sum(self.over(r) for r in range(self.world))
 
     def standing(self, groups: Sequence[tuple[int, ...]]) -> tuple[bool, float, int]:
         """Lower is better: (above the tolerance, if so the worse max/mean of tokens and work as
@@ -301,14 +298,10 @@ class _Search:
         return above, ratio if above else 0.0, rows
 
     def place(self, doc: int, group: tuple[int, ...], sign: int = 1) -> None:  # sign -1: take it away
-        split = len(group) > 1
         for r, (tokens, work) in zip(group, _shares(self.lengths[doc], len(group)) if group else ()):
             self.tokens[r] += sign * tokens
             self.work[r] += sign * work
             self.count[r] += sign
-            if split:
-                self.split_tokens[r] += sign * tokens
-                self.split_work[r] += sign * work
         if len(group) == 1:
             (self.whole[group[0]].add if sign > 0 else self.whole[group[0]].discard)(doc)
 
@@ -344,6 +337,7 @@ class _Search:
         # heaps of (level, tokens or work; rank; the rank's version when pushed): older versions are stale
         heaps: list[list[tuple]] = [[(0, r, 0) for r in range(self.world)] for _ in range(3)]
         version = [0] * self.world
+        split_tokens, split_work = [0] * self.world, [0] * self.world  # of the documents split
         rooms = {(self.cap_tokens, self.cap_work)}  # what ranks have left beside the split documents
         roomiest = 1.0  # the largest size every room takes
         sizes = {d: self.size(d) for d in self.docs}
@@ -354,16 +348,16 @@ class _Search:
                 group = self.group_for(doc)
                 self.forced = True
             else:
-                best = None
-                for heap in heaps:
+                for heap in heaps:  # stale entries off the tops
                     while heap[0][2] != version[heap[0][1]]:
                         heapq.heappop(heap)
-                    key = (self.level(heap[0][1], n, work), heap[0][1])
-                    best = key if best is None or key < best else best
-                group = (best[1],)
+                group = (min((self.level(heap[0][1], n, work), heap[0][1]) for heap in heaps)[1],)
             self.move(doc, group)
             if len(group) > 1:
-                rooms = {(self.cap_tokens - t, self.cap_work - w) for t, w in zip(self.split_tokens, self.split_work)}
+                for r, (tokens, pairs) in zip(group, _shares(n, len(group))):
+                    split_tokens[r] += tokens
+                    split_work[r] += pairs
+                rooms = {(self.cap_tokens - t, self.cap_work - w) for t, w in zip(split_tokens, split_work)}
                 roomiest = min(min(t / self.cap_tokens, w / self.cap_work) for t, w in rooms)
             for r in group:
                 version[r] += 1
@@ -442,8 +436,7 @@ class _Search:
                         d_squares = tp * tp + wp * wp + tq * tq + wq * wq - base_squares
                         if d_excess < -1e-12 or (d_excess <= 1e-12 and d_squares < -1e-12):
                             key = (round(d_excess, 12), d_squares, q, b)
-                            if best is None or key < best:
-                                best = key
+                            best = key if best is None else min(best, key)
                 if best is not None:
                     return a, p, best[2], best[3]
                 if self.budgets.moves <= stop:
@@ -454,10 +447,9 @@ class _Search:
         """Depth-first packings (``pack``) of the whole documents: as they are, then (``paired``)
         with one of them split over 2 to 4 ranks or two of the ``_PACK_PAIRED`` cheapest such
         splits, in increasing added rows; the first found is kept."""
-        lengths, whole = self.lengths, [d for d in self.docs if len(self.groups[d]) == 1]
-        splittable = [d for d in whole if self.most_ranks(d) > 1] if paired else []
-        singles = sorted((_rows(lengths[d], k), ((d, k),))
-                         for d in splittable for k in range(2, min(self.most_ranks(d), 4) + 1))
+        whole = [d for d in self.docs if len(self.groups[d]) == 1]
+        singles = sorted((_rows(self.lengths[d], k), ((d, k),))
+                         for d in (whole if paired else ()) for k in range(2, min(self.most_ranks(d), 4) + 1))
         options = [(0, ())] + singles + [(a[0] + b[0], a[1] + b[1])
                                          for a, b in itertools.combinations(singles[:_PACK_PAIRED], 2)
                                          if a[1][0][0] != b[1][0][0]]
@@ -466,10 +458,7 @@ class _Search:
                 return
             found = self.pack(whole, dict(splits))
             if found is not None:
-                groups = list(self.groups)
-                for d, group in found.items():
-                    groups[d] = group
-                self.assign(groups)
+                self.assign([found.get(d, group) for d, group in enumerate(self.groups)])
                 return
 
     def pack(self, docs: Sequence[int], splits: dict[int, int]) -> dict[int, tuple[int, ...]] | None:
@@ -525,11 +514,6 @@ class _Search:
         lowers the excess: the fewest added rows first (then the larger drop of its group's
         excess), at most ``_WIDEN_TRIES``. False when none is kept."""
         p = max(range(self.world), key=lambda r: (self.level(r), -r))
-        ct, cw = self.cap_tokens, self.cap_work
-
-        def excess(r: int, tokens: int = 0, work: int = 0) -> float:
-            return max(0, self.tokens[r] + tokens - ct) / ct + max(0, self.work[r] + work - cw) / cw
-
         candidates = []
         for doc in sorted(d for d in self.docs if p in self.groups[d]):
             group, n = self.groups[doc], self.lengths[doc]
@@ -538,12 +522,12 @@ class _Search:
             added = _rows(n, len(group) + 1) - _rows(n, len(group))
             shares = _shares(n, len(group) + 1)
             self.place(doc, group, -1)
-            before = sum(excess(r, *s) for r, s in zip(group, _shares(n, len(group))))
+            before = sum(self.over(r, *s) for r, s in zip(group, _shares(n, len(group))))
             self.budgets.moves -= self.world
             for q in range(self.world):
                 if q not in group:
                     wider = tuple(sorted(group + (q,)))
-                    change = sum(excess(r, *s) for r, s in zip(wider, shares)) - before - excess(q)
+                    change = sum(self.over(r, *s) for r, s in zip(wider, shares)) - before - self.over(q)
                     candidates.append((added, change, doc, wider))
             self.place(doc, group)
         start_excess, start_groups = self.excess(), list(self.groups)
@@ -568,9 +552,6 @@ class _Loads:
         self.work_unit = world / max(sum(causal_pairs(0, n) for n in lengths), 1)
         self.tokens = [0.0] * world
         self.work = [0.0] * world
-
-    def level(self, rank: int) -> float:
-        return max(self.tokens[rank], self.work[rank])
 
     def share(self, length: int, k: int) -> tuple[float, float]:  # a 1/k share of a document's tokens and work
         return length / k * self.token_unit, causal_pairs(0, length) / k * self.work_unit
@@ -598,7 +579,7 @@ def _widening(lengths: Sequence[int], world: int) -> list[tuple[int, ...]]:
         loads = _Loads(lengths, world)
         for length, group in zip(lengths, groups):
             loads.add(group, length)
-        peak = max(loads.level(r) for r in range(world))
+        peak = max(max(t, w) for t, w in zip(loads.tokens, loads.work))
         if peak <= BALANCE_TOLERANCE:
             return groups
         if best_peak is None or peak < best_peak:
@@ -678,10 +659,6 @@ def _cost(cu: tuple[int, ...], placed: Sequence[Sequence[Piece]]) -> PlacementCo
     for pieces in placed:
         tokens.append(sum(p.length for p in pieces))
         work.append(sum(causal_pairs(p.start - starts[p.document], p.length) for p in pieces))
-        last: dict[int, int] = {}  # document -> the last position this rank holds of it
-        held: dict[int, int] = {}  # document -> tokens this rank holds of it
-        for p in pieces:
-            last[p.document] = p.start + p.length - 1
-            held[p.document] = held.get(p.document, 0) + p.length
-        rows.append(sum(last[d] - starts[d] + 1 - held[d] for d in last))
+        ends = {p.document: p.start + p.length for p in pieces}  # document -> the end of this rank's last piece
+        rows.append(sum(end - starts[d] for d, end in ends.items()) - tokens[-1])  # before its queries, not held
     return PlacementCost(tuple(tokens), tuple(work), tuple(rows))

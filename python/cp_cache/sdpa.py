@@ -25,16 +25,12 @@ log = logging.getLogger("cp_cache")
 _ORIGINAL = F.scaled_dot_product_attention
 
 
-def _cp_call(query) -> bool:
-    from .dispatch import in_cp_region  # at call time: dispatch installs this route
-
-    return isinstance(query, DTensor) and Shard(2) in query.placements and in_cp_region()
-
-
 def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
                                  enable_gqa=False):
     """``F.scaled_dot_product_attention``, by cp_cache's op inside a CP region (see the module's docstring)."""
-    if not _cp_call(query):
+    from .dispatch import in_cp_region  # at call time: dispatch installs this route
+
+    if not (isinstance(query, DTensor) and Shard(2) in query.placements and in_cp_region()):
         return _ORIGINAL(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal,
                          scale=scale, enable_gqa=enable_gqa)
     if query.size(1) != key.size(1) and not enable_gqa:

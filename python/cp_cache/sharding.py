@@ -28,13 +28,16 @@ def _cp_dims(mesh, cp_dims: Optional[Sequence[int]]) -> tuple[int, ...]:
     return tuple(sorted(dims))
 
 
-def _order(seq: int, world: int, load_balance: bool, cp_dims: tuple) -> Optional[Tensor]:
+def _order(seq: int, mesh, cp_dims: tuple, load_balance: Optional[bool]) -> Optional[Tensor]:
     """The global positions in the order the ranks hold them, or None (contiguous)."""
+    if load_balance is None:
+        load_balance = load_balance_enabled() and len(cp_dims) == 1
     if not load_balance:
         return None
     if len(cp_dims) > 1:
         raise NotImplementedError("load balancing (head-tail) over two CP mesh dimensions (hybrid) is not "
                                   "supported; pass load_balance=False")
+    world = math.prod(mesh.size(d) for d in cp_dims)
     if seq % (2 * world):
         raise ValueError(f"load balancing needs the sequence length {seq} divisible by 2*W = {2 * world}")
     return sequence_order(world, seq // world, True)
@@ -45,10 +48,7 @@ def shard_sequence(x: Tensor, mesh, seq_dim: int, *, cp_dims: Optional[Sequence[
     """``x`` (the full sequence, the same on every rank) as a DTensor sharded on ``seq_dim`` over
     the CP dimensions ``cp_dims`` of ``mesh`` (default: all of them), Replicate elsewhere."""
     dims = _cp_dims(mesh, cp_dims)
-    world = math.prod(mesh.size(d) for d in dims)
-    if load_balance is None:
-        load_balance = load_balance_enabled() and len(dims) == 1
-    order = _order(x.size(seq_dim), world, load_balance, dims)
+    order = _order(x.size(seq_dim), mesh, dims, load_balance)
     if order is not None:
         x = x.index_select(seq_dim, order.to(x.device))
     placements = [Shard(seq_dim) if d in dims else Replicate() for d in range(mesh.ndim)]
@@ -58,11 +58,8 @@ def shard_sequence(x: Tensor, mesh, seq_dim: int, *, cp_dims: Optional[Sequence[
 def unshard_sequence(x: DTensor, seq_dim: int, *, load_balance: Optional[bool] = None) -> Tensor:
     """The full sequence of a DTensor laid out by ``shard_sequence`` (same ``load_balance``)."""
     dims = tuple(d for d, p in enumerate(x.placements) if p == Shard(seq_dim))
-    world = math.prod(x.device_mesh.size(d) for d in dims)
-    if load_balance is None:
-        load_balance = load_balance_enabled() and len(dims) == 1
     full = x.full_tensor()
-    order = _order(full.size(seq_dim), world, load_balance, dims) if dims else None
+    order = _order(full.size(seq_dim), x.device_mesh, dims, load_balance) if dims else None
     if order is None:
         return full
     return full.index_select(seq_dim, torch.argsort(order).to(full.device))

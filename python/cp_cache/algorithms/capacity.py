@@ -17,13 +17,10 @@ from ..plan import CallPlan
 __all__ = ["WithCapacity"]
 
 
-def _placed_rows(plan: CallPlan, *tensors: Tensor) -> int:
-    """This rank's placed tokens, once each of ``tensors`` is checked to have the capacity rows and every
+def _placed(plan: CallPlan, *tensors: Tensor) -> tuple[Tensor, ...]:
+    """This rank's placed tokens of ``tensors``, once each is checked to have the capacity rows and every
     rank's placed tokens checked to fit."""
-    return check_capacity_rows(plan, *(t.size(0) for t in tensors))[plan.rank]
-
-
-def _placed(rows: int, *tensors: Tensor) -> tuple[Tensor, ...]:
+    rows = check_capacity_rows(plan, *(t.size(0) for t in tensors))[plan.rank]
     return tuple(t.narrow(0, 0, rows) for t in tensors)
 
 
@@ -43,22 +40,18 @@ class WithCapacity:
         return self.inner.fake(plan, q, k, v)  # shapes of the capacity rows, as given
 
     def check_forward(self, plan: CallPlan, q: Tensor, k: Tensor, v: Tensor, mask=None):
-        rows = _placed_rows(plan, q, k, v)
-        return self.inner.check_forward(plan, *_placed(rows, q, k, v), mask)
+        return self.inner.check_forward(plan, *_placed(plan, q, k, v), mask)
 
     def check_backward(self, plan: CallPlan, dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor,
                        lse: Tensor, steps, mask=None):
-        rows = _placed_rows(plan, dout, q, k, v, out, lse)
-        return self.inner.check_backward(plan, *_placed(rows, dout, q, k, v, out, lse), steps, mask)
+        return self.inner.check_backward(plan, *_placed(plan, dout, q, k, v, out, lse), steps, mask)
 
     def forward(self, plan: CallPlan, q: Tensor, k: Tensor, v: Tensor, **where) -> ForwardResult:
-        rows = _placed_rows(plan, q)
-        result = self.inner.forward(plan, *_placed(rows, q, k, v), **where)
+        result = self.inner.forward(plan, *_placed(plan, q, k, v), **where)
         return replace(result, out=_padded(result.out, plan.capacity, 0.0),
                        lse=_padded(result.lse, plan.capacity, float("-inf")))
 
     def backward(self, plan: CallPlan, dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
                  steps, **where) -> BackwardResult:
-        rows = _placed_rows(plan, q)
-        result = self.inner.backward(plan, *_placed(rows, dout, q, k, v, out, lse), steps, **where)
+        result = self.inner.backward(plan, *_placed(plan, dout, q, k, v, out, lse), steps, **where)
         return replace(result, **{n: _padded(getattr(result, n), plan.capacity, 0.0) for n in ("dq", "dk", "dv")})

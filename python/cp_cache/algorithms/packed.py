@@ -16,8 +16,8 @@ from ..documents import check_documents, check_local_length, cumulative_lengths,
 from ..engine.loop import (BackwardResult, ForwardResult, RingStep, backward_ring, check_backward_operands,
                            check_keep_prob, check_step, check_steps, empty_outputs, forward_ring)
 from ..engine.merge import merge_into
-from ..kernels import StepForward, StepKernel, segments_backward, segments_forward
-from ..masks import StepMask, VarlenCall, VarlenStep, document_step
+from ..kernels import StepKernel, segments_backward, segments_forward
+from ..masks import VarlenCall, VarlenStep, document_step
 from ..plan import CallPlan
 
 __all__ = ["PackedDocuments", "PACKED"]
@@ -31,8 +31,8 @@ def _documents(plan: CallPlan) -> tuple[int, ...]:
     return cumulative_lengths(list(plan.documents), "plan.documents")
 
 
-def _check_inputs(q: Tensor, k: Tensor, v: Tensor, plan: CallPlan, cu: Sequence[int]) -> int:
-    """The K/V head count, after checking the local packed shapes against the documents."""
+def _check_inputs(q: Tensor, k: Tensor, v: Tensor, plan: CallPlan, cu: Sequence[int]) -> None:
+    """The local packed shapes against the plan and the documents."""
     if plan.layout != L.TND:
         raise ValueError(f"varlen ring attention takes input_layout='TND', got {plan.layout!r}")
     for name, t in (("query", q), ("key", k), ("value", v)):
@@ -50,7 +50,6 @@ def _check_inputs(q: Tensor, k: Tensor, v: Tensor, plan: CallPlan, cu: Sequence[
     check_documents(cu, cu[-1], plan.document_mesh, plan.document_placement, name="actual_seq_qlen")
     check_local_length(cu, plan.document_mesh, plan.document_placement, plan.rank, q.size(0))
     check_keep_prob(plan)
-    return nkv
 
 
 def _rows_index(spans: list[tuple[int, int]], total: int, device) -> Optional[Tensor]:
@@ -65,27 +64,13 @@ def _take(x: Tensor, index: Optional[Tensor]) -> Tensor:
     return x if index is None else x.index_select(0, index)
 
 
-class _StepOperands:
-    """A kernel call's rows of ``q_rows`` queries and a ``kv_rows`` K/V block, and its segments' ends."""
-
-    def __init__(self, call: VarlenCall, q_rows: int, kv_rows: int, device):
-        segs = call.segments
-        self.q_index = _rows_index([(s.q_start, s.q_len) for s in segs], q_rows, device)
-        self.kv_index = _rows_index([(s.kv_start, s.kv_len) for s in segs], kv_rows, device)
-        self.actual_seq_lens = tuple(torch.tensor(n, dtype=torch.int64).cumsum(0)
-                                     for n in ([s.q_len for s in segs], [s.kv_len for s in segs]))
-
-
-def _segments_forward(kernel: StepKernel, q, k, v, ops: _StepOperands, mask: StepMask, kw) -> StepForward:
-    call = kernel.forward if kernel.takes_tnd else functools.partial(segments_forward, kernel)
-    return call(q, k, v, mask=mask, layout=L.TND, actual_seq_lens=ops.actual_seq_lens, **kw)
-
-
-def _segments_backward(kernel: StepKernel, q, k, v, dout, out, lse, ops: _StepOperands, mask: StepMask, seed,
-                       offset, kw) -> tuple[Tensor, Tensor, Tensor]:
-    call = kernel.backward if kernel.takes_tnd else functools.partial(segments_backward, kernel)
-    return call(q, k, v, dout, out, lse, mask=mask, layout=L.TND, seed=seed, offset=offset,
-                actual_seq_lens=ops.actual_seq_lens, **kw)
+def _operands(call: VarlenCall, q_rows: int, kv_rows: int, device) -> tuple:
+    """A kernel call's rows of ``q_rows`` queries and of a ``kv_rows`` K/V block, and its segments' ends."""
+    segs = call.segments
+    return (_rows_index([(s.q_start, s.q_len) for s in segs], q_rows, device),
+            _rows_index([(s.kv_start, s.kv_len) for s in segs], kv_rows, device),
+            tuple(torch.tensor(n, dtype=torch.int64).cumsum(0) for n in ([s.q_len for s in segs],
+                                                                          [s.kv_len for s in segs])))
 
 
 def _plan_step(plan: CallPlan, cu, index: int) -> VarlenStep:
@@ -95,10 +80,6 @@ def _plan_step(plan: CallPlan, cu, index: int) -> VarlenStep:
 def _ring_lengths(plan: CallPlan, cu) -> list[tuple[int, int]]:
     """Every rank's (query, K/V) length: what its placement gives it (each rank checked its own)."""
     return [(n, n) for n in local_lengths(cu, plan.world_size, plan.document_placement)]
-
-
-def _kernel_args(plan: CallPlan) -> dict:
-    return dict(head_num=plan.head_num, scale=plan.scale, keep_prob=plan.keep_prob)
 
 
 class PackedDocuments:
@@ -132,28 +113,29 @@ class PackedDocuments:
         rows = q.size(0)
         acc_out = torch.zeros(L.output_shape(q, k, v, L.TND, plan.head_num), dtype=torch.float32, device=q.device)
         acc_lse = torch.full((rows, plan.head_num), float("-inf"), dtype=torch.float32, device=q.device)
+        run = kernel.forward if kernel.takes_tnd else functools.partial(segments_forward, kernel)
+        kw = dict(head_num=plan.head_num, scale=plan.scale, keep_prob=plan.keep_prob, layout=L.TND)
 
         def compute(i: int, cur_k: Tensor, cur_v: Tensor) -> tuple[str, list]:
             step = _plan_step(plan, cu, i)
             rng = []
             for call in step.calls:
-                ops = _StepOperands(call, rows, cur_k.size(0), q.device)
-                res = _segments_forward(kernel, _take(q, ops.q_index), _take(cur_k, ops.kv_index),
-                                        _take(cur_v, ops.kv_index), ops, call.mask, _kernel_args(plan))
+                qi, kvi, lens = _operands(call, rows, cur_k.size(0), q.device)
+                res = run(_take(q, qi), _take(cur_k, kvi), _take(cur_v, kvi), mask=call.mask, actual_seq_lens=lens,
+                          **kw)
                 if res.seed is not None:
                     rng.append((res.seed, res.offset))
                 merge_into(acc_out, acc_lse, res.out, res.lse, L.TND, plan.head_num, fused=plan.fused_merge,
-                           index=ops.q_index, actual_seq_qlen=ops.actual_seq_lens[0])
+                           index=qi, actual_seq_qlen=lens[0])
                 del res
             return step.part, rng
 
-        steps, traffic, compute_s, wait_s, _ = forward_ring(plan, groups, k, v, 0, plan.world_size - 1, compute,
-                                                            agreement, lengths=_ring_lengths(plan, cu))
+        steps, traffic = forward_ring(plan, groups, k, v, 0, plan.world_size - 1, compute, agreement,
+                                      lengths=_ring_lengths(plan, cu))
         if log.isEnabledFor(logging.DEBUG):  # the parts' list is built only to be logged
             log.debug("packed documents forward rank %d/%d: parts %s, %s", plan.rank, plan.world_size,
                       [s.part for s in steps], traffic)
-        return ForwardResult(out=acc_out.to(q.dtype), lse=acc_lse, steps=steps, compute_seconds=compute_s,
-                             wait_seconds=wait_s, **traffic.fields())
+        return ForwardResult(out=acc_out.to(q.dtype), lse=acc_lse, steps=steps, **traffic.fields())
 
     def backward(self, plan: CallPlan, dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
                  steps: list[RingStep], *, groups: Sequence = (), kernel: StepKernel,
@@ -162,27 +144,26 @@ class PackedDocuments:
         cu, planned = _documents(plan), checked
         rows, lse = q.size(0), lse.float()
         dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+        run = kernel.backward if kernel.takes_tnd else functools.partial(segments_backward, kernel)
+        kw = dict(head_num=plan.head_num, scale=plan.scale, keep_prob=plan.keep_prob, layout=L.TND)
 
         def compute(i: int, cur_k: Tensor, cur_v: Tensor) -> list:
             partials = []
             for c, call in enumerate(planned[i].calls):
-                ops = _StepOperands(call, rows, cur_k.size(0), q.device)
+                qi, kvi, lens = _operands(call, rows, cur_k.size(0), q.device)
                 seed, offset = steps[i].rng[c] if steps[i].rng else (None, None)
-                qi = ops.q_index
-                grads = _segments_backward(
-                    kernel, _take(q, qi), _take(cur_k, ops.kv_index), _take(cur_v, ops.kv_index), _take(dout, qi),
-                    _take(out, qi), _take(lse, qi), ops, call.mask, seed, offset, _kernel_args(plan))
+                grads = run(_take(q, qi), _take(cur_k, kvi), _take(cur_v, kvi), _take(dout, qi), _take(out, qi),
+                            _take(lse, qi), mask=call.mask, seed=seed, offset=offset, actual_seq_lens=lens, **kw)
                 if qi is None:
                     dq.add_(grads[0])
                 else:
                     dq.index_add_(0, qi, grads[0].to(dq.dtype))
-                partials.append((ops.kv_index, grads[1], grads[2]))
+                partials.append((kvi, grads[1], grads[2]))
             return partials
 
-        dk, dv, traffic, compute_s, wait_s, _ = backward_ring(plan, groups, k, v, 0, plan.world_size - 1, compute,
-                                                              agreement, steps, lengths=_ring_lengths(plan, cu))
-        return BackwardResult(dq=dq.to(q.dtype), dk=dk.to(k.dtype), dv=dv.to(v.dtype), compute_seconds=compute_s,
-                              wait_seconds=wait_s, **traffic.fields())
+        dk, dv, traffic = backward_ring(plan, groups, k, v, 0, plan.world_size - 1, compute, agreement, steps,
+                                        lengths=_ring_lengths(plan, cu))
+        return BackwardResult(dq=dq.to(q.dtype), dk=dk.to(k.dtype), dv=dv.to(v.dtype), **traffic.fields())
 
 
 PACKED = PackedDocuments()

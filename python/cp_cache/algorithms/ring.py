@@ -41,24 +41,22 @@ class _Shapes:
 @functools.lru_cache(maxsize=256)  # a layer's calls repeat their shapes
 def _shapes(plan: CallPlan, q_shape: tuple, k_shape: tuple, v_shape: tuple) -> _Shapes:
     q, k, v = (torch.empty(shape, device="meta") for shape in (q_shape, k_shape, v_shape))
-    qd, _ = check_qkv(plan, q, k, v)
+    qd, _ = check_qkv(plan, q_shape, k_shape, v_shape)
     seq_dim = L.seq_dim(plan.layout)
     kv_len = k_shape[seq_dim]
     last = hops_needed(plan.world_size, plan.load_balance, plan.mask, kv_len)
-    steps = None if plan.mask.given else tuple(_plan_step(plan, i, qd.seq, kv_len, None) for i in range(last + 1))
+    steps = None if plan.mask.given else tuple(plan_step(plan.rank, i, plan.world_size, plan.load_balance, plan.mask,
+                                                         qd.seq, kv_len, None) for i in range(last + 1))
     return _Shapes(qd, seq_dim, kv_len, tuple(L.output_shape(q, k, v, plan.layout, plan.head_num)), last,
                    dict(layout=plan.layout, head_num=plan.head_num, scale=plan.scale, keep_prob=plan.keep_prob), steps)
-
-
-def _plan_step(plan: CallPlan, index: int, q_len: int, kv_len: int, mask_rows: Optional[Tensor]):
-    return plan_step(plan.rank, index, plan.world_size, plan.load_balance, plan.mask, q_len, kv_len, mask_rows)
 
 
 def _step(plan: CallPlan, checked: _Shapes, index: int, kv_len: int, mask_rows: Optional[Tensor]):
     """(part, tasks) of step ``index`` on a block of ``kv_len`` rows: the shapes' plan where it applies."""
     if checked.steps is not None and kv_len == checked.kv_len:
         return checked.steps[index]
-    return _plan_step(plan, index, checked.dims.seq, kv_len, mask_rows)
+    return plan_step(plan.rank, index, plan.world_size, plan.load_balance, plan.mask, checked.dims.seq, kv_len,
+                     mask_rows)
 
 
 def _task_operands(task: BlockTask, seq_dim: int, q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor, Tensor]:
@@ -70,14 +68,6 @@ def _task_operands(task: BlockTask, seq_dim: int, q: Tensor, k: Tensor, v: Tenso
     if kv_start or kv_rows != k.shape[seq_dim]:
         k, v = k.narrow(seq_dim, kv_start, kv_rows), v.narrow(seq_dim, kv_start, kv_rows)
     return q, k, v
-
-
-def _recorded_tasks(step: RingStep, plan: CallPlan, checked: _Shapes, kv_len: int, mask_rows):
-    """The step's kernel calls, planned again, each with the (seed, offset) its forward drew."""
-    part, tasks = _step(plan, checked, step.index, kv_len, mask_rows)
-    if step.part != part or (step.rng and len(step.rng) != len(tasks)):
-        check_step(step, plan.rank, part, len(tasks))  # raises, naming both
-    return zip(tasks, step.rng or [(None, None)] * len(tasks))
 
 
 class Ring:
@@ -104,10 +94,35 @@ class Ring:
                 kernel: StepKernel, mask: Optional[Tensor] = None, checked: _Shapes, agreement) -> ForwardResult:
         """The local queries against every rank's K/V (``mask``: a given mask's rows of them over the whole
         sequence): output (query dtype), float32 LSE [B, Nq, Sq], step records, traffic."""
-        compute = _ForwardSteps(plan, checked, kernel, q, mask)
-        steps, traffic, compute_s, wait_s, lengths = forward_ring(plan, groups, k, v, checked.seq_dim, checked.last,
-                                                                  compute, agreement, mask_rows=mask)
-        return compute.result(steps, traffic.fields(), compute_s, wait_s, lengths)
+        seq_dim, qd = checked.seq_dim, checked.dims
+        lse_shape = torch.Size((qd.batch, plan.head_num, qd.seq))
+        acc: list[Tensor] = []  # [out, lse] in float32, from the first result on
+
+        def compute(i: int, cur_k: Tensor, cur_v: Tensor) -> tuple[str, list]:
+            part, tasks = _step(plan, checked, i, cur_k.shape[seq_dim], mask)
+            rng = []
+            for task in tasks:
+                res = kernel.forward(*_task_operands(task, seq_dim, q, cur_k, cur_v), mask=task.mask,
+                                     **checked.kernel_args)
+                if res.seed is not None:
+                    rng.append((res.seed, res.offset))
+                if not acc and task.q_rows == (0, qd.seq) and res.lse.shape == lse_shape:
+                    acc.extend((res.out.float(), res.lse.float()))  # the first result over every row: no merge
+                else:
+                    if not acc:
+                        acc.extend(_empty_accumulators(checked.out, lse_shape, q.device))
+                    merge_into(acc[0].narrow(seq_dim, *task.q_rows), acc[1].narrow(2, *task.q_rows), res.out, res.lse,
+                               plan.layout, plan.head_num, fused=plan.fused_merge)
+                del res
+            return part, rng
+
+        steps, traffic = forward_ring(plan, groups, k, v, seq_dim, checked.last, compute, agreement, mask_rows=mask)
+        if log.isEnabledFor(logging.DEBUG):  # the parts' list is built only to be logged
+            log.debug("ring forward rank %d/%d: parts %s, %s", plan.rank, plan.world_size, [s.part for s in steps],
+                      traffic)
+        acc_out, acc_lse = acc or _empty_accumulators(checked.out, lse_shape, q.device)
+        return ForwardResult(out=acc_out.to(q.dtype), lse=acc_lse, steps=steps, lengths=traffic.lengths,
+                             **traffic.fields())
 
     def backward(self, plan: CallPlan, dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
                  steps: list[RingStep], *, groups: Sequence = (), kernel: StepKernel,
@@ -118,8 +133,12 @@ class Ring:
         kernel_args = checked.kernel_args
 
         def compute(i: int, cur_k: Tensor, cur_v: Tensor) -> list:
-            kv_grads = []
-            for task, (seed, offset) in _recorded_tasks(steps[i], plan, checked, cur_k.size(seq_dim), mask):
+            """The step's kernel calls, planned again, each with the (seed, offset) its forward drew."""
+            step, kv_grads = steps[i], []
+            part, tasks = _step(plan, checked, step.index, cur_k.size(seq_dim), mask)
+            if step.part != part or (step.rng and len(step.rng) != len(tasks)):
+                check_step(step, plan.rank, part, len(tasks))  # raises, naming both
+            for task, (seed, offset) in zip(tasks, step.rng or [(None, None)] * len(tasks)):
                 rows = task.q_rows
                 grads = kernel.backward(*_task_operands(task, seq_dim, q, cur_k, cur_v), dout.narrow(seq_dim, *rows),
                                         out.narrow(seq_dim, *rows), lse.narrow(2, *rows), mask=task.mask, seed=seed,
@@ -129,61 +148,15 @@ class Ring:
                 del grads
             return kv_grads
 
-        dk, dv, traffic, compute_s, wait_s, lengths = backward_ring(plan, groups, k, v, seq_dim, checked.last, compute,
-                                                                    agreement, steps, mask_rows=mask)
+        dk, dv, traffic = backward_ring(plan, groups, k, v, seq_dim, checked.last, compute, agreement, steps,
+                                        mask_rows=mask)
         log.debug("ring backward rank %d/%d: %s", plan.rank, plan.world_size, traffic)
-        return BackwardResult(dq=dq.to(q.dtype), dk=dk.to(k.dtype), dv=dv.to(v.dtype), compute_seconds=compute_s,
-                              wait_seconds=wait_s, lengths=lengths, **traffic.fields())
+        return BackwardResult(dq=dq.to(q.dtype), dk=dk.to(k.dtype), dv=dv.to(v.dtype), lengths=traffic.lengths,
+                              **traffic.fields())
 
     def fake(self, plan: CallPlan, q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
         """Empty (out, lse) of the shapes ``forward`` returns: for tracing with fake tensors."""
         return empty_outputs(plan, q, k, v)
-
-
-class _ForwardSteps:
-    """``self(i, k, v) -> (part, rng)``: step i on the block held, merged into float32 accumulators."""
-
-    def __init__(self, plan: CallPlan, checked: _Shapes, kernel: StepKernel, q: Tensor, mask: Optional[Tensor]):
-        self.plan, self.checked, self.kernel, self.q, self.mask = plan, checked, kernel, q, mask
-        self.acc: list[Tensor] = []  # [out, lse] in float32, from the first result on
-        qd = checked.dims
-        self._lse_shape = torch.Size((qd.batch, plan.head_num, qd.seq))
-        self._all_rows = (0, qd.seq)
-
-    def __call__(self, i: int, cur_k: Tensor, cur_v: Tensor) -> tuple[str, list]:
-        checked, q, acc = self.checked, self.q, self.acc
-        seq_dim = checked.seq_dim
-        part, tasks = _step(self.plan, checked, i, cur_k.shape[seq_dim], self.mask)
-        rng = []
-        for task in tasks:
-            res = self.kernel.forward(*_task_operands(task, seq_dim, q, cur_k, cur_v), mask=task.mask,
-                                      **checked.kernel_args)
-            if res.seed is not None:
-                rng.append((res.seed, res.offset))
-            if acc:
-                self._merge(task.q_rows, res)
-            elif task.q_rows == self._all_rows and res.lse.shape == self._lse_shape:
-                acc += res.out.float(), res.lse.float()  # the first result over every row: nothing to merge
-            else:
-                acc += _empty_accumulators(checked.out, self._lse_shape, q.device)
-                self._merge(task.q_rows, res)
-            del res
-        return part, rng
-
-    def _merge(self, rows: tuple[int, int], res) -> None:
-        plan, acc = self.plan, self.acc
-        merge_into(acc[0].narrow(self.checked.seq_dim, *rows), acc[1].narrow(2, *rows), res.out, res.lse,
-                   plan.layout, plan.head_num, fused=plan.fused_merge)
-
-    def result(self, steps: list, traffic: dict, compute_s: float, wait_s: float, lengths: list) -> ForwardResult:
-        """The call's result; ``traffic``: ``Traffic.fields()``."""
-        plan = self.plan
-        if log.isEnabledFor(logging.DEBUG):  # the parts' list is built only to be logged
-            log.debug("ring forward rank %d/%d: parts %s, %s", plan.rank, plan.world_size, [s.part for s in steps],
-                      traffic)
-        acc_out, acc_lse = self.acc or _empty_accumulators(self.checked.out, self._lse_shape, self.q.device)
-        return ForwardResult(out=acc_out.to(self.q.dtype), lse=acc_lse, steps=steps, compute_seconds=compute_s,
-                             wait_seconds=wait_s, lengths=lengths, **traffic)
 
 
 def _empty_accumulators(out_shape: tuple, lse_shape: tuple, device) -> tuple[Tensor, Tensor]:

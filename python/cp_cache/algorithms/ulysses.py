@@ -11,7 +11,6 @@ the placement's uneven splits.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import time
 from dataclasses import dataclass, replace
@@ -39,44 +38,40 @@ log = logging.getLogger("cp_cache")
 _BNSD = "BNSD"  # the head shards' layout
 
 
-class _Gathered:
-    """The sequence a Ulysses group gathers, its members' shards in rank order: each member's length
-    where they may differ (packed documents; None: all equal), and the global position of each row
-    where the local attention needs another order (None: already in it)."""
-
-    def __init__(self, lengths: Optional[list[int]], order: Optional[Tensor]):
-        self.lengths = lengths
-        self._order = order
-        self._inverse = None if order is None else torch.argsort(order)
-
-    def to_global(self, x: Tensor) -> Tensor:
-        """Rows of ``x`` ([B, N, S, D]) from rank order to the local attention's order."""
-        return x if self._inverse is None else x.index_select(2, self._inverse.to(x.device))
-
-    def to_rank_order(self, x: Tensor) -> Tensor:
-        return x if self._order is None else x.index_select(2, self._order.to(x.device))
-
-
-def _gathered(plan: CallPlan, where: "_Groups", local_seq: int) -> _Gathered:
-    """Dense: equal shards, head-tail under load balancing (undone for the local call). Packed
-    documents: the group's lengths; on one CP dimension the placement's positions (undone: the local
-    call takes the documents in order); on two, an outer rank's share cut contiguously (in order)."""
+def _gathered(plan: CallPlan, where: "_Groups", local_seq: int) -> tuple[Optional[list[int]], Optional[Tensor]]:
+    """The sequence a Ulysses group gathers, its members' shards in rank order: (each member's length where
+    they may differ, else None; the global position of each row where the local attention needs another
+    order, else None). Dense: equal shards, head-tail under load balancing (undone for the local call). Packed
+    documents: the group's lengths; on one CP dimension the placement's positions (undone: the local call
+    takes the documents in order); on two, an outer rank's share cut contiguously (in order)."""
     u = plan.ulysses_size
     if not plan.packed:
-        return _Gathered(None, sequence_order(u, local_seq, True) if plan.load_balance else None)
+        return None, sequence_order(u, local_seq, True) if plan.load_balance else None
     cu, placement, mesh = plan.documents, plan.document_placement, plan.document_mesh
     lengths = local_lengths(cu, mesh, placement)[where.ring_rank * u:(where.ring_rank + 1) * u]
     ordered = len(mesh) == 2 or placement == CONTIGUOUS
-    return _Gathered(lengths, None if ordered else placement_order(tuple(cu), mesh, placement))
+    return lengths, None if ordered else placement_order(tuple(cu), mesh, placement)
 
 
-def _lse_bnsd(lse: Tensor, layout: str) -> Tensor:
-    """An LSE ([B, N, S]; TND: [T, N]) as [B, N, S]."""
-    return lse.t().unsqueeze(0) if layout == L.TND else lse
+def _rows(x: Tensor, index: Optional[Tensor]) -> Tensor:
+    """The rows ``index`` of ``x`` ([B, N, S, D]; None: all, as they are)."""
+    return x if index is None else x.index_select(2, index.to(x.device))
 
 
-def _lse_from_bnsd(lse: Tensor, layout: str) -> Tensor:
-    return lse[0].t() if layout == L.TND else lse
+def _as_bnsd(x: Tensor, layout: str) -> Tensor:
+    """A tensor ([T, N, D]) or LSE ([T, N]) of ``layout`` as [B, N, S, D] or [B, N, S]: packed documents are
+    a batch of one; the dense layouts' LSE is already so."""
+    if layout != L.TND:
+        return x
+    return x.t().unsqueeze(0) if x.dim() == 2 else L.to_bnsd(x, L.TND, x.size(1))
+
+
+def _from_bnsd(x: Tensor, layout: str) -> Tensor:
+    """Head shards ([B, N/U, S, D]) or their LSE ([B, N/U, S]) as the local attention takes them: BNSD, packed
+    documents TND."""
+    if layout != L.TND:
+        return x
+    return x[0].t() if x.dim() == 3 else L.from_bnsd(x, L.TND)
 
 
 def _check_mask(plan: CallPlan, mask: Optional[Tensor], seq: int) -> None:
@@ -94,12 +89,18 @@ def _check_mask(plan: CallPlan, mask: Optional[Tensor], seq: int) -> None:
                          f"[..., {seq}, {seq}]; got {got}")
 
 
-def _inner_part(plan: CallPlan, heads: HeadPlan, where: "_Groups", mask: Optional[Tensor],
-                rows: int) -> tuple[CallPlan, Optional[Tensor]]:
-    """The inner strategy's plan and, with a given mask, its rows of this rank's contiguous block of
-    ``rows`` (the ring plans the rest)."""
+def _inner_part(plan: CallPlan, heads: HeadPlan, where: "_Groups", mask: Optional[Tensor], qh: Tensor,
+                kh: Tensor) -> tuple[CallPlan, Optional[Tensor], Agreement]:
+    """The inner strategy's plan, with a given mask its rows of this rank's contiguous block of the gathered
+    sequence (the ring plans the rest), and its agreement, reached with the call's: equal lengths (packed
+    documents: the shares)."""
     ring_plan = plan.ring_part(where.ring_size, where.ring_rank, heads.local_nq)
-    return ring_plan, mask.narrow(mask.dim() - 2, where.ring_rank * rows, rows) if plan.mask.given else None
+    rows = qh.size(2)
+    ring_mask = mask.narrow(mask.dim() - 2, where.ring_rank * rows, rows) if plan.mask.given else None
+    if ring_plan.packed:
+        shares = local_lengths(ring_plan.documents, ring_plan.world_size, ring_plan.document_placement)
+        return ring_plan, ring_mask, Agreement.reached([(n, n) for n in shares])
+    return ring_plan, ring_mask, Agreement.reached([(qh.size(2), kh.size(2))] * where.ring_size)
 
 
 def _local_mask(plan: CallPlan, mask: Optional[Tensor], seq: int) -> tuple[str, StepMask]:
@@ -117,22 +118,6 @@ def _local_mask(plan: CallPlan, mask: Optional[Tensor], seq: int) -> tuple[str, 
     if plan.mask.window:
         return "band", StepMask("band", pre_tockens=plan.mask.pre_tockens, next_tockens=plan.mask.next_tockens)
     return "full", StepMask("none")
-
-
-def _advance_rng(device: torch.device, draws: int) -> None:
-    for _ in range(draws):
-        torch.rand(1, device=device)
-
-
-@contextlib.contextmanager
-def _own_dropout_draws(plan: CallPlan, device: torch.device, where: "_Groups"):
-    """With dropout, rank u of a Ulysses group draws u times before its attention call(s) and U-1-u after
-    (not after an error): ranks computing different heads get different masks, the generator one state."""
-    u = plan.ulysses_size
-    before, after = (where.ulysses_rank, u - 1 - where.ulysses_rank) if plan.keep_prob < 1.0 else (0, 0)
-    _advance_rng(device, before)
-    yield
-    _advance_rng(device, after)
 
 
 @dataclass(frozen=True)
@@ -186,7 +171,8 @@ class Ulysses:
         local_seq = q.size(seq_dim)
         _check_mask(plan, mask, local_seq * plan.world_size)
         # the ring's checks but for its mask rows (here: the whole mask, checked above)
-        qd, nkv = check_qkv(replace(plan, mask=replace(plan.mask, given=False)), q, k, v)
+        qd, nkv = check_qkv(replace(plan, mask=replace(plan.mask, given=False)), tuple(q.shape), tuple(k.shape),
+                            tuple(v.shape))
         if plan.mask.given and k.size(seq_dim) != local_seq:
             raise ValueError(f"masked Ulysses attention needs equal local query and key lengths, got "
                              f"{local_seq} and {k.size(seq_dim)}")
@@ -211,126 +197,104 @@ class Ulysses:
         record for Ulysses, the ring's for hybrid). ``mask``: a given mask over the whole sequence in
         global order, [S, S], [1, 1, S, S] or [B, 1, S, S] (True = masked out); ``checked``: the head
         split ``check_forward`` returned; ``agreement``: waited for before the first all-to-all."""
-        where = _groups(plan, groups)
-        u, heads = plan.ulysses_size, checked
+        where, heads, lay = _groups(plan, groups), checked, plan.layout
         agreement.lengths()
         if heads.kv_repeats > 1:
             log.info("cp_cache Ulysses: %d K/V heads over %d ranks: each K/V head repeated %d times",
-                     heads.nkv, u, heads.kv_repeats)
-        started = time.perf_counter()
-        gathered = _gathered(plan, where, q.size(L.seq_dim(plan.layout)))
-        (qh, kh, vh), sent = exchange_heads([L.to_bnsd(q, plan.layout, heads.nq), _kv_bnsd(k, plan, heads),
-                                             _kv_bnsd(v, plan, heads)], own_group(groups), u, to_heads=True,
-                                            lengths=gathered.lengths)
-        exchanged = time.perf_counter()
-        qh, kh, vh = (gathered.to_global(t) for t in (qh, kh, vh))
-        with _own_dropout_draws(plan, q.device, where):
-            local = self._local_forward(plan, qh, kh, vh, heads, where, groups, kernel, mask)
-        computed = time.perf_counter()
-        out_h = gathered.to_rank_order(local.out)
-        lse_h = gathered.to_rank_order(local.lse.float().unsqueeze(-1))
-        (out_b, lse), back = exchange_heads([out_h, lse_h], own_group(groups), u, to_heads=False,
-                                            lengths=gathered.lengths)
-        finished = time.perf_counter()
-        bytes_sent = sent + back + local.bytes_sent
-        log.debug("ulysses forward rank %d/%d (ring %d): %d bytes sent", where.ulysses_rank, u, where.ring_size,
-                  bytes_sent)
-        return ForwardResult(out=own_storage(L.from_bnsd(out_b.to(q.dtype), plan.layout)),
-                             lse=own_storage(_lse_from_bnsd(lse.squeeze(-1), plan.layout)), steps=local.steps,
-                             bytes_sent=bytes_sent,
-                             bytes_received=sent + back + local.bytes_received,  # the all-to-alls are symmetric
-                             compute_seconds=(computed - exchanged) - local.wait_seconds,
-                             wait_seconds=(exchanged - started) + (finished - computed) + local.wait_seconds)
+                     heads.nkv, plan.ulysses_size, heads.kv_repeats)
 
-    def _local_forward(self, plan, qh, kh, vh, heads: HeadPlan, where: _Groups, groups, kernel,
-                       mask) -> ForwardResult:
-        """Attention of the gathered head shards ([B, N/U, S, D]): one kernel call, or the inner strategy;
-        the output [B, N/U, S, Dv] and the LSE [B, N/U, S]."""
-        if where.ring_size == 1 and not plan.packed:
-            part, step_mask = _local_mask(plan, mask, qh.size(2))
-            res = kernel.forward(qh, kh, vh, layout=_BNSD, head_num=heads.local_nq, scale=plan.scale,
-                                 keep_prob=plan.keep_prob, mask=step_mask)
-            rng = ((res.seed, res.offset),) if res.seed is not None else ()
-            return ForwardResult(res.out, res.lse, [RingStep(index=0, part=part, rng=rng)], bytes_sent=0)
-        # hybrid: the ring over the outer ranks; packed documents on one CP dimension: a packed ring of one rank
-        ring_plan, ring_mask = _inner_part(plan, heads, where, mask, qh.size(2))
-        qr, kr, vr = _local_layout(plan.layout, qh, kh, vh)
-        ring = self.inner.forward(ring_plan, qr, kr, vr, groups=groups[:-1], kernel=kernel, mask=ring_mask,
-                                  checked=self.inner.check_forward(ring_plan, qr, kr, vr, ring_mask),
-                                  agreement=_ring_agreed(ring_plan, qh, kh, where))
-        return replace(ring, out=_from_local_layout(plan.layout, ring.out), lse=_lse_bnsd(ring.lse, plan.layout))
+        def local(qh: Tensor, kh: Tensor, vh: Tensor) -> tuple[ForwardResult, list[Tensor]]:
+            """Attention of the gathered head shards ([B, N/U, S, D]): one kernel call, or the inner strategy.
+            With dropout, rank u of the group draws u times before and U-1-u after (not after an error): ranks
+            computing different heads get different masks, the generator one state."""
+            u = plan.ulysses_size
+            before, after = (where.ulysses_rank, u - 1 - where.ulysses_rank) if plan.keep_prob < 1.0 else (0, 0)
+            for _ in range(before):
+                torch.rand(1, device=q.device)
+            if where.ring_size == 1 and not plan.packed:
+                part, step_mask = _local_mask(plan, mask, qh.size(2))
+                res = kernel.forward(qh, kh, vh, layout=_BNSD, head_num=heads.local_nq, scale=plan.scale,
+                                     keep_prob=plan.keep_prob, mask=step_mask)
+                rng = ((res.seed, res.offset),) if res.seed is not None else ()
+                res = ForwardResult(res.out, res.lse, [RingStep(index=0, part=part, rng=rng)], bytes_sent=0)
+            else:  # hybrid: the ring over the outer ranks; packed documents on one CP dimension: a packed ring
+                ring_plan, ring_mask, agreed = _inner_part(plan, heads, where, mask, qh, kh)
+                qr, kr, vr = (_from_bnsd(t, lay) for t in (qh, kh, vh))
+                res = self.inner.forward(ring_plan, qr, kr, vr, groups=groups[:-1], kernel=kernel, mask=ring_mask,
+                                         checked=self.inner.check_forward(ring_plan, qr, kr, vr, ring_mask),
+                                         agreement=agreed)
+            for _ in range(after):
+                torch.rand(1, device=q.device)
+            return res, [_as_bnsd(res.out, lay), _as_bnsd(res.lse, lay).float().unsqueeze(-1)]
+
+        started = time.perf_counter()
+        tensors = [L.to_bnsd(q, lay, heads.nq), _kv_bnsd(k, plan, heads), _kv_bnsd(v, plan, heads)]
+        (out, lse), res, accounted = _round_trip(plan, groups, where, q, tensors, local, started)
+        log.debug("ulysses forward rank %d/%d (ring %d): %d bytes sent", where.ulysses_rank, plan.ulysses_size,
+                  where.ring_size, accounted["bytes_sent"])
+        return ForwardResult(out=own_storage(L.from_bnsd(out.to(q.dtype), lay)),
+                             lse=own_storage(_from_bnsd(lse.squeeze(-1), lay)), steps=res.steps, **accounted)
 
     def backward(self, plan: CallPlan, dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
                  steps: list[RingStep], *, groups: Sequence, kernel: StepKernel,
                  mask: Optional[Tensor] = None, checked: HeadPlan, agreement) -> BackwardResult:
         """Gradients of the local q, k, v shards; ``steps``, ``mask``, ``checked`` (from
         ``check_backward``) and ``agreement`` as in the forward."""
-        where = _groups(plan, groups)
-        u, heads = plan.ulysses_size, checked
+        where, heads, lay = _groups(plan, groups), checked, plan.layout
         agreement.lengths()
+
+        def local(qh: Tensor, kh: Tensor, vh: Tensor, outh: Tensor, douth: Tensor,
+                  lseh: Tensor) -> tuple[BackwardResult, list[Tensor]]:
+            """dq, dk, dv of the gathered head shards, as the forward's ``local`` computes."""
+            lseh = lseh.squeeze(-1)
+            if where.ring_size == 1 and not plan.packed:
+                _, step_mask = _local_mask(plan, mask, qh.size(2))
+                (seed, offset), = steps[0].rng or ((None, None),)
+                res = BackwardResult(*kernel.backward(qh, kh, vh, douth, outh, lseh, layout=_BNSD,
+                                                      head_num=heads.local_nq, scale=plan.scale,
+                                                      keep_prob=plan.keep_prob, mask=step_mask, seed=seed,
+                                                      offset=offset), bytes_sent=0)
+            else:
+                q_, k_, v_, out_, dout_, lse_ = (_from_bnsd(t, lay) for t in (qh, kh, vh, outh, douth, lseh))
+                ring_plan, ring_mask, agreed = _inner_part(plan, heads, where, mask, qh, kh)
+                checked = self.inner.check_backward(ring_plan, dout_, q_, k_, v_, out_, lse_, steps, ring_mask)
+                res = self.inner.backward(ring_plan, dout_, q_, k_, v_, out_, lse_, steps, groups=groups[:-1],
+                                          kernel=kernel, mask=ring_mask, checked=checked, agreement=agreed)
+            grads = [_as_bnsd(g, lay) for g in (res.dq, res.dk, res.dv)]
+            if heads.kv_repeats > 1:  # the repeated heads' gradients are summed: send them in float32
+                grads[1], grads[2] = grads[1].float(), grads[2].float()
+            return res, grads
+
         started = time.perf_counter()
-        lay = plan.layout
-        sequence = _gathered(plan, where, q.size(L.seq_dim(lay)))
         tensors = [L.to_bnsd(q, lay, heads.nq), _kv_bnsd(k, plan, heads), _kv_bnsd(v, plan, heads),
                    L.to_bnsd(out, lay, heads.nq), L.to_bnsd(dout, lay, heads.nq),
-                   _lse_bnsd(lse.float(), lay).unsqueeze(-1)]
-        exchanged_in, sent = exchange_heads(tensors, own_group(groups), u, to_heads=True, lengths=sequence.lengths)
-        exchanged = time.perf_counter()
-        gathered = [sequence.to_global(t) for t in exchanged_in]
-        gathered[5] = gathered[5].squeeze(-1)
-        local = self._local_backward(plan, gathered, steps, heads, where, groups, kernel, mask)
-        computed = time.perf_counter()
-        grads = [sequence.to_rank_order(t) for t in (local.dq, local.dk, local.dv)]
-        if heads.kv_repeats > 1:  # the repeated heads' gradients are summed: send them in float32
-            grads[1], grads[2] = grads[1].float(), grads[2].float()
-        (dq_b, dk_b, dv_b), back = exchange_heads(grads, own_group(groups), u, to_heads=False, lengths=sequence.lengths)
-        dk_b, dv_b = sum_kv_heads(dk_b, heads.kv_repeats), sum_kv_heads(dv_b, heads.kv_repeats)
-        finished = time.perf_counter()
-        return BackwardResult(
-            dq=own_storage(L.from_bnsd(dq_b.to(q.dtype), lay)), dk=own_storage(L.from_bnsd(dk_b.to(k.dtype), lay)),
-            dv=own_storage(L.from_bnsd(dv_b.to(v.dtype), lay)), bytes_sent=sent + back + local.bytes_sent,
-            bytes_received=sent + back + local.bytes_received,
-            compute_seconds=(computed - exchanged) - local.wait_seconds,
-            wait_seconds=(exchanged - started) + (finished - computed) + local.wait_seconds)
-
-    def _local_backward(self, plan, gathered, steps, heads: HeadPlan, where: _Groups, groups, kernel,
-                        mask) -> BackwardResult:
-        """dq, dk, dv of the gathered head shards, as ``_local_forward`` computes."""
-        qh, kh, vh, outh, douth, lseh = gathered
-        if where.ring_size == 1 and not plan.packed:
-            _, step_mask = _local_mask(plan, mask, qh.size(2))
-            (seed, offset), = steps[0].rng or ((None, None),)
-            grads = kernel.backward(qh, kh, vh, douth, outh, lseh, layout=_BNSD, head_num=heads.local_nq,
-                                    scale=plan.scale, keep_prob=plan.keep_prob, mask=step_mask, seed=seed,
-                                    offset=offset)
-            return BackwardResult(*grads, bytes_sent=0)
-        q_, k_, v_, out_, dout_ = _local_layout(plan.layout, qh, kh, vh, outh, douth)
-        lse_ = _lse_from_bnsd(lseh, plan.layout)
-        ring_plan, ring_mask = _inner_part(plan, heads, where, mask, qh.size(2))
-        checked = self.inner.check_backward(ring_plan, dout_, q_, k_, v_, out_, lse_, steps, ring_mask)
-        ring = self.inner.backward(ring_plan, dout_, q_, k_, v_, out_, lse_, steps, groups=groups[:-1], kernel=kernel,
-                                   mask=ring_mask, checked=checked, agreement=_ring_agreed(ring_plan, qh, kh, where))
-        return replace(ring, **{n: _from_local_layout(plan.layout, getattr(ring, n)) for n in ("dq", "dk", "dv")})
+                   _as_bnsd(lse.float(), lay).unsqueeze(-1)]
+        (dq, dk, dv), _, accounted = _round_trip(plan, groups, where, q, tensors, local, started)
+        dk, dv = sum_kv_heads(dk, heads.kv_repeats), sum_kv_heads(dv, heads.kv_repeats)
+        return BackwardResult(dq=own_storage(L.from_bnsd(dq.to(q.dtype), lay)),
+                              dk=own_storage(L.from_bnsd(dk.to(k.dtype), lay)),
+                              dv=own_storage(L.from_bnsd(dv.to(v.dtype), lay)), **accounted)
 
 
-def _local_layout(layout: str, *tensors: Tensor) -> tuple[Tensor, ...]:
-    """Gathered head shards ([B, N/U, S, D]) as the local attention takes them: BNSD, packed documents TND."""
-    if layout != L.TND:
-        return tensors
-    return tuple(L.from_bnsd(t, L.TND) for t in tensors)
-
-
-def _from_local_layout(layout: str, x: Tensor) -> Tensor:
-    """A result of the local attention as [B, N/U, S, D] (TND: a batch of one)."""
-    return L.to_bnsd(x, L.TND, x.size(1)) if layout == L.TND else x
-
-
-def _ring_agreed(ring_plan: CallPlan, qh: Tensor, kh: Tensor, where: _Groups) -> Agreement:
-    """The inner ring's agreement, reached with the call's: equal lengths (packed documents: the shares)."""
-    if ring_plan.packed:
-        shares = local_lengths(ring_plan.documents, ring_plan.world_size, ring_plan.document_placement)
-        return Agreement.reached([(n, n) for n in shares])
-    return Agreement.reached([(qh.size(2), kh.size(2))] * where.ring_size)
+def _round_trip(plan: CallPlan, groups: Sequence, where: _Groups, q: Tensor, tensors: list[Tensor], local,
+                started: float) -> tuple[list[Tensor], object, dict]:
+    """``tensors`` (sequence shards [B, N, s, D]) to head shards in the local attention's order, ``local(*those)
+    -> (result, tensors)`` and its tensors back to sequence shards: (those, the result, the result's fields of
+    bytes and seconds since ``started``, the local ones included)."""
+    u = plan.ulysses_size
+    lengths, order = _gathered(plan, where, q.size(L.seq_dim(plan.layout)))
+    inverse = None if order is None else torch.argsort(order)  # from rank order to the local attention's
+    heads, sent = exchange_heads(tensors, own_group(groups), u, to_heads=True, lengths=lengths)
+    exchanged = time.perf_counter()
+    res, results = local(*(_rows(t, inverse) for t in heads))
+    computed = time.perf_counter()
+    results, back = exchange_heads([_rows(t, order) for t in results], own_group(groups), u, to_heads=False,
+                                   lengths=lengths)
+    finished = time.perf_counter()
+    return results, res, dict(bytes_sent=sent + back + res.bytes_sent,
+                              bytes_received=sent + back + res.bytes_received,  # the all-to-alls are symmetric
+                              compute_seconds=(computed - exchanged) - res.wait_seconds,
+                              wait_seconds=(exchanged - started) + (finished - computed) + res.wait_seconds)
 
 
 ULYSSES = Ulysses()

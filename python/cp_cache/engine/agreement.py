@@ -16,7 +16,6 @@ from __future__ import annotations
 import hashlib
 import json
 import threading
-from datetime import timedelta
 from typing import Any, Callable, NamedTuple, Optional, Sequence
 
 import torch
@@ -141,12 +140,6 @@ def signature(*, direction: str, plan: CallPlan, q: Tensor, k: Tensor, v: Tensor
     return sig
 
 
-def _refusal_signature(direction: str, error: BaseException) -> Signature:
-    """A call this rank refused before it could describe it: the direction and the error's kind."""
-    values = [0, _DIRECTIONS.index(direction), _check_code(error), _UNKNOWN, _UNKNOWN, _UNKNOWN]
-    return Signature(torch.tensor(values, dtype=torch.int64), ())
-
-
 class Agreement:
     """The ranks' agreement on one call: this rank's signature all-gathered on the side group of each
     of the call's CP groups, posted at once; ``lengths()`` waits (where the strategy first exchanges
@@ -193,8 +186,9 @@ def agree_on_refusal(direction: str, groups: Sequence, error: BaseException, pla
     (described by ``plan``, q/k/v and ``fields`` when known), so the other ranks raise too. Raises
     the ranks' RuntimeError (chaining ``error``) where they differ; returns where every rank refused
     the same way, and the caller re-raises its own error."""
-    if plan is None:
-        sig = _refusal_signature(direction, error)
+    if plan is None:  # refused before it could describe the call: the direction and the error's kind
+        values = [0, _DIRECTIONS.index(direction), _check_code(error), _UNKNOWN, _UNKNOWN, _UNKNOWN]
+        sig = Signature(torch.tensor(values, dtype=torch.int64), ())
     else:
         sig = signature(direction=direction, plan=plan, q=q, k=k, v=v, error=error, **fields)
     for side, wait in _post(groups, sig.tensor):
@@ -230,8 +224,16 @@ def _checked(side: "SideGroup", gathered: list[Tensor], sig: Signature,
         _counters["refusals"] += bool(refusing)
     mine = json.dumps([list(sig.fields), "" if error is None else f"{type(error).__name__}: {error}"])
     described = [json.loads(text) for text in side.all_gather_text(mine)]
+    # '<field>: rank 0 <value>, rank 1 <value>, ...' for each field where the ranks that described the call
+    # differ, and the argument checks' outcome of every rank
+    fields = [dict(f) for f, _ in described]
+    names = next((list(f) for f in fields if f), [])
+    table = [("direction", {r: repr(_DIRECTIONS[s[_DIRECTION]]) for r, s in enumerate(signatures)})]
+    table += [(name, {r: f[name] for r, f in enumerate(fields) if name in f}) for name in names]
+    table.append(("argument checks", {r: repr(_CHECKS[s[_CHECK]]) for r, s in enumerate(signatures)}))
+    differing = [f"{name}: " + ", ".join(f"rank {r} {value}" for r, value in values.items())
+                 for name, values in table if len(set(values.values())) > 1]
     parts = []
-    differing = _differing([dict(fields) for fields, _ in described], signatures)
     if differing:
         parts.append("the ranks disagree on " + "; ".join(differing))
         if any(d.startswith("local ") and "shape" in d for d in differing):
@@ -242,24 +244,6 @@ def _checked(side: "SideGroup", gathered: list[Tensor], sig: Signature,
     if error is not None:
         raise RuntimeError(message) from error
     raise RuntimeError(message)
-
-
-def _differing(fields: list[dict], signatures: list[list[int]]) -> list[str]:
-    """'<field>: rank 0 <value>, rank 1 <value>, ...' for each field where the ranks that described the
-    call differ; the argument checks' outcome of every rank."""
-    out = []
-    names = next((list(f) for f in fields if f), [])
-    for name in ["direction"] + names:
-        if name == "direction":
-            values = {r: repr(_DIRECTIONS[s[_DIRECTION]]) for r, s in enumerate(signatures)}
-        else:
-            values = {r: f[name] for r, f in enumerate(fields) if name in f}
-        if len(set(values.values())) > 1:
-            out.append(f"{name}: " + ", ".join(f"rank {r} {value}" for r, value in values.items()))
-    checks = [_CHECKS[s[_CHECK]] for s in signatures]
-    if len(set(checks)) > 1:
-        out.append("argument checks: " + ", ".join(f"rank {r} {c!r}" for r, c in enumerate(checks)))
-    return out
 
 
 def start_agreement(direction: str, plan: CallPlan, q: Tensor, k: Tensor, v: Tensor, *, groups: Sequence,
@@ -292,12 +276,21 @@ class SideGroup:
     has made; it waits as long as the CP group does."""
 
     def __init__(self, group):
+        from torch.distributed.constants import default_pg_timeout
         from torch.distributed.distributed_c10d import _get_default_store
 
         ranks = dist.get_process_group_ranks(group)
         self.ranks, self.rank, self.size = tuple(ranks), dist.get_rank(group), len(ranks)
         store = dist.PrefixStore("cp_cache/side/" + "_".join(map(str, ranks)) + "/", _get_default_store())
-        self._backend = dist.ProcessGroupGloo(store, self.rank, self.size, _timeout_of(group))
+        for device in ("cpu", "cuda", "npu"):  # wait as long as the CP group (torch's default where none says)
+            try:
+                timeout = group._get_backend(torch.device(device)).options._timeout
+                break
+            except (AttributeError, RuntimeError, ValueError):
+                pass
+        else:
+            timeout = default_pg_timeout
+        self._backend = dist.ProcessGroupGloo(store, self.rank, self.size, timeout)
 
     def all_gather(self, tensor: Tensor) -> list[Tensor]:
         """Every member's ``tensor`` (a CPU tensor of the same shape and dtype on every rank)."""
@@ -317,24 +310,9 @@ class SideGroup:
     def all_gather_text(self, text: str) -> list[str]:
         """Every member's ``text``."""
         data = torch.tensor(list(text.encode()), dtype=torch.uint8)
-        lengths = self.all_gather(torch.tensor([data.numel()], dtype=torch.int64))
-        longest = max(int(n) for n in lengths)  # host tensors: no device involved
-        padded = torch.zeros(longest, dtype=torch.uint8)
-        padded[:data.numel()] = data
-        return [bytes(t[:int(n)].tolist()).decode() for t, n in zip(self.all_gather(padded), lengths)]
-
-
-def _timeout_of(group) -> timedelta:
-    """How long ``group``'s collectives wait (the side group waits as long; torch's default where no
-    backend says)."""
-    for device in ("cpu", "cuda", "npu"):
-        try:
-            return group._get_backend(torch.device(device)).options._timeout
-        except (AttributeError, RuntimeError, ValueError):
-            continue
-    from torch.distributed.constants import default_pg_timeout
-
-    return default_pg_timeout
+        lengths = [int(n) for n in self.all_gather(torch.tensor([data.numel()], dtype=torch.int64))]  # host tensors
+        padded = torch.nn.functional.pad(data, (0, max(lengths) - data.numel()))
+        return [bytes(t[:n].tolist()).decode() for t, n in zip(self.all_gather(padded), lengths)]
 
 
 _side_lock = threading.Lock()

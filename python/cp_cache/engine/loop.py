@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import functools
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable, Optional
 
 import torch
@@ -98,14 +98,14 @@ class RingStep:
         return self.rng[0] if self.rng else (None, None)
 
 
-@dataclass
-class ForwardResult:
-    out: Tensor
-    lse: Tensor
-    steps: list[RingStep]
+@dataclass(kw_only=True)
+class _Accounted:
+    """What a strategy's run moved and spent on this rank; the backward's bounds count the K/V rows again
+    and the dK/dV rows back."""
+
     bytes_sent: int
-    compute_seconds: float = 0.0  # kernels and merges
-    wait_seconds: float = 0.0  # blocked on a K/V receive: communication the compute did not hide
+    compute_seconds: float = 0.0  # kernels, merges and accumulation
+    wait_seconds: float = 0.0  # blocked on a receive: communication the compute did not hide
     lengths: Optional[list] = None  # every rank's (local query length, local K/V length)
     bytes_received: int = 0
     bytes_lower_bound: Optional[int] = None  # the least this rank must send (None: not computed)
@@ -113,32 +113,38 @@ class ForwardResult:
 
 
 @dataclass
-class BackwardResult:
+class ForwardResult(_Accounted):
+    out: Tensor
+    lse: Tensor
+    steps: list[RingStep]
+
+
+@dataclass
+class BackwardResult(_Accounted):
     dq: Tensor
     dk: Tensor
     dv: Tensor
-    bytes_sent: int
-    compute_seconds: float = 0.0  # kernels and accumulation
-    wait_seconds: float = 0.0  # blocked on a K/V or dK/dV receive
-    lengths: Optional[list] = None  # every rank's (local query length, local K/V length)
-    bytes_received: int = 0
-    bytes_lower_bound: Optional[int] = None  # as in ForwardResult: K/V rows again and dK/dV rows back
-    bytes_received_lower_bound: Optional[int] = None
     dsink: Optional[Tensor] = None  # the attention sink's gradient over this rank's rows (algorithms/sinks.py)
 
 
 @dataclass
 class Traffic:
-    """Bytes a ring loop moved for this rank, and the least it had to (the K/V rows, and dK/dV back)."""
+    """Bytes a ring loop moved for this rank, and the least it had to (the K/V rows, and dK/dV back); the
+    seconds it computed and waited, and every rank's lengths (not in its text)."""
 
     sent: int = 0
     received: int = 0
     sent_bound: Optional[int] = None
     received_bound: Optional[int] = None
+    compute_seconds: float = field(default=0.0, repr=False)
+    wait_seconds: float = field(default=0.0, repr=False)
+    lengths: Optional[list] = field(default=None, repr=False)
 
     def fields(self) -> dict:
+        """The result fields it fills (all but the lengths)."""
         return dict(bytes_sent=self.sent, bytes_received=self.received, bytes_lower_bound=self.sent_bound,
-                    bytes_received_lower_bound=self.received_bound)
+                    bytes_received_lower_bound=self.received_bound, compute_seconds=self.compute_seconds,
+                    wait_seconds=self.wait_seconds)
 
 
 def _row_bytes(k: Tensor, v: Tensor, seq_dim: int, itemsize: Optional[int] = None) -> int:
@@ -149,85 +155,124 @@ def _row_bytes(k: Tensor, v: Tensor, seq_dim: int, itemsize: Optional[int] = Non
     return (k.numel() * (itemsize or k.element_size()) + v.numel() * (itemsize or v.element_size())) // length
 
 
-def _bounds(traffic: Traffic, exchange: ExchangePlan, k: Tensor, v: Tensor, seq_dim: int, backward: bool,
-            kv_kept: bool = False, partial_itemsize: int = 4) -> None:
-    kv = 0 if kv_kept else _row_bytes(k, v, seq_dim)  # a backward on kept rows moves no K/V
+def _bounds(traffic: Traffic, exchange: ExchangePlan, k: Tensor, v: Tensor, seq_dim: int, kv_kept: bool = False,
+            partial_itemsize: Optional[int] = None) -> None:
+    """The K/V rows (none where a backward has them kept); with ``partial_itemsize`` (backward) the partials
+    of the rows received going back (float32, or K/V's dtype)."""
+    kv = 0 if kv_kept else _row_bytes(k, v, seq_dim)
     traffic.sent_bound = exchange.rows_sent * kv
     traffic.received_bound = exchange.rows_received * kv
-    if backward:  # the partials of the rows received go back (float32, or K/V's dtype)
+    if partial_itemsize:
         grad = _row_bytes(k, v, seq_dim, partial_itemsize)
         traffic.sent_bound += exchange.rows_received * grad
         traffic.received_bound += exchange.rows_sent * grad
 
 
-class _KVBlocks:
-    """Each step's K/V block (``current``): ``post_next(i, last)`` before step i's compute posts what step i+1
-    needs (bytes sent), ``advance()`` after it waits for that (seconds blocked). ``lengths``: every rank's."""
+class _Blocks:
+    """What a ring loop moves for this rank (bytes ``sent``, ``received``): each step's K/V block (``current``:
+    ``post_next(i, last)`` before step i's compute posts what step i+1 needs, ``advance()`` after it waits for
+    that, in seconds) and a backward's dK/dV (``for_block(i, k, v)``: step i's accumulators, ``pass_on(i, last,
+    held)`` after it: seconds blocked, ``home()``: the own block's in float32). ``lengths``: every rank's."""
 
-    def __init__(self, k: Tensor, v: Tensor, lengths: list, seq_dim: int, rank: int, size: int):
+    def __init__(self, k: Tensor, v: Tensor, lengths: list, seq_dim: int, *, group, rank: int, size: int):
         self._own = [k.contiguous(), v.contiguous()]
-        self._lengths, self._dim, self._rank, self._size = lengths, seq_dim, rank, size
-        self.received = 0
+        self._lengths, self._dim, self._group, self._rank, self._size = lengths, seq_dim, group, rank, size
+        self.sent = self.received = 0
 
     def block_shapes(self, source: int) -> list[torch.Size]:
         return [with_length(t, self._dim, self._lengths[source][1]) for t in self._own]
 
 
-class _KVTravel(_KVBlocks):
-    """This rank's block relayed round the ring; the next block is in flight while step i computes."""
+class _Ring(_Blocks):
+    """Whole blocks relayed round the ring, the next in flight while step i computes; a backward's float32
+    dK/dV accumulators travel with their block, at the end straight back to its owner."""
 
-    def __init__(self, k: Tensor, v: Tensor, lengths: list, seq_dim: int, *, group, rank: int, size: int):
-        super().__init__(k, v, lengths, seq_dim, rank, size)
-        self._kv = Rotation(self._own, group, rank, size, TAG_KV)
+    def __init__(self, k: Tensor, v: Tensor, lengths: list, seq_dim: int, **where):
+        super().__init__(k, v, lengths, seq_dim, **where)
+        self._kv = Rotation(self._own, self._group, self._rank, self._size, TAG_KV)
+        self._grads: Optional[Rotation] = None
 
     @property
     def current(self) -> list[Tensor]:
         return self._kv.current
 
-    def post_next(self, i: int, last: int) -> int:
-        if i >= last:
-            return 0
-        shapes = self.block_shapes((self._rank - i - 1) % self._size)
-        self.received += sum(shape.numel() * t.element_size() for shape, t in zip(shapes, self._own))
-        return self._kv.post(recv_shapes=shapes)
+    def _post(self, rotation: Rotation, i: int, shift: int) -> None:
+        """Send what ``rotation`` holds after step ``i`` ``shift`` ranks on; receive the block's it then holds."""
+        shapes = self.block_shapes((self._rank - shift - i) % self._size)
+        self.received += sum(shape.numel() * t.element_size() for shape, t in zip(shapes, rotation.current))
+        self.sent += rotation.post(shift, recv_shapes=shapes)
+
+    def post_next(self, i: int, last: int) -> None:
+        if i < last:
+            self._post(self._kv, i, 1)
 
     def advance(self) -> float:
         return _timed(self._kv.advance)[1] if self._kv.in_flight else 0.0
 
+    def for_block(self, i: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+        if self._grads is None:
+            self._grads = Rotation(_zeros((k, v), dtype=torch.float32), self._group, self._rank, self._size, TAG_DKV)
+        return self.home()
+
+    def pass_on(self, i: int, last: int, held: tuple[Tensor, Tensor]) -> float:
+        """After step ``i``: send the held accumulators on (after ``last``: home), receive the next."""
+        shift = 1 if i < last else self._size - last
+        if shift % self._size:
+            self._post(self._grads, i, shift)
+        return 0.0
+
+    def home(self) -> tuple[Tensor, Tensor]:
+        if self._grads.in_flight:
+            self._grads.advance()
+        return tuple(self._grads.current)
+
     def drain(self) -> None:
-        self._kv.drain()
+        for rotation in (self._kv, self._grads):
+            if rotation is not None:
+                rotation.drain()
 
 
-class _KVDirect(_KVBlocks):
-    """Stage s of the direct exchange brings the rows this rank needs of rank r-s's block, placed in a block
-    whose other rows are never read; two block buffers serve every stage."""
+class _Direct(_Blocks):
+    """The direct exchange. Stage s brings the rows this rank needs of rank r-s's block, placed in a block whose
+    other rows are never read (two block buffers serve every stage); ``keep``: each stage's rows kept
+    (``kept``); ``kept``: a ``keep_kv`` forward's rows, rebuilt into each stage's block (nothing moves).
+    A backward's step i sends its dK/dV partials (in ``partials``) back to rank r-i, adds r+i's after step i+1."""
 
-    def __init__(self, k: Tensor, v: Tensor, lengths: list, seq_dim: int, exchange: ExchangePlan, *, group,
-                 rank: int, size: int, keep: bool = False):
-        super().__init__(k, v, lengths, seq_dim, rank, size)
-        self._keep = keep  # keep each stage's received rows (``kept``): no buffer is reused
+    def __init__(self, k: Tensor, v: Tensor, lengths: list, seq_dim: int, exchange: ExchangePlan, *,
+                 keep: bool = False, kept: Optional[list] = None, partials: torch.dtype = torch.float32, **where):
+        super().__init__(k, v, lengths, seq_dim, **where)
+        self._plan, self._keep, self._forward_rows, self._partials_dtype = exchange, keep, kept, partials
         self.kept: dict[int, tuple] = {}
         self.current = self._own
-        self._plan, self._group = exchange, group
-        self._transfers: dict[int, Transfer] = {}  # stage -> its transfer in flight
+        self._transfers: dict[int, object] = {}  # stage -> its transfer in flight (kept rows: a tuple)
         self._stage = 0
         self._spare: Optional[list[Tensor]] = None  # a block buffer not in use
         self._buffered = False  # whether ``current`` is one of the two block buffers
         most = max([kv for _, kv in lengths], default=k.size(seq_dim))  # alike on every rank
-        self._all_at_once = (size - 1) * most * _row_bytes(k, v, seq_dim) <= SMALL_EXCHANGE_BYTES
+        small = (self._size - 1) * most * _row_bytes(k, v, seq_dim) <= SMALL_EXCHANGE_BYTES
+        self._all_at_once = kept is None and small
+        self._acc: list[Tensor] = []  # the own block's float32 dK/dV (backward)
+        self._partials: list[Optional[list[Tensor]]] = [None, None]
+        self._returning: Optional[tuple[Transfer, int]] = None  # a step's dK/dV returns in flight
 
     def _buffers(self, shapes: list[torch.Size]) -> list[Tensor]:
         spare, self._spare = self._spare, None
         return spare if spare is not None and [t.shape for t in spare] == shapes else _zeros(self._own, shapes)
 
-    def post_next(self, i: int, last: int) -> int:
-        """Before step ``i``'s compute: post stage i+1 (or every stage, where all is small); bytes sent."""
-        if i + 1 > last or i + 1 in self._transfers:
-            return 0
-        return sum(self._post(stage) for stage in range(i + 1, last + 1 if self._all_at_once else i + 2))
+    def post_next(self, i: int, last: int) -> None:
+        """Before step ``i``'s compute: post stage i+1 (or every stage, where all is small)."""
+        if i + 1 <= last and i + 1 not in self._transfers:
+            for stage in range(i + 1, last + 1 if self._all_at_once else i + 2):
+                self._post(stage)
 
-    def _post(self, stage: int) -> int:
+    def _post(self, stage: int) -> None:
         send, recv = self._plan.send[stage], self._plan.recv[stage]
+        if self._forward_rows is not None:
+            if recv.count and len(self._forward_rows[stage]) != 2:
+                raise RuntimeError(f"keep_kv: the forward kept no K/V rows for ring step {stage}, whose block "
+                                   f"needs {recv.count} rows: the step records are not this call's")
+            self._transfers[stage] = tuple(self._forward_rows[stage]) if recv.count else ()
+            return
         sending = [_taken(send, t, self._dim) for t in self._own] if send.count else []
         if not recv.count:
             receiving = []
@@ -236,227 +281,37 @@ class _KVDirect(_KVBlocks):
         else:
             receiving = [torch.empty(with_length(t, self._dim, recv.count), dtype=t.dtype, device=t.device)
                          for t in self._own]
-        transfer = Transfer.shifted(sending, receiving, stage, self._rank, self._size, self._group, TAG_KV)
-        self._transfers[stage] = transfer
+        self._transfers[stage] = self._transfer(sending, receiving, stage, TAG_KV)
+
+    def _transfer(self, sending: list[Tensor], receiving: list[Tensor], shift: int, tag: int) -> Transfer:
+        transfer = Transfer.shifted(sending, receiving, shift, self._rank, self._size, self._group, tag)
+        self.sent += transfer.nbytes
         self.received += transfer.received_bytes
-        return transfer.nbytes
+        return transfer
 
     def advance(self) -> float:
         transfer = self._transfers.pop(self._stage + 1, None)
         if transfer is None:
             return 0.0
         self._stage += 1
-        received, waited = _timed(transfer.wait)
-        block, buffered = self._block(received)
+        rows = self._plan.recv[self._stage]
+        received, waited = (list(transfer), 0.0) if isinstance(transfer, tuple) else _timed(transfer.wait)
+        shapes = self.block_shapes((self._rank - self._stage) % self._size)
+        block, buffered = placed_block(self._own, received, rows, shapes, self._dim, self._buffers)
         if self._keep and received:
             self.kept[self._stage] = tuple(received)
-        self._hold(block, buffered)
-        return waited
-
-    def _hold(self, block: list[Tensor], buffered: bool) -> None:
         if self._buffered and not self._keep:  # kept rows may live in a block buffer: none is reused
             self._spare = self.current
-        self.current, self._buffered = block, buffered
-
-    def _block(self, received: list[Tensor]) -> tuple[list[Tensor], bool]:
-        shapes = self.block_shapes((self._rank - self._stage) % self._size)
-        return placed_block(self._own, received, self._plan.recv[self._stage], shapes, self._dim, self._buffers)
-
-    def drain(self) -> None:
-        transfers, self._transfers = self._transfers, {}
-        for transfer in transfers.values():
-            transfer.drain()
-
-
-class _KVKept(_KVDirect):
-    """A ``keep_kv`` forward's received rows rebuilt into each stage's block: nothing moves."""
-
-    def __init__(self, k: Tensor, v: Tensor, lengths: list, seq_dim: int, exchange: ExchangePlan, kept: list,
-                 *, group, rank: int, size: int):
-        super().__init__(k, v, lengths, seq_dim, exchange, group=group, rank=rank, size=size)
-        self._kept = kept
-
-    def post_next(self, i: int, last: int) -> int:
-        stage = i + 1
-        if stage <= last:
-            self._stage = stage
-            rows = self._plan.recv[stage]
-            if rows.count and len(self._kept[stage]) != 2:
-                raise RuntimeError(f"keep_kv: the forward kept no K/V rows for ring step {stage}, whose block "
-                                   f"needs {rows.count} rows: the step records are not this call's")
-        return 0
-
-    def advance(self) -> float:
-        if self._stage == 0:
-            return 0.0
-        rows = self._plan.recv[self._stage]
-        block, buffered = self._block(list(self._kept[self._stage]) if rows.count else [])
-        self._hold(block, buffered and rows.index is not None)
-        self._stage = 0
-        return 0.0
-
-
-def placed_block(own: list[Tensor], received: list[Tensor], rows: StageRows, shapes: list[torch.Size], seq_dim: int,
-                 buffers: Optional[Callable[[list[torch.Size]], list[Tensor]]] = None) -> tuple[list[Tensor], bool]:
-    """The block of ``shapes`` with ``received`` at ``rows`` (itself where it is the whole block, else copied
-    into zeros from ``buffers``, default new); whether it is such a buffer."""
-    if rows.count and rows.index is None:
-        return received, True
-    if not rows.count:  # no query of this rank reads that block: zeros without memory
-        return [t.new_zeros(()).expand(shape) for t, shape in zip(own, shapes)], False
-    zeros = _zeros(own, shapes) if buffers is None else buffers(shapes)
-    return [_placed(rows, buf, seq_dim, got) for buf, got in zip(zeros, received)], True
-
-
-def _taken(rows: StageRows, t: Tensor, dim: int) -> Tensor:
-    """These rows of ``t`` on ``dim``: ``t`` itself (all), a view (consecutive) or a copy."""
-    if rows.index is None:
-        return t
-    if rows.start is not None:
-        return t.narrow(dim, rows.start, rows.count)
-    return t.index_select(dim, rows.index)
-
-
-def _placed(rows: StageRows, buffer: Tensor, dim: int, got: Tensor) -> Tensor:
-    if rows.start is not None:
-        buffer.narrow(dim, rows.start, rows.count).copy_(got)
-        return buffer
-    return buffer.index_copy_(dim, rows.index, got)
-
-
-def planned_exchange(plan: CallPlan, lengths: list, device: torch.device, *, group=None,
-                     mask_rows: Optional[Tensor] = None, state=None) -> ExchangePlan:
-    """This rank's direct exchange: per call for a given mask, else remembered on the CP group's ``state``."""
-    if plan.mask.given or plan.world_size == 1:
-        return exchange_plan(plan, lengths, group=group, mask_rows=mask_rows).on(device)
-    state = group_state(group) if state is None else state
-    key = ("exchange", plan.world_size, plan.rank, plan.layout, plan.mask, plan.load_balance, plan.documents,
-           plan.placement, tuple(map(tuple, lengths)), device)
-    found = state.memo.get(key)
-    return state.keep(key, exchange_plan(plan, lengths).on(device)) if found is None else found
-
-
-def _kv_blocks(k: Tensor, v: Tensor, lengths: list, seq_dim: int, exchange: Optional[ExchangePlan], *,
-               keep: bool = False, kept: Optional[list] = None, **where):
-    """The ring (no exchange plan), the direct exchange (``keep``: keep what arrives), or ``kept`` rows."""
-    if exchange is None:
-        if keep or kept is not None:
-            raise ValueError("keep_kv needs the direct exchange (exchange='direct')")
-        return _KVTravel(k, v, lengths, seq_dim, **where)
-    if kept is not None:
-        return _KVKept(k, v, lengths, seq_dim, exchange, kept, **where)
-    return _KVDirect(k, v, lengths, seq_dim, exchange, keep=keep, **where)
-
-
-def _agreed_first(compute, agreement, k: Tensor, v: Tensor):
-    """Step 0; if it fails the agreement is waited for first: ranks that disagree all raise its error."""
-    try:
-        return compute(0, k, v)
-    except BaseException:
-        agreement.lengths()
-        raise
-
-
-def _agreed(plan: CallPlan, agreement, lengths: Optional[list], group, device, mask_rows) -> tuple:
-    """Once the ranks agree: every rank's (query, K/V) lengths and the direct exchange (the ring's bound)."""
-    agreed = agreement.lengths()
-    lengths = agreed if lengths is None else lengths
-    state = None
-    if plan.world_size > 1:
-        state = group_state(group)
-        if not state.joined and plan.exchange == "direct":
-            join_once(group, device)
-    return lengths, planned_exchange(plan, lengths, device, group=group, mask_rows=mask_rows, state=state)
-
-
-def forward_ring(plan: CallPlan, groups, k: Tensor, v: Tensor, seq_dim: int, last: int, compute, agreement, *,
-                 mask_rows: Optional[Tensor] = None,
-                 lengths: Optional[list] = None) -> tuple[list[RingStep], Traffic, float, float, list]:
-    """Steps 0..``last``, ``compute(i, cur_k, cur_v) -> (part, rng)`` on the block held; returns (records,
-    traffic, compute seconds, seconds blocked, lengths)."""
-    size, rank, group = group_info(plan.world_size, plan.rank, own_group(groups))
-    steps: list[RingStep] = []
-    traffic = Traffic()
-    compute_s = wait_s = 0.0
-    kv = exchange = None
-    keep = plan.keep_kv
-    try:
-        for i in range(last + 1):
-            cur_k, cur_v = (k, v) if kv is None else kv.current
-            if kv is not None:
-                traffic.sent += kv.post_next(i, last)
-            started = time.perf_counter()
-            part, rng = compute(i, cur_k, cur_v) if kv is not None else _agreed_first(compute, agreement, k, v)
-            steps.append(RingStep(index=i, part=part, rng=tuple(rng), kept=kv.kept.get(i, ()) if keep and kv else ()))
-            compute_s += time.perf_counter() - started
-            del cur_k, cur_v
-            if kv is None:
-                lengths, exchange = _agreed(plan, agreement, lengths, group, k.device, mask_rows)
-                kv = _kv_blocks(k, v, lengths, seq_dim, exchange if plan.exchange == "direct" else None, keep=keep,
-                                group=group, rank=rank, size=size)
-                traffic.sent += kv.post_next(0, last)
-            wait_s += kv.advance()
-    except BaseException:
-        if kv is not None:
-            kv.drain()
-        raise
-    traffic.received = kv.received
-    _bounds(traffic, exchange, k, v, seq_dim, backward=False)
-    return steps, traffic, compute_s, wait_s, lengths
-
-
-class _GradAccumulators:
-    """The float32 dK/dV accumulators travelling with their block, at the end straight back to its owner."""
-
-    def __init__(self, kv: _KVTravel, group, rank: int, size: int):
-        self._kv, self._group, self._rank, self._size = kv, group, rank, size
-        self._rotation: Optional[Rotation] = None
-        self.bytes_sent = self.received = 0
-
-    def for_block(self, i: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
-        if self._rotation is None:
-            zeros = _zeros((k, v), dtype=torch.float32)
-            self._rotation = Rotation(zeros, self._group, self._rank, self._size, TAG_DKV)
-        elif self._rotation.in_flight:
-            self._rotation.advance()
-        return tuple(self._rotation.current)
-
-    def pass_on(self, i: int, last: int, held: tuple[Tensor, Tensor]) -> float:
-        """After step ``i``: send the held accumulators on (after ``last``: home), receive the next."""
-        shift = 1 if i < last else self._size - last
-        if shift % self._size:
-            shapes = self._kv.block_shapes((self._rank - shift - i) % self._size)  # the block it holds
-            self.received += sum(shape.numel() * 4 for shape in shapes)
-            self.bytes_sent += self._rotation.post(shift, recv_shapes=shapes)
-        return 0.0
-
-    def drain(self) -> None:
-        if self._rotation is not None:
-            self._rotation.drain()
-
-    def home(self) -> tuple[Tensor, Tensor]:
-        if self._rotation.in_flight:
-            self._rotation.advance()
-        return tuple(self._rotation.current)
-
-
-class _GradReturns:
-    """The direct exchange's dK/dV: step i's partials go back to rank r-i, r+i's are added after step i+1."""
-
-    def __init__(self, k: Tensor, v: Tensor, seq_dim: int, exchange: ExchangePlan, group, rank: int, size: int,
-                 partials: torch.dtype = torch.float32):
-        self._own = _zeros((k, v), dtype=torch.float32)
-        self._partials_dtype = partials  # what the partials travel in (added in float32 at home)
-        self._plan, self._dim = exchange, seq_dim
-        self._group, self._rank, self._size = group, rank, size
-        self._pending: Optional[tuple[Transfer, int]] = None
-        self._partials: list[Optional[list[Tensor]]] = [None, None]
-        self.bytes_sent = self.received = 0
+        # the forward's rows are no block buffer, even where they are the whole block
+        self.current = block
+        self._buffered = buffered and (self._forward_rows is None or rows.index is not None)
+        return waited
 
     def for_block(self, i: int, k: Tensor, v: Tensor) -> list[Tensor]:
         """Step 0: the own accumulators; else zeros in one of two buffers (the other may be in flight)."""
         if i == 0:
-            return self._own
+            self._acc = _zeros((k, v), dtype=torch.float32)
+            return self._acc
         held = self._partials[i % 2]
         if held is None or [t.shape for t in held] != [k.shape, v.shape]:
             held = self._partials[i % 2] = _zeros((k, v), dtype=torch.float32)
@@ -473,32 +328,33 @@ class _GradReturns:
         back, coming = self._plan.recv[i], self._plan.send[i]
         sending = [_taken(back, t, self._dim).to(self._partials_dtype) for t in held] if back.count else []
         receiving = [torch.empty(with_length(t, self._dim, coming.count), dtype=self._partials_dtype,
-                                 device=t.device) for t in self._own] if coming.count else []
-        transfer = Transfer.shifted(sending, receiving, -i, self._rank, self._size, self._group, TAG_DKV)
-        self.bytes_sent += transfer.nbytes
-        self.received += transfer.received_bytes
-        self._pending = (transfer, i)
+                                 device=t.device) for t in self._acc] if coming.count else []
+        self._returning = (self._transfer(sending, receiving, -i, TAG_DKV), i)
         return waited
 
     def _settle(self) -> float:
-        if self._pending is None:
+        if self._returning is None:
             return 0.0
-        (transfer, i), self._pending = self._pending, None
+        (transfer, i), self._returning = self._returning, None
         partials, waited = _timed(transfer.wait)
         rows = self._plan.send[i]
         where = rows.index if rows.start is None else (rows.start, rows.count)
-        for acc, got in zip(self._own, partials):
+        for acc, got in zip(self._acc, partials):
             _add_at(acc, where, got, self._dim)
         return waited
 
-    def drain(self) -> None:
-        if self._pending is not None:
-            (transfer, _), self._pending = self._pending, None
-            transfer.drain()
-
     def home(self) -> list[Tensor]:
         self._settle()
-        return self._own
+        return self._acc
+
+    def drain(self) -> None:
+        transfers, self._transfers = list(self._transfers.values()), {}
+        if self._returning is not None:
+            transfers.append(self._returning[0])
+            self._returning = None
+        for transfer in transfers:
+            if isinstance(transfer, Transfer):  # not the rows a forward kept
+                transfer.drain()
 
 
 def _add_at(acc: Tensor, where, grad: Tensor, dim: int) -> None:
@@ -511,58 +367,155 @@ def _add_at(acc: Tensor, where, grad: Tensor, dim: int) -> None:
         acc.index_add_(dim, where, grad.to(acc.dtype))
 
 
-def backward_ring(plan: CallPlan, groups, k: Tensor, v: Tensor, seq_dim: int, last: int, compute, agreement,
-                  steps: list[RingStep], *, mask_rows: Optional[Tensor] = None,
-                  lengths: Optional[list] = None) -> tuple[Tensor, Tensor, Traffic, float, float, list]:
-    """As ``forward_ring``, ``compute(...) -> [(rows, dk, dv)]`` (a ``keep_kv`` forward's ``steps`` rebuild the
-    blocks); returns (the own block's float32 dK and dV, traffic, compute seconds, seconds blocked, lengths)."""
-    size, rank, group = group_info(plan.world_size, plan.rank, own_group(groups))
-    where = dict(group=group, rank=rank, size=size)
-    kept = [step.kept for step in steps] if plan.keep_kv else None
-    partials = k.dtype if plan.grad_partials == "input" else torch.float32
-    direct = plan.exchange == "direct"
-    kv = accumulators = exchange = None
-    traffic = Traffic()
-    compute_s = wait_s = 0.0
+def placed_block(own: list[Tensor], received: list[Tensor], rows: StageRows, shapes: list[torch.Size], seq_dim: int,
+                 buffers: Optional[Callable[[list[torch.Size]], list[Tensor]]] = None) -> tuple[list[Tensor], bool]:
+    """The block of ``shapes`` with ``received`` at ``rows`` (itself where it is the whole block, else copied
+    into zeros from ``buffers``, default new); whether it is such a buffer."""
+    if rows.count and rows.index is None:
+        return received, True
+    if not rows.count:  # no query of this rank reads that block: zeros without memory
+        return [t.new_zeros(()).expand(shape) for t, shape in zip(own, shapes)], False
+    zeros = _zeros(own, shapes) if buffers is None else buffers(shapes)
+    for buffer, got in zip(zeros, received):
+        if rows.start is None:
+            buffer.index_copy_(seq_dim, rows.index, got)
+        else:
+            buffer.narrow(seq_dim, rows.start, rows.count).copy_(got)
+    return zeros, True
+
+
+def _taken(rows: StageRows, t: Tensor, dim: int) -> Tensor:
+    """These rows of ``t`` on ``dim``: ``t`` itself (all), a view (consecutive) or a copy."""
+    if rows.index is None:
+        return t
+    if rows.start is not None:
+        return t.narrow(dim, rows.start, rows.count)
+    return t.index_select(dim, rows.index)
+
+
+def planned_exchange(plan: CallPlan, lengths: list, device: torch.device, *, group=None,
+                     mask_rows: Optional[Tensor] = None, state=None) -> ExchangePlan:
+    """This rank's direct exchange: per call for a given mask, else remembered on the CP group's ``state``."""
+    if plan.mask.given or plan.world_size == 1:
+        return exchange_plan(plan, lengths, group=group, mask_rows=mask_rows).on(device)
+    state = group_state(group) if state is None else state
+    key = ("exchange", plan.world_size, plan.rank, plan.layout, plan.mask, plan.load_balance, plan.documents,
+           plan.placement, tuple(map(tuple, lengths)), device)
+    found = state.memo.get(key)
+    return state.keep(key, exchange_plan(plan, lengths).on(device)) if found is None else found
+
+
+def _agreed_first(compute, agreement, k: Tensor, v: Tensor):
+    """Step 0; if it fails the agreement is waited for first: ranks that disagree all raise its error."""
     try:
+        return compute(0, k, v)
+    except BaseException:
+        agreement.lengths()
+        raise
+
+
+def _agreed(plan: CallPlan, agreement, lengths: Optional[list], k: Tensor, v: Tensor, seq_dim: int,
+            mask_rows: Optional[Tensor], traffic: Traffic, *, keep: bool = False, kept: Optional[list] = None,
+            partials: torch.dtype = torch.float32, **where) -> tuple[_Blocks, ExchangePlan]:
+    """Once the ranks agree (after step 0 where compute is asynchronous): every rank's lengths (into ``traffic``), the direct exchange (the
+    ring's bound too) and what moves: the direct exchange (``keep``: keep what arrives; ``kept``: rows kept)
+    or the ring."""
+    agreed = agreement.lengths()
+    traffic.lengths = lengths = agreed if lengths is None else lengths
+    group, state = where["group"], None
+    if plan.world_size > 1:
+        state = group_state(group)
+        if not state.joined and plan.exchange == "direct":
+            join_once(group, k.device)
+    exchange = planned_exchange(plan, lengths, k.device, group=group, mask_rows=mask_rows, state=state)
+    if plan.exchange == "direct":
+        return _Direct(k, v, lengths, seq_dim, exchange, keep=keep, kept=kept, partials=partials, **where), exchange
+    if keep or kept is not None:
+        raise ValueError("keep_kv needs the direct exchange (exchange='direct')")
+    return _Ring(k, v, lengths, seq_dim, **where), exchange
+
+
+def forward_ring(plan: CallPlan, groups, k: Tensor, v: Tensor, seq_dim: int, last: int, compute, agreement, *,
+                 mask_rows: Optional[Tensor] = None, lengths: Optional[list] = None) -> tuple[list[RingStep], Traffic]:
+    """Steps 0..``last``, ``compute(i, cur_k, cur_v) -> (part, rng)`` on the block held; returns (records,
+    traffic)."""
+    size, rank, group = group_info(plan.world_size, plan.rank, own_group(groups))
+    steps: list[RingStep] = []
+    traffic = Traffic()
+    kv = exchange = None
+    keep = plan.keep_kv
+    try:
+        if k.device.type == "cpu":  # synchronous compute: agree first, so that stage 1 travels during step 0
+            kv, exchange = _agreed(plan, agreement, lengths, k, v, seq_dim, mask_rows, traffic, keep=keep,
+                                   group=group, rank=rank, size=size)
         for i in range(last + 1):
             cur_k, cur_v = (k, v) if kv is None else kv.current
             if kv is not None:
-                traffic.sent += kv.post_next(i, last)
+                kv.post_next(i, last)
+            started = time.perf_counter()
+            part, rng = compute(i, cur_k, cur_v) if kv is not None else _agreed_first(compute, agreement, k, v)
+            steps.append(RingStep(index=i, part=part, rng=tuple(rng), kept=kv.kept.get(i, ()) if keep and kv else ()))
+            traffic.compute_seconds += time.perf_counter() - started
+            del cur_k, cur_v
+            if kv is None:
+                kv, exchange = _agreed(plan, agreement, lengths, k, v, seq_dim, mask_rows, traffic, keep=keep,
+                                       group=group, rank=rank, size=size)
+                kv.post_next(0, last)
+            traffic.wait_seconds += kv.advance()
+    except BaseException:
+        if kv is not None:
+            kv.drain()
+        raise
+    traffic.sent, traffic.received = kv.sent, kv.received
+    _bounds(traffic, exchange, k, v, seq_dim)
+    return steps, traffic
+
+
+def backward_ring(plan: CallPlan, groups, k: Tensor, v: Tensor, seq_dim: int, last: int, compute, agreement,
+                  steps: list[RingStep], *, mask_rows: Optional[Tensor] = None,
+                  lengths: Optional[list] = None) -> tuple[Tensor, Tensor, Traffic]:
+    """As ``forward_ring``, ``compute(...) -> [(rows, dk, dv)]`` (a ``keep_kv`` forward's ``steps`` rebuild the
+    blocks); returns (the own block's float32 dK and dV, traffic)."""
+    size, rank, group = group_info(plan.world_size, plan.rank, own_group(groups))
+    kept = [step.kept for step in steps] if plan.keep_kv else None
+    partials = k.dtype if plan.grad_partials == "input" else torch.float32
+    kv = exchange = None
+    traffic = Traffic()
+    try:
+        if k.device.type == "cpu":  # as in forward_ring
+            kv, exchange = _agreed(plan, agreement, lengths, k, v, seq_dim, mask_rows, traffic, kept=kept,
+                                   partials=partials, group=group, rank=rank, size=size)
+        for i in range(last + 1):
+            cur_k, cur_v = (k, v) if kv is None else kv.current
+            if kv is not None:
+                kv.post_next(i, last)
             started = time.perf_counter()
             kv_grads = compute(i, cur_k, cur_v) if kv is not None else _agreed_first(compute, agreement, k, v)
             computed = time.perf_counter()
             if kv is None:
-                lengths, exchange = _agreed(plan, agreement, lengths, group, k.device, mask_rows)
-                kv = _kv_blocks(k, v, lengths, seq_dim, exchange if direct else None, kept=kept, **where)
-                accumulators = (_GradReturns(k, v, seq_dim, exchange, partials=partials, **where) if direct
-                                else _GradAccumulators(kv, **where))
-                traffic.sent += kv.post_next(0, last)
-            ready_at = time.perf_counter()
-            held = accumulators.for_block(i, cur_k, cur_v)
+                kv, exchange = _agreed(plan, agreement, lengths, k, v, seq_dim, mask_rows, traffic, kept=kept,
+                                       partials=partials, group=group, rank=rank, size=size)
+                kv.post_next(0, last)
+            held = kv.for_block(i, cur_k, cur_v)
             received = time.perf_counter()
             for rows, dk_i, dv_i in kv_grads:
                 _add_at(held[0], rows, dk_i, seq_dim)
                 _add_at(held[1], rows, dv_i, seq_dim)
             del kv_grads
-            blocked = accumulators.pass_on(i, last, held)
-            passed = time.perf_counter()
-            compute_s += (computed - started) + (passed - received) - blocked
-            wait_s += (ready_at - computed) + (received - ready_at) + blocked
+            blocked = kv.pass_on(i, last, held)
+            traffic.compute_seconds += (computed - started) + (time.perf_counter() - received) - blocked
+            traffic.wait_seconds += (received - computed) + blocked
             del cur_k, cur_v, held
-            wait_s += kv.advance()
+            traffic.wait_seconds += kv.advance()
     except BaseException:
-        for mover in (kv, accumulators):
-            if mover is not None:
-                mover.drain()
+        if kv is not None:
+            kv.drain()
         raise
-    (dk, dv), waited = _timed(accumulators.home)
-    wait_s += waited
-    traffic.sent += accumulators.bytes_sent
-    traffic.received = kv.received + accumulators.received
-    _bounds(traffic, exchange, k, v, seq_dim, backward=True, kv_kept=kept is not None,
-            partial_itemsize=partials.itemsize)
-    return dk, dv, traffic, compute_s, wait_s, lengths
+    (dk, dv), waited = _timed(kv.home)
+    traffic.wait_seconds += waited
+    traffic.sent, traffic.received = kv.sent, kv.received
+    _bounds(traffic, exchange, k, v, seq_dim, kv_kept=kept is not None, partial_itemsize=partials.itemsize)
+    return dk, dv, traffic
 
 
 def check_steps(steps: list[RingStep], rank: int, size: int, expected: int) -> None:
@@ -591,13 +544,9 @@ def empty_outputs(plan, q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor
             q.new_empty(L.lse_shape(q, plan.layout, plan.head_num), dtype=torch.float32))
 
 
-def check_qkv(plan: CallPlan, q: Tensor, k: Tensor, v: Tensor) -> tuple[L.Dims, int]:
-    """(query dims, K/V head count) of dense-layout q/k/v checked against the plan, once per shapes."""
-    return _checked_shapes(plan, tuple(q.shape), tuple(k.shape), tuple(v.shape))
-
-
 @functools.lru_cache(maxsize=256)
-def _checked_shapes(plan: CallPlan, q_shape: tuple, k_shape: tuple, v_shape: tuple) -> tuple[L.Dims, int]:
+def check_qkv(plan: CallPlan, q_shape: tuple, k_shape: tuple, v_shape: tuple) -> tuple[L.Dims, int]:
+    """(query dims, K/V head count) of dense-layout q/k/v of these shapes checked against the plan."""
     q, k, v = (torch.empty(shape, device="meta") for shape in (q_shape, k_shape, v_shape))
     lay = L.check_layout(plan.layout)
     qd = L.dims(q, lay, plan.head_num)

@@ -57,20 +57,15 @@ def _merge_float32(acc_out: Tensor, acc_lse: Tensor, out_i: Tensor, lse_i: Tenso
     return None
 
 
-def _stats(*lses: Tensor) -> list[Tensor]:
-    """The op's [B, N, S, 8] float32 (max, sum) of each LSE: (LSE, 1), or (lowest, 0) where LSE = -inf."""
-    out = []
-    for softmax_max, softmax_sum in [stats_from_lse(lse) for lse in lses]:
-        dead = torch.isneginf(softmax_max)
-        out += softmax_max.masked_fill(dead, FLOAT32_LOWEST), softmax_sum.masked_fill(dead, 0.0)
-    return out
-
-
 def _merge_fused(acc_out: Tensor, acc_lse: Tensor, out_i: Tensor, lse_i: Tensor, layout: str,
                  head_num: int, actual_seq_qlen: Optional[Tensor]) -> Optional[tuple[Tensor, Tensor]]:
     """As ``_merge_float32``, by the fused op (SBH for the dense layouts, packed as it is)."""
     op = getattr(torch.ops.npu, OP_NAME)
-    prev_max, prev_sum, cur_max, cur_sum = _stats(acc_lse, lse_i)
+    stats = []  # the op's [B, N, S, 8] float32 (max, sum) of each LSE: (LSE, 1), or (lowest, 0) where LSE = -inf
+    for softmax_max, softmax_sum in (stats_from_lse(acc_lse), stats_from_lse(lse_i)):
+        dead = torch.isneginf(softmax_max)
+        stats += softmax_max.masked_fill(dead, FLOAT32_LOWEST), softmax_sum.masked_fill(dead, 0.0)
+    prev_max, prev_sum, cur_max, cur_sum = stats
     if layout == L.TND:
         merged, new_max, new_sum = op(acc_out, prev_max, prev_sum, out_i.float(), cur_max, cur_sum,
                                       actual_seq_qlen=actual_seq_qlen, input_layout=L.TND)
@@ -96,16 +91,11 @@ def merge_sink(out: Tensor, lse: Tensor, sink: Tensor, layout: str, head_num: in
     return scaled.reshape(out.shape).to(out.dtype), new_lse
 
 
-def _row_dot(a: Tensor, b: Tensor, layout: str, head_num: int) -> Tensor:
-    """rowsum(a * b) in float32, in the LSE's shape."""
-    if layout == L.TND:
-        return (a.float() * b.float()).sum(-1)
-    return (L.to_bnsd(a, layout, head_num).float() * L.to_bnsd(b, layout, head_num).float()).sum(-1)
-
-
 def sink_grad(dout: Tensor, out: Tensor, lse: Tensor, sink: Tensor, layout: str, head_num: int) -> Tensor:
     """dsink [N] (the sink's dtype) over this rank's rows: ``-sum_i exp(sink[h] - LSE'_i) *
     rowsum(dout * out)_i``, ``out`` and ``lse`` the call's final results (the sink merged in)."""
     p_sink = torch.exp(_per_head(sink, lse) - lse.float())
-    weighted = p_sink * _row_dot(dout, out, layout, head_num)
+    if layout != L.TND:
+        dout, out = L.to_bnsd(dout, layout, head_num), L.to_bnsd(out, layout, head_num)
+    weighted = p_sink * (dout.float() * out.float()).sum(-1)  # rowsum(dout * out) in the LSE's shape
     return -weighted.transpose(0, 1).reshape(sink.numel(), -1).sum(1).to(sink.dtype)

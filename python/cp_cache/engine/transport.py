@@ -4,6 +4,7 @@ point-to-point ring stages and shifts, the all-to-all of Ulysses, and per-group 
 from __future__ import annotations
 
 import threading
+from dataclasses import dataclass, field
 from typing import Optional
 
 import torch
@@ -19,14 +20,13 @@ TAG_KV = 0  # k: 0, v: 1
 TAG_DKV = 2  # dk: 2, dv: 3
 
 
+@dataclass
 class GroupState:
     """Per CP group: whether its ranks joined one collective, and values computed from values (bounded)."""
 
     LIMIT = 256
-
-    def __init__(self) -> None:
-        self.joined = False
-        self.memo: dict = {}  # read with .get(key); written by ``keep``
+    joined: bool = False
+    memo: dict = field(default_factory=dict)  # read with .get(key); written by ``keep``
 
     def keep(self, key, value):
         """Remember ``value`` for ``key`` (a value) on this group; returns it."""
@@ -65,14 +65,22 @@ class Transfer:
     """``send`` to group rank ``to``, ``recv`` from ``source``: one message of each dtype (each costs a round)."""
 
     def __init__(self, send: list[Tensor], to: int, recv: list[Tensor], source: int, group, tag: int):
-        packed_send = _sendable(_packed(send))
-        self._packed_recv = _packed_buffer(recv)
-        self._unpack = self._packed_recv is not recv
-        self._landing = _sendable(self._packed_recv)  # the backends receive into contiguous memory only
+        # kept until the sends complete: one flat message where they share a dtype and device
+        self._sent = _sendable([torch.cat([t.reshape(-1) for t in send])] if _one_message(send) else send)
+        self._unpack = _one_message(recv)  # one flat message: its pieces copied into ``recv``
+        if self._unpack:
+            self._landing = [recv[0].new_empty(sum([t.numel() for t in recv]))]
+        else:  # the backends receive into contiguous memory only
+            self._landing = _sendable(recv)
         self.nbytes = sum([t.nbytes for t in send])
         self.received_bytes = sum([t.nbytes for t in recv])
-        self.recv, self._sent = recv, packed_send  # kept until the sends complete
-        self._works = _post(packed_send, to, self._landing, source, group, tag)
+        self.recv = recv
+        # one batch (NCCL and HCCL want a stage's sends and receives together)
+        ops = [dist.P2POp(dist.isend, t, dist.get_global_rank(group, to), group, tag + j)
+               for j, t in enumerate(self._sent)]
+        ops += [dist.P2POp(dist.irecv, r, dist.get_global_rank(group, source), group, tag + j)
+                for j, r in enumerate(self._landing)]
+        self._works = dist.batch_isend_irecv(ops) if ops else []
 
     @classmethod
     def shifted(cls, send: list[Tensor], recv: list[Tensor], shift: int, rank: int, size: int, group,
@@ -84,17 +92,17 @@ class Transfer:
         works, self._works = self._works, []  # waited once, even if the wait fails
         for w in works:
             w.wait()
-        recv, packed = self.recv, self._packed_recv
-        if self._landing is not packed:
-            for target, landed in zip(packed, self._landing):
+        recv, landing = self.recv, self._landing
+        if self._unpack:
+            offset = 0
+            for t in recv:
+                t.copy_(landing[0].narrow(0, offset, t.numel()).view(t.shape))
+                offset += t.numel()
+        else:
+            for target, landed in zip(recv, landing):
                 if target is not landed:
                     target.copy_(landed)
-        if self._unpack:  # one message: its pieces into the receive tensors
-            offset, message = 0, packed[0]
-            for t in recv:
-                t.copy_(message.narrow(0, offset, t.numel()).view(t.shape))
-                offset += t.numel()
-        self.recv, self._sent, self._packed_recv, self._landing = None, None, None, None
+        self.recv, self._sent, self._landing = None, None, None
         return recv
 
     def drain(self) -> None:
@@ -103,16 +111,6 @@ class Transfer:
             self.wait()
         except Exception:  # noqa: BLE001 - the original error is the one raised
             pass
-
-
-def _post(send: list[Tensor], to: int, recv: list[Tensor], source: int, group, tag: int) -> list:
-    """One stage's messages as one batch (NCCL and HCCL want a stage's sends and receives together)."""
-    if not send and not recv:
-        return []
-    ops = [dist.P2POp(dist.isend, t, dist.get_global_rank(group, to), group, tag + j) for j, t in enumerate(send)]
-    ops += [dist.P2POp(dist.irecv, r, dist.get_global_rank(group, source), group, tag + j)
-            for j, r in enumerate(recv)]
-    return dist.batch_isend_irecv(ops)
 
 
 def _sendable(tensors: list[Tensor]) -> list[Tensor]:
@@ -124,6 +122,7 @@ def _sendable(tensors: list[Tensor]) -> list[Tensor]:
 
 
 def _one_message(tensors: list[Tensor]) -> bool:
+    """Whether ``tensors`` travel as one flat message: two or more of one dtype and device."""
     if len(tensors) < 2:
         return False
     dtype, device = tensors[0].dtype, tensors[0].device
@@ -131,18 +130,6 @@ def _one_message(tensors: list[Tensor]) -> bool:
         if t.dtype != dtype or t.device != device:
             return False
     return True
-
-
-def _packed(tensors: list[Tensor]) -> list[Tensor]:
-    """``tensors`` as one flat message when they share a dtype and device (else as they are)."""
-    return [torch.cat([t.reshape(-1) for t in tensors])] if _one_message(tensors) else tensors
-
-
-def _packed_buffer(tensors: list[Tensor]) -> list[Tensor]:
-    """Where the message of ``tensors`` arrives: one flat buffer when they travel packed, else themselves."""
-    if not _one_message(tensors):
-        return tensors
-    return [torch.empty(sum([t.numel() for t in tensors]), dtype=tensors[0].dtype, device=tensors[0].device)]
 
 
 class Rotation:
@@ -154,14 +141,12 @@ class Rotation:
         self._transfer: Optional[Transfer] = None
         self._group, self._rank, self._size, self._tag = group, rank, size, tag
 
-    def post(self, shift: int = 1, recv_shapes: Optional[list[torch.Size]] = None) -> int:
-        """Send the current tensors ``shift`` ranks ahead, receive ``recv_shapes`` (default theirs); bytes sent."""
-        recv = self._spare
-        if recv is None or (recv_shapes is not None and [t.shape for t in recv] != list(recv_shapes)):
-            shapes = recv_shapes or [t.shape for t in self.current]
-            recv = [torch.empty(shape, dtype=t.dtype, device=t.device) for t, shape in zip(self.current, shapes)]
+    def post(self, shift: int, recv_shapes: list[torch.Size]) -> int:
+        """Send the current tensors ``shift`` ranks ahead, receive tensors of ``recv_shapes``; bytes sent."""
+        recv, self._spare = self._spare, None
+        if recv is None or [t.shape for t in recv] != list(recv_shapes):
+            recv = [torch.empty(shape, dtype=t.dtype, device=t.device) for t, shape in zip(self.current, recv_shapes)]
         self._transfer = Transfer.shifted(self.current, recv, shift, self._rank, self._size, self._group, self._tag)
-        self._spare = None
         return self._transfer.nbytes
 
     def advance(self) -> None:
@@ -233,42 +218,33 @@ def _exchange_uneven(tensors: list[Tensor], group, world: int, to_heads: bool,
     results: list[Optional[Tensor]] = [None] * len(tensors)
     sent = 0
     for dtype in dict.fromkeys(t.dtype for t in tensors):
-        members = [i for i, t in enumerate(tensors) if t.dtype == dtype]
-        # per destination rank: each member's piece for it, flattened, one after the other
-        pieces: list[list[Tensor]] = [[] for _ in range(world)]
-        for i in members:
-            t = tensors[i]
-            b, n, s, d = t.shape
-            for r in range(world):
-                piece = t.narrow(1, r * (n // world), n // world) if to_heads else t.narrow(2, starts[r], lengths[r])
-                pieces[r].append(piece.reshape(-1))
-        send = torch.cat([p for per_rank in pieces for p in per_rank])
-        in_splits = [sum(p.numel() for p in per_rank) for per_rank in pieces]
-        # what each source sends me: its rows of my heads (to_heads), or my rows of its heads
-        rows_from = lengths if to_heads else [lengths[me]] * world
-        widths = [[_piece_numel(tensors[i], world, to_heads, rows) for i in members] for rows in rows_from]
-        out_splits = [sum(w) for w in widths]
+        slots = [i for i, t in enumerate(tensors) if t.dtype == dtype]
+        members, m = [tensors[i] for i in slots], len(slots)
+        # rank r, member j at r * m + j: its piece for r, flattened, and the shape of its piece from r (r's rows of
+        # my heads, or my rows of r's heads)
+        pieces, shapes = [], []
+        for r in range(world):
+            for t in members:
+                b, n, _, d = t.shape
+                if to_heads:
+                    pieces.append(t.narrow(1, r * (n // world), n // world).reshape(-1))
+                    shapes.append((b, n // world, lengths[r], d))
+                else:
+                    pieces.append(t.narrow(2, starts[r], lengths[r]).reshape(-1))
+                    shapes.append((b, n, lengths[me], d))
+        send = torch.cat(pieces)
+        sizes = [b * n * s * d for b, n, s, d in shapes]
+        in_splits = [sum(p.numel() for p in pieces[r * m:(r + 1) * m]) for r in range(world)]
+        out_splits = [sum(sizes[r * m:(r + 1) * m]) for r in range(world)]
         received = send.new_empty(sum(out_splits))
         dist.all_to_all_single(received, send, output_split_sizes=out_splits, input_split_sizes=in_splits,
                                group=group)
         sent += (send.numel() - in_splits[me]) * send.element_size()
-        chunks = received.split(out_splits)
-        for slot, i in enumerate(members):
-            b, n, s, d = tensors[i].shape
-            parts = []
-            for source, chunk in enumerate(chunks):
-                offset = sum(widths[source][:slot])
-                piece = chunk[offset:offset + widths[source][slot]]
-                parts.append(piece.view(b, n // world, lengths[source], d) if to_heads else
-                             piece.view(b, n, lengths[me], d))
+        arrived = received.split(sizes)
+        for j, i in enumerate(slots):
+            parts = [arrived[r * m + j].view(shapes[r * m + j]) for r in range(world)]
             results[i] = torch.cat(parts, dim=2 if to_heads else 1)
     return results, sent
-
-
-def _piece_numel(t: Tensor, world: int, to_heads: bool, rows: int) -> int:
-    """Elements of one rank's piece of ``t`` with ``rows`` rows: 1/W of its heads (to_heads), or all."""
-    b, n, _, d = t.shape
-    return b * (n // world if to_heads else n) * rows * d
 
 
 def own_storage(x: Tensor) -> Tensor:

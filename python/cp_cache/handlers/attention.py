@@ -51,13 +51,12 @@ class Registration(Protocol):
 
 def strategy_for(plan: CallPlan, sink: Optional[Tensor] = None):
     """The strategy that runs ``plan``; with ``sink`` (this rank's heads), inside ``WithSink``."""
-    if plan.layout == L.TND:
-        if plan.algorithm in ("ulysses", "hybrid"):
-            strategy = PACKED_ULYSSES
-        else:
-            strategy = PACKED if plan.capacity is None else WithCapacity(PACKED)
+    if plan.layout != L.TND:
+        strategy = {"ulysses": ULYSSES, "hybrid": HYBRID}.get(plan.algorithm, RING)
+    elif plan.algorithm in ("ulysses", "hybrid"):
+        strategy = PACKED_ULYSSES
     else:
-        strategy = ULYSSES if plan.algorithm == "ulysses" else HYBRID if plan.algorithm == "hybrid" else RING
+        strategy = PACKED if plan.capacity is None else WithCapacity(PACKED)
     return strategy if sink is None else WithSink(strategy, sink)
 
 
@@ -102,9 +101,7 @@ class AttentionHandlers:
     def _pass_on(self, op_call, args, kwargs):
         """Serve a call that is not cp_cache's as it is served without cp_cache."""
         entry = None if self.registration is None else self.registration.displaced(op_call)
-        if entry is not None:
-            return entry(op_call, args, kwargs)
-        return dtensor_default(op_call, args, kwargs)
+        return (dtensor_default if entry is None else entry)(op_call, args, kwargs)
 
     # Where Dynamo cannot trace a call it breaks the graph at the op and the handler runs eagerly:
     # its own frames must not become graphs.
@@ -121,10 +118,10 @@ class AttentionHandlers:
             share_refusal("forward", a, error)
             raise
         q, k, v = call.local("query", "key", "value")
-        out, lse, seed = run_forward(q, k, v, call.mask, call.groups, call.plan, self.config.policy, *call.lengths,
-                                     call.sink)
-        outputs = (*call.wrap_forward(out, lse), torch.empty(0, dtype=q.dtype, device=q.device), seed,
-                   _slot_tensor(call.plan.world_size, q))
+        out, lse, seed = run_forward(q, k, v, call.mask, call.sharding.groups, call.plan, self.config.policy,
+                                     *call.lengths, call.sink)
+        slot = torch.tensor([call.plan.world_size], dtype=torch.int64, device="meta" if q.is_meta else "cpu")
+        outputs = (*call.wrap_forward(out, lse), torch.empty(0, dtype=q.dtype, device=q.device), seed, slot)
         self.call_log.set_handler_seconds("forward", started)
         return outputs
 
@@ -147,17 +144,12 @@ class AttentionHandlers:
             share_refusal("backward", a, error)
             raise
         dy, q, k, v, out = call.local("dy", "query", "key", "value", "attention_in")
-        dq, dk, dv, dsink = run_backward(dy, q, k, v, out, lse, a["seed"], call.mask, call.groups, call.plan,
-                                         self.config.policy, *call.lengths, call.sink)
+        dq, dk, dv, dsink = run_backward(dy, q, k, v, out, lse, a["seed"], call.mask, call.sharding.groups,
+                                         call.plan, self.config.policy, *call.lengths, call.sink)
         outputs = (*call.wrap_grads(dq, dk, dv), torch.empty(0, dtype=q.dtype, device=q.device),  # dpse
                    sink_grad_like(a["sink"], dsink, call.sharding.cp_dims))
         self.call_log.set_handler_seconds("backward", started)
         return outputs
-
-
-def _slot_tensor(value: int, like: Tensor) -> Tensor:
-    """An int64 [1] output slot, on the CPU (on meta when ``like`` is: tracing with meta tensors)."""
-    return torch.tensor([value], dtype=torch.int64, device="meta" if like.is_meta else "cpu")
 
 
 def dtensor_default(op_call, args, kwargs):
@@ -389,11 +381,9 @@ class CallRecord:
 class CallLog:
     """The last forward and backward call's record, and how many calls each direction had."""
 
-    DIRECTIONS = ("forward", "backward")
-
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._records = {d: CallRecord() for d in self.DIRECTIONS}
+        self._records = {"forward": CallRecord(), "backward": CallRecord()}
 
     def record(self, direction: str, result, started: float, ring_seconds: float, *,
                fused_merge: bool = False) -> None:

@@ -24,7 +24,8 @@ from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 
 from .. import layout as L
 from ..config import CPConfig, document_placement
-from ..documents import check_lengths_tensor, check_packed_tokens, cumulative_lengths, same_documents, sequence_positions
+from ..documents import (check_lengths_tensor, check_packed_tokens, cumulative_lengths, same_documents,
+                         sequence_positions)
 from ..engine import agreement
 from ..engine.merge import fused_merge_available
 from ..engine.transport import group_state
@@ -51,11 +52,6 @@ class CallSpec:
     mask: Optional[Tensor]
     lengths: tuple[Optional[Tensor], Optional[Tensor]] = (None, None)
     sink: Optional[Tensor] = None
-
-    @property
-    def groups(self) -> tuple:
-        """The CP dimensions' process groups, outer first."""
-        return self.sharding.groups
 
     def local(self, *names: str) -> tuple[Tensor, ...]:
         """The named arguments' local tensors, without a ``to_local`` autograd node (the handler runs
@@ -99,11 +95,9 @@ def _stats_layout(placements: tuple, layout: str) -> tuple[int, int, tuple]:
 def _wrap(local: Tensor, mesh, placements, seq_dim: int, total: int) -> DTensor:
     """``local`` as a DTensor sharded on ``seq_dim`` with global length ``total`` (shards may be uneven);
     its spec made once per shape (specs are immutable), except for symbolic sizes."""
-    shape, stride = tuple(local.shape), local.stride()
-    if type(local) is Tensor and type(total) is int:  # a real tensor's sizes are ints; a traced one's may be symbolic
-        spec = _spec(mesh, tuple(placements), shape, stride, local.dtype, seq_dim, total)
-    else:
-        spec = _spec.__wrapped__(mesh, tuple(placements), shape, stride, local.dtype, seq_dim, total)
+    # a real tensor's sizes are ints; a traced one's may be symbolic: its spec is made afresh
+    make = _spec if type(local) is Tensor and type(total) is int else _spec.__wrapped__
+    spec = make(mesh, tuple(placements), tuple(local.shape), local.stride(), local.dtype, seq_dim, total)
     return DTensor(local, spec, requires_grad=False)
 
 
@@ -126,9 +120,10 @@ def _spec(mesh, placements: tuple, shape: tuple, stride: tuple, dtype, seq_dim: 
 
 def read_call(a: dict[str, Any], cp: CPConfig, *, backward: bool = False) -> CallSpec:
     """The call of the bound arguments ``a`` under ``cp``; ``backward``: the grad op's (only checked
-    against the plan its forward recorded). A layer repeats its calls: a dense call whose plan and sharding depend only on the values
-    ``_repeat_key`` holds takes them from its CP group's last read with that key (measured: about
-    0.1 ms of a forward's and 0.6 ms of a backward's host time on the overhead bench's shapes)."""
+    against the plan its forward recorded). A layer repeats its calls: a dense call whose plan and
+    sharding depend only on the values ``_repeat_key`` holds takes them from its CP group's last read
+    with that key (measured: about 0.1 ms of a forward's and 0.6 ms of a backward's host time on the
+    overhead bench's shapes)."""
     check_one_dtype(GRAD_OP if backward else FORWARD_OP, a, _ONE_DTYPE[backward])
     key = _repeat_key(a, cp, backward)
     if key is None:
@@ -142,7 +137,7 @@ def read_call(a: dict[str, Any], cp: CPConfig, *, backward: bool = False) -> Cal
         return call
     plan, sharding = read
     sink = a["sink"]
-    if sink is not None:
+    if sink is not None:  # no call otherwise: this runs on every call
         sink = local_sink(sink, int(a["head_num"]), sharding.mesh, sharding.head_shards)
     return CallSpec(a, plan, sharding, None, sink=sink)
 
@@ -161,32 +156,26 @@ def _repeat_key(a: dict[str, Any], cp: CPConfig, backward: bool) -> Optional[tup
     for name in _UNSUPPORTED_WHEN_SET:
         if a[name] is not None:
             return None
-    mask = a["atten_mask"]
+    mask, query = a["atten_mask"], a["query"]
     if mask is not None and (a["sparse_mode"] in _GIVEN_MASK_MODES or type(mask) is not Tensor):
         return None
-    q, k, v = a["query"], a["key"], a["value"]
-    if not (type(q) is DTensor and type(k) is DTensor and type(v) is DTensor):
+    shard = _SEQUENCE_SHARD.get(a["input_layout"])
+    if type(query) is not DTensor or shard not in query._spec.placements:
         return None
-    q_local, k_local, v_local = q._local_tensor, k._local_tensor, v._local_tensor
-    if not (type(q_local) is Tensor and type(k_local) is Tensor and type(v_local) is Tensor):
-        return None
+    key = [backward, cp, L.load_balance_enabled(), a["scale_value" if backward else "scale"], a["sink"] is None,
+           None if mask is None else (mask.shape, mask.dtype)]
+    for name in _SCALARS:
+        key.append(a[name])
     # the DTensor specs by their parts (as DTensorSpec compares them: its own hash and equality are
     # Python calls through the mesh's); the mesh itself is checked by identity on a hit
-    q_spec, k_spec, v_spec = q._spec, k._spec, v._spec
-    mesh = q_spec.mesh
-    if k_spec.mesh is not mesh or v_spec.mesh is not mesh:
-        return None
-    placements = q_spec.placements
-    shard = _SEQUENCE_SHARD.get(a["input_layout"])
-    if shard not in placements:
-        return None
-    scalars = tuple([a[n] for n in _SCALARS])
-    return (backward, cp, L.load_balance_enabled(), a["scale_value" if backward else "scale"], a["sink"] is None,
-            None if mask is None else (mask.shape, mask.dtype), scalars,
-            placements, k_spec.placements, v_spec.placements, getattr(q_spec, "shard_order", None),
-            getattr(k_spec, "shard_order", None), getattr(v_spec, "shard_order", None), q_spec.tensor_meta,
-            k_spec.tensor_meta, v_spec.tensor_meta, q_local.shape, k_local.shape, v_local.shape,
-            placements.index(shard))  # last: the CP dimension whose group holds the read
+    mesh = query._spec.mesh
+    for name in _QKV:
+        t = a[name]
+        if type(t) is not DTensor or type(t._local_tensor) is not Tensor or t._spec.mesh is not mesh:
+            return None
+        key += (t._spec.placements, getattr(t._spec, "shard_order", None), t._spec.tensor_meta, t._local_tensor.shape)
+    key.append(query._spec.placements.index(shard))  # last: the CP dimension whose group holds the read
+    return tuple(key)
 
 
 def _read_call(a: dict[str, Any], cp: CPConfig, backward: bool) -> CallSpec:
@@ -206,10 +195,8 @@ def _read_call(a: dict[str, Any], cp: CPConfig, backward: bool) -> CallSpec:
     load_balance = spec.positional and L.load_balance_enabled()
     if load_balance and global_seq % (2 * sharding.size):
         # on the global length, the same on every rank, so every rank refuses together
-        raise ValueError(
-            f"load balancing splits the sequence into 2*W = {2 * sharding.size} chunks; the "
-            f"query sequence length {global_seq} is not divisible by {2 * sharding.size}"
-        )
+        raise ValueError(f"load balancing splits the sequence into 2*W = {2 * sharding.size} chunks; the "
+                         f"query sequence length {global_seq} is not divisible by {2 * sharding.size}")
     sink = local_sink(a["sink"], int(a["head_num"]), sharding.mesh, sharding.head_shards)
     plan = CallPlan(world_size=sharding.size, rank=sharding.rank, layout=layout,
                     head_num=sharding.local_heads(int(a["head_num"])), scale=scale, keep_prob=float(a["keep_prob"]),
@@ -227,7 +214,7 @@ def read_local(a: dict[str, Any], cp: CPConfig, *, backward: bool = False) -> Ca
                   sink=sink is not None, **_execution(cp))
     if a["input_layout"] == L.TND:
         documents, lengths = packed_documents(a)
-        plan = CallPlan(layout=L.TND, mask=packed_mask(a), documents=documents, placement=CONTIGUOUS, **common)
+        plan = CallPlan(layout=L.TND, mask=mask_spec(a), documents=documents, placement=CONTIGUOUS, **common)
         check_packed_tokens(plan, a["query"].size(0))
         return CallSpec(a, plan, None, None, lengths, sink)
     layout = L.check_layout(a["input_layout"])
@@ -238,9 +225,9 @@ def read_local(a: dict[str, Any], cp: CPConfig, *, backward: bool = False) -> Ca
 
 
 def _read_packed(a: dict[str, Any], cp: CPConfig, scale: float, backward: bool) -> CallSpec:
-    spec = packed_mask(a)
+    spec = mask_spec(a)
     documents, lengths = packed_documents(a)
-    sharding = packed_sharding({n: a[n] for n in _QKV})
+    sharding = cp_sharding({n: a[n] for n in _QKV}, L.TND)
     sink = local_sink(a["sink"], int(a["head_num"]), sharding.mesh, sharding.head_shards)
     load_balance = L.load_balance_enabled()
     algorithm = decide_algorithm(cp.algorithm, sharding.cp_dims, packed=True, given_mask=False, backward=backward,
@@ -256,6 +243,31 @@ def _read_packed(a: dict[str, Any], cp: CPConfig, scale: float, backward: bool) 
     # on global lengths, the same on every rank: every rank refuses together
     check_packed_tokens(plan, a["query"].size(0))
     return CallSpec(a, plan, sharding, None, lengths, sink)
+
+
+_LENGTHS = ("actual_seq_qlen", "actual_seq_kvlen")
+
+
+def packed_documents(a: dict[str, Any]) -> tuple[tuple[int, ...], tuple[Optional[Tensor], Optional[Tensor]]]:
+    """(documents, lengths): the global cumulative document ends given as lists, read and checked
+    now (constants of a traced graph), or the tensors given, checked from their shapes alone, for
+    the custom op to read (``read_documents``): host data whose values a traced call does not know."""
+    for name in _LENGTHS:
+        if a[name] is None:
+            raise ValueError(f"input_layout='TND' needs {name}: the global cumulative document ends (last = T)")
+        if isinstance(a[name], DTensor):
+            raise ValueError(f"{name} must be a plain tensor or list of the global cumulative ends, the same on "
+                             f"every rank, not a DTensor ({describe(a[name])})")
+    if not any(isinstance(a[name], Tensor) for name in _LENGTHS):
+        return same_documents(a["actual_seq_qlen"], a["actual_seq_kvlen"]), (None, None)
+    lengths = []
+    for name in _LENGTHS:
+        if isinstance(a[name], Tensor):
+            check_lengths_tensor(a[name], name)
+            lengths.append(a[name])
+        else:  # a list beside a tensor: checked and made an int64 tensor
+            lengths.append(torch.tensor(cumulative_lengths(a[name], name), dtype=torch.int64))
+    return (), tuple(lengths)
 
 
 def _execution(cp: CPConfig) -> dict:
@@ -279,59 +291,80 @@ def _costs(a: dict[str, Any], layout: str, sharding: CPSharding, cp: CPConfig):
     return costs
 
 
-def _mask_rows(a: dict[str, Any], plan: CallPlan) -> Optional[Tensor]:
-    """A given mask's rows of this rank's queries (ring), or the whole mask (Ulysses, hybrid)."""
-    if not plan.mask.given:
-        return None
-    if plan.algorithm != "ring":
-        return whole_mask(a["atten_mask"], a["query"], plan.layout)
-    local_len = a["query"].to_local().size(L.seq_dim(plan.layout))
-    rows = sequence_positions(plan.rank, plan.world_size, local_len, plan.load_balance)
-    return local_mask_rows(a["atten_mask"], a["query"], plan.layout, rows)
-
-
 # ---------------------------------------------------------------- the mask
 
 
-_UNSUPPORTED_WHEN_SET = ("pse", "padding_mask", "prefix", "actual_seq_qlen", "actual_seq_kvlen")
+_PACKED_UNSUPPORTED_WHEN_SET = ("pse", "padding_mask", "prefix")
+_UNSUPPORTED_WHEN_SET = _PACKED_UNSUPPORTED_WHEN_SET + ("actual_seq_qlen", "actual_seq_kvlen")
 _GIVEN_MASK_MODES = (SparseMode.MASK, SparseMode.ALL_MASK)
 _SUPPORTED_MODES = _GIVEN_MASK_MODES + CAUSAL_MODES + (SparseMode.BAND,)
+# a band with the compressed mask: in every document, or (packed) in the last / first one, the others causal
+_BAND_DOCUMENT = {SparseMode.BAND: "", SparseMode.RIGHT_DOWN_CAUSAL_BAND: "last",
+                  SparseMode.BAND_LEFT_UP_CAUSAL: "first"}
 
 
 def mask_spec(a: dict[str, Any]) -> MaskSpec:
     """The mask the bound arguments ask for, on global positions (NotImplementedError naming what is
-    not supported)."""
-    for name in _UNSUPPORTED_WHEN_SET:
+    not supported). Packed documents: causal per document, a band inside each document (sparse_mode 4)
+    or inside the last / first one with the others causal (7 / 8: the op's varlen external-split
+    modes), or full; no given mask."""
+    packed = a["input_layout"] == L.TND
+    for name in _PACKED_UNSUPPORTED_WHEN_SET if packed else _UNSUPPORTED_WHEN_SET:
         if a[name] is not None:
-            raise NotImplementedError(
-                f"cp_cache ring attention does not support {name}={describe(a[name])} yet"
-            )
+            raise NotImplementedError(f"cp_cache ring attention does not support {name}={describe(a[name])} yet")
     if a["softmax_layout"]:
         raise NotImplementedError(
-            f"cp_cache ring attention does not support softmax_layout={a['softmax_layout']!r} yet"
-        )
+            f"cp_cache ring attention does not support softmax_layout={a['softmax_layout']!r} yet")
     mode, mask = a["sparse_mode"], a["atten_mask"]
-    if mode not in _SUPPORTED_MODES:
-        raise NotImplementedError(
-            f"cp_cache ring attention supports sparse_mode 0, 1 (a given mask, or none: full "
-            f"attention), 2, 3 (compressed causal mask) and 4 (band), not sparse_mode={mode}"
-        )
+    if not packed and mode not in _SUPPORTED_MODES:
+        raise NotImplementedError(f"cp_cache ring attention supports sparse_mode 0, 1 (a given mask, or none: full "
+                                  f"attention), 2, 3 (compressed causal mask) and 4 (band), not sparse_mode={mode}")
     if mask is None:
-        return MaskSpec()  # the op computes full attention whatever sparse_mode says
-    if mask.dtype not in (torch.bool, torch.uint8):
-        raise ValueError(f"atten_mask must be bool or uint8 (1 = masked out), got {describe(mask)}")
-    if mode in CAUSAL_MODES + (SparseMode.BAND,):
-        if not is_compressed_mask(mask):
+        return MaskSpec()  # the op computes full attention (per document) whatever sparse_mode says
+    if packed:
+        if not ((mode in CAUSAL_MODES or mode in _BAND_DOCUMENT) and is_compressed_mask(mask)):
             raise NotImplementedError(
-                f"cp_cache ring attention with sparse_mode={mode} needs the compressed 2048x2048 "
-                f"mask, got atten_mask={describe(mask)}"
-            )
-        if mode == SparseMode.BAND:
-            return MaskSpec(window=True, pre_tockens=int(a["pre_tockens"]), next_tockens=int(a["next_tockens"]))
+                f"cp_cache ring attention with input_layout='TND' supports full attention (no atten_mask), causal "
+                f"attention per document (sparse_mode {int(SparseMode.LEFT_UP_CAUSAL)} or "
+                f"{int(SparseMode.RIGHT_DOWN_CAUSAL)}) and a band inside each document (sparse_mode "
+                f"{int(SparseMode.BAND)} with pre_tockens/next_tockens; 7 / 8: inside the last / first document, "
+                f"the others causal), each with the compressed 2048x2048 mask; not sparse_mode={mode} with "
+                f"atten_mask={describe(mask)} (explicit masks are not taken with packed documents)")
+    elif mask.dtype not in (torch.bool, torch.uint8):
+        raise ValueError(f"atten_mask must be bool or uint8 (1 = masked out), got {describe(mask)}")
+    elif mode in _GIVEN_MASK_MODES:
+        band = mode == SparseMode.MASK and (a["pre_tockens"] < INT_MAX or a["next_tockens"] < INT_MAX)
+        return MaskSpec(given=True, window=band, pre_tockens=int(a["pre_tockens"]) if band else INT_MAX,
+                        next_tockens=int(a["next_tockens"]) if band else INT_MAX)
+    elif not is_compressed_mask(mask):
+        raise NotImplementedError(f"cp_cache ring attention with sparse_mode={mode} needs the compressed 2048x2048 "
+                                  f"mask, got atten_mask={describe(mask)}")
+    if mode in CAUSAL_MODES:
         return MaskSpec(causal=True)
-    band = mode == SparseMode.MASK and (a["pre_tockens"] < INT_MAX or a["next_tockens"] < INT_MAX)
-    return MaskSpec(given=True, window=band, pre_tockens=int(a["pre_tockens"]) if band else INT_MAX,
-                    next_tockens=int(a["next_tockens"]) if band else INT_MAX)
+    return MaskSpec(window=True, pre_tockens=int(a["pre_tockens"]), next_tockens=int(a["next_tockens"]),
+                    band_document=_BAND_DOCUMENT[mode])
+
+
+def _mask_rows(a: dict[str, Any], plan: CallPlan) -> Optional[Tensor]:
+    """A given mask's rows of this rank's queries (ring), or the whole mask as a plain tensor (Ulysses and
+    hybrid attend every query to every key in one call: a plain tensor or a replicated DTensor)."""
+    if not plan.mask.given:
+        return None
+    mask, seq_dim = a["atten_mask"], L.seq_dim(plan.layout)
+    if plan.algorithm == "ring":
+        rows = sequence_positions(plan.rank, plan.world_size, a["query"].to_local().size(seq_dim), plan.load_balance)
+        return local_mask_rows(mask, a["query"], plan.layout, rows)
+    if isinstance(mask, DTensor):
+        if not all(isinstance(p, Replicate) for p in mask.placements):
+            raise NotImplementedError(f"cp_cache Ulysses attention takes atten_mask as a plain tensor or replicated, "
+                                      f"got a DTensor with placements={tuple(mask.placements)}; use algorithm='ring' "
+                                      "for a sharded mask")
+        mask = mask.to_local()
+    seq = a["query"].size(seq_dim)
+    if mask.dim() not in (2, 4) or tuple(mask.shape[-2:]) != (seq, seq):
+        raise ValueError(f"atten_mask for sparse_mode 0/1 must be [S, S], [1, 1, S, S], [B, 1, S, S] or [B, N, S, S] "
+                         f"over the global sequence S={seq}, got <tensor of shape {tuple(mask.shape)}>")
+    return mask
 
 
 def local_mask_rows(mask: Any, query: DTensor, layout: str, positions: Tensor) -> Tensor:
@@ -339,10 +372,8 @@ def local_mask_rows(mask: Any, query: DTensor, layout: str, positions: Tensor) -
     plain or replicated ``mask``, or a query-sharded DTensor's local rows as they are."""
     seq = query.size(L.seq_dim(layout))
     if mask.dim() not in (2, 4) or mask.shape[-1] != seq:
-        raise ValueError(
-            f"atten_mask for sparse_mode 0/1 must be [S, S], [1, 1, S, S], [B, 1, S, S] or [B, N, S, S] "
-            f"over the global sequence S={seq}, got {describe(mask)}"
-        )
+        raise ValueError(f"atten_mask for sparse_mode 0/1 must be [S, S], [1, 1, S, S], [B, 1, S, S] or [B, N, S, S] "
+                         f"over the global sequence S={seq}, got {describe(mask)}")
     if isinstance(mask, DTensor):
         placements = tuple(mask.placements)
         if all(isinstance(p, Replicate) for p in placements):
@@ -352,10 +383,8 @@ def local_mask_rows(mask: Any, query: DTensor, layout: str, positions: Tensor) -
             # (it can differ between ranks, and a refusal must come on every rank)
             return mask.to_local()
         else:
-            raise NotImplementedError(
-                f"cp_cache ring attention takes atten_mask replicated or sharded on its query "
-                f"dimension (Shard({mask.dim() - 2})), got placements={placements}"
-            )
+            raise NotImplementedError(f"cp_cache ring attention takes atten_mask replicated or sharded on its query "
+                                      f"dimension (Shard({mask.dim() - 2})), got placements={placements}")
     if mask.shape[-2] != seq:
         raise ValueError(f"atten_mask must be square over the global sequence S={seq}, got {describe(mask)}")
     return mask.index_select(mask.dim() - 2, positions.to(mask.device))
@@ -391,22 +420,16 @@ class CPSharding:
             rank = rank * self.mesh.size(d) + self.mesh.get_local_rank(d)
         return rank
 
-    def group(self, index: int):
-        """The process group of CP dimension ``index`` (0: the outer one)."""
-        return self.mesh.get_group(self.cp_dims[index])
-
     @functools.cached_property  # a mesh keeps its groups; a repeated call's sharding is the last one's
     def groups(self) -> tuple:
         """The process groups of the CP dimensions, outer first."""
-        return tuple(self.group(i) for i in range(len(self.cp_dims)))
+        return tuple(self.mesh.get_group(d) for d in self.cp_dims)
 
     def local_heads(self, head_num: int) -> int:
         """The query head count on this rank (``head_num`` is the op's, over all heads)."""
         if head_num % self.head_shards:
-            raise ValueError(
-                f"head_num={head_num} is not divisible by the {self.head_shards} tensor-parallel head "
-                f"shards of placements={self.placements}"
-            )
+            raise ValueError(f"head_num={head_num} is not divisible by the {self.head_shards} tensor-parallel head "
+                             f"shards of placements={self.placements}")
         return head_num // self.head_shards
 
 
@@ -414,147 +437,48 @@ def sequence_sharded(query: Any, layout: Any) -> bool:
     """Whether ``query`` is a DTensor sharded on the sequence dimension of ``layout`` over some mesh
     dimension: a CP call. False for a plain tensor, an unknown layout, or placements without
     ``Shard(seq)`` (data or tensor parallel, replicated): calls cp_cache leaves to others."""
-    if not isinstance(query, DTensor) or layout not in L.ALL_LAYOUTS:
-        return False
-    return _SEQUENCE_SHARD[layout] in query._spec.placements
+    return isinstance(query, DTensor) and _SEQUENCE_SHARD.get(layout) in query._spec.placements
 
 
 _SEQUENCE_SHARD = {layout: Shard(L.seq_dim(layout)) for layout in L.ALL_LAYOUTS}
 
 
 def cp_sharding(tensors: dict[str, Any], layout: str) -> CPSharding:
-    """The CP sharding shared by the named DTensors (same mesh, same placements)."""
+    """The CP sharding shared by the named DTensors (same mesh, same placements). Packed documents:
+    Shard(0) on every dimension of the mesh (one or two: the CP dimensions; another count is refused by
+    the algorithm, ``plan.decide_algorithm``)."""
     seq, head = L.seq_dim(layout), L.head_dim_index(layout)
     mesh = placements = None
     for name, tensor in tensors.items():
         if not isinstance(tensor, DTensor):
-            raise TypeError(
-                f"cp_cache ring attention needs {name} as a DTensor sharded on the sequence "
-                f"dimension {seq} of layout {layout!r}, got {type(tensor).__name__}"
-            )
+            where = (f"dimension 0 (T) of layout {layout!r}" if layout == L.TND
+                     else f"the sequence dimension {seq} of layout {layout!r}")
+            raise TypeError(f"cp_cache ring attention needs {name} as a DTensor sharded on {where}, got "
+                            f"{type(tensor).__name__}")
+        ndim = tensor.device_mesh.ndim
+        if layout == L.TND and tuple(tensor.placements) != (Shard(0),) * ndim:
+            raise NotImplementedError(f"cp_cache attention with input_layout='TND' needs {name} sharded on T on "
+                                      f"every mesh dimension, {(Shard(0),) * ndim} on its {ndim}-D mesh "
+                                      f"(data or tensor parallel dimensions: give the CP submesh), got "
+                                      f"placements={tuple(tensor.placements)}")
         if mesh is None:
             mesh, placements = tensor.device_mesh, tuple(tensor.placements)
         elif tensor.device_mesh != mesh:
             raise ValueError(f"{name} is on mesh {tensor.device_mesh}, query on {mesh}")
         elif tuple(tensor.placements) != placements:
-            raise NotImplementedError(
-                f"cp_cache CP attention needs q, k, v placed alike; query has {placements}, "
-                f"{name} has {tuple(tensor.placements)}"
-            )
+            raise NotImplementedError(f"cp_cache CP attention needs q, k, v placed alike; query has {placements}, "
+                                      f"{name} has {tuple(tensor.placements)}")
     cp_dims = tuple(d for d, p in enumerate(placements) if p == Shard(seq))
     others = [p for p in placements if p != Shard(seq) and not isinstance(p, Replicate) and p != Shard(head)]
     if not cp_dims or others:
-        raise NotImplementedError(
-            f"cp_cache ring attention needs query sharded as (Shard({seq}),) for layout {layout!r} on "
-            f"the CP mesh dimension(s), other mesh dimensions Replicate() or Shard({head}) (heads); "
-            f"got placements={placements}"
-        )
+        raise NotImplementedError(f"cp_cache ring attention needs query sharded as (Shard({seq}),) for layout "
+                                  f"{layout!r} on the CP mesh dimension(s), other mesh dimensions Replicate() or "
+                                  f"Shard({head}) (heads); got placements={placements}")
     head_shards = math.prod(mesh.size(d) for d, p in enumerate(placements) if p == Shard(head))
     return CPSharding(mesh, placements, cp_dims, head_shards)
 
 
-def whole_mask(mask: Any, query: DTensor, layout: str):
-    """A given ``atten_mask`` over the whole sequence as a plain tensor, for Ulysses (which
-    attends every query to every key in one call): a plain tensor or a replicated DTensor."""
-    if isinstance(mask, DTensor):
-        if not all(isinstance(p, Replicate) for p in mask.placements):
-            raise NotImplementedError(
-                f"cp_cache Ulysses attention takes atten_mask as a plain tensor or replicated, got a DTensor "
-                f"with placements={tuple(mask.placements)}; use algorithm='ring' for a sharded mask"
-            )
-        mask = mask.to_local()
-    seq = query.size(L.seq_dim(layout))
-    if mask.dim() not in (2, 4) or tuple(mask.shape[-2:]) != (seq, seq):
-        raise ValueError(
-            f"atten_mask for sparse_mode 0/1 must be [S, S], [1, 1, S, S], [B, 1, S, S] or [B, N, S, S] "
-            f"over the global sequence S={seq}, got <tensor of shape {tuple(mask.shape)}>"
-        )
-    return mask
-
-
-# ---------------------------------------------------------------- packed documents
-
-
-_PACKED_UNSUPPORTED_WHEN_SET = ("pse", "padding_mask", "prefix")
-_TND_PLACEMENT = (Shard(0),)
-_LENGTHS = ("actual_seq_qlen", "actual_seq_kvlen")
-_SPLIT_MODES = {SparseMode.RIGHT_DOWN_CAUSAL_BAND: "last", SparseMode.BAND_LEFT_UP_CAUSAL: "first"}
-
-
-def packed_mask(a: dict[str, Any]) -> MaskSpec:
-    """Causal per document, a band inside each document (sparse_mode 4) or inside the last /
-    first document with the others causal (7 / 8: the op's varlen external-split modes), or
-    full; anything else unsupported raises naming it."""
-    for name in _PACKED_UNSUPPORTED_WHEN_SET:
-        if a[name] is not None:
-            raise NotImplementedError(f"cp_cache ring attention does not support {name}={describe(a[name])} yet")
-    if a["softmax_layout"]:
-        raise NotImplementedError(
-            f"cp_cache ring attention does not support softmax_layout={a['softmax_layout']!r} yet")
-    mode, mask = a["sparse_mode"], a["atten_mask"]
-    if mask is None:
-        return MaskSpec()  # the op computes full attention (per document) whatever sparse_mode says
-    if mode in CAUSAL_MODES and is_compressed_mask(mask):
-        return MaskSpec(causal=True)
-    if (mode == SparseMode.BAND or mode in _SPLIT_MODES) and is_compressed_mask(mask):
-        # 7 / 8: the band in one document, the others causal
-        return MaskSpec(window=True, pre_tockens=int(a["pre_tockens"]), next_tockens=int(a["next_tockens"]),
-                        band_document=_SPLIT_MODES.get(mode, ""))
-    raise NotImplementedError(
-        f"cp_cache ring attention with input_layout='TND' supports full attention (no atten_mask), causal "
-        f"attention per document (sparse_mode {int(SparseMode.LEFT_UP_CAUSAL)} or "
-        f"{int(SparseMode.RIGHT_DOWN_CAUSAL)}) and a band inside each document (sparse_mode "
-        f"{int(SparseMode.BAND)} with pre_tockens/next_tockens; 7 / 8: inside the last / first document, the "
-        f"others causal), each with the compressed 2048x2048 mask; not sparse_mode={mode} with "
-        f"atten_mask={describe(mask)} (explicit masks are not taken with packed documents)")
-
-
-def packed_documents(a: dict[str, Any]) -> tuple[tuple[int, ...], tuple[Optional[Tensor], Optional[Tensor]]]:
-    """(documents, lengths): the global cumulative document ends given as lists, read and checked
-    now (constants of a traced graph), or the tensors given, checked from their shapes alone, for
-    the custom op to read (``read_documents``): host data whose values a traced call does not know."""
-    for name in _LENGTHS:
-        if a[name] is None:
-            raise ValueError(f"input_layout='TND' needs {name}: the global cumulative document ends (last = T)")
-        if isinstance(a[name], DTensor):
-            raise ValueError(f"{name} must be a plain tensor or list of the global cumulative ends, the same on "
-                             f"every rank, not a DTensor ({describe(a[name])})")
-    if not any(isinstance(a[name], Tensor) for name in _LENGTHS):
-        return same_documents(a["actual_seq_qlen"], a["actual_seq_kvlen"]), (None, None)
-    return (), tuple(_lengths_tensor(a[name], name) for name in _LENGTHS)
-
-
-def _lengths_tensor(value: Any, name: str) -> Tensor:
-    """``value`` as the op's lengths tensor: a tensor checked from its shape; a list (one of q/kv
-    given as a list, the other as a tensor) checked and made an int64 tensor."""
-    if isinstance(value, Tensor):
-        check_lengths_tensor(value, name)
-        return value
-    return torch.tensor(cumulative_lengths(value, name), dtype=torch.int64)
-
-
-def packed_sharding(tensors: dict[str, Any]) -> CPSharding:
-    """Every tensor a DTensor Shard(0) on every dimension of the same mesh (one or two: the CP
-    dimensions; another count is refused by the algorithm, ``plan.decide_algorithm``)."""
-    mesh = None
-    for name, tensor in tensors.items():
-        if not isinstance(tensor, DTensor):
-            raise TypeError(f"cp_cache ring attention needs {name} as a DTensor sharded on dimension 0 (T) of "
-                            f"layout 'TND', got {type(tensor).__name__}")
-        expected = _TND_PLACEMENT * tensor.device_mesh.ndim
-        if tuple(tensor.placements) != expected:
-            raise NotImplementedError(f"cp_cache attention with input_layout='TND' needs {name} sharded on T on "
-                                      f"every mesh dimension, {expected} on its {tensor.device_mesh.ndim}-D mesh "
-                                      f"(data or tensor parallel dimensions: give the CP submesh), got "
-                                      f"placements={tuple(tensor.placements)}")
-        if mesh is None:
-            mesh = tensor.device_mesh
-        elif tensor.device_mesh != mesh:
-            raise ValueError(f"{name} is on mesh {tensor.device_mesh}, query on {mesh}")
-    return CPSharding(mesh, _TND_PLACEMENT * mesh.ndim, cp_dims=tuple(range(mesh.ndim)), head_shards=1)
-
-
-# ---------------------------------------------------------------- sinks and gradients
+# ---------------------------------------------------------------- the backward's arguments, sinks, refusals
 
 
 def sharded_like(value: Any, name: str, mesh, placements) -> DTensor:
@@ -609,33 +533,19 @@ def sink_grad_like(sink: Any, dsink: Tensor, cp_dims: tuple[int, ...]) -> Tensor
     return DTensor.from_local(dsink, mesh, placements, shape=sink.shape, stride=sink.stride())
 
 
-# ---------------------------------------------------------------- refusals
-
-
-def _agreement_groups(a: Optional[dict[str, Any]]) -> list:
-    """The CP groups of the call's agreement (outer first), or none when the arguments do not say
-    or are traced (fake tensors: no collective while tracing)."""
-    if a is None:
-        return []
-    try:
-        tensors = {n: a[n] for n in _QKV}
-        sharding = (packed_sharding(tensors) if a["input_layout"] == L.TND
-                    else cp_sharding(tensors, L.check_layout(a["input_layout"])))
-    except Exception:  # noqa: BLE001 - the refusal itself is what gets raised
-        return []
-    if any(_traced(t.to_local()) for t in tensors.values()):
-        return []
-    return list(sharding.groups)
-
-
-def _traced(t: Tensor) -> bool:
-    from torch._subclasses.fake_tensor import FakeTensor
-
-    return t.is_meta or isinstance(t, FakeTensor)
-
-
 def share_refusal(direction: str, a: dict[str, Any], error: BaseException) -> None:
-    """This rank's refusal of the call whose bound arguments are ``a`` joins the ranks' agreement
-    on it (when the arguments name its CP groups), so every rank refuses: raises the agreed error
-    where the ranks' refusals differ, else returns and the caller raises its own."""
-    agreement.agree_on_refusal(direction, _agreement_groups(a), error)
+    """This rank's refusal of the call whose bound arguments are ``a`` joins the ranks' agreement on it
+    (when the arguments name its CP groups and are not traced: no collective while tracing), so every
+    rank refuses: raises the agreed error where the ranks' refusals differ, else returns and the caller
+    raises its own."""
+    tensors = {n: a[n] for n in _QKV}
+    try:
+        groups = list(cp_sharding(tensors, a["input_layout"]).groups)
+    except Exception:  # noqa: BLE001 - the refusal itself is what gets raised
+        groups = []
+    if groups:
+        from torch._subclasses.fake_tensor import FakeTensor
+
+        if any(t._local_tensor.is_meta or isinstance(t._local_tensor, FakeTensor) for t in tensors.values()):
+            groups = []
+    agreement.agree_on_refusal(direction, groups, error)

@@ -48,25 +48,50 @@ class ContextParallelMixin:
 
     def _cp_mesh(self):
         """The 1-D CP mesh: accelerate's "cp" dimension, or one cp_cache builds over the processes."""
-        accelerator = self.accelerator
+        from torch.distributed.device_mesh import init_device_mesh
+
+        accelerator, cp_size = self.accelerator, self.cp_size_requested
         config = getattr(accelerator, "parallelism_config", None)
         if config is not None and config.cp_enabled:
-            if self.cp_size_requested not in (None, config.cp_size):
-                raise ValueError(f"cp_size={self.cp_size_requested} disagrees with the parallelism_config's "
+            if cp_size not in (None, config.cp_size):
+                raise ValueError(f"cp_size={cp_size} disagrees with the parallelism_config's "
                                  f"cp_size={config.cp_size}; give one of them")
             accelerator._prepare_cp = functools.partial(_prepare_cp, accelerator)
             return accelerator.torch_device_mesh["cp"]
-        if self.cp_size_requested is None:
+        if cp_size is None:
             raise ValueError("ContextParallelTrainer needs the CP size: cp_size=N, or "
                              "TrainingArguments(parallelism_config=ParallelismConfig(cp_size=N))")
-        return _standalone_mesh(accelerator, self.cp_size_requested)
+        world = accelerator.num_processes
+        if world % cp_size:
+            raise ValueError(f"cp_size={cp_size} must divide the number of processes ({world})")
+        existing = accelerator.torch_device_mesh
+        if existing is not None and existing.mesh_dim_names == _MESH_DIMS and existing["cp"].size() == cp_size:
+            return existing["cp"]  # ours, from an earlier trainer on the same accelerator state
+        if existing is not None:
+            raise NotImplementedError(
+                f"cp_size={cp_size} with accelerate's device mesh {existing} (FSDP2, TP): give the CP size to "
+                "accelerate instead, TrainingArguments(parallelism_config=ParallelismConfig(cp_size=N))")
+        mesh = init_device_mesh(accelerator.device.type, (world // cp_size, cp_size), mesh_dim_names=_MESH_DIMS)
+        accelerator.state.device_mesh = mesh  # accelerate's data loaders: one batch stream per CP group
+        return mesh["cp"]
 
     def _prepare_context_parallel_inputs(self, model: torch.nn.Module, inputs: dict) -> tuple[Callable, dict]:
         """(the step's CP context, the inputs it shards): Trainer enters it around the step."""
         if self.cp_mesh is None:
             return super()._prepare_context_parallel_inputs(model, inputs)
-        _check_attention(model)
-        _drop_all_true_mask(inputs)
+        config = getattr(getattr(model, "module", model), "config", None)
+        implementation = getattr(config, "_attn_implementation", None)
+        if config is not None and implementation != attention.NAME:
+            raise ValueError(f"ContextParallelTrainer: the model's attention implementation is {implementation!r}; "
+                             f"make it with attn_implementation={attention.NAME!r} (or call "
+                             f"model.set_attn_implementation({attention.NAME!r})) so that its attention runs under CP")
+        mask = inputs.get("attention_mask")
+        if mask is not None:  # one that masks nothing is dropped (a host read per step); padding is refused
+            if mask.dim() != 2 or not bool(mask.all()):
+                raise NotImplementedError("ContextParallelTrainer: a batch with padding (attention_mask with zeros) "
+                                          "is not supported under CP; pack the batch instead: "
+                                          "DataCollatorWithFlattening(return_flash_attn_kwargs=True)")
+            del inputs["attention_mask"]
         if "labels" in inputs and "shift_labels" not in inputs:  # shifted on the whole sequence
             labels = torch.nn.functional.pad(inputs["labels"], (0, 1), value=IGNORE_INDEX)
             inputs["shift_labels"] = labels[:, 1:].contiguous()
@@ -87,45 +112,6 @@ def _prepare_cp(accelerator, *args):
     """In place of accelerate's ``Accelerator._prepare_cp`` (torch's ring): cp_cache's region, masks kept."""
     accelerator._cp_context = functools.partial(context_parallel, mesh=accelerator.torch_device_mesh["cp"])
     return args
-
-
-def _standalone_mesh(accelerator, cp_size: int):
-    from torch.distributed.device_mesh import init_device_mesh
-
-    world = accelerator.num_processes
-    if world % cp_size:
-        raise ValueError(f"cp_size={cp_size} must divide the number of processes ({world})")
-    existing = accelerator.torch_device_mesh
-    if existing is not None and existing.mesh_dim_names == _MESH_DIMS and existing["cp"].size() == cp_size:
-        return existing["cp"]  # ours, from an earlier trainer on the same accelerator state
-    if existing is not None:
-        raise NotImplementedError(
-            f"cp_size={cp_size} with accelerate's device mesh {accelerator.torch_device_mesh} (FSDP2, TP): give "
-            "the CP size to accelerate instead, TrainingArguments(parallelism_config=ParallelismConfig(cp_size=N))")
-    mesh = init_device_mesh(accelerator.device.type, (world // cp_size, cp_size), mesh_dim_names=_MESH_DIMS)
-    accelerator.state.device_mesh = mesh  # accelerate's data loaders: one batch stream per CP group
-    return mesh["cp"]
-
-
-def _check_attention(model: torch.nn.Module) -> None:
-    config = getattr(getattr(model, "module", model), "config", None)
-    implementation = getattr(config, "_attn_implementation", None)
-    if config is not None and implementation != attention.NAME:
-        raise ValueError(f"ContextParallelTrainer: the model's attention implementation is {implementation!r}; "
-                         f"make it with attn_implementation={attention.NAME!r} (or call "
-                         f"model.set_attn_implementation({attention.NAME!r})) so that its attention runs under CP")
-
-
-def _drop_all_true_mask(inputs: dict) -> None:
-    """A 2-D attention mask that masks nothing is dropped (one host read per step); padding is refused."""
-    mask = inputs.get("attention_mask")
-    if mask is None:
-        return
-    if mask.dim() != 2 or not bool(mask.all()):
-        raise NotImplementedError("ContextParallelTrainer: a batch with padding (attention_mask with zeros) is not "
-                                  "supported under CP; pack the batch instead: "
-                                  "DataCollatorWithFlattening(return_flash_attn_kwargs=True)")
-    del inputs["attention_mask"]
 
 
 def _per_token(name: str, value: Any, ids: torch.Tensor) -> bool:

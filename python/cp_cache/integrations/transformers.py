@@ -54,15 +54,6 @@ def mask_hook(batch_size: int, q_length: int, kv_length: int, *args, attention_m
 
 
 @dataclass(frozen=True)
-class _Mask:
-    """The mask a layer asks for, on positions in the whole (global) sequence."""
-
-    causal: bool
-    window: Optional[int]  # sliding_window w: keys i-w < j <= i (causal only)
-    documents: Optional[tuple[int, ...]]  # cumulative document ends, leading 0
-
-
-@dataclass(frozen=True)
 class _Sharding:
     """Where the local sequence sits in the global one."""
 
@@ -72,10 +63,6 @@ class _Sharding:
     load_balance: bool
     documents: Optional[tuple[int, ...]] = None  # the ends the region laid its buffers out by
     placement: Optional[str] = None
-
-    @property
-    def contiguous(self) -> bool:
-        return self.mesh is None or not self.load_balance
 
 
 def attention_forward(module: torch.nn.Module, query: Tensor, key: Tensor, value: Tensor,
@@ -90,21 +77,23 @@ def attention_forward(module: torch.nn.Module, query: Tensor, key: Tensor, value
                            "enter it with cp_cache.context_parallel(mesh, buffers=[...]) so that the attention "
                            "knows its mesh")
     try:
-        _refuse(attention_mask, kwargs)
-        _check_qkv(query, key, value, s_aux)
+        _refuse(attention_mask, kwargs, query, key, value, s_aux)
         sharding = _sharding(mesh, query, key)
         if sharding.documents is not None and kwargs.get("cu_seq_lens_q") is None:
             raise ValueError(f"cp_cache attention: the CP region laid its buffers out by documents="
                              f"{list(sharding.documents)}, but the call has no cu_seq_lens_q/k (pass the packed "
                              "batch's cu_seq_lens_q and cu_seq_lens_k to the model)")
-        causal = _causal(module, kwargs)
-        mask = _Mask(causal=causal, window=_window(sliding_window, causal),
-                     documents=_CHECKED.documents(kwargs, sharding))
-        if mask.documents is not None and query.size(0) != 1:
+        causal = kwargs.get("is_causal")
+        causal = bool(getattr(module, "is_causal", True) if causal is None else causal)
+        window = _window(sliding_window, causal)
+        documents = _checked_documents(kwargs, sharding)
+        if documents is not None and query.size(0) != 1:
             raise NotImplementedError(f"cp_cache attention: packed documents (cu_seq_lens_q/k) need batch size 1 "
                                       f"(the documents flattened into one row), got query {describe(query)}")
-        options = dict(scale=query.size(-1) ** -0.5 if scaling is None else float(scaling),
-                       keep_prob=_keep_prob(dropout))
+        scale = query.size(-1) ** -0.5 if scaling is None else float(scaling)
+        if not 0.0 <= float(dropout) < 1.0:
+            raise ValueError(f"cp_cache attention: dropout={dropout!r} must be in [0, 1)")
+        options = dict(scale=scale, keep_prob=1.0 - float(dropout))
         if s_aux is not None:
             options["sink"] = s_aux.float()
     except CHECK_ERRORS as error:
@@ -112,14 +101,11 @@ def attention_forward(module: torch.nn.Module, query: Tensor, key: Tensor, value
             agree_on_refusal("forward", [mesh.get_group()], error)
         raise
     query, key, value = autocast_inputs(query, key, value)  # one dtype, as SDPA under autocast
-    if mask.documents is not None and (sharding.documents is not None or sharding.contiguous):
-        out = _packed_call(query, key, value, mask, sharding, options)
-    else:
-        out = _dense_call(query, key, value, mask, sharding, options)
-    return out, None
+    return _call(query, key, value, causal, window, documents, sharding, options), None
 
 
-def _refuse(attention_mask: Optional[Tensor], kwargs: dict) -> None:
+def _refuse(attention_mask: Optional[Tensor], kwargs: dict, query: Tensor, key: Tensor, value: Tensor,
+            s_aux: Optional[Tensor]) -> None:
     if attention_mask is not None:
         raise NotImplementedError(f"cp_cache attention: attention_mask={describe(attention_mask)} is not supported: it "
                                   "takes the causal, sliding-window and packed-document masks the model asks for, not "
@@ -131,20 +117,12 @@ def _refuse(attention_mask: Optional[Tensor], kwargs: dict) -> None:
     if kwargs.get("output_attentions"):
         raise NotImplementedError("cp_cache attention: output_attentions=True is not supported (the attention "
                                   "weights are never formed); use attn_implementation='eager' to read them")
-
-
-def _check_qkv(query: Tensor, key: Tensor, value: Tensor, s_aux: Optional[Tensor]) -> None:
     if query.dim() != 4 or key.dim() != 4 or value.dim() != 4:
         raise ValueError(f"cp_cache attention: query, key and value must be [B, N, S, D], got "
                          f"{describe(query)}, {describe(key)}, {describe(value)}")
     if s_aux is not None and tuple(s_aux.shape) != (query.size(1),):
         raise ValueError(f"cp_cache attention: s_aux (the sinks) must be [N] = [{query.size(1)}] (one per query "
                          f"head), got {describe(s_aux)}")
-
-
-def _causal(module: torch.nn.Module, kwargs: dict) -> bool:
-    given = kwargs.get("is_causal")
-    return bool(getattr(module, "is_causal", True) if given is None else given)
 
 
 def _window(sliding_window: Optional[int], causal: bool) -> Optional[int]:
@@ -156,12 +134,6 @@ def _window(sliding_window: Optional[int], causal: bool) -> Optional[int]:
         raise NotImplementedError(f"cp_cache attention: sliding_window={sliding_window} with is_causal=False "
                                   "(a bidirectional window) is not supported")
     return int(sliding_window)
-
-
-def _keep_prob(dropout: float) -> float:
-    if not 0.0 <= float(dropout) < 1.0:
-        raise ValueError(f"cp_cache attention: dropout={dropout!r} must be in [0, 1)")
-    return 1.0 - float(dropout)
 
 
 def _sharding(mesh, query: Tensor, key: Tensor) -> _Sharding:
@@ -188,30 +160,27 @@ def _sharding(mesh, query: Tensor, key: Tensor) -> _Sharding:
     return _Sharding(mesh, sequence_positions(rank, world, s_q, load_balance), s_q * world, load_balance)
 
 
-class _Checked:
-    """The documents of the last (position_ids, cu_seq_lens_q, cu_seq_lens_k) read and checked: every layer of a
-    forward passes the same tensors, so one host read per forward (held by identity and version, weakly)."""
+_LAST: list = [(), (), None]  # the last read: weak references to its tensors, its key, its documents
 
-    _refs: tuple = ()
-    _key: tuple = ()
-    _documents: Optional[tuple[int, ...]] = None
 
-    def documents(self, kwargs: dict, sharding: _Sharding) -> Optional[tuple[int, ...]]:
-        given = (kwargs.get("position_ids"), kwargs.get("cu_seq_lens_q"), kwargs.get("cu_seq_lens_k"))
-        compiling = torch.compiler.is_compiling()  # no cache (its key would pin the lengths), no host read
-        if not compiling:
-            key = (tuple(_identity(t) for t in given), sharding.seq, sharding.documents, sharding.placement,
-                   None if sharding.held is None else tuple(sharding.held[:1].tolist() + [len(sharding.held)]),
-                   sharding.load_balance, None if sharding.mesh is None else sharding.mesh.get_local_rank())
-            if key == self._key and all(ref() is t for ref, t in zip(self._refs, given) if isinstance(t, Tensor)):
-                return self._documents
-        documents = _read_documents(given[1], given[2], sharding)
-        if given[0] is not None and sharding.held is not None:
-            _check_positions(given[0], sharding, documents, compiling)
-        if not compiling:
-            self._refs = tuple(weakref.ref(t) if isinstance(t, Tensor) else None for t in given)
-            self._key, self._documents = key, documents
-        return documents
+def _checked_documents(kwargs: dict, sharding: _Sharding) -> Optional[tuple[int, ...]]:
+    """The documents of (position_ids, cu_seq_lens_q, cu_seq_lens_k), read and checked: every layer of a forward
+    passes the same tensors, so one host read per forward (the last read held by identity and version, weakly)."""
+    given = (kwargs.get("position_ids"), kwargs.get("cu_seq_lens_q"), kwargs.get("cu_seq_lens_k"))
+    compiling = torch.compiler.is_compiling()  # no cache (its key would pin the lengths), no host read
+    if not compiling:
+        key = (tuple(_identity(t) for t in given), sharding.seq, sharding.documents, sharding.placement,
+               None if sharding.held is None else tuple(sharding.held[:1].tolist() + [len(sharding.held)]),
+               sharding.load_balance, None if sharding.mesh is None else sharding.mesh.get_local_rank())
+        refs, last_key, last = _LAST
+        if key == last_key and all(ref() is t for ref, t in zip(refs, given) if isinstance(t, Tensor)):
+            return last
+    documents = _read_documents(given[1], given[2], sharding)
+    if given[0] is not None and sharding.held is not None:
+        _check_positions(given[0], sharding, documents, compiling)
+    if not compiling:
+        _LAST[:] = [tuple(weakref.ref(t) if isinstance(t, Tensor) else None for t in given), key, documents]
+    return documents
 
 
 def _identity(value: Any) -> Any:
@@ -275,18 +244,6 @@ def _check_positions(position_ids: Tensor, sharding: _Sharding, documents: Optio
                          f"{int(expected[at])}. " + _POSITIONS_HINT)
 
 
-_CHECKED = _Checked()
-
-
-def _band(mask: _Mask, device) -> dict:
-    """The op's mask arguments for causal / window attention over the whole sequence."""
-    if mask.window is not None:  # causal: keys i-w < j <= i
-        return band_arguments(device, mask.window - 1)
-    if mask.causal:  # right-down: a query shorter than the keys (decoding) sits at their end
-        return causal_arguments(device, right_down=True)
-    return dict(sparse_mode=int(SparseMode.MASK))  # no mask: full attention
-
-
 @functools.lru_cache(maxsize=4)
 def _document_mask(documents: tuple[int, ...], causal: bool, window: Optional[int], device) -> Tensor:
     """[S, S] bool, True = masked out: other documents, and the causal / window rule within one."""
@@ -301,26 +258,31 @@ def _document_mask(documents: tuple[int, ...], causal: bool, window: Optional[in
     return masked
 
 
-def _dense_call(query: Tensor, key: Tensor, value: Tensor, mask: _Mask, sharding: _Sharding, options: dict) -> Tensor:
-    """BNSD: causal / window as the op's band, documents as an explicit [S, S] mask."""
-    if mask.documents is None:
-        mask_args = _band(mask, query.device)
-    else:
-        mask_args = dict(atten_mask=_document_mask(mask.documents, mask.causal, mask.window, query.device),
+def _call(query: Tensor, key: Tensor, value: Tensor, causal: bool, window: Optional[int],
+          documents: Optional[tuple[int, ...]], sharding: _Sharding, options: dict) -> Tensor:
+    """``_op`` on q/k/v: causal / window as the op's band; packed documents as TND ``[T, N, D]`` with their
+    cumulative ends where the buffers were laid out by the region's documents or contiguously (the band inside
+    each document), else BNSD with an explicit [S, S] mask. Returns ``[B, S, N, Dv]``."""
+    packed = documents is not None and (sharding.documents is not None or sharding.mesh is None
+                                        or not sharding.load_balance)
+    if documents is not None and not packed:
+        mask_args = dict(atten_mask=_document_mask(documents, causal, window, query.device),
                          sparse_mode=int(SparseMode.ALL_MASK))
-    q, k, v = (_sharded(t, sharding, 2) for t in (query, key, value))
-    out = _op()(q, k, v, query.size(1), "BNSD", **mask_args, **options)[0]
-    return _local(out).transpose(1, 2)
-
-
-def _packed_call(query: Tensor, key: Tensor, value: Tensor, mask: _Mask, sharding: _Sharding, options: dict) -> Tensor:
-    """Packed documents as TND ``[T, N, D]`` with their cumulative ends (buffers laid out by the region's
-    documents, or contiguous slices): a window as the band inside each document."""
-    ends = torch.tensor(mask.documents[1:], dtype=torch.int64)
-    mask_args = _band(_Mask(mask.causal, mask.window, None), query.device)
-    q, k, v = (_sharded(t[0].transpose(0, 1).contiguous(), sharding, 0) for t in (query, key, value))
-    out = _op()(q, k, v, query.size(1), L.TND, **mask_args, actual_seq_qlen=ends, actual_seq_kvlen=ends, **options)[0]
-    return _local(out).unsqueeze(0)  # [1, S, N, Dv]
+    elif window is not None:  # causal: keys i-w < j <= i
+        mask_args = band_arguments(query.device, window - 1)
+    elif causal:  # right-down: a query shorter than the keys (decoding) sits at their end
+        mask_args = causal_arguments(query.device, right_down=True)
+    else:  # full attention
+        mask_args = dict(sparse_mode=int(SparseMode.MASK))
+    if packed:
+        ends = torch.tensor(documents[1:], dtype=torch.int64)
+        mask_args.update(actual_seq_qlen=ends, actual_seq_kvlen=ends)
+        q, k, v = (_sharded(t[0].transpose(0, 1).contiguous(), sharding, 0) for t in (query, key, value))
+    else:
+        q, k, v = (_sharded(t, sharding, 2) for t in (query, key, value))
+    out = _op()(q, k, v, query.size(1), L.TND if packed else "BNSD", **mask_args, **options)[0]
+    out = out.to_local() if isinstance(out, DTensor) else out
+    return out.unsqueeze(0) if packed else out.transpose(1, 2)
 
 
 def _sharded(t: Tensor, sharding: _Sharding, seq_dim: int) -> Tensor:
@@ -333,10 +295,6 @@ def _sharded(t: Tensor, sharding: _Sharding, seq_dim: int) -> Tensor:
     stride = tuple(math.prod(shape[i + 1:]) for i in range(len(shape)))
     return DTensor.from_local(t, sharding.mesh, [Shard(seq_dim)], run_check=False, shape=torch.Size(shape),
                               stride=stride)
-
-
-def _local(t: Tensor) -> Tensor:
-    return t.to_local() if isinstance(t, DTensor) else t
 
 
 def _op() -> Callable:

@@ -14,8 +14,7 @@ from torch import Tensor
 
 from ..documents import document_pieces
 from . import band, causal, given, none
-from .base import NONE, BlockTask, MaskSpec, StepMask, chunks
-from .segments import Segment, VarlenCall, VarlenStep
+from .base import NONE, BlockTask, MaskSpec, Segment, StepMask, VarlenCall, VarlenStep, chunks
 
 __all__ = ["MaskSpec", "StepMask", "BlockTask", "NONE", "Segment", "VarlenCall", "VarlenStep", "KINDS", "chunks",
            "plan_step", "hops_needed", "document_step", "step_pairs", "needed_keys", "npu_arguments", "masked_positions"]

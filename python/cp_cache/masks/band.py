@@ -17,8 +17,7 @@ from torch import Tensor
 
 from ..npu_ops import INT_MAX, band_arguments
 from . import causal
-from .base import NONE, BlockTask, MaskSpec, StepMask, block_positions, chunks
-from .segments import Segment, VarlenCall, VarlenStep
+from .base import NONE, BlockTask, MaskSpec, Segment, StepMask, VarlenCall, VarlenStep, block_positions, chunks
 
 __all__ = ["band_task", "plan_step", "hops_needed", "needed", "some_query_within", "document_needed",
            "document_step", "pairs", "npu_arguments", "masked"]

@@ -1,5 +1,6 @@
 """What every mask kind shares: the call's mask on global positions (``MaskSpec``), one kernel
-call's mask (``StepMask``) and one kernel call of a step (``BlockTask``)."""
+call's mask (``StepMask``), one kernel call of a step (``BlockTask``), and a packed-documents step's
+kernel calls: segments (one document's query rows x K/V rows) in calls that share one mask."""
 
 from __future__ import annotations
 
@@ -12,7 +13,8 @@ from torch import Tensor
 from ..npu_ops import INT_MAX
 from ..placement import sequence_pieces
 
-__all__ = ["MaskSpec", "StepMask", "BlockTask", "NONE", "chunks", "block_positions"]
+__all__ = ["MaskSpec", "StepMask", "BlockTask", "NONE", "Segment", "VarlenCall", "VarlenStep", "chunks",
+           "block_positions", "span"]
 
 
 @dataclass(frozen=True)
@@ -95,3 +97,37 @@ def chunks(rank: int, world_size: int, length: int, load_balance: bool) -> list[
 def block_positions(sq: int, sk: int, device) -> tuple[Tensor, Tensor]:
     """Query and key indices of an [sq, sk] block, shaped to broadcast: ([sq, 1], [1, sk])."""
     return torch.arange(sq, device=device).view(-1, 1), torch.arange(sk, device=device).view(1, -1)
+
+
+@dataclass(frozen=True)
+class Segment:
+    """One document's part of a step: local query rows x rows of the K/V block."""
+
+    document: int
+    q_start: int
+    q_len: int
+    kv_start: int
+    kv_len: int
+
+
+@dataclass(frozen=True)
+class VarlenCall:
+    """One TND kernel call: its mask and its segments, whose query rows never overlap."""
+
+    mask: StepMask
+    segments: tuple[Segment, ...]
+
+
+@dataclass(frozen=True)
+class VarlenStep:
+    part: str
+    calls: tuple[VarlenCall, ...]  # none when the step has no work
+
+    @property
+    def segments(self) -> tuple[Segment, ...]:
+        return tuple(s for call in self.calls for s in call.segments)
+
+
+def span(pieces: list[tuple[int, int, int]]) -> tuple[int, int]:
+    """(local start, length) of adjacent pieces, each (local start, global start, length)."""
+    return pieces[0][0], sum(n for _, _, n in pieces)

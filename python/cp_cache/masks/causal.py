@@ -16,8 +16,7 @@ from torch import Tensor
 
 from ..npu_ops import causal_arguments
 from ..placement import CONTIGUOUS
-from .base import NONE, BlockTask, MaskSpec, StepMask, block_positions
-from .segments import Segment, VarlenCall, VarlenStep, span
+from .base import NONE, BlockTask, MaskSpec, Segment, StepMask, VarlenCall, VarlenStep, block_positions, span
 
 __all__ = ["step_part", "plan_step", "needed", "document_needed", "document_step", "pairs",
            "npu_arguments", "masked"]
