@@ -26,13 +26,12 @@ __all__ = ["CPConfig", "StepCache", "StepCacheStore", "active_config", "active_m
 
 
 def store() -> StepCacheStore:
-    """The process-wide step-cache store the handlers use."""
+    """The process-wide store the handlers use."""
     return _C.default_store()
 
 
 def stats() -> dict:
-    """Counters of the process-wide store (docs/api.md): live and peak entries and bytes, created,
-    released, pushed, popped, skipped_recompute_pushes, stack_depth."""
+    """Counters of the process-wide store (docs/api.md)."""
     return _C.default_store().stats()
 
 
@@ -42,7 +41,7 @@ def reset_peak() -> None:
 
 
 def current_graph_task_id() -> int:
-    """The autograd engine's graph task id on this thread (-1 outside a backward), read in C++."""
+    """-1 outside a backward."""
     return _C.current_graph_task_id()
 
 

@@ -32,18 +32,9 @@ GRAD_PARTIALS_ENV = "CP_CACHE_GRAD_PARTIALS"
 
 @dataclass(frozen=True)
 class CPConfig:
-    """How the CP attention handlers run: the arguments of ``enable()`` (docs/api.md).
-
-    policy: where the step cache waits for its backward, "handle" (owned by autograd) or "stack".
-    kernel: the step kernel; None picks "npu" when the op exists.
-    algorithm: "ring", "ulysses", "hybrid" (Ulysses over the inner of two CP mesh dims) or "auto".
-    fused_merge: merge ring steps with ``npu_ring_attention_update`` when the op exists.
-    exchange: "direct" (only the K/V rows each rank's queries may attend to) or "ring" (whole blocks).
-    keep_kv, grad_partials: the ring's backward reuses the K/V its forward received; the dK/dV partials'
-        dtype, "float32" or "input". Both need the direct exchange.
-    documents, document_capacity: packed documents' placement under load balancing; rows per rank (or None).
-    """
-
+    """The arguments of ``enable()`` (docs/api.md). kernel: None picks "npu" when the op exists. exchange: "direct"
+    (only the K/V rows each rank's queries may attend to) or "ring" (whole blocks). keep_kv: the ring's backward
+    reuses the K/V its forward received. documents: the placement under load balancing."""
     policy: str = HANDLE_POLICY
     kernel: str | None = None
     algorithm: str = "ring"
@@ -68,8 +59,7 @@ def resolve_config(policy: str | None = None, *, kernel: str | None = None, fuse
                    algorithm: str | None = None, exchange: str | None = None, documents: str | None = None,
                    keep_kv: bool | None = None, grad_partials: str | None = None,
                    document_capacity: int | None = None) -> CPConfig:
-    """A CPConfig from explicit arguments, else the environment: ``CP_CACHE_<ARGUMENT>`` for each
-    but ``kernel`` (the flags CP_CACHE_FUSED_MERGE and CP_CACHE_KEEP_KV take 0 or 1)."""
+    """An argument left None reads ``CP_CACHE_<ARGUMENT>`` (but ``kernel``; the flags take 0 or 1)."""
     exchange = _from_env(EXCHANGE_ENV, "direct", EXCHANGES, "exchange") if exchange is None else exchange
     algorithm = _from_env(ALGORITHM_ENV, "ring", ALGORITHMS, "algorithm") if algorithm is None else algorithm
     documents = documents_from_env() if documents is None else documents
@@ -94,12 +84,11 @@ def _flag_from_env(name: str, default: bool) -> bool:
 
 
 def documents_from_env() -> str:
-    """CP_CACHE_DOCUMENTS, default "balanced"."""
     return _from_env(DOCUMENTS_ENV, BALANCED, DOCUMENT_PLACEMENTS, "document placement")
 
 
 def document_capacity_from_env() -> Optional[int]:
-    """CP_CACHE_DOCUMENT_CAPACITY: a positive integer, or unset / empty for none."""
+    """Unset or empty: None."""
     value = os.environ.get(DOCUMENT_CAPACITY_ENV, "").strip()
     if not value:
         return None
@@ -116,5 +105,5 @@ def _from_env(name: str, default: str, choices: tuple, what: str) -> str:
 
 
 def document_placement(configured: str, load_balance: bool) -> str:
-    """Where packed documents go: the ``configured`` placement under load balancing, contiguous without."""
+    """Contiguous without load balancing."""
     return configured if load_balance else CONTIGUOUS

@@ -1,15 +1,9 @@
 """Turning the CP handlers on and off, next to torch's and torch_npu's CP registration.
 
-``enable()`` registers ``AttentionHandlers`` bound to one frozen ``CPConfig`` in DTensor's handler
-table, and again on every entry into and exit from torch's CP dispatcher: every CP entry point goes
-through torch's ``_enable_cp_dtensor_dispatcher`` / ``_disable_cp_dtensor_dispatcher`` (which
-``import torch_npu`` replaces), and cp_cache wraps whichever pair it finds, running it first so that
-torch's and torch_npu's other effects still happen. The handlers stay in the table between regions
-and act only inside one: the registration counts the CP entries not yet left (``depth``) and keeps
-the entries it displaced outside and inside a region, which serve the calls that are not CP. After
-``disable()`` (or the last CP exit) the table is as before ``enable()`` (or the first entry): the
-same entries, the same objects.
-"""
+``enable()`` puts the handlers in DTensor's table, and again on every CP entry and exit: cp_cache wraps whichever
+``_enable_cp_dtensor_dispatcher`` / ``_disable_cp_dtensor_dispatcher`` pair it finds (``import torch_npu``
+replaces torch's) and runs it first. The entries the handlers displaced serve non-CP calls; after ``disable()``
+the table holds the same objects as before."""
 
 from __future__ import annotations
 
@@ -35,7 +29,6 @@ log = logging.getLogger("cp_cache")
 
 def _torch_cp():
     from torch.distributed.tensor.experimental._context_parallel import _attention
-
     return _attention
 
 
@@ -44,17 +37,14 @@ def _is_ours(handler) -> bool:
 
 
 class _Registration:
-    """The handlers of one ``enable()`` and everything it changed in torch, to undo it: torch's CP
-    dispatcher switches, wrapped from the start, and the table entries the handlers displaced."""
+    """The handlers of one ``enable()`` and everything it changed in torch, to undo it."""
 
     def __init__(self, handlers: AttentionHandlers):
         from torch.distributed.tensor.experimental._context_parallel import _sharding_rules
-
         self.adopt(handlers)
-        # CP entries not yet left (enabled inside one: its exit counts); torch's and torch_npu's switches
-        # both register torch's CP sharding rules on entry and drop them on exit, whoever entered
+        # enabled inside a CP entry, its exit counts; torch's and torch_npu's switches both set these rules on entry
         self.depth = 1 if _sharding_rules._cp_strategy_contexts else 0
-        # the foreign entries displaced outside CP and inside the current CP entry: {op: entry or None}
+        # displaced outside CP and inside the current CP entry: {op: entry or None}
         self._displaced: tuple[dict, dict] = ({}, {})
         cp = _torch_cp()
         self.previous_enable, self.previous_disable = (cp._enable_cp_dtensor_dispatcher,
@@ -63,7 +53,7 @@ class _Registration:
         cp._enable_cp_dtensor_dispatcher, cp._disable_cp_dtensor_dispatcher = self.enter_cp, self.exit_cp
 
     def adopt(self, handlers: AttentionHandlers) -> None:
-        """Register ``handlers`` here (a new configuration keeps the switches and the depth)."""
+        """A new configuration keeps the switches and the depth."""
         self.handlers = handlers
         handlers.registration = self
 
@@ -71,12 +61,11 @@ class _Registration:
         return self._displaced[self.depth > 0]
 
     def displaced(self, op):
-        """The entry the handlers displaced for ``op`` where the process is now (inside or outside a
-        CP region): what would serve it without cp_cache; None when there was none."""
+        """What would serve ``op`` without cp_cache where the process is now (in or out of a CP region), or None."""
         return self._here().get(op)
 
     def overlay(self) -> None:
-        """Put the handlers on top of the live table, remembering the foreign entries they displace."""
+        """Remembers the foreign entries the handlers displace."""
         displaced, table = self._here(), DTensor._op_dispatcher._custom_op_handlers
         for op, handler in self.handlers.table().items():
             previous = table.get(op)
@@ -89,8 +78,7 @@ class _Registration:
         return cp._enable_cp_dtensor_dispatcher is self.enter_cp and cp._disable_cp_dtensor_dispatcher is self.exit_cp
 
     def unregister(self) -> None:
-        """Give torch's CP dispatcher switches back (unless replaced since) and the live table the
-        entries the handlers displaced there."""
+        """Gives torch's CP switches back (unless replaced since) and the table the entries displaced there."""
         cp = _torch_cp()
         if self.hooked():
             cp._enable_cp_dtensor_dispatcher = self.previous_enable
@@ -122,14 +110,11 @@ class _Registration:
             self.overlay()
 
 
-# The registration of the enabled handlers (None: disabled).
 _registered: _Registration | None = None
 
 
 @dataclasses.dataclass(frozen=True)
 class _Region:
-    """A ``cp_cache.context_parallel()`` region entered and not yet left."""
-
     mesh: object
     documents: tuple[tuple[int, ...], str] | None  # the packed documents its buffers were laid out by: ends, placement
 
@@ -139,8 +124,7 @@ _active_regions: list[_Region] = []
 
 
 def _forget_restored(wrapped) -> None:
-    """Drop torch's record of the SDPA wrapper its dispatcher just restored: ``_restore_function`` keeps
-    the wrapper (and its closure) in ``_replaced_functions``, one more entry per CP region otherwise."""
+    """``_restore_function`` keeps the SDPA wrapper in ``_replaced_functions``: one more entry per region."""
     if torch.nn.functional.scaled_dot_product_attention is not wrapped:  # restored: the record is stale
         getattr(_torch_cp(), "_replaced_functions", {}).pop(wrapped, None)
 
@@ -149,11 +133,8 @@ def enable(policy: str | None = None, *, kernel: str | None = None, fused_merge:
            algorithm: str | None = None, exchange: str | None = None, documents: str | None = None,
            keep_kv: bool | None = None, grad_partials: str | None = None,
            document_capacity: int | None = None) -> None:
-    """Register the CP handlers for the NPU attention ops (idempotent; a new configuration replaces them).
-    The arguments are ``CPConfig``'s; one left None reads ``CP_CACHE_<NAME>`` (``kernel``: None picks "npu"
-    when the op exists; values and defaults: docs/api.md). RuntimeError without the NPU op, or when the
-    policy changes while stack entries wait for their backward. Call it after ``import torch_npu``, which
-    replaces torch's CP dispatcher switches and handler table."""
+    """Idempotent; an argument left None reads ``CP_CACHE_<NAME>`` (docs/api.md). RuntimeError when the policy
+    changes while stack entries wait. Call it after ``import torch_npu`` (it replaces torch's CP switches)."""
     global _registered
     config = resolve_config(policy, kernel=kernel, fused_merge=fused_merge, algorithm=algorithm, exchange=exchange,
                             documents=documents, keep_kv=keep_kv, grad_partials=grad_partials,
@@ -179,8 +160,7 @@ def enable(policy: str | None = None, *, kernel: str | None = None, fused_merge:
 
 
 def disable() -> None:
-    """Unregister the handlers and give torch's (or torch_npu's) CP dispatcher back as it was; log the
-    caches still alive (stack entries are dropped)."""
+    """Gives torch's (or torch_npu's) CP dispatcher back; drops stack entries and logs the caches still alive."""
     global _registered
     if _registered is not None:
         registration, _registered = _registered, None
@@ -200,36 +180,32 @@ def enabled() -> bool:
 
 
 def active_config() -> CPConfig | None:
-    """The configuration of the registered handlers, or None when cp_cache is disabled."""
+    """None when cp_cache is disabled."""
     return None if _registered is None else _registered.handlers.config
 
 
 def active_mesh():
-    """The mesh of the innermost active ``cp_cache.context_parallel()`` region, or None (a region entered
-    through torch's ``context_parallel()`` alone is not seen)."""
+    """The innermost ``cp_cache.context_parallel()`` region's mesh, or None (torch's alone is not seen)."""
     return _active_regions[-1].mesh if _active_regions else None
 
 
 def active_documents() -> tuple[tuple[int, ...], str] | None:
-    """(cumulative ends, placement) of the documents the innermost region laid its buffers out by; None
-    outside a region or in one without documents."""
+    """(cumulative ends, placement) the innermost region laid its buffers out by, or None."""
     return _active_regions[-1].documents if _active_regions else None
 
 
 def in_cp_region() -> bool:
-    """Whether a CP region (cp_cache's or torch's) is active while cp_cache is enabled."""
+    """A CP region, cp_cache's or torch's, while cp_cache is enabled."""
     return _registered is not None and _registered.depth > 0
 
 
 def registered_handlers() -> AttentionHandlers | None:
-    """The registered handler object (tests check which handler a table holds)."""
+    """Tests check which handler a table holds."""
     return None if _registered is None else _registered.handlers
 
 
 def call_stats() -> dict[str, dict]:
-    """The last CP attention call of each direction, ``{"forward": {...}, "backward": {...}}``: ``bytes_sent``,
-    ``bytes_received``, their ``*_lower_bound`` (the least the mask needs; None under Ulysses and hybrid),
-    ``handler_seconds``, ``ring_seconds`` (kernels and communication), ``overhead_seconds``, ``calls``."""
+    """The last CP attention call of each direction (fields: docs/api.md)."""
     return CALL_LOG.snapshot()
 
 
@@ -237,13 +213,9 @@ def call_stats() -> dict[str, dict]:
 def context_parallel(mesh, *, buffers: list[torch.Tensor] | None = None, buffer_seq_dims: list[int] | None = None,
                      no_restore_buffers: set[torch.Tensor] | None = None, algorithm: str | None = None,
                      documents=None) -> Iterator[None]:
-    """torch's ``context_parallel()`` with the cp_cache handlers active inside; enables cp_cache for the block
-    when it is not enabled. ``algorithm`` (None: as enabled) applies inside only. ``documents``: a packed
-    batch's cumulative ends (tensor or list, leading 0 or not, e.g. ``cu_seq_lens_q``): the buffers are laid
-    out by ``shard_documents`` instead of torch's sharding (restored on exit), and the transformers
-    integration runs the batch as packed documents."""
+    """torch's ``context_parallel()`` with cp_cache enabled inside. ``documents``: a packed batch's cumulative ends
+    (e.g. ``cu_seq_lens_q``): the buffers are laid out by ``shard_documents`` (restored on exit)."""
     from torch.distributed.tensor.experimental import context_parallel as torch_context_parallel
-
     outer_config = active_config()  # None: cp_cache is enabled for the block only
     if outer_config is None:
         enable(algorithm=algorithm)
@@ -283,7 +255,7 @@ def _leave(outer_config: CPConfig | None) -> None:
 
 @contextlib.contextmanager
 def _dispatcher_only(mesh) -> Iterator[None]:
-    """torch's context_parallel() without buffers: only its dispatcher part (SDPA patch, handler table)."""
+    """torch's context_parallel() without buffers: only its SDPA patch and handler table."""
     attention = _torch_cp()
     attention._dispatch_mode = attention._DispatchMode.MONKEY_PATCH
     attention._enable_context_parallel_dispatcher_impl(seq_dim=2, mesh=mesh)
@@ -296,10 +268,8 @@ def _dispatcher_only(mesh) -> Iterator[None]:
 
 
 def _check_sequence_lengths(mesh, buffers, seq_dims) -> None:
-    """ValueError (on every rank: the buffers are the same everywhere) for a buffer torch's sharding cannot
-    cut into W (contiguous) or 2W (head-tail) equal chunks, rather than an uneven shard."""
+    """ValueError (on every rank alike) rather than the uneven shards torch would make."""
     from .layout import load_balance_enabled
-
     world = mesh.size()
     chunks = 2 * world if load_balance_enabled() else world
     seq_dims = list(seq_dims) if seq_dims is not None else [0] * len(buffers)
@@ -315,12 +285,10 @@ def _check_sequence_lengths(mesh, buffers, seq_dims) -> None:
 
 
 def _region_documents(documents, mesh) -> tuple[tuple[int, ...], str] | None:
-    """The region's documents (cumulative ends, a leading 0 dropped) and their placement."""
     if documents is None:
         return None
     from .documents import cumulative_lengths
     from .packing import configured_placement
-
     if mesh.ndim != 1:
         raise ValueError(f"context_parallel: documents= lays buffers out over a 1-D mesh, got a {mesh.ndim}-D "
                          f"mesh {mesh}")
@@ -337,10 +305,8 @@ def _region_documents(documents, mesh) -> tuple[tuple[int, ...], str] | None:
 
 @contextlib.contextmanager
 def _documents_buffers(region: _Region, buffers, seq_dims, no_restore) -> Iterator[None]:
-    """Each buffer replaced in place by this rank's shard under the region's document placement, put back
-    on exit unless in ``no_restore``."""
+    """Each buffer replaced in place by this rank's shard, put back on exit unless in ``no_restore``."""
     from .packing import shard_documents
-
     seq_dims = list(seq_dims) if seq_dims is not None else [0] * len(buffers)
     if len(seq_dims) != len(buffers):
         raise ValueError(f"context_parallel: buffer_seq_dims={seq_dims} must give one dimension for each of the "

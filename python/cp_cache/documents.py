@@ -1,16 +1,7 @@
-"""Packed documents (TND) under CP: their cumulative ends, which positions each rank holds,
-the fixed-shape capacity, and the checks of an op's documents (docs/documents.md).
-
-Documents are given by their cumulative ends ``cu`` (``actual_seq_qlen``: strictly increasing,
-the last = T); the placement (``placement.py``) decides which rank holds which tokens, each rank
-in increasing global position.
-
-On a two-dimensional CP mesh (hybrid: Ulysses over the inner dimension, the ring over the
-outer) ``world`` is (W0, W1), outer first: the documents are placed over the W0 outer positions
-and each outer share is cut into W1 contiguous slices (sizes differing by at most one); CP rank
-i*W1 + j holds slice j of share i, so Ulysses' all-to-all over the inner ranks gathers share i
-whole, in the order the outer ring takes it.
-"""
+"""Packed documents under CP: which positions each rank holds, the fixed-shape capacity, and the
+checks of an op's documents (docs/documents.md). On a 2-D CP mesh (hybrid: Ulysses inner, ring outer)
+``world`` is (W0, W1): the documents are placed over W0 and each share is cut into W1 contiguous slices;
+rank i*W1 + j holds slice j of share i, so Ulysses' all-to-all gathers share i whole, in ring order."""
 
 from __future__ import annotations
 
@@ -24,16 +15,13 @@ from torch import Tensor
 
 from .placement import BALANCED, CONTIGUOUS, PLACEMENTS, Piece, check_placeable, placement_pieces, sequence_pieces
 
-__all__ = ["cumulative_lengths", "check_lengths_tensor", "check_documents", "document_pieces",
-           "document_positions", "sequence_positions", "sequence_order", "placement_positions",
-           "placement_order", "mesh_sizes", "local_lengths", "check_local_length", "check_capacity",
-           "check_capacity_fits", "check_capacity_rows", "capacity_positions", "same_documents",
-           "check_packed_tokens", "read_documents"]
+__all__ = ["cumulative_lengths", "check_lengths_tensor", "check_documents", "document_pieces", "document_positions",
+           "sequence_positions", "sequence_order", "placement_positions", "placement_order", "mesh_sizes",
+           "local_lengths", "check_local_length", "check_capacity", "check_capacity_fits", "check_capacity_rows",
+           "capacity_positions", "same_documents", "check_packed_tokens", "read_documents"]
 
 
 def cumulative_lengths(value: Any, name: str = "cu_seqlens") -> tuple[int, ...]:
-    """The cumulative ends given as ``name`` (a 1-D integer tensor or a list of ints), checked
-    strictly increasing and positive; ValueError naming the values."""
     if isinstance(value, Tensor):
         check_lengths_tensor(value, name)
         value = value.tolist()
@@ -63,7 +51,6 @@ World = Union[int, Sequence[int]]  # W ranks, or the sizes (W0, W1) of a two-dim
 
 
 def mesh_sizes(world: World) -> tuple[int, ...]:
-    """``world`` as the CP mesh sizes the documents lie over, outer first: (W,) or (W0, W1)."""
     sizes = (int(world),) if isinstance(world, int) else tuple(int(s) for s in world)
     if len(sizes) not in (1, 2) or min(sizes) < 1:
         raise ValueError(f"world={world!r}: packed documents lie over W ranks (an int >= 1) or a two-dimensional "
@@ -72,14 +59,12 @@ def mesh_sizes(world: World) -> tuple[int, ...]:
 
 
 def _slices(length: int, parts: int) -> list[tuple[int, int]]:
-    """(start, stop) of ``parts`` contiguous slices of ``length`` rows, sizes differing by at most one."""
     return [(j * length // parts, (j + 1) * length // parts) for j in range(parts)]
 
 
 def check_documents(cu: Sequence[int], total: int, world_size: World, placement: str,
                     name: str = "cu_seqlens") -> None:
-    """ValueError unless the documents ``cu`` fill ``total`` tokens and ``placement`` can lay them
-    out over ``world_size`` (on a (W0, W1) mesh: over W0, each share holding at least W1 tokens)."""
+    """On a (W0, W1) mesh: placed over W0, each share holding at least W1 tokens."""
     if cu[-1] != total:
         raise ValueError(f"{name}={list(cu)}: the document lengths sum to {cu[-1]}, but the global sequence has "
                          f"T={total} tokens")
@@ -102,7 +87,6 @@ def document_pieces(cu: Sequence[int], rank: int, world_size: int,
 
 
 def document_positions(cu: Sequence[int], rank: int, world_size: World, placement: str) -> Tensor:
-    """The global positions (int64) ``rank`` holds, in local order; on a (W0, W1) mesh rank i*W1 + j."""
     sizes = mesh_sizes(world_size)
     inner = math.prod(sizes[1:])
     share = _positions(placement_pieces(cu, sizes[0], placement)[rank // inner])
@@ -111,7 +95,6 @@ def document_positions(cu: Sequence[int], rank: int, world_size: World, placemen
 
 
 def sequence_positions(rank: int, world_size: int, local_length: int, load_balance: bool) -> Tensor:
-    """The global positions (int64) ``rank`` holds of a dense sequence of ``world_size`` x ``local_length``."""
     return _positions(sequence_pieces(rank, world_size, local_length, load_balance))
 
 
@@ -127,7 +110,6 @@ def _positions(pieces: Sequence[Piece]) -> Tensor:
 
 
 def placement_positions(cu: Sequence[int], world_size: World, placement: str) -> list[Tensor]:
-    """Every rank's global token positions in local order (int64), under ``placement``."""
     return [document_positions(cu, r, world_size, placement) for r in range(math.prod(mesh_sizes(world_size)))]
 
 
@@ -139,7 +121,6 @@ def placement_order(cu: tuple[int, ...], world_size: World, placement: str) -> T
 
 def check_local_length(cu: Sequence[int], world_size: World, placement: str, rank: int, local_rows: int,
                        name: str = "actual_seq_qlen") -> None:
-    """ValueError unless ``rank`` holds the ``local_rows`` tokens ``placement`` gives it."""
     held = local_lengths(cu, world_size, placement)[rank]
     if local_rows != held:
         sizes = mesh_sizes(world_size)
@@ -151,14 +132,12 @@ def check_local_length(cu: Sequence[int], world_size: World, placement: str, ran
 
 
 def local_lengths(cu: Sequence[int], world_size: World, placement: str) -> list[int]:
-    """How many tokens each rank holds under ``placement`` (on a (W0, W1) mesh: rank i*W1 + j)."""
     sizes = mesh_sizes(world_size)
     shares = [sum(p.length for p in pieces) for pieces in placement_pieces(cu, sizes[0], placement)]
     return [stop - start for share in shares for start, stop in _slices(share, math.prod(sizes[1:]))]
 
 
 def check_capacity(capacity: Any, name: str = "capacity") -> Optional[int]:
-    """``capacity`` (rows every rank holds) when it is None or a positive int; ValueError naming it."""
     if capacity is not None and (isinstance(capacity, bool) or not isinstance(capacity, int) or capacity < 1):
         raise ValueError(f"{name}={capacity!r} must be a positive integer (the rows every rank holds) or None")
     return capacity
@@ -166,7 +145,6 @@ def check_capacity(capacity: Any, name: str = "capacity") -> Optional[int]:
 
 def check_capacity_fits(cu: Sequence[int], world_size: int, placement: str, capacity: int,
                         name: str = "cu_seqlens", what: str = "capacity") -> list[int]:
-    """Each rank's placed tokens; ValueError naming the first rank whose tokens exceed ``capacity``."""
     held = local_lengths(cu, world_size, placement)
     over = [rank for rank, n in enumerate(held) if n > capacity]
     if over:
@@ -177,8 +155,7 @@ def check_capacity_fits(cu: Sequence[int], world_size: int, placement: str, capa
 
 
 def check_capacity_rows(plan, *local_rows: int) -> list[int]:
-    """Each rank's placed tokens under a CallPlan's capacity, checking that ``local_rows`` are the
-    capacity and that every rank's tokens fit in it."""
+    """Each rank's placed tokens, checked to fit in the plan's capacity; ``local_rows`` must equal it."""
     for rows in local_rows:
         if rows != plan.capacity:
             raise ValueError(f"rank {plan.rank} holds {rows} local tokens, but document_capacity={plan.capacity} "
@@ -188,8 +165,7 @@ def check_capacity_rows(plan, *local_rows: int) -> list[int]:
 
 
 def capacity_positions(cu: Sequence[int], world_size: int, placement: str, capacity: int) -> list[Tensor]:
-    """Every rank's ``capacity`` positions: its placed tokens', then its padding rows' (positions
-    T.. of a W x capacity sequence, rank 0's padding first)."""
+    """Per rank: its placed tokens' positions, then its padding's (T.., rank 0's first)."""
     held = check_capacity_fits(cu, world_size, placement, capacity)
     positions, padding = [], cu[-1]
     for real, n in zip(placement_positions(cu, world_size, placement), held):
@@ -209,8 +185,7 @@ def same_documents(qlen: Any, kvlen: Any) -> tuple[int, ...]:
 
 
 def check_packed_tokens(plan, total: int) -> None:
-    """ValueError unless the global T fits a CallPlan: its documents and placement when known,
-    else contiguous slices need T divisible by W0; with a capacity, T = W x capacity."""
+    """Unknown documents: contiguous slices need T divisible by W0; with a capacity, T = W x capacity."""
     if plan.capacity is not None:
         if total != plan.world_size * plan.capacity:
             raise ValueError(f"document_capacity={plan.capacity} gives each of W={plan.world_size} ranks "
@@ -227,9 +202,7 @@ def check_packed_tokens(plan, total: int) -> None:
 
 
 def read_documents(plan, qlen: Optional[Tensor], kvlen: Optional[Tensor], local_rows: int):
-    """``plan`` with the documents of the lengths tensors, read on the host and checked against
-    this rank's ``local_rows``. Run by the op's kernel, never while tracing: a graph records the
-    op, not the values (CPU tensors: no device sync)."""
+    """``plan`` with its documents read on the host and checked; never while tracing (a graph keeps no values)."""
     plan = replace(plan, documents=same_documents(qlen, kvlen))
     placement, mesh = plan.document_placement, plan.document_mesh
     if plan.capacity is not None:  # even shards of capacity rows, the placed tokens first

@@ -1,18 +1,7 @@
-"""The layouts the NPU ops accept (``input_layout``), the one place their names are written.
-
-========  ==================  ========  ========  ====================  ==============================
-layout    shape               seq dim   head dim  4-D view              softmax stats (seq, head dims)
-========  ==================  ========  ========  ====================  ==============================
-BNSD      [B, N, S, D]        2         1         [B, N, S, D]          [B, N, S, 8] (2, 1)
-BSND      [B, S, N, D]        1         2         [B, S, N, D]          [B, N, S, 8] (2, 1)
-BSH       [B, S, N*D]         1         2         [B, S, N, D]          [B, N, S, 8] (2, 1)
-SBH       [S, B, N*D]         0         2         [S, B, N, D]          [B, N, S, 8] (2, 1)
-TND       [T, N, D]           0         1         (packed documents)    [T, N, 8] (0, 1)
-========  ==================  ========  ========  ====================  ==============================
-
-V's head size may differ from Q/K's (MLA): V and the output then end in ``D_v`` (BSH/SBH: ``N * D_v``).
-TND has no 4-D view (``to_bnsd`` / ``from_bnsd``: a batch of one). ``load_balance_enabled``: torch's option.
-"""
+"""The layouts the NPU ops accept (``input_layout``), the one place their names are written (dims: ``_TABLE``):
+BNSD [B, N, S, D], BSND [B, S, N, D], BSH [B, S, N*D] and SBH [S, B, N*D] (4-D views [B, S, N, D], [S, B, N, D]),
+softmax stats [B, N, S, 8]; TND [T, N, D] (packed documents), stats [T, N, 8], no 4-D view (``to_bnsd``: a batch
+of one). V's head size may differ from Q/K's (MLA): V and the output end in ``D_v`` (BSH/SBH: ``N * D_v``)."""
 
 from __future__ import annotations
 
@@ -57,7 +46,6 @@ def seq_dim(layout: str) -> int:
 
 
 def head_dim_index(layout: str) -> int:
-    """The dimension of a tensor in ``layout`` that holds its heads."""
     return _TABLE[_known(layout)][1]
 
 
@@ -89,8 +77,7 @@ def _check_ndim(x: Tensor, layout: str) -> None:
 
 
 def dims(x: Tensor, layout: str, head_num: int) -> Dims:
-    """Batch, head count, sequence length and head size of ``x`` in ``layout`` (``head_num``: the
-    head count of ``x``, K/V's own under GQA)."""
+    """``head_num``: the head count of ``x`` (K/V's own under GQA)."""
     _check_ndim(x, layout)
     if head_num <= 0:
         raise ValueError(f"head_num must be positive, got {head_num}")
@@ -107,7 +94,6 @@ def dims(x: Tensor, layout: str, head_num: int) -> Dims:
 
 
 def heads_of(x: Tensor, layout: str, head_dim: int) -> int:
-    """Head count of ``x`` given its head size (K/V's may differ from Q's)."""
     _check_ndim(x, layout)
     if layout in ("BNSD", "BSND"):
         return int(x.shape[_TABLE[layout][1]])
@@ -158,16 +144,13 @@ def from_bnsd(x: Tensor, layout: str) -> Tensor:
 
 
 def narrow_seq(x: Tensor, layout: str, start: int, length: int) -> Tensor:
-    """The sequence range [start, start + length) of ``x`` (layout form or its 4-D view): a view."""
     return x.narrow(seq_dim(layout), start, length)
 
 
 def check_value(k: Tensor, v: Tensor, layout: str, kv_heads: int) -> int:
-    """V's head size, after checking that ``v`` agrees with the key ``k`` (``kv_heads`` heads) on
-    every dim but the last (only the head size may differ: MLA); ValueError naming both shapes."""
+    """V's head size, after checking ``v`` agrees with ``k`` on every dim but the last (MLA)."""
     _known(layout)
-    same = v.dim() == k.dim() and all(v.size(i) == k.size(i) for i in range(k.dim() - 1))
-    if not same:
+    if not (v.dim() == k.dim() and all(v.size(i) == k.size(i) for i in range(k.dim() - 1))):
         raise ValueError(f"key {tuple(k.shape)} and value {tuple(v.shape)} disagree (input_layout={layout!r}): they "
                          "must agree on batch, heads and sequence length; only the head size may differ (MLA)")
     if layout in ("BSH", "SBH") and (kv_heads <= 0 or v.size(2) % kv_heads):
@@ -177,15 +160,13 @@ def check_value(k: Tensor, v: Tensor, layout: str, kv_heads: int) -> int:
 
 
 def value_head_dim(v: Tensor, layout: str, kv_heads: int) -> int:
-    """V's head size (``kv_heads``: its head count, used for BSH/SBH)."""
     if layout in ("BSH", "SBH"):
         return v.size(2) // kv_heads if kv_heads > 0 else 0
     return v.size(-1)
 
 
 def output_shape(q: Tensor, k: Tensor, v: Tensor, layout: str, head_num: int) -> tuple[int, ...]:
-    """The output's shape: the query's with V's head size, from shapes alone as torch_npu's meta
-    function (BSH/SBH: the K/V head count is K's hidden size over Q's head size)."""
+    """From shapes alone, as torch_npu's meta function (BSH/SBH: K/V heads = K's hidden size / Q's head size)."""
     shape = list(q.shape)
     if layout in ("BSH", "SBH"):
         q_head = q.size(2) // head_num if head_num > 0 else 0
@@ -197,12 +178,10 @@ def output_shape(q: Tensor, k: Tensor, v: Tensor, layout: str, head_num: int) ->
 
 
 def load_balance_enabled() -> bool:
-    """torch's ``_cp_options.enable_load_balance`` (the one read of it): whether the sequence lies
-    head-tail over the CP ranks (rank r: chunks r and 2W-1-r of 2W), else contiguously."""
+    """torch's ``_cp_options.enable_load_balance`` (the one read of it): sequences lie head-tail, else contiguous."""
     global _CP_OPTIONS
     if _CP_OPTIONS is None:  # imported at the first read (torch.distributed may be absent until then)
         from torch.distributed.tensor.experimental._context_parallel._attention import _cp_options
-
         _CP_OPTIONS = _cp_options
     return bool(_CP_OPTIONS.enable_load_balance)
 

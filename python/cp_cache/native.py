@@ -1,7 +1,5 @@
-"""The native extension ``cp_cache._C``, loaded only when it was built against the running torch
-(under another it fails with an undefined symbol, or loads and misbehaves): ``setup.py`` records
-the build's torch version beside it (``native-build.txt``). Also the supported versions.
-"""
+"""Loads ``cp_cache._C`` only if built against the running torch (else it fails with an undefined symbol, or
+misbehaves): ``setup.py`` records the build's torch in ``native-build.txt``. Also the supported versions."""
 
 from __future__ import annotations
 
@@ -19,7 +17,7 @@ REBUILD = ("rebuild it against the running torch: `make build` in a checkout, or
 
 
 def built_with_torch() -> str | None:
-    """The torch version the extension was built against (None: no record)."""
+    """None: no record."""
     try:
         return BUILD_RECORD.read_text().strip() or None
     except FileNotFoundError:
@@ -31,7 +29,7 @@ def torch_supported(version: str = torch.__version__) -> bool:
 
 
 def load() -> ModuleType:
-    """``cp_cache._C``; ImportError naming both versions when it was built against another torch."""
+    """ImportError naming both versions when it was built against another torch."""
     built, running = built_with_torch(), torch.__version__
     if built is not None and built != running:
         raise ImportError(f"cp_cache's native extension was built against torch {built}, "

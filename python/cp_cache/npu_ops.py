@@ -1,8 +1,6 @@
-"""The conventions of torch_npu's fused attention ops that the handlers, the step kernels and
-the emulator share: the op schemas and binding a call's arguments by name, the sparse modes,
-the compressed causal mask, the ``[B, N, S, 8]`` softmax statistics and the dtype rules (the op
-takes one dtype and is in no autocast list). Layouts live in ``layout.py``.
-"""
+"""The conventions of torch_npu's fused attention ops that the handlers, the step kernels and the emulator
+share: op schemas, binding arguments by name, sparse modes, the compressed causal mask, the ``[B, N, S, 8]``
+softmax statistics and the dtype rules (one dtype, in no autocast list). Layouts live in ``layout.py``."""
 
 from __future__ import annotations
 
@@ -15,14 +13,12 @@ from typing import Any
 import torch
 from torch import Tensor
 
-__all__ = ["bind_arguments", "describe", "INT_MAX", "MASK_SIZE", "STATS_WIDTH", "FLOAT32_LOWEST",
-           "SparseMode", "CAUSAL_MODES", "COMPRESSED_MASK_MODES", "FORWARD_V3", "GRAD_V3", "FORWARD_V1",
-           "GRAD_V1", "RING_UPDATE", "SCHEMAS", "causal_mask", "is_compressed_mask", "stats_from_lse",
-           "stats_views_from_lse", "lse_from_stats", "op_exists", "check_one_dtype", "autocast_off",
-           "autocast_inputs", "define_attention_ops"]
+__all__ = ["bind_arguments", "describe", "INT_MAX", "MASK_SIZE", "STATS_WIDTH", "FLOAT32_LOWEST", "SparseMode",
+           "CAUSAL_MODES", "COMPRESSED_MASK_MODES", "FORWARD_V3", "GRAD_V3", "FORWARD_V1", "GRAD_V1", "RING_UPDATE",
+           "SCHEMAS", "causal_mask", "is_compressed_mask", "stats_from_lse", "stats_views_from_lse", "lse_from_stats",
+           "op_exists", "check_one_dtype", "autocast_off", "autocast_inputs", "define_attention_ops"]
 
 log = logging.getLogger("cp_cache")
-
 INT_MAX = 2147483647  # default of pre_tockens / next_tockens: no band limit
 MASK_SIZE = 2048  # side of the compressed mask that sparse modes 2, 3, 4, 7, 8 take
 STATS_WIDTH = 8  # softmax_max / softmax_sum are [B, N, S, 8] float32, the value replicated
@@ -30,8 +26,6 @@ FLOAT32_LOWEST = float(torch.finfo(torch.float32).min)  # softmax_max of a row t
 
 
 class SparseMode(enum.IntEnum):
-    """``sparse_mode`` of the fused attention ops."""
-
     MASK = 0  # atten_mask as given, band from pre/next_tockens
     ALL_MASK = 1  # atten_mask as given, pre/next_tockens ignored
     LEFT_UP_CAUSAL = 2
@@ -46,8 +40,6 @@ class SparseMode(enum.IntEnum):
 CAUSAL_MODES = (SparseMode.LEFT_UP_CAUSAL, SparseMode.RIGHT_DOWN_CAUSAL)
 COMPRESSED_MASK_MODES = (SparseMode.LEFT_UP_CAUSAL, SparseMode.RIGHT_DOWN_CAUSAL, SparseMode.BAND,
                          SparseMode.RIGHT_DOWN_CAUSAL_BAND, SparseMode.BAND_LEFT_UP_CAUSAL)
-
-# ---------------------------------------------------------------- schemas (v1: seed, offset and lengths as ints)
 
 _MASKS = "Tensor? pse=None, Tensor? padding_mask=None, Tensor? atten_mask=None"
 _BAND = "int pre_tockens=2147483647, int next_tockens=2147483647, int inner_precise=0"
@@ -90,8 +82,6 @@ def op_exists(name: str) -> bool:
     return True
 
 
-# ---------------------------------------------------------------- the compressed causal mask
-
 _CAUSAL_MASKS: dict[torch.device, Tensor] = {}
 _CAUSAL_MASKS_LOCK = threading.Lock()
 
@@ -111,15 +101,13 @@ def causal_mask(device: torch.device | str) -> Tensor:
 
 
 def causal_arguments(device: torch.device | str, *, right_down: bool = False) -> dict:
-    """The op's mask arguments for causal attention: ``sparse_mode`` 2 (left-up) or, ``right_down``,
-    3 (a query shorter than its keys sits at their end; packed documents: causal in each)."""
+    """``sparse_mode`` 2, or 3 ``right_down`` (a query shorter than its keys sits at their end)."""
     mode = SparseMode.RIGHT_DOWN_CAUSAL if right_down else SparseMode.LEFT_UP_CAUSAL
     return dict(atten_mask=causal_mask(device), sparse_mode=int(mode), next_tockens=0)
 
 
 def band_arguments(device: torch.device | str, pre_tockens: int, next_tockens: int = 0) -> dict:
-    """The op's mask arguments for a band: query i sees keys i - ``pre_tockens`` .. i + ``next_tockens``
-    (a causal window of w keys: (w - 1, 0))."""
+    """Query i sees keys i - ``pre_tockens`` .. i + ``next_tockens`` (a causal window of w: (w - 1, 0))."""
     return dict(atten_mask=causal_mask(device), sparse_mode=int(SparseMode.BAND), pre_tockens=pre_tockens,
                 next_tockens=next_tockens)
 
@@ -130,35 +118,24 @@ def is_compressed_mask(mask: Tensor) -> bool:
     return len(shape) >= 2 and shape[-2:] == (MASK_SIZE, MASK_SIZE) and all(s == 1 for s in shape[:-2])
 
 
-# ---------------------------------------------------------------- softmax statistics
-
-
 def stats_from_lse(lse: Tensor) -> tuple[Tensor, Tensor]:
-    """(softmax_max, softmax_sum) [B, N, S, 8] float32 encoding ``lse`` as max = LSE, sum = 1 (the grad
-    kernel treats them like the forward's own pair)."""
+    """[B, N, S, 8] float32 (max = LSE, sum = 1): the grad kernel treats them like the forward's own."""
     softmax_max = lse.float().unsqueeze(-1).expand(*lse.shape, STATS_WIDTH).contiguous()
     return softmax_max, torch.ones_like(softmax_max)
 
 
 def stats_views_from_lse(lse: Tensor) -> tuple[Tensor, Tensor]:
-    """``stats_from_lse`` as stride-0 views: 4 bytes per query token and head, not 64, for autograd to
-    save (docs/lifetime.md); the grad kernels get the contiguous form."""
+    """``stats_from_lse`` as stride-0 views for autograd to save: 4 bytes per token and head, not 64."""
     shape = (*lse.shape, STATS_WIDTH)
-    one = torch.ones((), dtype=torch.float32, device=lse.device)
-    return lse.float().unsqueeze(-1).expand(shape), one.expand(shape)
+    return lse.float().unsqueeze(-1).expand(shape), torch.ones((), dtype=torch.float32, device=lse.device).expand(shape)
 
 
 def lse_from_stats(softmax_max: Tensor, softmax_sum: Tensor) -> Tensor:
-    """The float32 LSE [B, N, S] of the ops' statistics: max + log(sum)."""
     return softmax_max[..., 0].float() + torch.log(softmax_sum[..., 0].float())
 
 
-# ---------------------------------------------------------------- a call's arguments by name
-
-
 _REQUIRED = object()  # the default of a parameter that has none
-# id(schema) -> (schema, its parameters' (name, default), how many may be positional, their names); the schema
-# is held so that its id stays its own
+# id(schema) -> (schema held so that its id stays its own, (name, default)s, how many positional, names)
 _PARAMETERS: dict[int, tuple[Any, tuple[tuple[str, Any], ...], int, frozenset]] = {}
 
 
@@ -172,8 +149,7 @@ def _parameters(schema) -> tuple[tuple[tuple[str, Any], ...], int, frozenset]:
 
 
 def bind_arguments(schema: torch._C.FunctionSchema, args: tuple, kwargs: dict) -> dict[str, Any]:
-    """The op's arguments by schema name, defaults filled in (``schema``: ``op._schema`` or a parsed
-    schema); TypeError as Python's for a wrong call."""
+    """Defaults filled in (``schema``: ``op._schema`` or a parsed one); TypeError as Python's for a wrong call."""
     params, positional, names = _parameters(schema)
     if len(args) > positional:
         raise TypeError(f"{schema.name}: takes {positional} positional arguments, got {len(args)}")
@@ -195,18 +171,15 @@ def bind_arguments(schema: torch._C.FunctionSchema, args: tuple, kwargs: dict) -
 
 
 def describe(value: Any) -> str:
-    """An argument for error messages (tensors by shape and dtype)."""
     if isinstance(value, Tensor):
         return f"<tensor of shape {tuple(value.shape)} and dtype {value.dtype}>"
     return repr(value)
 
 
 def check_one_dtype(op: str, a: dict[str, Any], names: tuple[str, ...]) -> None:
-    """TypeError naming them unless the given inputs ``names`` share one dtype: the op is in no
-    autocast list, so float32 q/k (after RoPE) beside a bfloat16 v would reach it."""
+    """The op is in no autocast list: float32 q/k (after RoPE) beside a bfloat16 v would reach it."""
     given = [(name, a[name]) for name in names if isinstance(a.get(name), Tensor)]
-    dtypes = {t.dtype for _, t in given}
-    if len(dtypes) > 1:
+    if len({t.dtype for _, t in given}) > 1:
         listed = ", ".join(f"{name} {t.dtype}" for name, t in given)
         raise TypeError(f"{op}: {listed}: the op takes one dtype for all of them (float16, bfloat16 or float32); "
                         "cast them to one first (under autocast: torch.get_autocast_dtype(device_type), as "
@@ -221,16 +194,13 @@ def autocast_off(device_type: str):
 
 
 def autocast_inputs(*tensors: Tensor) -> tuple[Tensor, ...]:
-    """``tensors`` as ``scaled_dot_product_attention`` receives them under autocast: every floating
-    tensor but float64 in autocast's dtype where it is on for their device (one dtype for the op)."""
+    """As ``scaled_dot_product_attention`` gets them under autocast (float64 kept as it is)."""
     device_type = tensors[0].device.type
     if not torch.is_autocast_enabled(device_type):
         return tensors
     dtype = torch.get_autocast_dtype(device_type)
     return tuple(t.to(dtype) if t.is_floating_point() and t.dtype != torch.float64 else t for t in tensors)
 
-
-# ---------------------------------------------------------------- defining an op pair (op-plugin's derivative)
 
 # forward arguments the grad op takes as tensors (saved) and as values (kept on ctx)
 _SAVED_INPUTS = ("query", "key", "value", "pse", "padding_mask", "atten_mask", "actual_seq_qlen",
@@ -240,11 +210,8 @@ _PASSED_ON = ("head_num", "input_layout", "keep_prob", "pre_tockens", "next_tock
 
 
 def _autograd_kernel(op, grad_op):
-    """The op's Autograd kernel, derivatives.yaml's formula: the op run below autograd, the grad op given
-    the forward's inputs and saved outputs (result0 as attention_in, result1/2 as softmax_max/sum, result3
-    as softmax_in, result4/5 as seed/offset; v1 passes them and the lengths as ints and lists, on ctx).
-    Defaults are read once here: ``torch.library.register_autograd`` reads the schema per call, about 0.1 ms
-    per call of these 21-argument ops, host time torch_npu's C++ does not spend."""
+    """derivatives.yaml's formula, the defaults read once: ``torch.library.register_autograd`` reads the
+    schema per call, ~0.1 ms per call of these 21-argument ops, host time torch_npu's C++ does not spend."""
     names = [a.name for a in op._schema.arguments]
     defaults = tuple(a.default_value if a.has_default_value() else None for a in op._schema.arguments)
     v3 = len(op._schema.returns) == 6  # seed and offset as tensors
@@ -295,8 +262,7 @@ def _autograd_kernel(op, grad_op):
 
 
 def define_attention_ops(lib, forward: str, grad: str, kernels: tuple, fakes: tuple, dispatch_key: str) -> None:
-    """Define the op pair of the schemas ``forward`` / ``grad`` (a v3 or v1 pair, under any name) in the
-    library fragment ``lib``: their ``kernels`` and ``fakes`` (forward, grad) and the derivative."""
+    """The op pair ``forward`` / ``grad`` (v3 or v1, any name) in ``lib``: kernels, fakes, derivative."""
     fname, gname = (schema.split("(", 1)[0] for schema in (forward, grad))
     lib.define(forward)
     lib.define(grad)

@@ -1,10 +1,8 @@
-"""cp_cache's own attention op pair, ``torch.ops.cp_cache.fusion_attention`` and ``fusion_attention_grad``:
-the NPU v3 ops' schemas and derivative under another name, for machines without them (CPU and CUDA).
+"""``torch.ops.cp_cache.fusion_attention`` and its grad: the NPU v3 ops' schemas and derivative under another
+name, for machines without them (CPU and CUDA), called by the SDPA front end and the transformers integration.
 
-Inside a CP region DTensor hands a call to cp_cache's handlers as it does the NPU op's (the step
-kernel by default "torch"); on plain tensors the op runs the same strategies on one rank. Either
-way the forward's step cache leaves in the ``seed`` output. The SDPA front end (``sdpa.py``) and the
-transformers integration call it where the NPU op does not exist.
+Inside a CP region DTensor hands a call to cp_cache's handlers (step kernel by default "torch"); on plain
+tensors the op runs the same strategies on one rank.
 """
 
 from __future__ import annotations
@@ -28,7 +26,6 @@ _SCHEMAS = {name: torch._C.parse_schema(s) for name, s in (("forward", FORWARD),
 
 def _config() -> CPConfig:
     from .dispatch import active_config  # the enabled configuration, else the defaults
-
     config = active_config() or CPConfig()
     return config if config.kernel else dataclasses.replace(config, kernel="torch")
 

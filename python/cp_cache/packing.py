@@ -1,11 +1,6 @@
-"""The user helpers for packed documents under CP (docs/documents.md): ``document_layout``,
-``shard_documents`` / ``unshard_documents`` and ``pad_documents``.
-
-Unless given, the placement is the one the TND handlers use (the configured one under torch's
-load balancing, contiguous without: ``config.document_placement``) and the capacity is the
-configured one. A 2-D mesh (hybrid) takes the layout of ``documents.py`` over (W0, W1), with no
-capacity yet.
-"""
+"""The user helpers for packed documents under CP (docs/documents.md). Unless given, the placement is
+the one the packed handlers use (``config.document_placement`` under torch's load balancing, contiguous
+without) and the capacity is the configured one; a 2-D mesh (hybrid) takes no capacity yet."""
 
 from __future__ import annotations
 
@@ -25,7 +20,6 @@ __all__ = ["document_layout", "shard_documents", "unshard_documents", "pad_docum
 
 
 def _mesh_coordinates(mesh) -> tuple[int, tuple[int, ...]]:
-    """(this rank's CP rank, the mesh's sizes): on two dimensions, (i, j) is rank i*W1 + j."""
     if mesh.ndim not in (1, 2):
         raise ValueError(f"packed documents are sharded over a 1-D mesh, or a 2-D one whose dimensions both carry "
                          f"the sequence (hybrid), got a {mesh.ndim}-D mesh {mesh}")
@@ -36,8 +30,7 @@ def _mesh_coordinates(mesh) -> tuple[int, tuple[int, ...]]:
 
 
 def configured_placement(placement: Optional[str], load_balance: Optional[bool]) -> str:
-    """``placement`` when given, else the configured one under load balancing (``load_balance``,
-    None: torch's option), contiguous without."""
+    """``placement``, else the configured one under load balancing (None: torch's option), else contiguous."""
     if placement is not None:
         return check_placement(placement)
     config = active_config()
@@ -52,20 +45,17 @@ def _capacity(capacity: Optional[int], sizes: tuple[int, ...] = (1,)) -> Optiona
         capacity = config.document_capacity if config is not None else document_capacity_from_env()
     capacity = check_capacity(capacity)
     if capacity is not None and len(sizes) == 2:
-        raise ValueError(f"document capacity={capacity} lays packed documents out over a 1-D mesh; the 2-D "
-                         f"(hybrid) layout over {sizes[0]}x{sizes[1]} ranks takes none yet (enable(document_capacity="
-                         "None))")
+        raise ValueError(f"document capacity={capacity} lays packed documents out over a 1-D mesh; the 2-D (hybrid) "
+                         f"layout over {sizes[0]}x{sizes[1]} ranks takes none yet (enable(document_capacity=None))")
     return capacity
 
 
 def document_layout(cu_seqlens: Any, world, *, placement: Optional[str] = None,
                     load_balance: Optional[bool] = None, capacity: Optional[int] = None) -> list[Tensor]:
-    """For each rank, the int64 global positions it holds in local order, for the documents ending
-    at ``cu_seqlens`` (global cumulative ends). ``world``: W, or (W0, W1) for a 2-D CP mesh (W0*W1
-    tensors, rank i*W1 + j). ``placement``: "balanced", "head_tail" or "contiguous"; None: as the
-    TND handlers place them. ``capacity``: rows per rank (1-D only): the placed positions, then
-    the padding's, positions T.. of a W x capacity sequence, rank 0's first. A function of its
-    arguments only: the same on every rank."""
+    """Each rank's int64 global positions, in local order, of the documents ending at ``cu_seqlens``. ``world``:
+    W, or (W0, W1) for a 2-D CP mesh (rank i*W1 + j). ``placement``: "balanced", "head_tail" or "contiguous";
+    None: as the handlers place them. ``capacity``: rows per rank (1-D only), the placed positions, then the
+    padding's (T.. of a W x capacity sequence, rank 0's first). The same on every rank."""
     cu = cumulative_lengths(cu_seqlens)
     sizes = mesh_sizes(world)
     chosen, rows = configured_placement(placement, load_balance), _capacity(capacity, sizes)
@@ -77,12 +67,10 @@ def document_layout(cu_seqlens: Any, world, *, placement: Optional[str] = None,
 
 def shard_documents(tensor: Tensor, cu_seqlens: Any, mesh, dim: int = 0, *, load_balance: Optional[bool] = None,
                     placement: Optional[str] = None, capacity: Optional[int] = None) -> Tensor:
-    """This rank's shard (a plain tensor) of a packed full-sequence ``tensor`` (documents along
-    ``dim``): its positions of ``document_layout``. Local lengths may differ between ranks: make
-    the op's input with ``DTensor.from_local(shard, mesh, [Shard(dim)] * mesh.ndim,
-    shape=tensor.shape, stride=tensor.stride())``. With a capacity every shard has ``capacity``
-    rows and ``tensor`` holds the T tokens (zero padding) or W x capacity rows (positions T.. the
-    padding, e.g. labels padded with an ignore index)."""
+    """This rank's shard (a plain tensor) of a packed full-sequence ``tensor`` (documents along ``dim``) by
+    ``document_layout``. Lengths may differ between ranks: ``DTensor.from_local(shard, mesh, [Shard(dim)] *
+    mesh.ndim, shape=tensor.shape, stride=tensor.stride())`` makes the op's input. With a capacity every shard
+    has ``capacity`` rows; ``tensor`` holds T tokens (zero padding) or W x capacity rows (rows T.. the padding)."""
     cu = cumulative_lengths(cu_seqlens)
     rank, sizes = _mesh_coordinates(mesh)
     chosen, rows = configured_placement(placement, load_balance), _capacity(capacity, sizes)
@@ -104,11 +92,8 @@ def shard_documents(tensor: Tensor, cu_seqlens: Any, mesh, dim: int = 0, *, load
 
 def unshard_documents(local: Tensor, cu_seqlens: Any, mesh, dim: int = 0, *, load_balance: Optional[bool] = None,
                       placement: Optional[str] = None, capacity: Optional[int] = None) -> Tensor:
-    """The full packed sequence of T tokens from every rank's shard (``shard_documents``'s layout,
-    a DTensor taken by its local tensor): an all-gather, each rank's tokens put back at their
-    positions, the capacity's padding dropped."""
+    """Every rank's shard (or DTensor) of ``shard_documents`` all-gathered into the T tokens, padding dropped."""
     from torch.distributed.tensor import DTensor
-
     if isinstance(local, DTensor):
         local = local.to_local()
     cu = cumulative_lengths(cu_seqlens)
@@ -128,10 +113,8 @@ def unshard_documents(local: Tensor, cu_seqlens: Any, mesh, dim: int = 0, *, loa
 
 
 def _all_gather_uneven(local: Tensor, dim: int, held: list[int], mesh) -> list[Tensor]:
-    """Every rank's shard (``held[r]`` tokens along ``dim``): all-gathers of shards padded to the
-    longest, the inner mesh dimension first (ranks come out in order i*W1 + j)."""
+    """All-gathers of the shards padded to the longest, the inner mesh dimension first (rank i*W1 + j)."""
     import torch.distributed as dist
-
     if len(held) == 1:
         return [local]
     longest = max(held)
@@ -142,16 +125,14 @@ def _all_gather_uneven(local: Tensor, dim: int, held: list[int], mesh) -> list[T
         parts = [torch.empty_like(padded) for _ in range(mesh.size(mesh_dim))]
         dist.all_gather(parts, padded, group=mesh.get_group(mesh_dim))
         padded = torch.stack(parts)
-    gathered = padded.reshape(len(held), *shape)
-    return [g.narrow(dim, 0, n) for g, n in zip(gathered, held)]
+    return [g.narrow(dim, 0, n) for g, n in zip(padded.reshape(len(held), *shape), held)]
 
 
 def pad_documents(tensor: Tensor, cu_seqlens: Any, multiple: int, dim: int = 0,
                   value: float = 0) -> tuple[Tensor, Tensor, Tensor]:
-    """Pad every document of a packed ``tensor`` at its end up to a multiple of ``multiple`` (2W for
-    placement "head_tail"). Returns ``(padded, cu_padded, real)``: the padded tensor, its
-    cumulative ends (int64) and a bool mask, True = an original token (to drop the padding from a
-    loss). Causal attention never lets an original token see the padding; full attention does."""
+    """Pad every document at its end up to a multiple of ``multiple`` (2W for "head_tail"). Returns ``(padded,
+    cu_padded, real)``: int64 cumulative ends and a bool mask, True = an original token (to drop the padding from
+    a loss). Causal attention never lets an original token see the padding; full attention does."""
     if int(multiple) < 1:
         raise ValueError(f"pad_documents: multiple={multiple} must be a positive integer")
     cu = cumulative_lengths(cu_seqlens)

@@ -1,18 +1,8 @@
-"""Where packed documents go over W ranks: the placements, each rank's pieces, and what a
-placement costs (tokens, causal work, K/V rows needed from other ranks).
-
-A placement is a deterministic function of the cumulative document ends ``cu``, W and its
-name, so every rank computes every rank's pieces without communicating. A rank holds its
-pieces in increasing global position (causal order within a rank is then causal order).
-
-* ``"balanced"``: whole documents where the balance allows, a split one head-tail over as few
-  ranks as needed; tokens and causal work per rank within ``BALANCE_TOLERANCE`` of the mean,
-  then the fewest K/V rows. The search and its fallbacks are in docs/documents.md; every path
-  of it changes the result on some mixes. Integer loads and bounded budgets: the same result
-  on every rank, in bounded time.
-* ``"head_tail"``: every document in 2W equal chunks, rank r holding chunks r and 2W-1-r.
-* ``"contiguous"``: T/W consecutive tokens per rank; documents may cross rank boundaries.
-"""
+"""Where packed documents go over W ranks, each rank's pieces, and what a placement costs. A placement is a
+deterministic function of the ends ``cu``, W and its name: every rank computes every rank's pieces without
+communicating, each in increasing global position (causal order). "balanced": whole documents where the balance
+allows, a split one head-tail over as few ranks as needed, within ``BALANCE_TOLERANCE``, then the fewest K/V rows
+(docs/documents.md; integer loads, bounded budgets). "head_tail": 2W chunks per document. "contiguous": T/W each."""
 
 from __future__ import annotations
 
@@ -30,14 +20,12 @@ __all__ = ["PLACEMENTS", "BALANCED", "HEAD_TAIL", "CONTIGUOUS", "BALANCE_TOLERAN
 BALANCED, HEAD_TAIL, CONTIGUOUS = "balanced", "head_tail", "contiguous"
 PLACEMENTS = (BALANCED, HEAD_TAIL, CONTIGUOUS)
 _log = logging.getLogger("cp_cache")
-
 BALANCE_TOLERANCE = 1.05  # max/mean of tokens and of work per rank the balanced placement aims under
 
 
 @dataclass(frozen=True)
 class Piece:
     """Consecutive tokens of one document held by one rank."""
-
     document: int
     local: int  # start in the rank's local order
     start: int  # global start
@@ -51,7 +39,6 @@ def check_placement(placement: str, name: str = "placement") -> str:
 
 
 def check_placeable(cu: Sequence[int], world: int, placement: str, name: str = "cu_seqlens") -> None:
-    """ValueError unless ``placement`` can lay the documents ``cu`` out over ``world`` ranks."""
     check_placement(placement)
     if world < 1:
         raise ValueError(f"world={world}: a placement needs at least one rank")
@@ -59,11 +46,10 @@ def check_placeable(cu: Sequence[int], world: int, placement: str, name: str = "
     if placement == HEAD_TAIL:
         for doc, length in enumerate(_document_lengths(cu)):
             if length % (2 * world):
-                raise ValueError(
-                    f"document {doc} of {name} has length {length}, not divisible by 2*W = {2 * world}: "
-                    f"per-document head-tail (placement 'head_tail') cuts every document into 2W equal chunks "
-                    f"(cp_cache.pad_documents pads each document up to a multiple of {2 * world}; placement "
-                    f"'balanced' takes any lengths)")
+                raise ValueError(f"document {doc} of {name} has length {length}, not divisible by 2*W = {2 * world}: "
+                                 f"per-document head-tail (placement 'head_tail') cuts every document into 2W equal "
+                                 f"chunks (cp_cache.pad_documents pads each document up to a multiple of "
+                                 f"{2 * world}; placement 'balanced' takes any lengths)")
     elif placement == CONTIGUOUS and total % world:
         raise ValueError(f"{name}={list(cu)}: the global sequence of T={total} tokens does not divide into "
                          f"W={world} contiguous slices")
@@ -77,16 +63,13 @@ def causal_pairs(offset: int, length: int) -> int:
 
 
 def placement_pieces(cu: Sequence[int], world: int, placement: str) -> tuple[tuple[Piece, ...], ...]:
-    """Each rank's pieces in local order (increasing global position)."""
     cu = tuple(int(x) for x in cu)
     check_placeable(cu, world, placement)
     return _pieces(cu, world, placement)
 
 
 def sequence_pieces(rank: int, world: int, local_length: int, load_balance: bool) -> tuple[Piece, ...]:
-    """The pieces ``rank`` holds of one sequence of ``world`` x ``local_length`` tokens (a dense
-    call's shards): head-tail under load balancing, else contiguous. A formula, not the search:
-    ``local_length`` may be symbolic (torch.compile, dynamic shapes)."""
+    """A dense call's shards (head-tail under load balancing): a formula, ``local_length`` may be symbolic."""
     if local_length == 0:
         return ()
     if not load_balance or world == 1:
@@ -146,16 +129,13 @@ def _contiguous(cu: tuple[int, ...], world: int) -> Spans:
 
 
 def _member_spans(length: int, k: int) -> list[tuple[tuple[int, int], ...]]:
-    """(start, length) of the chunks each of k members holds of a document split head-tail: 2k chunks
-    whose sizes differ by at most one, the i-th member holding chunks i and 2k-1-i, touching ones as one
-    span (a group of one: the whole document)."""
+    """Spans (start, length) of k members of a document in 2k chunks: i holds i and 2k-1-i, touching ones merged."""
     b = [j * length // (2 * k) for j in range(2 * k + 1)]
     return [((b[i], b[i + 1] - b[i]), (b[2 * k - 1 - i], b[2 * k - i] - b[2 * k - 1 - i])) if i < k - 1
             else ((b[i], b[i + 2] - b[i]),) for i in range(k)]
 
 
 def _split(cu: tuple[int, ...], world: int, groups: Sequence[tuple[int, ...]]) -> Spans:
-    """Each document head-tail over its group of ranks (``_member_spans``)."""
     spans: Spans = [[] for _ in range(world)]
     for doc, (start, end, group) in enumerate(zip((0,) + cu[:-1], cu, groups)):
         for rank, held in zip(group, _member_spans(end - start, len(group))):
@@ -163,18 +143,13 @@ def _split(cu: tuple[int, ...], world: int, groups: Sequence[tuple[int, ...]]) -
     return spans
 
 
-# ---------------------------------------------------------------- the balanced placement's search
-
-
 def _document_lengths(cu: Sequence[int]) -> list[int]:
     return [end - start for start, end in zip((0,) + tuple(cu[:-1]), cu)]
 
 
 def _balanced(cu: tuple[int, ...], world: int) -> list[tuple[int, ...]]:
-    """Every document's group of ranks (one rank: whole). ``_Search`` with the forced splits
-    over the fewest ranks, then widened (``_WIDEN``): the first within the tolerance wins; none:
-    their repairs in turn while the budgets last, else the best standing. On up to ``_COMPARED``
-    documents, and wherever the search misses the tolerance, the better of it and ``_widening``."""
+    """Every document's group of ranks: ``_Search`` over the fewest ranks, then widened (``_WIDEN``), then repaired;
+    up to ``_COMPARED`` documents or off the tolerance, the better of it and the widening greedy."""
     lengths = _document_lengths(cu)
     budgets, searches, found = _Budgets(), [], None
     for widen in _WIDEN:
@@ -208,8 +183,7 @@ def _balanced(cu: tuple[int, ...], world: int) -> list[tuple[int, ...]]:
 
 
 def _tolerated_load(total: int, world: int) -> int:
-    """The most of ``total`` a rank may hold within ``BALANCE_TOLERANCE`` of the mean, tested as
-    ``PlacementCost`` computes its ratios (within here is within there)."""
+    """The most of ``total`` a rank may hold within ``BALANCE_TOLERANCE``, tested as ``PlacementCost`` does."""
     mean = total / world
     cap = int(BALANCE_TOLERANCE * mean) + 1
     while cap / mean > BALANCE_TOLERANCE:
@@ -226,15 +200,12 @@ def _shares(length: int, k: int) -> tuple[tuple[int, int], ...]:
 
 @functools.lru_cache(maxsize=4096)
 def _rows(length: int, k: int) -> int:
-    """K/V rows the k members of a split document need from each other (about 0.75 * length * (k-1)): the
-    keys before a member's last query that it does not hold."""
+    """K/V rows the members of a split document need from each other: keys before a member's last query, not held."""
     return sum(held[-1][0] + held[-1][1] - sum(n for _, n in held) for held in _member_spans(length, k))
 
 
 @dataclass
 class _Budgets:
-    """What the searches of one placement may still weigh: bounds its time."""
-
     moves: int = 16_000  # moves, swaps and widenings (~1-2 us each)
     packing: int = 160_000  # ranks weighed by the depth-first packings (~0.5 us each)
 
@@ -247,11 +218,8 @@ _WIDEN_TRIES = 3  # documents widened by one rank (each followed by the descent)
 
 
 class _Search:
-    """The balanced placement's search over every document's group of ranks. Loads are integers;
-    a rank's level is the larger of its tokens and work as fractions of the capacities
-    (``_tolerated_load``). Objective: every level at most 1, then the fewest rows (``_rows``).
-    Documents of no tokens are left out (rank 0 keeps them). Deterministic (ties go to the lower
-    document or rank); every step charges ``budgets``."""
+    """Levels: the larger of a rank's tokens and work over the capacities. Objective: every level at most 1, then
+    the fewest ``_rows``. Deterministic (ties to the lower document or rank); every step charges ``budgets``."""
 
     def __init__(self, lengths: Sequence[int], world: int, widen: float, budgets: _Budgets):
         self.lengths, self.world, self.widen, self.budgets = list(lengths), world, widen, budgets
@@ -286,8 +254,7 @@ class _Search:
         return sum(self.over(r) for r in range(self.world))
 
     def standing(self, groups: Sequence[tuple[int, ...]]) -> tuple[bool, float, int]:
-        """Lower is better: (above the tolerance, if so the worse max/mean of tokens and work as
-        ``PlacementCost`` computes them (inf where a rank holds nothing), the rows)."""
+        """Lower is better: (above the tolerance, if so the worse max/mean ratio (inf: an empty rank), the rows)."""
         saved = list(self.groups)
         self.assign(groups)
         above = self.peak() > 1.0
@@ -322,8 +289,6 @@ class _Search:
                 self.place(d, groups[d])
 
     def repair(self) -> None:
-        """While a rank is above its capacities: depth-first packings (small mixes), then one more
-        rank at a time for a document of the busiest rank, each followed by the descent."""
         if self.peak() > 1.0 and self.small:
             self.pack_splits(paired=True)
         while self.peak() > 1.0 and self.budgets.moves > 0 and self.widen_one():
@@ -331,9 +296,7 @@ class _Search:
                 self.pack_splits(paired=False)
 
     def first_pass(self) -> None:
-        """Documents largest first, each whole on the rank it raises least (the lowest in level, in
-        tokens and in work are weighed), split (``group_for``) only where no rank could take it
-        whole beside the documents split so far."""
+        """Largest first, each whole on the rank it raises least, split only where no rank could take it whole."""
         # heaps of (level, tokens or work; rank; the rank's version when pushed): older versions are stale
         heaps: list[list[tuple]] = [[(0, r, 0) for r in range(self.world)] for _ in range(3)]
         version = [0] * self.world
@@ -365,9 +328,7 @@ class _Search:
                     heapq.heappush(heap, (key, r, version[r]))
 
     def group_for(self, doc: int) -> tuple[int, ...]:
-        """The fewest ranks a split document stays within the capacities on (a bisection: the peak
-        mostly falls as k grows), times ``widen``; none within: the lower peak of the narrowest
-        and the widest group."""
+        """The fewest ranks within the capacities, times ``widen``; none: the better of the narrowest and widest."""
         most = self.most_ranks(doc)
         low = min(most, max(2, math.ceil(self.size(doc))))
         narrowest, widest = self.lowest(doc, low), self.lowest(doc, most)
@@ -380,8 +341,7 @@ class _Search:
                 high = middle
             else:
                 low = middle + 1
-        k = most if self.widen >= most else min(most, math.ceil(low * self.widen))
-        return self.lowest(doc, k)[1]
+        return self.lowest(doc, most if self.widen >= most else min(most, math.ceil(low * self.widen)))[1]
 
     def lowest(self, doc: int, k: int) -> tuple[float, tuple[int, ...]]:
         """The peak level and the k ranks (in rank order) a document split over k raises least."""
@@ -393,8 +353,7 @@ class _Search:
         return after[group[-1]], tuple(sorted(group))
 
     def descend(self, budget: int | None = None) -> None:
-        """While a rank is above its capacities, the next ``improvement``, until none or
-        ``budget`` (default: all that is left) is spent."""
+        """``improvement`` after ``improvement`` until none is left or ``budget`` (default: all) is spent."""
         stop = self.budgets.moves - budget if budget is not None else 0
         while self.budgets.moves > stop and self.excess() > 0:
             change = self.improvement(stop)
@@ -406,10 +365,8 @@ class _Search:
                 self.move(b, (p,))
 
     def improvement(self, stop: int) -> tuple[int, int, int, int] | None:
-        """(document, its rank p, the rank q it goes to, the document swapped back or -1): the move
-        or swap that lowers the excess most, or keeps it and lowers the sum of squared levels
-        (room gathered on fewer ranks), the busiest ranks' largest documents first. None: none,
-        or the budget is down to ``stop``."""
+        """(document, its rank p, rank q, the document swapped back or -1): the move or swap that lowers the
+        excess most, or keeps it and lowers the sum of squared levels (room gathered on fewer ranks). None: none."""
         ct, cw = self.cap_tokens, self.cap_work
         t = [x / ct for x in self.tokens]
         w = [x / cw for x in self.work]
@@ -444,9 +401,7 @@ class _Search:
         return None
 
     def pack_splits(self, paired: bool) -> None:
-        """Depth-first packings (``pack``) of the whole documents: as they are, then (``paired``)
-        with one of them split over 2 to 4 ranks or two of the ``_PACK_PAIRED`` cheapest such
-        splits, in increasing added rows; the first found is kept."""
+        """``pack`` as they are, then (``paired``) with one or two cheap splits over 2 to 4 ranks; the first wins."""
         whole = [d for d in self.docs if len(self.groups[d]) == 1]
         singles = sorted((_rows(self.lengths[d], k), ((d, k),))
                          for d in (whole if paired else ()) for k in range(2, min(self.most_ranks(d), 4) + 1))
@@ -462,10 +417,7 @@ class _Search:
                 return
 
     def pack(self, docs: Sequence[int], splits: dict[int, int]) -> dict[int, tuple[int, ...]] | None:
-        """Groups for ``docs`` (whole, or over ``splits[d]`` ranks) within the capacities beside the
-        other documents: items (a document, or a split one's largest share per member) largest
-        first, each on a rank in increasing level, ranks of equal loads tried once. None: none
-        within ``_PACK_TRIES`` placements or the packing budget."""
+        """Groups for ``docs`` (over ``splits[d]`` ranks) within the capacities, depth first; None: none in budget."""
         ct, cw, world = self.cap_tokens, self.cap_work, self.world
         items = []
         for d in docs:
@@ -510,9 +462,7 @@ class _Search:
         return {d: tuple(sorted(held[d])) for d in docs} if found else None
 
     def widen_one(self) -> bool:
-        """One document of the busiest rank over one more rank, then the descent, kept where that
-        lowers the excess: the fewest added rows first (then the larger drop of its group's
-        excess), at most ``_WIDEN_TRIES``. False when none is kept."""
+        """A busiest rank's document over one more rank, then the descent, kept where the excess falls."""
         p = max(range(self.world), key=lambda r: (self.level(r), -r))
         candidates = []
         for doc in sorted(d for d in self.docs if p in self.groups[d]):
@@ -538,9 +488,6 @@ class _Search:
                 return True
             self.assign(start_groups)
         return False
-
-
-# ---------------------------------------------------------------- the widening greedy (issue 23)
 
 
 class _Loads:
@@ -571,8 +518,7 @@ class _Loads:
 
 
 def _widening(lengths: Sequence[int], world: int) -> list[tuple[int, ...]]:
-    """``_greedy`` with the fewest split ranks first, then widened: the first within the tolerance
-    wins, else the most even. The search's fallback where it misses the tolerance."""
+    """``_greedy`` over the fewest split ranks, then widened: the first within the tolerance, else the most even."""
     best, best_peak = None, None
     for widen in _WIDEN:
         groups = _greedy(lengths, world, _AIM, widen)
@@ -598,8 +544,7 @@ def _widening_cost(cu: Sequence[int], world: int) -> PlacementCost:
 
 
 def _greedy(lengths: Sequence[int], world: int, aim: float, widen: float) -> list[tuple[int, ...]]:
-    """Documents longest first, each whole on the rank it raises least if that stays within ``aim``,
-    else head-tail over the fewest ranks within it times ``widen`` (none: the most ranks)."""
+    """Longest first, each whole on the rank it raises least within ``aim``, else head-tail (``_group_for``)."""
     loads = _Loads(lengths, world)
     groups: list[tuple[int, ...]] = [()] * len(lengths)
     for doc in sorted(range(len(lengths)), key=lambda d: (-lengths[d], d)):
@@ -626,14 +571,10 @@ def _group_for(loads: _Loads, length: int, aim: float, widen: float) -> tuple[in
     return loads.lowest(most if widen > most else min(most, math.ceil(low * widen)), length)[0]
 
 
-# ---------------------------------------------------------------- what a placement costs
-
-
 @dataclass(frozen=True)
 class PlacementCost:
     """Per rank: tokens held, causal (query, key) pairs of its queries, and K/V rows it needs
     from other ranks (keys of its documents before one of its queries, held elsewhere)."""
-
     tokens: tuple[int, ...]
     work: tuple[int, ...]
     rows_needed: tuple[int, ...]
@@ -648,7 +589,6 @@ class PlacementCost:
 
 
 def placement_cost(cu: Sequence[int], world: int, placement: str) -> PlacementCost:
-    """Tokens, causal work and K/V rows needed per rank of ``placement`` (causal attention within documents)."""
     cu = tuple(int(x) for x in cu)
     return _cost(cu, placement_pieces(cu, world, placement))
 

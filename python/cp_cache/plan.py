@@ -1,9 +1,7 @@
-"""One CP attention call, decided once: the ``CallPlan``.
+"""One CP attention call, decided once: the ``CallPlan``, all a strategy needs (not the cache policy).
 
-The forward handler builds it (``handlers/spec.py``), the custom op carries it as text, the step
-cache records it, and the backward runs the recorded one after checking its own arguments' plan
-against it (``backward_mismatch``). It holds all a strategy needs, not the cache policy. Also here,
-because the plan decides them: the Ulysses head split and the algorithm (``decide_algorithm``).
+The custom op carries it as text and the step cache records it; the backward runs the recorded one. Also here,
+as the plan decides them: the Ulysses head split and the algorithm (``decide_algorithm``).
 """
 
 from __future__ import annotations
@@ -30,14 +28,13 @@ ALGORITHM_CP_DIMS = {"ring": 1, "ulysses": 1, "hybrid": 2}  # the sequence-shard
 
 
 def check_choice(name: str, value, choices: tuple, what: str = "") -> None:
-    """ValueError unless ``value`` is one of ``choices``; ``what`` names the kind (default ``name``)."""
+    """ValueError; ``what`` names the kind (default ``name``)."""
     if value not in choices:
         raise ValueError(f"{name}={value!r} is not a cp_cache {what or name}; use one of {choices}")
 
 
 def check_exchange_options(exchange: str, keep_kv: bool, grad_partials: str) -> None:
-    """ValueError unless the ring's exchange can run with these options: keeping the received K/V and
-    partials in the input dtype need the direct exchange."""
+    """ValueError: keeping the received K/V and partials in the input dtype need the direct exchange."""
     check_choice("exchange", exchange, EXCHANGES)
     check_choice("keep_kv", keep_kv, (False, True))
     check_choice("grad_partials", grad_partials, GRAD_PARTIALS)
@@ -69,18 +66,9 @@ def _decode(text: str) -> "CallPlan":
 
 @dataclass(frozen=True)
 class CallPlan:
-    """What one CP attention call runs, shared by its forward and backward.
-
-    world_size, rank, cp_sizes: the ranks the sequence is split over, this rank's chunk (nested over the
-        CP mesh dimensions) and those dimensions' sizes, outer first (() when driven directly: one).
-    layout, head_num: the op's input_layout and the local query heads. TND (packed documents):
-        ``documents`` their global cumulative ends, ``placement`` where they lie ("" otherwise),
-        ``capacity`` the rows every rank holds (placed tokens, then padding; None: as placed).
-    load_balance: head-tail shards (rank r holds chunks r and 2W-1-r of 2W).
-    kernel, fused_merge, exchange, keep_kv, grad_partials: how the ring runs (as ``CPConfig``'s).
-    sink: attention sinks, merged by the custom ops (``handlers/attention.py``), not the strategies.
-    """
-
+    """rank: nested over the CP mesh dimensions, whose sizes ``cp_sizes`` gives outer first (() when driven directly).
+    head_num: local query heads. ``capacity``: the rows every rank holds (placed tokens, then padding). load_balance:
+    rank r holds chunks r and 2W-1-r of 2W. sink: merged by the custom ops, not the strategies."""
     world_size: int
     rank: int
     layout: str
@@ -115,27 +103,23 @@ class CallPlan:
 
     @property
     def packed(self) -> bool:
-        """Packed documents (layout TND)."""
         return self.layout == L.TND
 
     @property
     def document_placement(self) -> str:
-        """``placement``, or where none is named (a strategy driven directly) head-tail under load
-        balancing, else contiguous."""
+        """Where no ``placement`` is named (a strategy driven directly): head-tail under load balancing."""
         return self.placement or (HEAD_TAIL if self.load_balance else CONTIGUOUS)
 
     @property
     def document_mesh(self) -> tuple[int, ...]:
-        """The CP mesh sizes packed documents lie over: hybrid's (W0, W1), else (W,)."""
+        """Hybrid's (W0, W1), else (W,)."""
         if self.algorithm == "hybrid" and len(self.cp_sizes) == 2:
             return self.cp_sizes
         return (self.world_size,)
 
     @property
     def uneven_allowed(self) -> bool:
-        """Whether the ranks may hold local sequences of different lengths: packed documents always;
-        dense, the ring alone, for full attention or causal on contiguous shards (each block wholly
-        before, on or after the diagonal); windows, given masks and head-tail shards are positional."""
+        """Dense, only the ring with full or causal attention on contiguous shards (blocks off the diagonal)."""
         if self.packed:
             return True
         if self.algorithm != "ring":
@@ -143,22 +127,18 @@ class CallPlan:
         return not (self.mask.window or self.mask.given or (self.mask.causal and self.load_balance))
 
     def ring_part(self, ring_size: int, ring_rank: int, head_num: int) -> "CallPlan":
-        """The plan of a hybrid call's ring over the outer CP dimension, on Ulysses' head shards: dense as
-        contiguous BNSD; packed documents keep TND and the call's placement over the outer ranks."""
+        """A hybrid call's ring over the outer CP dimension: dense as contiguous BNSD; packed keeps TND."""
         dense = {} if self.packed else dict(layout="BNSD", load_balance=False)
         return replace(self, world_size=ring_size, rank=ring_rank, head_num=head_num, algorithm="ring",
                        cp_sizes=(ring_size,), **dense)
 
     def encode(self) -> str:
-        """The plan as a string: the custom op's argument and the step cache's record (``text``)."""
         return self.text
 
     decode = staticmethod(_decode)  # text -> CallPlan, cached
 
     def backward_mismatch(self, called: "CallPlan") -> Optional[str]:
-        """Why a backward whose arguments give ``called`` cannot use this recorded forward plan, or None:
-        the repeated arguments and the mesh must match; with a given mask, the algorithm and the load
-        balancing that picked the mask's rows too."""
+        """Why a backward whose arguments give ``called`` cannot run this recorded plan, or None."""
         read = _READ_GRAD_REPEATS[self.mask.given]
         if read(self) != read(called):
             mine, theirs = (dict(zip(_GRAD_REPEATS[self.mask.given], read(p))) for p in (self, called))
@@ -180,7 +160,6 @@ class CallPlan:
 @dataclass(frozen=True)
 class HeadPlan:
     """How the heads split over a Ulysses group of ``world`` ranks."""
-
     nq: int
     nkv: int
     world: int
@@ -192,7 +171,7 @@ class HeadPlan:
 
 
 def head_plan(nq: int, nkv: int, world: int) -> HeadPlan:
-    """The head split of Ulysses; ValueError naming N, Nkv and W when it cannot be done."""
+    """ValueError naming N, Nkv and W when it cannot be done."""
     if nq % nkv:
         raise ValueError(f"the query head count N={nq} is not a multiple of the K/V head count Nkv={nkv}")
     if nq % world == 0 and nkv % world == 0:
@@ -205,8 +184,7 @@ def head_plan(nq: int, nkv: int, world: int) -> HeadPlan:
 
 
 def ulysses_degree(algorithm: str, cp_sizes: Sequence[int]) -> int:
-    """The Ulysses degree of ``algorithm`` over these CP dimension sizes (outer first): all of one
-    dimension for Ulysses, the inner one for hybrid, 1 for the ring; 0 where it cannot run."""
+    """All of one dimension for Ulysses, the inner one for hybrid, 1 for the ring; 0 where it cannot run."""
     if algorithm == "ulysses":
         return cp_sizes[0] if len(cp_sizes) == 1 else 0
     if algorithm == "hybrid":
@@ -217,12 +195,11 @@ def ulysses_degree(algorithm: str, cp_sizes: Sequence[int]) -> int:
 def bytes_per_rank(algorithm: str, *, nq: int, nkv: int, world: int, batch: int, local_seq: int,
                    head_dim: int, itemsize: int, v_head_dim: Optional[int] = None,
                    exchange: str = "direct", keep_kv: bool = False, grad_partials: str = "float32") -> int:
-    """Bytes one rank sends for one full-attention call, forward plus backward (as ``call_stats()``
-    reports; other masks let the direct exchange send less). ``v_head_dim``: V's head size (MLA;
-    default ``head_dim``). ring: W-1 K/V blocks each way (the backward's none with ``keep_kv``) and
-    W-1 float32 dK/dV blocks (W with ``exchange="ring"``; the input's itemsize with
-    ``grad_partials="input"``). ulysses: the (W-1)/W not kept of q, k, v (repeated when Nkv < W), out
-    and LSE forward; of those, dout, dq, dk, dv backward (dk, dv in float32 when heads are repeated)."""
+    """Bytes one rank sends for a full-attention forward plus backward, as ``call_stats()`` reports.
+    ``v_head_dim``: V's head size (MLA; default ``head_dim``). ring: W-1 K/V blocks each way (backward none with
+    ``keep_kv``) and W-1 float32 dK/dV blocks (W with ``exchange="ring"``; input itemsize with
+    ``grad_partials="input"``). ulysses: the (W-1)/W not kept of q, k, v (repeated when Nkv < W), out and LSE
+    forward; of those, dout, dq, dk, dv backward (dk, dv in float32 when heads are repeated)."""
     if world == 1:
         return 0
     qk_token = batch * local_seq * head_dim
@@ -248,10 +225,8 @@ def bytes_per_rank(algorithm: str, *, nq: int, nkv: int, world: int, batch: int,
 def choose_algorithm(*, nq: int, nkv: int, world: int, given_mask: bool, batch: int = 1, local_seq: int = 1,
                      head_dim: int = 128, itemsize: int = 2, v_head_dim: Optional[int] = None,
                      keep_kv: bool = False, grad_partials: str = "float32") -> str:
-    """What ``algorithm="auto"`` runs on one CP mesh dimension of ``world`` ranks: Ulysses when its head
-    split exists, the mask is not a given one (the ring skips masked blocks) and it sends fewer bytes
-    per rank (``bytes_per_rank``); else the ring, ties included (its transfers hide behind the kernels,
-    Ulysses' all-to-alls do not). For MHA that is Ulysses from W = 2; for GQA with few K/V heads, the ring."""
+    """Ulysses when its head split exists, the mask is not given (the ring skips masked blocks) and it sends fewer
+    bytes; else the ring, ties included (its transfers hide behind the kernels, Ulysses' all-to-alls do not)."""
     if world == 1 or given_mask:
         return "ring"
     try:
@@ -266,11 +241,8 @@ def choose_algorithm(*, nq: int, nkv: int, world: int, given_mask: bool, batch: 
 
 def decide_algorithm(configured: str, cp_dims: Sequence[int], *, packed: bool, given_mask: bool,
                      backward: bool = False, costs=None, placements=()) -> str:
-    """The algorithm a call runs: the one place it is decided. ``cp_dims``: the sequence-sharded mesh
-    dimensions. A forward resolves "auto" (hybrid on two dimensions, else the ring for packed documents
-    or without ``costs``, else ``choose_algorithm(**costs())``) and raises NotImplementedError (naming
-    ``placements``) when it cannot run over them. A backward runs what its forward recorded: this says
-    only what its arguments need (a dense "auto" on one dimension stays "auto" but for a given mask)."""
+    """The one place it is decided; NotImplementedError where it cannot run. A backward runs what its forward
+    recorded: this says only what its arguments need (a dense "auto" on one dimension stays "auto")."""
     count = len(cp_dims)
     if backward:
         if packed:

@@ -1,10 +1,7 @@
-"""The SDPA front end: where the NPU op does not exist, ``cp_cache.enable()`` routes
-``F.scaled_dot_product_attention`` here. Inside a CP region (``cp_cache.context_parallel`` or torch's
-``context_parallel()``) a call on the DTensors torch's CP wrapper made runs cp_cache's own op
-(``op.py``): its strategies, step cache and agreement on torch's fused kernels. Anything else is SDPA
-itself. The function is named ``scaled_dot_product_attention``: torch's ``context_parallel()``
-patches SDPA with ``setattr(F, fn.__name__, wrapper)``, so any other name would let attention run
-locally per rank.
+"""Where the NPU op does not exist, ``cp_cache.enable()`` routes ``F.scaled_dot_product_attention`` here: inside a
+CP region a call on the DTensors torch's CP wrapper made runs cp_cache's own op (``op.py``); anything else is SDPA.
+The function is named ``scaled_dot_product_attention``: torch's ``context_parallel()`` patches SDPA with
+``setattr(F, fn.__name__, wrapper)``, so any other name would let attention run locally per rank.
 """
 
 from __future__ import annotations
@@ -27,9 +24,7 @@ _ORIGINAL = F.scaled_dot_product_attention
 
 def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
                                  enable_gqa=False):
-    """``F.scaled_dot_product_attention``, by cp_cache's op inside a CP region (see the module's docstring)."""
     from .dispatch import in_cp_region  # at call time: dispatch installs this route
-
     if not (isinstance(query, DTensor) and Shard(2) in query.placements and in_cp_region()):
         return _ORIGINAL(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal,
                          scale=scale, enable_gqa=enable_gqa)
@@ -52,10 +47,9 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
 
 
 def install() -> None:
-    """Route ``F.scaled_dot_product_attention`` here (idempotent)."""
+    """Idempotent."""
     global _ORIGINAL
-    # the causal masks built now, not at the first causal call: a model compiled before any eager call
-    # would trace the build (a lock: a graph break)
+    # causal masks built now: a model compiled before any eager call would trace the build (a lock: a graph break)
     causal_mask("cpu")
     if torch.cuda.is_available():
         causal_mask(torch.device("cuda", torch.cuda.current_device()))
@@ -65,6 +59,6 @@ def install() -> None:
 
 
 def uninstall() -> None:
-    """Give SDPA back as it was (unless someone replaced this route since)."""
+    """Unless someone replaced this route since."""
     if F.scaled_dot_product_attention is scaled_dot_product_attention:
         F.scaled_dot_product_attention = _ORIGINAL

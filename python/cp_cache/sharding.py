@@ -1,9 +1,6 @@
-"""Laying a full sequence out the way the CP handlers expect it, and back.
-
-One CP mesh dimension: with load balancing (default: torch's ``_cp_options.enable_load_balance``)
-rank r holds chunks r and 2W-1-r of 2W, else chunk r. Two (hybrid): contiguous, (i, j) holding
-chunk i*W1 + j of W0*W1. Other mesh dimensions: ``Replicate()``.
-"""
+"""Laying a full sequence out the way the CP handlers expect it, and back. One CP mesh dimension: with
+load balancing (default: torch's option) rank r holds chunks r and 2W-1-r of 2W, else chunk r. Two (hybrid):
+contiguous, (i, j) holding chunk i*W1 + j of W0*W1. Other mesh dimensions: ``Replicate()``."""
 
 from __future__ import annotations
 
@@ -45,14 +42,12 @@ def _order(seq: int, mesh, cp_dims: tuple, load_balance: Optional[bool]) -> Opti
 
 def shard_sequence(x: Tensor, mesh, seq_dim: int, *, cp_dims: Optional[Sequence[int]] = None,
                    load_balance: Optional[bool] = None) -> DTensor:
-    """``x`` (the full sequence, the same on every rank) as a DTensor sharded on ``seq_dim`` over
-    the CP dimensions ``cp_dims`` of ``mesh`` (default: all of them), Replicate elsewhere."""
+    """The full sequence ``x`` sharded on ``seq_dim`` over ``cp_dims`` (default: all), Replicate elsewhere."""
     dims = _cp_dims(mesh, cp_dims)
     order = _order(x.size(seq_dim), mesh, dims, load_balance)
     if order is not None:
         x = x.index_select(seq_dim, order.to(x.device))
-    placements = [Shard(seq_dim) if d in dims else Replicate() for d in range(mesh.ndim)]
-    return distribute_tensor(x, mesh, placements)
+    return distribute_tensor(x, mesh, [Shard(seq_dim) if d in dims else Replicate() for d in range(mesh.ndim)])
 
 
 def unshard_sequence(x: DTensor, seq_dim: int, *, load_balance: Optional[bool] = None) -> Tensor:

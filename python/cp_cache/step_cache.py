@@ -1,10 +1,8 @@
 """The step cache of one CP attention call, and the cache policies: the one home of policy.
 
-A cache holds the plan's text and one record per ring step: the step's part as the tag, then the
-dropout (seed, offset) tensors of each kernel call, then (``keep_kv``) the K/V rows it received.
-"handle" (default): the forward's ``seed`` output is a handle tensor whose storage owns the cache,
-which lives exactly as long as autograd keeps the graph. "stack" (torch_npu's discipline): the
-forward pushes and its seed slot carries a pairing key that the backward's pop checks.
+A cache holds the plan's text and per ring step its part, each kernel call's dropout (seed, offset) and
+(``keep_kv``) the K/V rows received. "handle": the ``seed`` output's storage owns the cache, which lives as long
+as autograd keeps the graph. "stack" (torch_npu's): the seed slot carries a key that the backward's pop checks.
 """
 
 from __future__ import annotations
@@ -40,12 +38,10 @@ def _step_tensors(step: RingStep) -> list:
 
 
 def plan_of(cache) -> CallPlan:
-    """The plan the forward ran with."""
     return CallPlan.decode(cache.meta(_PLAN_KEY))
 
 
 def steps_of(cache) -> list[RingStep]:
-    """The forward's ring steps, in order."""
     steps = []
     for index, (part, tensors) in enumerate(cache.steps):
         kept = ()
@@ -59,8 +55,7 @@ def steps_of(cache) -> list[RingStep]:
 
 
 def pairing_key(plan: CallPlan, steps: list[RingStep]) -> int:
-    """A fingerprint of all the backward reads from the cache: forwards with the same key are
-    interchangeable for their backwards (the stack policy's pop check)."""
+    """Of all the backward reads: forwards with the same key are interchangeable for their backwards."""
     digest = hashlib.blake2b(digest_size=8)
     digest.update(plan.text.encode())
     for step in steps:
@@ -71,8 +66,7 @@ def pairing_key(plan: CallPlan, steps: list[RingStep]) -> int:
 
 
 def seed_slot(policy: str, plan: CallPlan, steps: list[RingStep]) -> Tensor:
-    """The forward's seed output, from a new cache holding what the backward needs: the cache's handle, or
-    (stack policy) its pairing key after the push."""
+    """The forward's seed output for a new cache: its handle, or (stack policy) its pairing key after the push."""
     store = _C.default_store()
     cache = store.create()
     cache.set_meta(_PLAN_KEY, plan.text)
@@ -86,9 +80,8 @@ def seed_slot(policy: str, plan: CallPlan, steps: list[RingStep]) -> Tensor:
 
 
 def claim(seed: Tensor, policy: str) -> tuple[str, list[RingStep], int]:
-    """(the plan's text, the step records, the cache's id) of the forward's cache that the backward's
-    seed slot names: a handle resolved (and the cache released when this graph's backward runs once),
-    or the stack popped. No reference to the cache outlives the call."""
+    """(plan text, step records, cache id) of the cache ``seed`` names: a handle resolved (released when this
+    graph's backward runs once), or the stack popped. No reference to the cache outlives the call."""
     store = _C.default_store()
     if store.is_handle(seed):
         cache = store.resolve(seed)

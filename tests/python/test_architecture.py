@@ -15,6 +15,9 @@ ARCHITECTURE = ROOT / "docs" / "architecture.md"
 STRATEGIES = ("cp_cache.algorithms.ring", "cp_cache.algorithms.ulysses", "cp_cache.algorithms.packed")
 MAX_FUNCTION_LINES = 60
 MAX_TND_FILES = 2
+MAX_MODULE_DOCSTRING_LINES = 15
+MAX_ENGINE_LINES = 1_800
+MAX_RUNTIME_LINES = 7_000  # the package minus cli/, testing/ and emulator/
 NATIVE = "cp_cache._C"  # the extension: a module without a .py file
 
 
@@ -134,6 +137,35 @@ def test_no_function_over_60_lines():
                 if lines > MAX_FUNCTION_LINES:
                     long.append(f"{module}.{node.name}: {lines} lines")
     assert not long, long
+
+
+def _lines(path: Path) -> int:
+    return len(path.read_text().splitlines())
+
+
+def _runtime() -> list[Path]:
+    return [path for module, (path, _) in _modules().items()
+            if not module.startswith(("cp_cache.cli", "cp_cache.testing", "cp_cache.emulator"))]
+
+
+def test_module_docstrings_are_short():
+    long = []
+    for path in _runtime():
+        tree = _modules()[_module_name(path)][1]
+        doc = tree.body[0] if tree.body and isinstance(tree.body[0], ast.Expr) else None
+        if doc is not None and isinstance(doc.value, ast.Constant) and isinstance(doc.value.value, str):
+            lines = doc.end_lineno - doc.lineno + 1
+            if lines > MAX_MODULE_DOCSTRING_LINES:
+                long.append(f"{path.relative_to(PACKAGE)}: {lines} lines")
+    assert not long, long
+
+
+def test_sizes():
+    engine = sum(_lines(p) for p in (PACKAGE / "engine").glob("*.py"))
+    runtime = sum(_lines(p) for p in _runtime())
+    assert engine <= MAX_ENGINE_LINES, f"engine/ has {engine} lines, more than {MAX_ENGINE_LINES}"
+    assert runtime <= MAX_RUNTIME_LINES, f"the runtime has {runtime} lines, more than {MAX_RUNTIME_LINES}"
+    assert len(_runtime()) > 40  # the package's modules were found
 
 
 def test_the_rules_can_fail():

@@ -1,13 +1,5 @@
-"""The CP attention strategies, one interface: ``check_forward`` / ``check_backward`` (this rank's
-inputs), ``forward`` / ``backward`` (given what the check returned and the ranks' ``agreement``,
-waited for before the first exchange) and ``fake`` (shapes only).
-
-``ring`` (dense), ``ulysses`` (all-to-all to head shards; hybrid = Ulysses around the ring),
-``packed`` (packed documents on the ring's loop; Ulysses around it under Ulysses or hybrid),
-``WithSink`` (sinks around any) and ``WithCapacity`` (packed documents at a fixed shape).
-``groups`` are the CP groups, outer first: a strategy takes the innermost and gives an inner one the
-rest. The strategies share only the engine. ``run_forward`` / ``run_backward`` drive one directly.
-"""
+"""The CP attention strategies, one interface (check, forward, backward, fake), sharing only the engine. ``groups``:
+the CP groups, outer first; a strategy takes the innermost and gives an inner one the rest."""
 
 from __future__ import annotations
 
@@ -43,7 +35,6 @@ def run_forward(strategy, plan: CallPlan, q: Tensor, k: Tensor, v: Tensor, *, gr
 
 def run_backward(strategy, plan: CallPlan, dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
                  steps, *, groups=(), kernel, mask: Optional[Tensor] = None) -> BackwardResult:
-    """``strategy``'s backward driven directly, as ``run_forward``."""
     checked, agreement = open_agreement(
         "backward", lambda: strategy.check_backward(plan, dout, q, k, v, out, lse, steps, mask), plan, q, k, v,
         groups=_agreeing(plan, groups), kernel=getattr(kernel, "name", ""), mask_rows=mask, steps=len(steps))
@@ -52,7 +43,6 @@ def run_backward(strategy, plan: CallPlan, dout: Tensor, q: Tensor, k: Tensor, v
 
 
 def _agreeing(plan: CallPlan, groups) -> list:
-    """The groups the ranks agree on: ``groups``, or the default group where none is given for W > 1."""
     given = [g for g in groups if g is not None]
     if given:
         return given

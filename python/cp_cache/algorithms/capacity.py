@@ -1,7 +1,5 @@
-"""Packed documents at a fixed shape (``CallPlan.capacity``): every rank holds ``capacity`` rows, its
-placed tokens first, then padding. The inner (packed) strategy runs on the placed rows only, so the
-exchange, step records and bounds are those of the call without a capacity; the padding rows come
-back as the NPU op gives a row that sees no key: output 0, LSE -inf, zero gradients. docs/documents.md."""
+"""Packed documents at a fixed shape: each rank holds ``capacity`` rows, placed tokens first. The inner strategy runs on
+the placed rows only; padding rows come back as the NPU op gives a row that sees no key: output 0, LSE -inf."""
 
 from __future__ import annotations
 
@@ -18,8 +16,7 @@ __all__ = ["WithCapacity"]
 
 
 def _placed(plan: CallPlan, *tensors: Tensor) -> tuple[Tensor, ...]:
-    """This rank's placed tokens of ``tensors``, once each is checked to have the capacity rows and every
-    rank's placed tokens checked to fit."""
+    """This rank's placed tokens, once ``tensors`` have the capacity rows and every rank's placed tokens fit."""
     rows = check_capacity_rows(plan, *(t.size(0) for t in tensors))[plan.rank]
     return tuple(t.narrow(0, 0, rows) for t in tensors)
 
@@ -32,7 +29,6 @@ def _padded(t: Tensor, capacity: int, fill: float) -> Tensor:
 
 class WithCapacity:
     """``inner`` (the packed-documents strategy) on the placed rows of ``plan.capacity``-row shards."""
-
     def __init__(self, inner):
         self.inner = inner
 

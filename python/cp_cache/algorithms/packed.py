@@ -1,6 +1,4 @@
-"""Ring attention over packed documents: rank r holds the ``[T_r, N, D]`` tokens its placement gives it, in
-global order. A step's work is, per document, what its pieces on the two ranks allow (``masks.document_step``),
-as the segments of one packed kernel call on the rows it needs (per segment for a kernel without the layout)."""
+"""Ring attention over packed documents ``[T_r, N, D]``: a step is one packed kernel call on the rows it needs."""
 
 from __future__ import annotations
 
@@ -32,7 +30,6 @@ def _documents(plan: CallPlan) -> tuple[int, ...]:
 
 
 def _check_inputs(q: Tensor, k: Tensor, v: Tensor, plan: CallPlan, cu: Sequence[int]) -> None:
-    """The local packed shapes against the plan and the documents."""
     if plan.layout != L.TND:
         raise ValueError(f"varlen ring attention takes input_layout='TND', got {plan.layout!r}")
     for name, t in (("query", q), ("key", k), ("value", v)):
@@ -78,24 +75,19 @@ def _plan_step(plan: CallPlan, cu, index: int) -> VarlenStep:
 
 
 def _ring_lengths(plan: CallPlan, cu) -> list[tuple[int, int]]:
-    """Every rank's (query, K/V) length: what its placement gives it (each rank checked its own)."""
     return [(n, n) for n in local_lengths(cu, plan.world_size, plan.document_placement)]
 
 
 class PackedDocuments:
     """The packed ring on the innermost group; its checks take any packed plan (Ulysses checks with them)."""
-
     def fake(self, plan: CallPlan, q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
-        """Empty (out, lse [T/W, Nq]) of the shapes ``forward`` returns: from shapes only."""
         return empty_outputs(plan, q, k, v)
 
     def check_forward(self, plan: CallPlan, q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor] = None) -> None:
-        """This rank's inputs of a forward against the plan's documents and placement."""
         _check_inputs(q, k, v, plan, _documents(plan))
 
     def check_backward(self, plan: CallPlan, dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
                        steps: list[RingStep], mask: Optional[Tensor] = None) -> list[VarlenStep]:
-        """This rank's inputs of a backward and the forward's step records: the steps planned again."""
         cu = _documents(plan)
         _check_inputs(q, k, v, plan, cu)
         check_backward_operands(plan, dout, q, k, v, out, lse)
@@ -107,15 +99,13 @@ class PackedDocuments:
 
     def forward(self, plan: CallPlan, q: Tensor, k: Tensor, v: Tensor, *, groups: Sequence = (),
                 kernel: StepKernel, mask: Optional[Tensor] = None, checked=None, agreement) -> ForwardResult:
-        """The local queries against every rank's K/V within documents (``mask`` unused): output (query
-        dtype), float32 LSE ``[T/W, Nq]``, step records, traffic."""
+        """``mask`` unused; LSE float32 ``[T_r, Nq]``."""
         cu = _documents(plan)
         rows = q.size(0)
         acc_out = torch.zeros(L.output_shape(q, k, v, L.TND, plan.head_num), dtype=torch.float32, device=q.device)
         acc_lse = torch.full((rows, plan.head_num), float("-inf"), dtype=torch.float32, device=q.device)
         run = kernel.forward if kernel.takes_tnd else functools.partial(segments_forward, kernel)
         kw = dict(head_num=plan.head_num, scale=plan.scale, keep_prob=plan.keep_prob, layout=L.TND)
-
         def compute(i: int, cur_k: Tensor, cur_v: Tensor) -> tuple[str, list]:
             step = _plan_step(plan, cu, i)
             rng = []
@@ -129,7 +119,6 @@ class PackedDocuments:
                            index=qi, actual_seq_qlen=lens[0])
                 del res
             return step.part, rng
-
         steps, traffic = forward_ring(plan, groups, k, v, 0, plan.world_size - 1, compute, agreement,
                                       lengths=_ring_lengths(plan, cu))
         if log.isEnabledFor(logging.DEBUG):  # the parts' list is built only to be logged
@@ -140,13 +129,12 @@ class PackedDocuments:
     def backward(self, plan: CallPlan, dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
                  steps: list[RingStep], *, groups: Sequence = (), kernel: StepKernel,
                  mask: Optional[Tensor] = None, checked: list[VarlenStep], agreement) -> BackwardResult:
-        """Gradients of the local q and own K/V block; ``checked``: the steps ``check_backward`` planned."""
+        """``checked``: the steps ``check_backward`` planned."""
         cu, planned = _documents(plan), checked
         rows, lse = q.size(0), lse.float()
         dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
         run = kernel.backward if kernel.takes_tnd else functools.partial(segments_backward, kernel)
         kw = dict(head_num=plan.head_num, scale=plan.scale, keep_prob=plan.keep_prob, layout=L.TND)
-
         def compute(i: int, cur_k: Tensor, cur_v: Tensor) -> list:
             partials = []
             for c, call in enumerate(planned[i].calls):
@@ -160,7 +148,6 @@ class PackedDocuments:
                     dq.index_add_(0, qi, grads[0].to(dq.dtype))
                 partials.append((kvi, grads[1], grads[2]))
             return partials
-
         dk, dv, traffic = backward_ring(plan, groups, k, v, 0, plan.world_size - 1, compute, agreement, steps,
                                         lengths=_ring_lengths(plan, cu))
         return BackwardResult(dq=dq.to(q.dtype), dk=dk.to(k.dtype), dv=dv.to(v.dtype), **traffic.fields())

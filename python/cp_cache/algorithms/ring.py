@@ -1,6 +1,4 @@
-"""Ring attention over a 1-D process group on any step kernel: step i on rank r computes its queries against
-group rank ``(r - i) % W``'s K/V rows, as the mask kind plans (``masks``; once per shapes for positional
-masks), merged in float32; the backward reuses the recorded parts and seeds."""
+"""Dense ring attention on any step kernel, as the mask kind plans; the backward reuses the recorded parts and seeds."""
 
 from __future__ import annotations
 
@@ -28,7 +26,6 @@ log = logging.getLogger("cp_cache")
 @dataclass(frozen=True)
 class _Shapes:
     """What a ring call's checked shapes give; ``steps``: each step's (part, tasks), None for a given mask."""
-
     dims: L.Dims
     seq_dim: int
     kv_len: int
@@ -52,7 +49,6 @@ def _shapes(plan: CallPlan, q_shape: tuple, k_shape: tuple, v_shape: tuple) -> _
 
 
 def _step(plan: CallPlan, checked: _Shapes, index: int, kv_len: int, mask_rows: Optional[Tensor]):
-    """(part, tasks) of step ``index`` on a block of ``kv_len`` rows: the shapes' plan where it applies."""
     if checked.steps is not None and kv_len == checked.kv_len:
         return checked.steps[index]
     return plan_step(plan.rank, index, plan.world_size, plan.load_balance, plan.mask, checked.dims.seq, kv_len,
@@ -60,7 +56,6 @@ def _step(plan: CallPlan, checked: _Shapes, index: int, kv_len: int, mask_rows: 
 
 
 def _task_operands(task: BlockTask, seq_dim: int, q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-    """The task's query and K/V rows: views, or the tensors themselves where it takes all rows."""
     q_start, q_rows = task.q_rows
     kv_start, kv_rows = task.kv_rows
     if q_start or q_rows != q.shape[seq_dim]:
@@ -71,10 +66,7 @@ def _task_operands(task: BlockTask, seq_dim: int, q: Tensor, k: Tensor, v: Tenso
 
 
 class Ring:
-    """Ring attention over the innermost of the given process groups, on any step kernel."""
-
     def check_forward(self, plan: CallPlan, q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor] = None) -> _Shapes:
-        """This rank's inputs of a forward (ValueError/NotImplementedError naming them)."""
         shapes = _shapes(plan, tuple(q.shape), tuple(k.shape), tuple(v.shape))
         expected = (shapes.dims.seq, shapes.kv_len * plan.world_size)
         if plan.mask.given and (mask is None or tuple(mask.shape[-2:]) != expected):
@@ -84,7 +76,6 @@ class Ring:
 
     def check_backward(self, plan: CallPlan, dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
                        steps: list[RingStep], mask: Optional[Tensor] = None) -> _Shapes:
-        """This rank's inputs of a backward, and the forward's step records against them."""
         shapes = self.check_forward(plan, q, k, v, mask)
         check_steps(steps, plan.rank, plan.world_size, shapes.last + 1)
         check_backward_operands(plan, dout, q, k, v, out, lse)
@@ -92,12 +83,10 @@ class Ring:
 
     def forward(self, plan: CallPlan, q: Tensor, k: Tensor, v: Tensor, *, groups: Sequence = (),
                 kernel: StepKernel, mask: Optional[Tensor] = None, checked: _Shapes, agreement) -> ForwardResult:
-        """The local queries against every rank's K/V (``mask``: a given mask's rows of them over the whole
-        sequence): output (query dtype), float32 LSE [B, Nq, Sq], step records, traffic."""
+        """``mask``: a given mask's rows of the local queries over the whole sequence; LSE float32 [B, Nq, Sq]."""
         seq_dim, qd = checked.seq_dim, checked.dims
         lse_shape = torch.Size((qd.batch, plan.head_num, qd.seq))
         acc: list[Tensor] = []  # [out, lse] in float32, from the first result on
-
         def compute(i: int, cur_k: Tensor, cur_v: Tensor) -> tuple[str, list]:
             part, tasks = _step(plan, checked, i, cur_k.shape[seq_dim], mask)
             rng = []
@@ -115,7 +104,6 @@ class Ring:
                                plan.layout, plan.head_num, fused=plan.fused_merge)
                 del res
             return part, rng
-
         steps, traffic = forward_ring(plan, groups, k, v, seq_dim, checked.last, compute, agreement, mask_rows=mask)
         if log.isEnabledFor(logging.DEBUG):  # the parts' list is built only to be logged
             log.debug("ring forward rank %d/%d: parts %s, %s", plan.rank, plan.world_size, [s.part for s in steps],
@@ -127,11 +115,9 @@ class Ring:
     def backward(self, plan: CallPlan, dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
                  steps: list[RingStep], *, groups: Sequence = (), kernel: StepKernel,
                  mask: Optional[Tensor] = None, checked: _Shapes, agreement) -> BackwardResult:
-        """Gradients of the local q and of this rank's own K/V block, reusing the forward's parts and seeds."""
         seq_dim, lse = checked.seq_dim, lse.float()
         dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
         kernel_args = checked.kernel_args
-
         def compute(i: int, cur_k: Tensor, cur_v: Tensor) -> list:
             """The step's kernel calls, planned again, each with the (seed, offset) its forward drew."""
             step, kv_grads = steps[i], []
@@ -147,7 +133,6 @@ class Ring:
                 kv_grads.append((task.kv_rows, grads[1], grads[2]))
                 del grads
             return kv_grads
-
         dk, dv, traffic = backward_ring(plan, groups, k, v, seq_dim, checked.last, compute, agreement, steps,
                                         mask_rows=mask)
         log.debug("ring backward rank %d/%d: %s", plan.rank, plan.world_size, traffic)
@@ -155,12 +140,10 @@ class Ring:
                               **traffic.fields())
 
     def fake(self, plan: CallPlan, q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
-        """Empty (out, lse) of the shapes ``forward`` returns: for tracing with fake tensors."""
         return empty_outputs(plan, q, k, v)
 
 
 def _empty_accumulators(out_shape: tuple, lse_shape: tuple, device) -> tuple[Tensor, Tensor]:
-    """The float32 (out, LSE) of rows that have seen no key yet: zeros and -inf."""
     return (torch.zeros(out_shape, dtype=torch.float32, device=device),
             torch.full(lse_shape, float("-inf"), dtype=torch.float32, device=device))
 

@@ -1,7 +1,5 @@
-"""Attention sinks around any strategy: the inner strategy computes the call without the sink, whose
-logit then joins every row's softmax once, on the merged result (``merge_sink``: LSE' =
-logaddexp(LSE, sink[h]), out scaled by exp(LSE - LSE')). The backward gives the inner strategy the
-merged LSE' (what the forward returned) and the sink its gradient over this rank's rows. docs/sinks.md."""
+"""Attention sinks around any strategy: the sink's logit joins every row's softmax once, on the inner strategy's merged
+result; the backward gives the inner strategy that LSE' and the sink its gradient over this rank's rows."""
 
 from __future__ import annotations
 
@@ -18,7 +16,6 @@ __all__ = ["WithSink"]
 
 class WithSink:
     """``inner`` with the attention sink ``sink`` (this rank's heads [N], float32)."""
-
     def __init__(self, inner, sink: Tensor):
         self.inner, self.sink = inner, sink
 

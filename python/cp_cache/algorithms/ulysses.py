@@ -1,13 +1,5 @@
-"""Ulysses (all-to-all) and hybrid (Ulysses x ring) context-parallel attention.
-
-Over a group of U ranks one all-to-all turns the sequence shards of q, k, v into head shards (rank u
-gets query heads [u*Nq/U, (u+1)*Nq/U) of the whole sequence; with Nkv < U dividing U each K/V head is
-first repeated U/Nkv times), one full-sequence step-kernel call runs (head-tail undone, then redone)
-and one all-to-all brings output and LSE back; the backward exchanges again, replays the recorded
-seeds and sums repeated K/V heads' gradients. Hybrid: Ulysses over the inner CP dimension around the
-ring over the outer one. Packed documents: Ulysses around the packed ring, the all-to-alls carrying
-the placement's uneven splits.
-"""
+"""Ulysses: one all-to-all over U ranks turns sequence shards into head shards (with Nkv < U each K/V head repeated),
+one full-sequence kernel call runs and one all-to-all brings output and LSE back. Hybrid: Ulysses around the ring."""
 
 from __future__ import annotations
 
@@ -39,44 +31,35 @@ _BNSD = "BNSD"  # the head shards' layout
 
 
 def _gathered(plan: CallPlan, where: "_Groups", local_seq: int) -> tuple[Optional[list[int]], Optional[Tensor]]:
-    """The sequence a Ulysses group gathers, its members' shards in rank order: (each member's length where
-    they may differ, else None; the global position of each row where the local attention needs another
-    order, else None). Dense: equal shards, head-tail under load balancing (undone for the local call). Packed
-    documents: the group's lengths; on one CP dimension the placement's positions (undone: the local call
-    takes the documents in order); on two, an outer rank's share cut contiguously (in order)."""
+    """(each member's length where they may differ; each gathered row's global position where the local attention
+    needs another order: head-tail under load balancing, a packed placement's on one CP dimension), else None."""
     u = plan.ulysses_size
     if not plan.packed:
         return None, sequence_order(u, local_seq, True) if plan.load_balance else None
     cu, placement, mesh = plan.documents, plan.document_placement, plan.document_mesh
     lengths = local_lengths(cu, mesh, placement)[where.ring_rank * u:(where.ring_rank + 1) * u]
-    ordered = len(mesh) == 2 or placement == CONTIGUOUS
-    return lengths, None if ordered else placement_order(tuple(cu), mesh, placement)
+    return lengths, None if len(mesh) == 2 or placement == CONTIGUOUS else placement_order(tuple(cu), mesh, placement)
 
 
 def _rows(x: Tensor, index: Optional[Tensor]) -> Tensor:
-    """The rows ``index`` of ``x`` ([B, N, S, D]; None: all, as they are)."""
     return x if index is None else x.index_select(2, index.to(x.device))
 
 
 def _as_bnsd(x: Tensor, layout: str) -> Tensor:
-    """A tensor ([T, N, D]) or LSE ([T, N]) of ``layout`` as [B, N, S, D] or [B, N, S]: packed documents are
-    a batch of one; the dense layouts' LSE is already so."""
+    """Packed documents ([T, N, D], LSE [T, N]) as a batch of one; the dense layouts' LSE is already so."""
     if layout != L.TND:
         return x
     return x.t().unsqueeze(0) if x.dim() == 2 else L.to_bnsd(x, L.TND, x.size(1))
 
 
 def _from_bnsd(x: Tensor, layout: str) -> Tensor:
-    """Head shards ([B, N/U, S, D]) or their LSE ([B, N/U, S]) as the local attention takes them: BNSD, packed
-    documents TND."""
     if layout != L.TND:
         return x
     return x[0].t() if x.dim() == 3 else L.from_bnsd(x, L.TND)
 
 
 def _check_mask(plan: CallPlan, mask: Optional[Tensor], seq: int) -> None:
-    """A given mask must cover the whole sequence (``seq``) and be shared by the heads (each rank computes
-    other heads)."""
+    """A given mask must cover the whole sequence and be shared by the heads (each rank computes other heads)."""
     if not plan.mask.given:
         return
     if mask is not None and mask.dim() == 4 and mask.size(1) != 1:
@@ -84,16 +67,13 @@ def _check_mask(plan: CallPlan, mask: Optional[Tensor], seq: int) -> None:
                                   f"or [B, 1, S, S]), not a per-head mask of shape {tuple(mask.shape)} yet; use "
                                   "algorithm='ring'")
     if mask is None or mask.dim() not in (2, 4) or tuple(mask.shape[-2:]) != (seq, seq):
-        got = None if mask is None else tuple(mask.shape)
         raise ValueError(f"a Ulysses call with a given mask needs it over the whole sequence "
-                         f"[..., {seq}, {seq}]; got {got}")
+                         f"[..., {seq}, {seq}]; got {None if mask is None else tuple(mask.shape)}")
 
 
 def _inner_part(plan: CallPlan, heads: HeadPlan, where: "_Groups", mask: Optional[Tensor], qh: Tensor,
                 kh: Tensor) -> tuple[CallPlan, Optional[Tensor], Agreement]:
-    """The inner strategy's plan, with a given mask its rows of this rank's contiguous block of the gathered
-    sequence (the ring plans the rest), and its agreement, reached with the call's: equal lengths (packed
-    documents: the shares)."""
+    """The inner strategy's plan, a given mask's rows of this rank's block of the gathered sequence, its agreement."""
     ring_plan = plan.ring_part(where.ring_size, where.ring_rank, heads.local_nq)
     rows = qh.size(2)
     ring_mask = mask.narrow(mask.dim() - 2, where.ring_rank * rows, rows) if plan.mask.given else None
@@ -128,8 +108,6 @@ class _Groups:
 
 
 def _groups(plan: CallPlan, groups: Sequence) -> _Groups:
-    """This rank's place in its Ulysses group (the innermost of ``groups``) and in the ring
-    over the outer ones (hybrid), checked against the process groups."""
     u = plan.ulysses_size
     if u < 1 or plan.world_size % u:
         raise ValueError(f"ulysses_size={u} does not divide world_size={plan.world_size}")
@@ -151,28 +129,22 @@ def _kv_bnsd(x: Tensor, plan: CallPlan, heads: HeadPlan) -> Tensor:
 
 
 class Ulysses:
-    """Ulysses over the innermost of the given process groups; ``inner`` (hybrid: the ring; packed
-    documents: the packed ring) runs over the outer groups between the all-to-alls."""
-
+    """Ulysses over the innermost group; ``inner`` (the ring, or the packed ring) runs over the outer ones between."""
     def __init__(self, inner=None):
         self.inner = inner
 
     def fake(self, plan: CallPlan, q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
-        """Empty (out, lse) of the shapes ``forward`` returns: for tracing with fake tensors."""
         return empty_outputs(plan, q, k, v)
 
-    def check_forward(self, plan: CallPlan, q: Tensor, k: Tensor, v: Tensor,
-                      mask: Optional[Tensor] = None) -> HeadPlan:
-        """This rank's inputs of a forward; the head split."""
+    def check_forward(self, plan: CallPlan, q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor] = None) -> HeadPlan:
         if plan.packed:  # the packed ring's checks: the documents, this rank's length in their layout
             self.inner.check_forward(plan, q, k, v)
             return head_plan(plan.head_num, k.size(1), plan.ulysses_size)
         seq_dim = L.seq_dim(plan.layout)
         local_seq = q.size(seq_dim)
         _check_mask(plan, mask, local_seq * plan.world_size)
-        # the ring's checks but for its mask rows (here: the whole mask, checked above)
         qd, nkv = check_qkv(replace(plan, mask=replace(plan.mask, given=False)), tuple(q.shape), tuple(k.shape),
-                            tuple(v.shape))
+                            tuple(v.shape))  # the ring's checks but for its mask rows (the whole mask: checked above)
         if plan.mask.given and k.size(seq_dim) != local_seq:
             raise ValueError(f"masked Ulysses attention needs equal local query and key lengths, got "
                              f"{local_seq} and {k.size(seq_dim)}")
@@ -184,7 +156,6 @@ class Ulysses:
 
     def check_backward(self, plan: CallPlan, dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
                        steps: list[RingStep], mask: Optional[Tensor] = None) -> HeadPlan:
-        """This rank's inputs of a backward and the forward's records; the head split."""
         split = self.check_forward(plan, q, k, v, mask)
         check_backward_operands(plan, dout, q, k, v, out, lse)
         if plan.ulysses_size == plan.world_size and len(steps) != 1:
@@ -193,20 +164,14 @@ class Ulysses:
 
     def forward(self, plan: CallPlan, q: Tensor, k: Tensor, v: Tensor, *, groups: Sequence, kernel: StepKernel,
                 mask: Optional[Tensor] = None, checked: HeadPlan, agreement) -> ForwardResult:
-        """Ulysses or hybrid attention of the local sequence shards, as the ring returns it (one step
-        record for Ulysses, the ring's for hybrid). ``mask``: a given mask over the whole sequence in
-        global order, [S, S], [1, 1, S, S] or [B, 1, S, S] (True = masked out); ``checked``: the head
-        split ``check_forward`` returned; ``agreement``: waited for before the first all-to-all."""
+        """``mask``: over the whole sequence in global order, [S, S], [1, 1, S, S] or [B, 1, S, S] (True: masked)."""
         where, heads, lay = _groups(plan, groups), checked, plan.layout
         agreement.lengths()
         if heads.kv_repeats > 1:
             log.info("cp_cache Ulysses: %d K/V heads over %d ranks: each K/V head repeated %d times",
                      heads.nkv, plan.ulysses_size, heads.kv_repeats)
-
         def local(qh: Tensor, kh: Tensor, vh: Tensor) -> tuple[ForwardResult, list[Tensor]]:
-            """Attention of the gathered head shards ([B, N/U, S, D]): one kernel call, or the inner strategy.
-            With dropout, rank u of the group draws u times before and U-1-u after (not after an error): ranks
-            computing different heads get different masks, the generator one state."""
+            """With dropout rank u draws u times before, U-1-u after: masks differ by head, generators end alike."""
             u = plan.ulysses_size
             before, after = (where.ulysses_rank, u - 1 - where.ulysses_rank) if plan.keep_prob < 1.0 else (0, 0)
             for _ in range(before):
@@ -226,7 +191,6 @@ class Ulysses:
             for _ in range(after):
                 torch.rand(1, device=q.device)
             return res, [_as_bnsd(res.out, lay), _as_bnsd(res.lse, lay).float().unsqueeze(-1)]
-
         started = time.perf_counter()
         tensors = [L.to_bnsd(q, lay, heads.nq), _kv_bnsd(k, plan, heads), _kv_bnsd(v, plan, heads)]
         (out, lse), res, accounted = _round_trip(plan, groups, where, q, tensors, local, started)
@@ -238,14 +202,10 @@ class Ulysses:
     def backward(self, plan: CallPlan, dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
                  steps: list[RingStep], *, groups: Sequence, kernel: StepKernel,
                  mask: Optional[Tensor] = None, checked: HeadPlan, agreement) -> BackwardResult:
-        """Gradients of the local q, k, v shards; ``steps``, ``mask``, ``checked`` (from
-        ``check_backward``) and ``agreement`` as in the forward."""
         where, heads, lay = _groups(plan, groups), checked, plan.layout
         agreement.lengths()
-
         def local(qh: Tensor, kh: Tensor, vh: Tensor, outh: Tensor, douth: Tensor,
                   lseh: Tensor) -> tuple[BackwardResult, list[Tensor]]:
-            """dq, dk, dv of the gathered head shards, as the forward's ``local`` computes."""
             lseh = lseh.squeeze(-1)
             if where.ring_size == 1 and not plan.packed:
                 _, step_mask = _local_mask(plan, mask, qh.size(2))
@@ -264,7 +224,6 @@ class Ulysses:
             if heads.kv_repeats > 1:  # the repeated heads' gradients are summed: send them in float32
                 grads[1], grads[2] = grads[1].float(), grads[2].float()
             return res, grads
-
         started = time.perf_counter()
         tensors = [L.to_bnsd(q, lay, heads.nq), _kv_bnsd(k, plan, heads), _kv_bnsd(v, plan, heads),
                    L.to_bnsd(out, lay, heads.nq), L.to_bnsd(dout, lay, heads.nq),
@@ -278,9 +237,7 @@ class Ulysses:
 
 def _round_trip(plan: CallPlan, groups: Sequence, where: _Groups, q: Tensor, tensors: list[Tensor], local,
                 started: float) -> tuple[list[Tensor], object, dict]:
-    """``tensors`` (sequence shards [B, N, s, D]) to head shards in the local attention's order, ``local(*those)
-    -> (result, tensors)`` and its tensors back to sequence shards: (those, the result, the result's fields of
-    bytes and seconds since ``started``, the local ones included)."""
+    """To head shards, ``local(*those) -> (result, tensors)``, back: (those, the result, its bytes and seconds)."""
     u = plan.ulysses_size
     lengths, order = _gathered(plan, where, q.size(L.seq_dim(plan.layout)))
     inverse = None if order is None else torch.argsort(order)  # from rank order to the local attention's

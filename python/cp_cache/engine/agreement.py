@@ -1,15 +1,6 @@
-"""The ranks' agreement on each call before any payload moves: one small all_gather per call and CP
-group, on a CPU side group of cp_cache's own (gloo, never the CP group: on a cluster that one is
-HCCL/NCCL and carries payload only), posted by the op and waited for where the strategy first
-exchanges payload (overlapped with step 0).
-
-Each rank's signature is a few int64: whether it could describe the call, the direction, the
-outcome of its own checks, its local lengths (gathered, not compared) and a digest of everything
-else the exchange and the result depend on, as text (``Signature.fields``). Ranks that differ
-gather those texts and raise the same ``RuntimeError`` naming each differing field and each rank's
-value, before any payload moved; a refusal joins the same agreement (``agree_on_refusal``), so no
-rank is left waiting. Every rank makes the collective on every call (docs/limits.md: its cost).
-"""
+"""The ranks' agreement on each call before any payload moves: one all_gather of each rank's signature per call and CP
+group on a CPU gloo side group (the CP group carries payload only), waited for where payload first moves. Ranks that
+differ all raise the same RuntimeError naming each differing field and each rank's value; refusals join it too."""
 
 from __future__ import annotations
 
@@ -103,8 +94,7 @@ _counters = {"exchanges": 0, "disagreements": 0, "signatures_built": 0, "refusal
 
 
 def counters() -> dict:
-    """{"exchanges": agreements made, "disagreements": of them, "signatures_built": cache misses,
-    "refusals": agreements in which some rank's argument checks failed}."""
+    """Agreements made ("exchanges"), "disagreements" and "refusals" among them, "signatures_built" (cache misses)."""
     with _lock:
         return dict(_counters)
 
@@ -119,8 +109,7 @@ def reset_counters() -> None:
 def signature(*, direction: str, plan: CallPlan, q: Tensor, k: Tensor, v: Tensor, kv_heads: Optional[int] = None,
               kernel: str = "", mask_rows: Optional[Tensor] = None, steps: int = -1,
               error: Optional[BaseException] = None) -> Signature:
-    """This rank's signature of one call (``kv_heads``: None reads it from the shapes), built once
-    per distinct call."""
+    """This rank's signature of one call, built once per distinct call (``kv_heads`` None: from the shapes)."""
     call = (direction, kernel, plan, tuple(q.shape), tuple(k.shape), tuple(v.shape), q.dtype, k.dtype, v.dtype,
             kv_heads, None if mask_rows is None else tuple(mask_rows.shape), steps, _check_code(error))
     sig = _built.get(call)  # a dict read is atomic: the lock guards the writes
@@ -141,10 +130,7 @@ def signature(*, direction: str, plan: CallPlan, q: Tensor, k: Tensor, v: Tensor
 
 
 class Agreement:
-    """The ranks' agreement on one call: this rank's signature all-gathered on the side group of each
-    of the call's CP groups, posted at once; ``lengths()`` waits (where the strategy first exchanges
-    payload) and compares. Every rank makes the same collectives whatever its signature says."""
-
+    """This rank's signature all-gathered at once on each CP group's side group; ``lengths()`` waits and compares."""
     def __init__(self, sig: Signature, groups: Sequence, alone: Callable[[], list[tuple[int, int]]] = list):
         self.signature = sig
         self._pending = _post(groups, sig.tensor)
@@ -156,8 +142,7 @@ class Agreement:
         return cls(Signature(torch.empty(0, dtype=torch.int64), ()), (), alone=lambda: lengths)
 
     def lengths(self) -> list[tuple[int, int]]:
-        """Every rank's (query length, K/V length) on the innermost group, once all agree (the same
-        RuntimeError on every rank otherwise)."""
+        """Every rank's (query, K/V) length on the innermost group, once all agree (else the same RuntimeError)."""
         if self._lengths is None:
             gathered = [_checked(side, wait(), self.signature, None) for side, wait in self._pending]
             found = [(s[_Q_LEN], s[_KV_LEN]) for s in gathered[-1]]
@@ -169,8 +154,6 @@ class Agreement:
 
 
 def _post(groups: Sequence, sig: Tensor) -> list:
-    """``sig`` all-gathered, without waiting, on the side group of each of ``groups`` with other ranks:
-    (the side group, the wait for the gathered signatures) each."""
     pending = []
     for group in groups:
         side = side_group(group)
@@ -182,10 +165,7 @@ def _post(groups: Sequence, sig: Tensor) -> list:
 def agree_on_refusal(direction: str, groups: Sequence, error: BaseException, plan: Optional[CallPlan] = None,
                      q: Optional[Tensor] = None, k: Optional[Tensor] = None, v: Optional[Tensor] = None,
                      **fields) -> None:
-    """This rank's failed check ``error`` joins the call's agreement on ``groups`` as its refusal
-    (described by ``plan``, q/k/v and ``fields`` when known), so the other ranks raise too. Raises
-    the ranks' RuntimeError (chaining ``error``) where they differ; returns where every rank refused
-    the same way, and the caller re-raises its own error."""
+    """``error`` joins the agreement as a refusal: the ranks' RuntimeError where they differ, else returns."""
     if plan is None:  # refused before it could describe the call: the direction and the error's kind
         values = [0, _DIRECTIONS.index(direction), _check_code(error), _UNKNOWN, _UNKNOWN, _UNKNOWN]
         sig = Signature(torch.tensor(values, dtype=torch.int64), ())
@@ -196,8 +176,7 @@ def agree_on_refusal(direction: str, groups: Sequence, error: BaseException, pla
 
 
 def agree(sig: Signature, group, world_size: int, error: Optional[BaseException] = None) -> list[list[int]]:
-    """All-gather ``sig`` on ``group``'s side group and wait; the same RuntimeError on every rank if the
-    ranks differ. Returns the gathered signatures."""
+    """The gathered signatures, once all-gathered on ``group``'s side group (the same RuntimeError if they differ)."""
     side = side_group(group)
     if side.size != world_size:
         raise ValueError(f"world_size={world_size} but the group has {side.size} ranks")
@@ -210,22 +189,18 @@ _UNEVEN_RULE = ("ranks may hold shards of different lengths only for full or cau
 
 def _checked(side: "SideGroup", gathered: list[Tensor], sig: Signature,
              error: Optional[BaseException]) -> list[list[int]]:
-    """The gathered signatures, once compared: the same RuntimeError on every rank if they differ."""
     with _lock:
         _counters["exchanges"] += 1
     signatures = [g.tolist() for g in gathered]  # host tensors: no device involved
     first = signatures[0]
     if all([[s[i] for i in _COMPARED] == [first[i] for i in _COMPARED] for s in signatures[1:]]):
         return signatures
-    # every rank sees the same signatures, so every rank takes part in what follows
-    refusing = [r for r, s in enumerate(signatures) if s[_CHECK] != 0]
+    refusing = [r for r, s in enumerate(signatures) if s[_CHECK] != 0]  # all see these: all take part below
     with _lock:
         _counters["disagreements"] += 1
         _counters["refusals"] += bool(refusing)
     mine = json.dumps([list(sig.fields), "" if error is None else f"{type(error).__name__}: {error}"])
     described = [json.loads(text) for text in side.all_gather_text(mine)]
-    # '<field>: rank 0 <value>, rank 1 <value>, ...' for each field where the ranks that described the call
-    # differ, and the argument checks' outcome of every rank
     fields = [dict(f) for f, _ in described]
     names = next((list(f) for f in fields if f), [])
     table = [("direction", {r: repr(_DIRECTIONS[s[_DIRECTION]]) for r, s in enumerate(signatures)})]
@@ -248,16 +223,14 @@ def _checked(side: "SideGroup", gathered: list[Tensor], sig: Signature,
 
 def start_agreement(direction: str, plan: CallPlan, q: Tensor, k: Tensor, v: Tensor, *, groups: Sequence,
                     kernel: str = "", mask_rows: Optional[Tensor] = None, steps: int = -1) -> Agreement:
-    """Start the agreement on the call's CP ``groups`` (outer first) with this rank's signature, once
-    its checks passed (a failed one: ``agree_on_refusal``)."""
+    """On the call's CP ``groups`` (outer first), once this rank's checks passed (else ``agree_on_refusal``)."""
     sig = signature(direction=direction, plan=plan, q=q, k=k, v=v, kernel=kernel, mask_rows=mask_rows, steps=steps)
     return Agreement(sig, groups, alone=lambda: [(int(sig.tensor[_Q_LEN]), int(sig.tensor[_KV_LEN]))])
 
 
 def open_agreement(direction: str, check: Callable[[], Any], plan: CallPlan, q: Tensor, k: Tensor, v: Tensor, *,
                    groups: Sequence, **fields) -> tuple[Any, Agreement]:
-    """Run this rank's ``check`` of the call, then ``start_agreement``: (the check's result, the
-    agreement). A check that fails joins the agreement as this rank's refusal."""
+    """(``check()``'s result, the agreement started); a check that fails joins the agreement as a refusal."""
     try:
         result = check()
     except CHECK_ERRORS as error:
@@ -266,19 +239,11 @@ def open_agreement(direction: str, check: Callable[[], Any], plan: CallPlan, q: 
     return result, start_agreement(direction, plan, q, k, v, groups=groups, **fields)
 
 
-# ---------------------------------------------------------------- the CPU side group
-
-
 class SideGroup:
-    """A gloo group over the ranks of a CP group, for the call's metadata (host tensors): a backend of
-    its own, not registered with torch.distributed and keyed in the default store by its ranks alone,
-    so its members create it together at the first call that needs it whatever other groups each rank
-    has made; it waits as long as the CP group does."""
-
+    """Keyed by its ranks alone, not registered: its members make it together whatever groups each rank made."""
     def __init__(self, group):
         from torch.distributed.constants import default_pg_timeout
         from torch.distributed.distributed_c10d import _get_default_store
-
         ranks = dist.get_process_group_ranks(group)
         self.ranks, self.rank, self.size = tuple(ranks), dist.get_rank(group), len(ranks)
         store = dist.PrefixStore("cp_cache/side/" + "_".join(map(str, ranks)) + "/", _get_default_store())
@@ -297,18 +262,14 @@ class SideGroup:
         return self.all_gather_async(tensor)()
 
     def all_gather_async(self, tensor: Tensor) -> Callable[[], list[Tensor]]:
-        """``all_gather`` started in the background: call the result to wait for it."""
         gathered = [torch.empty_like(tensor) for _ in range(self.size)]
         work = self._backend.allgather([gathered], [tensor])
-
         def wait() -> list[Tensor]:
             work.wait()
             return gathered
-
         return wait
 
     def all_gather_text(self, text: str) -> list[str]:
-        """Every member's ``text``."""
         data = torch.tensor(list(text.encode()), dtype=torch.uint8)
         lengths = [int(n) for n in self.all_gather(torch.tensor([data.numel()], dtype=torch.int64))]  # host tensors
         padded = torch.nn.functional.pad(data, (0, max(lengths) - data.numel()))
@@ -321,8 +282,7 @@ _side_by_name: dict[str, SideGroup] = {}  # the same, by CP group name: no rank 
 
 
 def side_group(group) -> SideGroup:
-    """The CPU side group of the CP group ``group`` (one per set of ranks, made by its members at the
-    first call that needs it)."""
+    """One per set of ranks, made by its members at the first call that needs it."""
     found = _side_by_name.get(group.group_name)
     if found is not None:
         return found

@@ -1,6 +1,4 @@
-"""Which K/V rows the direct exchange moves (``ExchangePlan``): at stage s = 1..W-1 rank r sends rank r+s
-the rows of its block some query of r+s may see, by the mask's rule on every rank's positions (a given
-mask's columns shared once per call over the CPU side group)."""
+"""Which K/V rows the direct exchange moves: at stage s rank r sends rank r+s the rows some query of r+s may see."""
 
 from __future__ import annotations
 
@@ -40,7 +38,6 @@ def _contiguous(lengths: list[int]) -> list[Tensor]:
 @dataclass(frozen=True)
 class StageRows:
     """One stage's rows of a block (``index`` None: all); ``start``: the first where they are consecutive."""
-
     index: Optional[Tensor]
     count: int
     start: Optional[int] = None
@@ -62,7 +59,6 @@ class StageRows:
 @dataclass(frozen=True)
 class ExchangePlan:
     """``send[s]``: rows of this block for rank r+s; ``recv[s]``: rows it needs of rank r-s's (0 unused)."""
-
     send: tuple[StageRows, ...]
     recv: tuple[StageRows, ...]
     rows_sent: int = field(init=False)

@@ -1,7 +1,5 @@
-"""The ring's loop for the strategies that rotate K/V blocks, its step records and results, and the local
-checks every strategy makes. Step 0 runs on the own block before the ranks' agreement is waited for; step i
-on rank r uses group rank ``(r - i) % W``'s rows, brought by the direct exchange (only the rows needed;
-dK/dV partials straight back) or, with ``exchange="ring"``, whole blocks with their dK/dV accumulators."""
+"""The ring's loop and the local checks every strategy makes. Step 0 runs before the agreement is waited for; step i on
+rank r uses rank ``(r - i) % W``'s K/V rows: those needed (the direct exchange) or whole blocks (exchange="ring")."""
 
 from __future__ import annotations
 
@@ -19,9 +17,7 @@ from ..plan import CallPlan
 from .exchange import ExchangePlan, StageRows, exchange_plan
 from .transport import TAG_DKV, TAG_KV, Rotation, Transfer, group_state, join_once
 
-# A rank whose whole direct exchange receives at most this many bytes posts every stage before step 0:
-# at that size a stage's latency, not its bytes, sets its time; the extra memory is at most this.
-SMALL_EXCHANGE_BYTES = 1 << 20
+SMALL_EXCHANGE_BYTES = 1 << 20  # a direct exchange receiving at most this posts every stage at once: latency rules
 
 __all__ = ["own_group", "group_info", "with_length", "planned_exchange", "RingStep", "ForwardResult",
            "BackwardResult", "Traffic", "forward_ring", "backward_ring", "placed_block", "check_steps", "check_step",
@@ -68,7 +64,6 @@ def _timed(wait: Callable[[], object]) -> tuple[object, float]:
 
 
 def _zeros(like, shapes=None, dtype: Optional[torch.dtype] = None) -> list[Tensor]:
-    """Zeros on ``like``'s devices, of ``shapes`` and ``dtype`` (default: ``like``'s)."""
     shapes = [t.shape for t in like] if shapes is None else shapes
     return [torch.zeros(shape, dtype=dtype or t.dtype, device=t.device) for t, shape in zip(like, shapes)]
 
@@ -81,7 +76,6 @@ class RingStep:
     kept: tuple = ()  # keep_kv: the (K rows, V rows) this step received, kept for the backward
 
     def source_rank(self, rank: int, size: int) -> int:
-        """The group rank whose K/V block this step used on ``rank`` of ``size``."""
         return (rank - self.index) % size
 
     @property
@@ -100,9 +94,7 @@ class RingStep:
 
 @dataclass(kw_only=True)
 class _Accounted:
-    """What a strategy's run moved and spent on this rank; the backward's bounds count the K/V rows again
-    and the dK/dV rows back."""
-
+    """What a run moved and spent on this rank; a backward's bounds count the K/V rows and the dK/dV rows back."""
     bytes_sent: int
     compute_seconds: float = 0.0  # kernels, merges and accumulation
     wait_seconds: float = 0.0  # blocked on a receive: communication the compute did not hide
@@ -129,9 +121,6 @@ class BackwardResult(_Accounted):
 
 @dataclass
 class Traffic:
-    """Bytes a ring loop moved for this rank, and the least it had to (the K/V rows, and dK/dV back); the
-    seconds it computed and waited, and every rank's lengths (not in its text)."""
-
     sent: int = 0
     received: int = 0
     sent_bound: Optional[int] = None
@@ -141,14 +130,12 @@ class Traffic:
     lengths: Optional[list] = field(default=None, repr=False)
 
     def fields(self) -> dict:
-        """The result fields it fills (all but the lengths)."""
         return dict(bytes_sent=self.sent, bytes_received=self.received, bytes_lower_bound=self.sent_bound,
                     bytes_received_lower_bound=self.received_bound, compute_seconds=self.compute_seconds,
                     wait_seconds=self.wait_seconds)
 
 
 def _row_bytes(k: Tensor, v: Tensor, seq_dim: int, itemsize: Optional[int] = None) -> int:
-    """Bytes of one sequence row of K plus one of V (at ``itemsize``: their own by default)."""
     length = k.size(seq_dim)
     if length == 0:
         return 0
@@ -157,8 +144,7 @@ def _row_bytes(k: Tensor, v: Tensor, seq_dim: int, itemsize: Optional[int] = Non
 
 def _bounds(traffic: Traffic, exchange: ExchangePlan, k: Tensor, v: Tensor, seq_dim: int, kv_kept: bool = False,
             partial_itemsize: Optional[int] = None) -> None:
-    """The K/V rows (none where a backward has them kept); with ``partial_itemsize`` (backward) the partials
-    of the rows received going back (float32, or K/V's dtype)."""
+    """The least bytes: the K/V rows (none if kept); with ``partial_itemsize`` (backward) their partials back."""
     kv = 0 if kv_kept else _row_bytes(k, v, seq_dim)
     traffic.sent_bound = exchange.rows_sent * kv
     traffic.received_bound = exchange.rows_received * kv
@@ -169,11 +155,8 @@ def _bounds(traffic: Traffic, exchange: ExchangePlan, k: Tensor, v: Tensor, seq_
 
 
 class _Blocks:
-    """What a ring loop moves for this rank (bytes ``sent``, ``received``): each step's K/V block (``current``:
-    ``post_next(i, last)`` before step i's compute posts what step i+1 needs, ``advance()`` after it waits for
-    that, in seconds) and a backward's dK/dV (``for_block(i, k, v)``: step i's accumulators, ``pass_on(i, last,
-    held)`` after it: seconds blocked, ``home()``: the own block's in float32). ``lengths``: every rank's."""
-
+    """``current`` K/V block; ``post_next`` before step i posts step i+1's, ``advance`` waits (seconds); dK/dV:
+    ``for_block`` gives step i's accumulators, ``pass_on`` sends them (seconds blocked), ``home``: the own block's."""
     def __init__(self, k: Tensor, v: Tensor, lengths: list, seq_dim: int, *, group, rank: int, size: int):
         self._own = [k.contiguous(), v.contiguous()]
         self._lengths, self._dim, self._group, self._rank, self._size = lengths, seq_dim, group, rank, size
@@ -184,9 +167,7 @@ class _Blocks:
 
 
 class _Ring(_Blocks):
-    """Whole blocks relayed round the ring, the next in flight while step i computes; a backward's float32
-    dK/dV accumulators travel with their block, at the end straight back to its owner."""
-
+    """Whole blocks relayed round the ring; a backward's float32 dK/dV travel with their block, at the end home."""
     def __init__(self, k: Tensor, v: Tensor, lengths: list, seq_dim: int, **where):
         super().__init__(k, v, lengths, seq_dim, **where)
         self._kv = Rotation(self._own, self._group, self._rank, self._size, TAG_KV)
@@ -197,7 +178,7 @@ class _Ring(_Blocks):
         return self._kv.current
 
     def _post(self, rotation: Rotation, i: int, shift: int) -> None:
-        """Send what ``rotation`` holds after step ``i`` ``shift`` ranks on; receive the block's it then holds."""
+        """Send ``shift`` ranks on; receive the block ``rotation`` holds after step ``i``."""
         shapes = self.block_shapes((self._rank - shift - i) % self._size)
         self.received += sum(shape.numel() * t.element_size() for shape, t in zip(shapes, rotation.current))
         self.sent += rotation.post(shift, recv_shapes=shapes)
@@ -215,7 +196,7 @@ class _Ring(_Blocks):
         return self.home()
 
     def pass_on(self, i: int, last: int, held: tuple[Tensor, Tensor]) -> float:
-        """After step ``i``: send the held accumulators on (after ``last``: home), receive the next."""
+        """Send the held accumulators on (after ``last``: home), receive the next."""
         shift = 1 if i < last else self._size - last
         if shift % self._size:
             self._post(self._grads, i, shift)
@@ -233,11 +214,8 @@ class _Ring(_Blocks):
 
 
 class _Direct(_Blocks):
-    """The direct exchange. Stage s brings the rows this rank needs of rank r-s's block, placed in a block whose
-    other rows are never read (two block buffers serve every stage); ``keep``: each stage's rows kept
-    (``kept``); ``kept``: a ``keep_kv`` forward's rows, rebuilt into each stage's block (nothing moves).
-    A backward's step i sends its dK/dV partials (in ``partials``) back to rank r-i, adds r+i's after step i+1."""
-
+    """Stage s brings the rows needed of rank r-s's block (into two buffers whose other rows are never read); ``keep``:
+    keep them (``kept``); ``kept``: a ``keep_kv`` forward's rows. dK/dV partials go straight back to their owner."""
     def __init__(self, k: Tensor, v: Tensor, lengths: list, seq_dim: int, exchange: ExchangePlan, *,
                  keep: bool = False, kept: Optional[list] = None, partials: torch.dtype = torch.float32, **where):
         super().__init__(k, v, lengths, seq_dim, **where)
@@ -249,8 +227,7 @@ class _Direct(_Blocks):
         self._spare: Optional[list[Tensor]] = None  # a block buffer not in use
         self._buffered = False  # whether ``current`` is one of the two block buffers
         most = max([kv for _, kv in lengths], default=k.size(seq_dim))  # alike on every rank
-        small = (self._size - 1) * most * _row_bytes(k, v, seq_dim) <= SMALL_EXCHANGE_BYTES
-        self._all_at_once = kept is None and small
+        self._all_at_once = kept is None and (self._size - 1) * most * _row_bytes(k, v, seq_dim) <= SMALL_EXCHANGE_BYTES
         self._acc: list[Tensor] = []  # the own block's float32 dK/dV (backward)
         self._partials: list[Optional[list[Tensor]]] = [None, None]
         self._returning: Optional[tuple[Transfer, int]] = None  # a step's dK/dV returns in flight
@@ -260,7 +237,7 @@ class _Direct(_Blocks):
         return spare if spare is not None and [t.shape for t in spare] == shapes else _zeros(self._own, shapes)
 
     def post_next(self, i: int, last: int) -> None:
-        """Before step ``i``'s compute: post stage i+1 (or every stage, where all is small)."""
+        """Post stage i+1 (every stage, where all is small)."""
         if i + 1 <= last and i + 1 not in self._transfers:
             for stage in range(i + 1, last + 1 if self._all_at_once else i + 2):
                 self._post(stage)
@@ -302,13 +279,12 @@ class _Direct(_Blocks):
             self.kept[self._stage] = tuple(received)
         if self._buffered and not self._keep:  # kept rows may live in a block buffer: none is reused
             self._spare = self.current
-        # the forward's rows are no block buffer, even where they are the whole block
-        self.current = block
+        self.current = block  # the forward's rows are no block buffer, even where they are the whole block
         self._buffered = buffered and (self._forward_rows is None or rows.index is not None)
         return waited
 
     def for_block(self, i: int, k: Tensor, v: Tensor) -> list[Tensor]:
-        """Step 0: the own accumulators; else zeros in one of two buffers (the other may be in flight)."""
+        """Step 0: the own accumulators; else zeroed in one of two buffers (the other may be in flight)."""
         if i == 0:
             self._acc = _zeros((k, v), dtype=torch.float32)
             return self._acc
@@ -321,7 +297,7 @@ class _Direct(_Blocks):
         return held
 
     def pass_on(self, i: int, last: int, held: list[Tensor]) -> float:
-        """After step ``i``: the previous step's returns added, this step's posted; seconds blocked."""
+        """The previous step's returns added, this step's posted; seconds blocked."""
         waited = self._settle()
         if i == 0:
             return waited
@@ -369,8 +345,7 @@ def _add_at(acc: Tensor, where, grad: Tensor, dim: int) -> None:
 
 def placed_block(own: list[Tensor], received: list[Tensor], rows: StageRows, shapes: list[torch.Size], seq_dim: int,
                  buffers: Optional[Callable[[list[torch.Size]], list[Tensor]]] = None) -> tuple[list[Tensor], bool]:
-    """The block of ``shapes`` with ``received`` at ``rows`` (itself where it is the whole block, else copied
-    into zeros from ``buffers``, default new); whether it is such a buffer."""
+    """``received`` placed at ``rows`` of a block of ``shapes`` (in zeros from ``buffers``); whether it is a buffer."""
     if rows.count and rows.index is None:
         return received, True
     if not rows.count:  # no query of this rank reads that block: zeros without memory
@@ -385,7 +360,6 @@ def placed_block(own: list[Tensor], received: list[Tensor], rows: StageRows, sha
 
 
 def _taken(rows: StageRows, t: Tensor, dim: int) -> Tensor:
-    """These rows of ``t`` on ``dim``: ``t`` itself (all), a view (consecutive) or a copy."""
     if rows.index is None:
         return t
     if rows.start is not None:
@@ -395,7 +369,7 @@ def _taken(rows: StageRows, t: Tensor, dim: int) -> Tensor:
 
 def planned_exchange(plan: CallPlan, lengths: list, device: torch.device, *, group=None,
                      mask_rows: Optional[Tensor] = None, state=None) -> ExchangePlan:
-    """This rank's direct exchange: per call for a given mask, else remembered on the CP group's ``state``."""
+    """Per call for a given mask, else remembered on the CP group's ``state``."""
     if plan.mask.given or plan.world_size == 1:
         return exchange_plan(plan, lengths, group=group, mask_rows=mask_rows).on(device)
     state = group_state(group) if state is None else state
@@ -417,9 +391,6 @@ def _agreed_first(compute, agreement, k: Tensor, v: Tensor):
 def _agreed(plan: CallPlan, agreement, lengths: Optional[list], k: Tensor, v: Tensor, seq_dim: int,
             mask_rows: Optional[Tensor], traffic: Traffic, *, keep: bool = False, kept: Optional[list] = None,
             partials: torch.dtype = torch.float32, **where) -> tuple[_Blocks, ExchangePlan]:
-    """Once the ranks agree (after step 0 where compute is asynchronous): every rank's lengths (into ``traffic``), the direct exchange (the
-    ring's bound too) and what moves: the direct exchange (``keep``: keep what arrives; ``kept``: rows kept)
-    or the ring."""
     agreed = agreement.lengths()
     traffic.lengths = lengths = agreed if lengths is None else lengths
     group, state = where["group"], None
@@ -437,8 +408,7 @@ def _agreed(plan: CallPlan, agreement, lengths: Optional[list], k: Tensor, v: Te
 
 def forward_ring(plan: CallPlan, groups, k: Tensor, v: Tensor, seq_dim: int, last: int, compute, agreement, *,
                  mask_rows: Optional[Tensor] = None, lengths: Optional[list] = None) -> tuple[list[RingStep], Traffic]:
-    """Steps 0..``last``, ``compute(i, cur_k, cur_v) -> (part, rng)`` on the block held; returns (records,
-    traffic)."""
+    """Steps 0..``last``, ``compute(i, cur_k, cur_v) -> (part, rng)`` on the block held."""
     size, rank, group = group_info(plan.world_size, plan.rank, own_group(groups))
     steps: list[RingStep] = []
     traffic = Traffic()
@@ -474,8 +444,7 @@ def forward_ring(plan: CallPlan, groups, k: Tensor, v: Tensor, seq_dim: int, las
 def backward_ring(plan: CallPlan, groups, k: Tensor, v: Tensor, seq_dim: int, last: int, compute, agreement,
                   steps: list[RingStep], *, mask_rows: Optional[Tensor] = None,
                   lengths: Optional[list] = None) -> tuple[Tensor, Tensor, Traffic]:
-    """As ``forward_ring``, ``compute(...) -> [(rows, dk, dv)]`` (a ``keep_kv`` forward's ``steps`` rebuild the
-    blocks); returns (the own block's float32 dK and dV, traffic)."""
+    """As ``forward_ring``, ``compute(...) -> [(rows, dk, dv)]``; returns the own block's float32 dK and dV."""
     size, rank, group = group_info(plan.world_size, plan.rank, own_group(groups))
     kept = [step.kept for step in steps] if plan.keep_kv else None
     partials = k.dtype if plan.grad_partials == "input" else torch.float32
@@ -519,7 +488,6 @@ def backward_ring(plan: CallPlan, groups, k: Tensor, v: Tensor, seq_dim: int, la
 
 
 def check_steps(steps: list[RingStep], rank: int, size: int, expected: int) -> None:
-    """The forward's step records fit this backward: ``expected`` of them, in order."""
     if len(steps) != expected:
         raise RuntimeError(f"backward got {len(steps)} ring steps where its forward makes {expected} "
                            f"(world size {size})")
@@ -530,7 +498,7 @@ def check_steps(steps: list[RingStep], rank: int, size: int, expected: int) -> N
 
 
 def check_step(step: RingStep, rank: int, part: str, calls: int) -> None:
-    """One record against what its step plans now: the check that the backward's inputs are the forward's."""
+    """That the backward's inputs are the forward's: a record against what its step plans now."""
     if step.part != part or (step.rng and len(step.rng) != calls):
         raise RuntimeError(
             f"ring step {step.index} on rank {rank} recorded part {step.part!r} with {len(step.rng)} kernel calls; "
@@ -539,14 +507,12 @@ def check_step(step: RingStep, rank: int, part: str, calls: int) -> None:
 
 
 def empty_outputs(plan, q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
-    """Empty (out, float32 LSE) of the shapes a strategy's forward returns (its ``fake``)."""
     return (q.new_empty(L.output_shape(q, k, v, plan.layout, plan.head_num)),
             q.new_empty(L.lse_shape(q, plan.layout, plan.head_num), dtype=torch.float32))
 
 
 @functools.lru_cache(maxsize=256)
 def check_qkv(plan: CallPlan, q_shape: tuple, k_shape: tuple, v_shape: tuple) -> tuple[L.Dims, int]:
-    """(query dims, K/V head count) of dense-layout q/k/v of these shapes checked against the plan."""
     q, k, v = (torch.empty(shape, device="meta") for shape in (q_shape, k_shape, v_shape))
     lay = L.check_layout(plan.layout)
     qd = L.dims(q, lay, plan.head_num)
@@ -575,7 +541,6 @@ def check_keep_prob(plan: CallPlan) -> None:
 
 def check_backward_operands(plan: CallPlan, dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor,
                             lse: Tensor) -> None:
-    """dout and out must have the output's shape (the query's with V's head size), lse the LSE's."""
     expected_out, expected = _expected_shapes(plan, tuple(q.shape), tuple(k.shape), tuple(v.shape))
     if tuple(dout.shape) != expected_out or tuple(out.shape) != expected_out:
         raise ValueError(f"dout {tuple(dout.shape)} and out {tuple(out.shape)} must have the output's shape "

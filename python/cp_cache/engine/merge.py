@@ -1,6 +1,4 @@
-"""The log-sum-exp merge of a ring step into float32 accumulators, in plain torch or (``fused``) by
-``npu_ring_attention_update``; and attention sinks (one more logit per head, without a value row), merged
-once into a call's result, never per step."""
+"""The log-sum-exp merge of a ring step into float32 accumulators; attention sinks, merged once per call."""
 
 from __future__ import annotations
 
@@ -18,15 +16,12 @@ OP_NAME = "npu_ring_attention_update"
 
 
 def fused_merge_available() -> bool:
-    """Whether ``torch.ops.npu.npu_ring_attention_update`` exists (torch_npu's or the emulator's)."""
     return op_exists(OP_NAME)
 
 
 def merge_into(acc_out: Tensor, acc_lse: Tensor, out_i: Tensor, lse_i: Tensor, layout: str, head_num: int,
                *, fused: bool, index: Optional[Tensor] = None, actual_seq_qlen: Optional[Tensor] = None) -> None:
-    """In place: ``(acc_out, acc_lse) <- logsumexp-merge((acc_out, acc_lse), (out_i, lse_i))``; rows that saw no
-    key (LSE ``-inf``) keep ``-inf`` and a zero output. ``index``: the rows (dim 0, packed) the step
-    computed, None for all; ``actual_seq_qlen``: the step's packed segment ends, for the fused op."""
+    """In place (rows that saw no key: LSE -inf, output 0); ``index``: the rows (dim 0, packed) the step computed."""
     old_out, old_lse = (acc_out, acc_lse) if index is None else (acc_out.index_select(0, index),
                                                                  acc_lse.index_select(0, index))
     if fused:
@@ -45,8 +40,7 @@ def _merge_float32(acc_out: Tensor, acc_lse: Tensor, out_i: Tensor, lse_i: Tenso
                    head_num: int) -> Optional[tuple[Tensor, Tensor]]:
     """Merges into ``acc_out``/``acc_lse`` in place; for packed documents returns the merged rows instead."""
     new_lse = torch.logaddexp(acc_lse, lse_i)
-    # rows with no key seen on either side keep -inf and a zero output (never NaN)
-    ref = torch.where(torch.isneginf(new_lse), torch.zeros_like(new_lse), new_lse)
+    ref = torch.where(torch.isneginf(new_lse), torch.zeros_like(new_lse), new_lse)  # no key seen: 0 output, not NaN
     w_old = L.lse_view(torch.exp(acc_lse - ref), layout)
     w_new = L.lse_view(torch.exp(lse_i - ref), layout)
     if layout == L.TND:
@@ -92,8 +86,7 @@ def merge_sink(out: Tensor, lse: Tensor, sink: Tensor, layout: str, head_num: in
 
 
 def sink_grad(dout: Tensor, out: Tensor, lse: Tensor, sink: Tensor, layout: str, head_num: int) -> Tensor:
-    """dsink [N] (the sink's dtype) over this rank's rows: ``-sum_i exp(sink[h] - LSE'_i) *
-    rowsum(dout * out)_i``, ``out`` and ``lse`` the call's final results (the sink merged in)."""
+    """dsink = ``-sum_i exp(sink[h] - LSE'_i) * rowsum(dout * out)_i`` over this rank's rows (LSE': with the sink)."""
     p_sink = torch.exp(_per_head(sink, lse) - lse.float())
     if layout != L.TND:
         dout, out = L.to_bnsd(dout, layout, head_num), L.to_bnsd(out, layout, head_num)

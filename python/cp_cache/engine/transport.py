@@ -1,5 +1,4 @@
-"""How strategies move payload tensors between ranks, on their device (HCCL and NCCL refuse CPU tensors):
-point-to-point ring stages and shifts, the all-to-all of Ulysses, and per-group state."""
+"""Payload moves between ranks, on their device (HCCL and NCCL refuse CPU tensors), and per CP group state."""
 
 from __future__ import annotations
 
@@ -14,22 +13,18 @@ from torch import Tensor
 __all__ = ["Transfer", "join_once", "Rotation", "TAG_KV", "TAG_DKV", "GroupState", "group_state", "exchange_heads",
            "own_storage"]
 
-# Message j of an exchange is tagged tag + j. In backward a K/V and a dK/dV exchange may be in flight between
-# the same two ranks: distinct tags keep a receive from matching the other's send.
-TAG_KV = 0  # k: 0, v: 1
-TAG_DKV = 2  # dk: 2, dv: 3
+TAG_KV = 0  # k: 0, v: 1 (message j of an exchange is tagged tag + j)
+TAG_DKV = 2  # dk: 2, dv: 3; apart from TAG_KV: a backward's K/V and dK/dV exchanges may be in flight together
 
 
 @dataclass
 class GroupState:
     """Per CP group: whether its ranks joined one collective, and values computed from values (bounded)."""
-
     LIMIT = 256
     joined: bool = False
     memo: dict = field(default_factory=dict)  # read with .get(key); written by ``keep``
 
     def keep(self, key, value):
-        """Remember ``value`` for ``key`` (a value) on this group; returns it."""
         if len(self.memo) >= self.LIMIT:
             self.memo.clear()
         self.memo[key] = value
@@ -41,7 +36,6 @@ _STATES_LOCK = threading.Lock()
 
 
 def group_state(group) -> GroupState:
-    """The state of the CP group ``group`` (None: the default group), by its name."""
     name = (dist.group.WORLD if group is None else group).group_name
     state = _STATES.get(name)
     if state is None:
@@ -51,8 +45,7 @@ def group_state(group) -> GroupState:
 
 
 def join_once(group, device: torch.device) -> None:
-    """Once per group, before the direct exchange's first stage, a one-element all_reduce every rank joins:
-    NCCL wants every rank of a group in its first batched point-to-point call, which a stage may not have."""
+    """Before the direct exchange: NCCL wants every rank of a group in its first batched point-to-point call."""
     state = group_state(group)
     with _STATES_LOCK:
         if state.joined:
@@ -63,7 +56,6 @@ def join_once(group, device: torch.device) -> None:
 
 class Transfer:
     """``send`` to group rank ``to``, ``recv`` from ``source``: one message of each dtype (each costs a round)."""
-
     def __init__(self, send: list[Tensor], to: int, recv: list[Tensor], source: int, group, tag: int):
         # kept until the sends complete: one flat message where they share a dtype and device
         self._sent = _sendable([torch.cat([t.reshape(-1) for t in send])] if _one_message(send) else send)
@@ -75,17 +67,15 @@ class Transfer:
         self.nbytes = sum([t.nbytes for t in send])
         self.received_bytes = sum([t.nbytes for t in recv])
         self.recv = recv
-        # one batch (NCCL and HCCL want a stage's sends and receives together)
         ops = [dist.P2POp(dist.isend, t, dist.get_global_rank(group, to), group, tag + j)
                for j, t in enumerate(self._sent)]
         ops += [dist.P2POp(dist.irecv, r, dist.get_global_rank(group, source), group, tag + j)
                 for j, r in enumerate(self._landing)]
-        self._works = dist.batch_isend_irecv(ops) if ops else []
+        self._works = dist.batch_isend_irecv(ops) if ops else []  # NCCL, HCCL: a stage's ops in one batch
 
     @classmethod
     def shifted(cls, send: list[Tensor], recv: list[Tensor], shift: int, rank: int, size: int, group,
                 tag: int) -> "Transfer":
-        """A ring shift's stage: ``send`` to the rank ``shift`` ahead, ``recv`` from the one ``shift`` behind."""
         return cls(send, (rank + shift) % size, recv, (rank - shift) % size, group, tag)
 
     def wait(self) -> list[Tensor]:
@@ -122,7 +112,6 @@ def _sendable(tensors: list[Tensor]) -> list[Tensor]:
 
 
 def _one_message(tensors: list[Tensor]) -> bool:
-    """Whether ``tensors`` travel as one flat message: two or more of one dtype and device."""
     if len(tensors) < 2:
         return False
     dtype, device = tensors[0].dtype, tensors[0].device
@@ -134,7 +123,6 @@ def _one_message(tensors: list[Tensor]) -> bool:
 
 class Rotation:
     """Tensors travelling round the ring; a block once sent receives the one after next (never the first)."""
-
     def __init__(self, tensors: list[Tensor], group, rank: int, size: int, tag: int):
         self.current = self._own = tensors
         self._spare: Optional[list[Tensor]] = None
@@ -142,7 +130,6 @@ class Rotation:
         self._group, self._rank, self._size, self._tag = group, rank, size, tag
 
     def post(self, shift: int, recv_shapes: list[torch.Size]) -> int:
-        """Send the current tensors ``shift`` ranks ahead, receive tensors of ``recv_shapes``; bytes sent."""
         recv, self._spare = self._spare, None
         if recv is None or [t.shape for t in recv] != list(recv_shapes):
             recv = [torch.empty(shape, dtype=t.dtype, device=t.device) for t, shape in zip(self.current, recv_shapes)]
@@ -162,19 +149,14 @@ class Rotation:
         return self._transfer is not None
 
     def drain(self) -> None:
-        """After an error on this rank: wait for the hop in flight, dropping errors (``Transfer.drain``)."""
         if self._transfer is not None:
             self._transfer.drain()
             self._transfer = None
 
 
-# ---------------------------------------------------------------- Ulysses
-
-
 def exchange_heads(tensors: list[Tensor], group, world: int, to_heads: bool,
                    lengths: Optional[list[int]] = None) -> tuple[list[Tensor], int]:
-    """Sequence shards -> head shards (``to_heads``: [B, N, s, D] -> [B, N/W, W*s, D]) or back, one all-to-all
-    per dtype; ``lengths``: each rank's s where they differ (packed documents). Also returns bytes sent."""
+    """``to_heads``: [B, N, s, D] -> [B, N/W, W*s, D], else back; ``lengths``: each rank's s (packed); bytes sent."""
     if world == 1:
         return [t.contiguous() for t in tensors], 0
     if lengths is not None and len(set(lengths)) > 1:
@@ -212,7 +194,6 @@ def exchange_heads(tensors: list[Tensor], group, world: int, to_heads: bool,
 
 def _exchange_uneven(tensors: list[Tensor], group, world: int, to_heads: bool,
                      lengths: list[int]) -> tuple[list[Tensor], int]:
-    """``exchange_heads`` where rank r holds ``lengths[r]`` rows: all-to-alls with split sizes."""
     me = dist.get_rank(group)
     starts = [sum(lengths[:r]) for r in range(world)]
     results: list[Optional[Tensor]] = [None] * len(tensors)
@@ -220,8 +201,7 @@ def _exchange_uneven(tensors: list[Tensor], group, world: int, to_heads: bool,
     for dtype in dict.fromkeys(t.dtype for t in tensors):
         slots = [i for i, t in enumerate(tensors) if t.dtype == dtype]
         members, m = [tensors[i] for i in slots], len(slots)
-        # rank r, member j at r * m + j: its piece for r, flattened, and the shape of its piece from r (r's rows of
-        # my heads, or my rows of r's heads)
+        # at r * m + j: member j's piece for rank r (flat) and the shape of its piece from r
         pieces, shapes = [], []
         for r in range(world):
             for t in members:
@@ -237,8 +217,7 @@ def _exchange_uneven(tensors: list[Tensor], group, world: int, to_heads: bool,
         in_splits = [sum(p.numel() for p in pieces[r * m:(r + 1) * m]) for r in range(world)]
         out_splits = [sum(sizes[r * m:(r + 1) * m]) for r in range(world)]
         received = send.new_empty(sum(out_splits))
-        dist.all_to_all_single(received, send, output_split_sizes=out_splits, input_split_sizes=in_splits,
-                               group=group)
+        dist.all_to_all_single(received, send, output_split_sizes=out_splits, input_split_sizes=in_splits, group=group)
         sent += (send.numel() - in_splits[me]) * send.element_size()
         arrived = received.split(sizes)
         for j, i in enumerate(slots):

@@ -1,16 +1,8 @@
-"""The DTensor handlers of ``npu_fusion_attention_v3`` and its grad, and the two custom ops that run
-their local work: the handler floor of one call, top-down.
+"""The DTensor handlers of ``npu_fusion_attention_v3`` and its grad, and the custom ops that run their local work.
 
-A handler binds the op's arguments, decides whether the call is cp_cache's (``_runs``; else it goes
-on to what serves it without cp_cache), reads it (``spec.read_call``), runs the plan's strategy on
-the local shards and wraps the results as DTensors. The local work is the custom ops
-``cp_cache::ring_forward`` / ``ring_backward``: eagerly their Python body runs at once
-(``forward_local`` / ``backward_local``); where the tensors are traced (torch.compile) the op is
-called, so the graph records it and its fake gives the shapes. Each op checks this rank's inputs,
-starts the ranks' agreement once (a refusal is every rank's), runs the strategy and records the
-call (``CALL_LOG``). The forward's step cache leaves in the ``seed`` slot and autograd hands it
-back to the grad op. Nothing is written to DTensor's handler table per call.
-"""
+The local work runs eagerly as ``forward_local`` / ``backward_local``, and as the ops ``cp_cache::ring_forward`` /
+``ring_backward`` where traced, so the graph records them. Each starts the ranks' agreement once (a refusal is
+every rank's). The step cache leaves in the ``seed`` slot; autograd hands it to the grad op."""
 
 from __future__ import annotations
 
@@ -41,9 +33,7 @@ __all__ = ["AttentionHandlers", "Registration", "dtensor_default", "strategy_for
 
 
 class Registration(Protocol):
-    """Where the handlers are registered (``cp_cache.dispatch``): the CP regions entered and not
-    left, and what the handlers displaced from the table there."""
-
+    """Where the handlers are registered (``cp_cache.dispatch``): CP regions entered, table entries displaced."""
     depth: int
 
     def displaced(self, op: Any) -> Optional[Callable]: ...
@@ -61,9 +51,7 @@ def strategy_for(plan: CallPlan, sink: Optional[Tensor] = None):
 
 
 class AttentionHandlers:
-    """The forward and backward handlers of one ``cp_cache.enable()``, and the table that maps the
-    ops to them (the same bound methods every time, so a table can be checked)."""
-
+    """The handlers of one ``cp_cache.enable()``; the same bound methods every time, so a table can be checked."""
     def __init__(self, config: CPConfig, call_log: "CallLog"):
         self.config = config
         # cp_cache's own op runs torch's fused kernels unless a kernel is configured
@@ -74,8 +62,7 @@ class AttentionHandlers:
         self.backward_handler = self.backward
 
     def table(self) -> dict:
-        """{op overload: handler} for the ops that exist in this process: the NPU ops (real or emulated)
-        and cp_cache's own (``cp_cache.op``)."""
+        """For the ops that exist in this process: the NPU ops (real or emulated) and ``cp_cache.op``'s."""
         table = {}
         for namespace, forward, grad in (("npu", "npu_fusion_attention_v3", "npu_fusion_attention_grad_v3"),
                                          ("cp_cache", "fusion_attention", "fusion_attention_grad")):
@@ -88,9 +75,7 @@ class AttentionHandlers:
         return table
 
     def _runs(self, a: dict, backward: bool) -> bool:
-        """Whether the call is cp_cache's: its query sharded on the sequence over ranks of their own
-        (not LocalTensor's simulated ranks); a forward inside a CP region, a backward where its
-        forward ran (cp_cache's forward gives a plain seed, one served elsewhere a DTensor)."""
+        """A backward is ours where cp_cache ran its forward: then the seed is plain, not a DTensor."""
         query = a["query"]
         if not isinstance(query, DTensor) or _simulated_ranks(query) or not sequence_sharded(query, a["input_layout"]):
             return False
@@ -103,11 +88,9 @@ class AttentionHandlers:
         entry = None if self.registration is None else self.registration.displaced(op_call)
         return (dtensor_default if entry is None else entry)(op_call, args, kwargs)
 
-    # Where Dynamo cannot trace a call it breaks the graph at the op and the handler runs eagerly:
-    # its own frames must not become graphs.
+    # where Dynamo cannot trace a call it breaks the graph and the handler runs eagerly: no graphs of its frames
     @torch._dynamo.disable
     def forward(self, op_call, args, kwargs):
-        """Handler of ``npu_fusion_attention_v3`` for DTensor inputs."""
         started = time.perf_counter()
         a = bind_arguments(op_call._schema, args, kwargs)
         if not self._runs(a, backward=False):
@@ -127,7 +110,6 @@ class AttentionHandlers:
 
     @torch._dynamo.disable
     def backward(self, op_call, args, kwargs):
-        """Handler of ``npu_fusion_attention_grad_v3`` for DTensor inputs."""
         started = time.perf_counter()
         a = bind_arguments(op_call._schema, args, kwargs)
         if not self._runs(a, backward=True):
@@ -153,11 +135,8 @@ class AttentionHandlers:
 
 
 def dtensor_default(op_call, args, kwargs):
-    """DTensor's own dispatch of a call, as when no handler is registered for the op. torch's C++
-    dispatcher reads the handler table first and cannot skip it for one call, so its Python steps
-    run here (the attention ops are neither in-place nor views: no aliasing to correct)."""
+    """DTensor's dispatch as without a handler (its C++ dispatcher cannot skip the table for one call)."""
     from torch.distributed.tensor._op_schema import OutputSharding
-
     dispatcher = DTensor._op_dispatcher
     op_info = dispatcher.unwrap_to_op_info(op_call, args, kwargs)
     sharding = dispatcher._propagate_op_sharding_dispatch_slow_path(op_call, args, kwargs, op_info, True)
@@ -169,22 +148,15 @@ def dtensor_default(op_call, args, kwargs):
 
 
 def _simulated_ranks(query: DTensor) -> bool:
-    """Whether the ranks are simulated in this process (LocalTensor mode)."""
     local = query._local_tensor
     if type(local) is Tensor:  # the usual case, without the import below
         return False
     from torch.distributed._local_tensor import LocalTensor  # loaded with DTensor
-
     return isinstance(local, LocalTensor)
 
 
-# ---------------------------------------------------------------- the local work, eager or traced
-
-
 def _groups(names: str) -> list:
-    """The process groups named in ``names`` (comma-separated, outer first)."""
     from torch.distributed.distributed_c10d import _resolve_process_group
-
     return [_resolve_process_group(name) for name in names.split(",")]
 
 
@@ -193,8 +165,7 @@ def _group_names(process_groups: list) -> str:
 
 
 def _traced(tensors) -> bool:
-    """Whether these tensors are traced or only carry shapes (fake, functional or meta tensors, or a
-    dispatch mode): then the local work runs as the custom op, which a trace records."""
+    """Traced or shapes only (fake, functional, meta, or a dispatch mode): the work runs as the custom op."""
     if _current_dispatch_mode() is not None:
         return True
     for t in tensors:  # a loop, not a generator: this runs on every call
@@ -206,7 +177,6 @@ def _traced(tensors) -> bool:
 def run_forward(query: Tensor, key: Tensor, value: Tensor, mask_rows: Optional[Tensor], process_groups: list,
                 call: CallPlan, policy: str, actual_seq_qlen: Optional[Tensor] = None,
                 actual_seq_kvlen: Optional[Tensor] = None, sink: Optional[Tensor] = None):
-    """The forward's local work: ``forward_local`` now, or ``ring_forward`` where traced."""
     if not _traced((query, key, value, mask_rows, actual_seq_qlen, actual_seq_kvlen, sink)):
         return forward_local(query, key, value, mask_rows, process_groups, call, policy, actual_seq_qlen,
                              actual_seq_kvlen, sink)
@@ -218,7 +188,6 @@ def run_backward(dy: Tensor, query: Tensor, key: Tensor, value: Tensor, out: Ten
                  mask_rows: Optional[Tensor], process_groups: list, called: CallPlan, policy: str,
                  actual_seq_qlen: Optional[Tensor] = None, actual_seq_kvlen: Optional[Tensor] = None,
                  sink: Optional[Tensor] = None):
-    """The backward's local work: ``backward_local`` now, or ``ring_backward`` where traced."""
     if not _traced((dy, query, key, value, out, lse, seed, mask_rows, actual_seq_qlen, actual_seq_kvlen, sink)):
         return backward_local(dy, query, key, value, out, lse, seed, mask_rows, process_groups, called, policy,
                               actual_seq_qlen, actual_seq_kvlen, sink)
@@ -226,16 +195,13 @@ def run_backward(dy: Tensor, query: Tensor, key: Tensor, value: Tensor, out: Ten
                          called.encode(), policy, actual_seq_qlen, actual_seq_kvlen, sink)
 
 
-# nondeterministic_seeded: the kernels draw dropout seeds from the default generator, so a compiled
-# backward that recomputes this op (checkpointing) replays the generator state, as for torch's dropout
+# nondeterministic_seeded: a compiled recompute (checkpointing) replays the generator state the kernels' dropout drew
 @torch.library.custom_op("cp_cache::ring_forward", mutates_args=(), tags=(torch.Tag.nondeterministic_seeded,))
 def ring_forward(query: Tensor, key: Tensor, value: Tensor, mask_rows: Optional[Tensor], groups: str,
                  plan: str, policy: str, actual_seq_qlen: Optional[Tensor] = None,
                  actual_seq_kvlen: Optional[Tensor] = None,
                  sink: Optional[Tensor] = None) -> tuple[Tensor, Tensor, Tensor]:
-    """CP attention of the local shards: (out, float32 LSE [B, N, S] (TND: [T, N]), seed slot: the
-    step cache's handle, or its pairing key under the stack policy). ``mask_rows``: a given mask's
-    rows of this rank (ring) or the whole mask (Ulysses); ``sink``: this rank's heads' sinks."""
+    """(out, float32 LSE [B, N, S] (TND: [T, N]), seed slot: the step cache's handle or stack pairing key)."""
     call = CallPlan.decode(plan)
     # a compiled graph holds the layout it was traced with: refuse one run under the other
     if call.world_size > 1 and (call.mask.positional or call.packed) and call.load_balance != L.load_balance_enabled():
@@ -251,7 +217,7 @@ def forward_local(query: Tensor, key: Tensor, value: Tensor, mask_rows: Optional
                   call: CallPlan, policy: str, actual_seq_qlen: Optional[Tensor] = None,
                   actual_seq_kvlen: Optional[Tensor] = None,
                   sink: Optional[Tensor] = None) -> tuple[Tensor, Tensor, Tensor]:
-    """What ``ring_forward`` runs, on its groups and plan as objects, without the caller's autocast."""
+    """``ring_forward`` on groups and plan as objects, without the caller's autocast."""
     started = time.perf_counter()
     try:
         if actual_seq_qlen is not None or actual_seq_kvlen is not None:
@@ -290,9 +256,7 @@ def ring_backward(dy: Tensor, query: Tensor, key: Tensor, value: Tensor, out: Te
                   mask_rows: Optional[Tensor], groups: str, plan: str, policy: str,
                   actual_seq_qlen: Optional[Tensor] = None, actual_seq_kvlen: Optional[Tensor] = None,
                   sink: Optional[Tensor] = None) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """(dq, dk, dv, dsink) of the local shards. The backward runs the plan its forward recorded in the
-    step cache ``seed`` names; ``plan`` (what the grad op's arguments give) is checked against it.
-    dsink: this rank's rows' share of the sink's gradient (a float32 0-d zero without a sink)."""
+    """Runs the plan ``seed``'s step cache recorded, checked against ``plan``; dsink: this rank's rows' share."""
     return backward_local(dy, query, key, value, out, lse, seed, mask_rows, _groups(groups), CallPlan.decode(plan),
                           policy, actual_seq_qlen, actual_seq_kvlen, sink)
 
@@ -301,7 +265,7 @@ def backward_local(dy: Tensor, query: Tensor, key: Tensor, value: Tensor, out: T
                    mask_rows: Optional[Tensor], process_groups: list, called: CallPlan, policy: str,
                    actual_seq_qlen: Optional[Tensor] = None, actual_seq_kvlen: Optional[Tensor] = None,
                    sink: Optional[Tensor] = None) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """What ``ring_backward`` runs, on its groups and plan as objects, without the caller's autocast."""
+    """``ring_backward`` on groups and plan as objects, without the caller's autocast."""
     started = time.perf_counter()
     recorded, steps = None, []
     try:
@@ -341,19 +305,15 @@ def _ring_backward_fake(dy, query, key, value, out, lse, seed, mask_rows, groups
 
 
 def check_seed(seed: Any) -> None:
-    """The seed argument's type (a DTensor seed never gets here: ``AttentionHandlers._runs``)."""
+    """A DTensor seed never gets here (``AttentionHandlers._runs``)."""
     if not isinstance(seed, Tensor):
         raise RuntimeError(f"cp_cache: npu_fusion_attention_grad_v3 got seed={describe(seed)}; it needs the seed "
                            "output of the CP attention forward")
 
 
-# ---------------------------------------------------------------- what each call cost
-
-
 @dataclass
 class CallRecord:
     """What the last call of one direction cost on this process."""
-
     bytes_sent: int = 0
     bytes_received: int = 0
     # the least this rank must send / receive for the call's mask; None where no ring ran alone
@@ -373,21 +333,19 @@ class CallRecord:
 
     @property
     def exposed_fraction(self) -> float:
-        """The share of the ring's time spent waiting for communication."""
         busy = self.compute_seconds + self.wait_seconds
         return self.wait_seconds / busy if busy > 0 else 0.0
 
 
 class CallLog:
     """The last forward and backward call's record, and how many calls each direction had."""
-
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._records = {"forward": CallRecord(), "backward": CallRecord()}
 
     def record(self, direction: str, result, started: float, ring_seconds: float, *,
                fused_merge: bool = False) -> None:
-        """Record a call that began at ``started`` (perf_counter); ``result``: the strategy's."""
+        """``started``: perf_counter at the call's start; ``result``: the strategy's."""
         handler_seconds = time.perf_counter() - started
         kept = 0
         for step in getattr(result, "steps", ()):  # a loop, not a generator: this runs on every call
@@ -409,13 +367,11 @@ class CallLog:
             self._records[direction].handler_seconds = time.perf_counter() - started
 
     def snapshot(self) -> dict[str, dict]:
-        """{"forward": {...}, "backward": {...}}: each record's fields with overhead_seconds and
-        exposed_fraction."""
+        """Each direction's record fields with overhead_seconds and exposed_fraction."""
         with self._lock:
             return {d: dict(asdict(r), overhead_seconds=r.overhead_seconds, exposed_fraction=r.exposed_fraction)
                     for d, r in self._records.items()}
 
 
-# The process's call log: the ring ops record into it (a compiled graph runs them with no handler
-# around); the handlers and ``cp_cache.call_stats()`` read the same one.
+# the ring ops record here (a compiled graph runs them with no handler); ``cp_cache.call_stats()`` reads it
 CALL_LOG = CallLog()

@@ -1,14 +1,8 @@
-"""One call of the attention op (or its grad), read once: the ``CallSpec``.
+"""One call of the attention op (or its grad), read once: the ``CallSpec``, which also wraps the results as DTensors.
 
-``read_call`` goes from the op's bound arguments to what the custom op runs: the mask, the CP
-sharding of q/k/v (the mesh dimensions sharded on the sequence, outer first; the others
-``Replicate`` or ``Shard(head)``), the algorithm, the packed documents, the sinks and the
-``CallPlan``. Every check that can refuse the call runs here, and a refusal is shared with the other
-ranks (``share_refusal``). The backward reads its arguments only to check them against the plan its
-forward recorded, which it runs. Packed documents' lengths given as tensors are checked from their
-shapes and read by the custom op (a traced call records the op without reading them); lists go into
-the plan here. The spec also wraps the op's local results back into DTensors.
-"""
+Every refusal happens here and is shared with the other ranks (``share_refusal``). The backward only checks its
+arguments against its forward's plan. Packed lengths given as tensors are checked by shape and read by the custom
+op (a trace cannot read them)."""
 
 from __future__ import annotations
 
@@ -42,10 +36,7 @@ _QKV = ("query", "key", "value")
 
 @dataclass
 class CallSpec:
-    """A call read once: its bound arguments, plan, CP sharding, a given mask's rows for this rank
-    (ring) or whole (Ulysses), packed documents' lengths tensors for the custom op to read (None where
-    the plan holds the documents), and this rank's attention sinks."""
-
+    """``mask``: a given mask's rows (ring) or whole (Ulysses); ``lengths``: packed lengths for the custom op."""
     args: dict[str, Any]
     plan: CallPlan
     sharding: CPSharding
@@ -54,8 +45,7 @@ class CallSpec:
     sink: Optional[Tensor] = None
 
     def local(self, *names: str) -> tuple[Tensor, ...]:
-        """The named arguments' local tensors, without a ``to_local`` autograd node (the handler runs
-        below autograd)."""
+        """Local tensors without a ``to_local`` autograd node (the handler runs below autograd)."""
         return tuple([self.args[n]._local_tensor for n in names])
 
     def wrap_forward(self, out: Tensor, lse: Tensor) -> tuple[DTensor, DTensor, DTensor]:
@@ -67,9 +57,7 @@ class CallSpec:
                   for stats in stats_views_from_lse(lse)))
 
     def wrap_grads(self, *grads: Tensor) -> tuple[DTensor, ...]:
-        """(dq, dk, dv) as DTensors sharded like (query, key, value). A gradient laid out as its input's
-        local tensor takes the input's spec: autograd would otherwise copy it into the input's strides,
-        with a local shape DTensor computes as an even split (wrong for uneven shards)."""
+        """A gradient laid out as its input's local tensor takes its spec (else autograd assumes even shards)."""
         seq_dim = _SEQUENCE_SHARD[self.plan.layout].dim
         return tuple([_grad_like(g, self.args[n], self.sharding, seq_dim) for g, n in zip(grads, _QKV)])
 
@@ -93,9 +81,7 @@ def _stats_layout(placements: tuple, layout: str) -> tuple[int, int, tuple]:
 
 
 def _wrap(local: Tensor, mesh, placements, seq_dim: int, total: int) -> DTensor:
-    """``local`` as a DTensor sharded on ``seq_dim`` with global length ``total`` (shards may be uneven);
-    its spec made once per shape (specs are immutable), except for symbolic sizes."""
-    # a real tensor's sizes are ints; a traced one's may be symbolic: its spec is made afresh
+    """Global length ``total``: shards may be uneven. Specs are cached, but not for symbolic sizes."""
     make = _spec if type(local) is Tensor and type(total) is int else _spec.__wrapped__
     spec = make(mesh, tuple(placements), tuple(local.shape), local.stride(), local.dtype, seq_dim, total)
     return DTensor(local, spec, requires_grad=False)
@@ -105,8 +91,7 @@ def _wrap(local: Tensor, mesh, placements, seq_dim: int, total: int) -> DTensor:
 def _spec(mesh, placements: tuple, shape: tuple, stride: tuple, dtype, seq_dim: int, total: int) -> DTensorSpec:
     local = torch.empty_strided(shape, stride, dtype=dtype, device="meta")
     global_shape, global_stride = torch.distributed.tensor._utils.compute_global_tensor_info(local, mesh, placements)
-    # the global length as the input has it, without comparing it with local * W: shards may be
-    # uneven, and while tracing with dynamic shapes a comparison would guard even against uneven
+    # not compared with local * W: shards may be uneven, and while tracing a comparison would guard against it
     local_len = shape[seq_dim]
     global_shape[seq_dim] = total
     if local_len:  # dims that step over the whole local sequence (outer ones) step over the global one
@@ -115,15 +100,9 @@ def _spec(mesh, placements: tuple, shape: tuple, stride: tuple, dtype, seq_dim: 
     return DTensorSpec(mesh, placements, tensor_meta=TensorMeta(torch.Size(global_shape), tuple(global_stride), dtype))
 
 
-# ---------------------------------------------------------------- building the plan
-
-
 def read_call(a: dict[str, Any], cp: CPConfig, *, backward: bool = False) -> CallSpec:
-    """The call of the bound arguments ``a`` under ``cp``; ``backward``: the grad op's (only checked
-    against the plan its forward recorded). A layer repeats its calls: a dense call whose plan and
-    sharding depend only on the values ``_repeat_key`` holds takes them from its CP group's last read
-    with that key (measured: about 0.1 ms of a forward's and 0.6 ms of a backward's host time on the
-    overhead bench's shapes)."""
+    """A dense call reuses its CP group's last read with the same ``_repeat_key`` (saves about 0.1 ms of host
+    time forward, 0.6 ms backward)."""
     check_one_dtype(GRAD_OP if backward else FORWARD_OP, a, _ONE_DTYPE[backward])
     key = _repeat_key(a, cp, backward)
     if key is None:
@@ -148,8 +127,7 @@ _SCALARS = ("input_layout", "head_num", "keep_prob", "sparse_mode", "pre_tockens
 
 
 def _repeat_key(a: dict[str, Any], cp: CPConfig, backward: bool) -> Optional[tuple]:
-    """What a dense call's plan and sharding depend on; None for calls read afresh every time: packed
-    documents, a given mask, arguments cp_cache refuses, traced calls."""
+    """None for calls read afresh: packed documents, a given mask, arguments cp_cache refuses, traced calls."""
     # loops, not generators: this runs on every call
     if a["input_layout"] == L.TND:
         return None
@@ -166,8 +144,7 @@ def _repeat_key(a: dict[str, Any], cp: CPConfig, backward: bool) -> Optional[tup
            None if mask is None else (mask.shape, mask.dtype)]
     for name in _SCALARS:
         key.append(a[name])
-    # the DTensor specs by their parts (as DTensorSpec compares them: its own hash and equality are
-    # Python calls through the mesh's); the mesh itself is checked by identity on a hit
+    # the specs by their parts: DTensorSpec's hash and equality are slow Python calls; the mesh is checked on a hit
     mesh = query._spec.mesh
     for name in _QKV:
         t = a[name]
@@ -190,8 +167,7 @@ def _read_call(a: dict[str, Any], cp: CPConfig, backward: bool) -> CallSpec:
     algorithm = decide_algorithm(cp.algorithm, sharding.cp_dims, packed=False, given_mask=spec.given,
                                  backward=backward, costs=_costs(a, layout, sharding, cp),
                                  placements=sharding.placements)
-    # positions matter for every mask but none: the local shards are head-tail when torch's
-    # CP load balancing is on
+    # positions matter for every mask but none: the shards are head-tail under torch's load balancing
     load_balance = spec.positional and L.load_balance_enabled()
     if load_balance and global_seq % (2 * sharding.size):
         # on the global length, the same on every rank, so every rank refuses together
@@ -206,7 +182,7 @@ def _read_call(a: dict[str, Any], cp: CPConfig, backward: bool) -> CallSpec:
 
 
 def read_local(a: dict[str, Any], cp: CPConfig, *, backward: bool = False) -> CallSpec:
-    """A call on plain tensors (one process): the plan of a single rank, through the same strategies."""
+    """A call on plain tensors: the plan of a single rank, through the same strategies."""
     check_one_dtype(GRAD_OP if backward else FORWARD_OP, a, _ONE_DTYPE[backward])
     scale, head_num = float(a["scale_value" if backward else "scale"]), int(a["head_num"])
     sink = local_sink(a["sink"], head_num, None, 1)
@@ -249,9 +225,7 @@ _LENGTHS = ("actual_seq_qlen", "actual_seq_kvlen")
 
 
 def packed_documents(a: dict[str, Any]) -> tuple[tuple[int, ...], tuple[Optional[Tensor], Optional[Tensor]]]:
-    """(documents, lengths): the global cumulative document ends given as lists, read and checked
-    now (constants of a traced graph), or the tensors given, checked from their shapes alone, for
-    the custom op to read (``read_documents``): host data whose values a traced call does not know."""
+    """Lists are read now (constants of a trace); tensors are checked by shape and left for the custom op."""
     for name in _LENGTHS:
         if a[name] is None:
             raise ValueError(f"input_layout='TND' needs {name}: the global cumulative document ends (last = T)")
@@ -291,9 +265,6 @@ def _costs(a: dict[str, Any], layout: str, sharding: CPSharding, cp: CPConfig):
     return costs
 
 
-# ---------------------------------------------------------------- the mask
-
-
 _PACKED_UNSUPPORTED_WHEN_SET = ("pse", "padding_mask", "prefix")
 _UNSUPPORTED_WHEN_SET = _PACKED_UNSUPPORTED_WHEN_SET + ("actual_seq_qlen", "actual_seq_kvlen")
 _GIVEN_MASK_MODES = (SparseMode.MASK, SparseMode.ALL_MASK)
@@ -304,10 +275,7 @@ _BAND_DOCUMENT = {SparseMode.BAND: "", SparseMode.RIGHT_DOWN_CAUSAL_BAND: "last"
 
 
 def mask_spec(a: dict[str, Any]) -> MaskSpec:
-    """The mask the bound arguments ask for, on global positions (NotImplementedError naming what is
-    not supported). Packed documents: causal per document, a band inside each document (sparse_mode 4)
-    or inside the last / first one with the others causal (7 / 8: the op's varlen external-split
-    modes), or full; no given mask."""
+    """On global positions; NotImplementedError naming what is not supported."""
     packed = a["input_layout"] == L.TND
     for name in _PACKED_UNSUPPORTED_WHEN_SET if packed else _UNSUPPORTED_WHEN_SET:
         if a[name] is not None:
@@ -346,8 +314,7 @@ def mask_spec(a: dict[str, Any]) -> MaskSpec:
 
 
 def _mask_rows(a: dict[str, Any], plan: CallPlan) -> Optional[Tensor]:
-    """A given mask's rows of this rank's queries (ring), or the whole mask as a plain tensor (Ulysses and
-    hybrid attend every query to every key in one call: a plain tensor or a replicated DTensor)."""
+    """This rank's rows (ring), or the whole mask as a plain tensor (Ulysses and hybrid)."""
     if not plan.mask.given:
         return None
     mask, seq_dim = a["atten_mask"], L.seq_dim(plan.layout)
@@ -368,8 +335,7 @@ def _mask_rows(a: dict[str, Any], plan: CallPlan) -> Optional[Tensor]:
 
 
 def local_mask_rows(mask: Any, query: DTensor, layout: str, positions: Tensor) -> Tensor:
-    """A given mask's rows of the local queries over the whole sequence: picked at ``positions`` from a
-    plain or replicated ``mask``, or a query-sharded DTensor's local rows as they are."""
+    """Picked at ``positions`` from a plain or replicated ``mask``; a query-sharded DTensor's local rows as is."""
     seq = query.size(L.seq_dim(layout))
     if mask.dim() not in (2, 4) or mask.shape[-1] != seq:
         raise ValueError(f"atten_mask for sparse_mode 0/1 must be [S, S], [1, 1, S, S], [B, 1, S, S] or [B, N, S, S] "
@@ -379,8 +345,7 @@ def local_mask_rows(mask: Any, query: DTensor, layout: str, positions: Tensor) -
         if all(isinstance(p, Replicate) for p in placements):
             mask = mask.to_local()
         elif placements == (Shard(mask.dim() - 2),):
-            # the local row count is checked by the ring after the ranks agree on its shape
-            # (it can differ between ranks, and a refusal must come on every rank)
+            # the row count is checked by the ring once the ranks agree on it (a refusal must be every rank's)
             return mask.to_local()
         else:
             raise NotImplementedError(f"cp_cache ring attention takes atten_mask replicated or sharded on its query "
@@ -390,13 +355,9 @@ def local_mask_rows(mask: Any, query: DTensor, layout: str, positions: Tensor) -
     return mask.index_select(mask.dim() - 2, positions.to(mask.device))
 
 
-# ---------------------------------------------------------------- the CP sharding
-
-
 @dataclass(frozen=True)
 class CPSharding:
     """How q/k/v lie on their mesh: its CP dimensions (outer first) and the head split."""
-
     mesh: Any
     placements: tuple
     cp_dims: tuple[int, ...]
@@ -404,7 +365,6 @@ class CPSharding:
 
     @property
     def cp_sizes(self) -> list[int]:
-        """The sizes of the CP dimensions, outer first."""
         return [self.mesh.size(d) for d in self.cp_dims]
 
     @property
@@ -414,7 +374,7 @@ class CPSharding:
 
     @property
     def rank(self) -> int:
-        """This rank's sequence chunk: nested over the CP dimensions, outer first (DTensor's order)."""
+        """This rank's sequence chunk, nested over the CP dimensions in DTensor's order."""
         rank = 0
         for d in self.cp_dims:
             rank = rank * self.mesh.size(d) + self.mesh.get_local_rank(d)
@@ -422,11 +382,10 @@ class CPSharding:
 
     @functools.cached_property  # a mesh keeps its groups; a repeated call's sharding is the last one's
     def groups(self) -> tuple:
-        """The process groups of the CP dimensions, outer first."""
         return tuple(self.mesh.get_group(d) for d in self.cp_dims)
 
     def local_heads(self, head_num: int) -> int:
-        """The query head count on this rank (``head_num`` is the op's, over all heads)."""
+        """``head_num``: the op's, over all heads."""
         if head_num % self.head_shards:
             raise ValueError(f"head_num={head_num} is not divisible by the {self.head_shards} tensor-parallel head "
                              f"shards of placements={self.placements}")
@@ -434,9 +393,7 @@ class CPSharding:
 
 
 def sequence_sharded(query: Any, layout: Any) -> bool:
-    """Whether ``query`` is a DTensor sharded on the sequence dimension of ``layout`` over some mesh
-    dimension: a CP call. False for a plain tensor, an unknown layout, or placements without
-    ``Shard(seq)`` (data or tensor parallel, replicated): calls cp_cache leaves to others."""
+    """A CP call; data or tensor parallel and replicated calls are left to others."""
     return isinstance(query, DTensor) and _SEQUENCE_SHARD.get(layout) in query._spec.placements
 
 
@@ -444,9 +401,7 @@ _SEQUENCE_SHARD = {layout: Shard(L.seq_dim(layout)) for layout in L.ALL_LAYOUTS}
 
 
 def cp_sharding(tensors: dict[str, Any], layout: str) -> CPSharding:
-    """The CP sharding shared by the named DTensors (same mesh, same placements). Packed documents:
-    Shard(0) on every dimension of the mesh (one or two: the CP dimensions; another count is refused by
-    the algorithm, ``plan.decide_algorithm``)."""
+    """Packed documents: Shard(0) on every mesh dimension (``plan.decide_algorithm`` refuses a count but 1 or 2)."""
     seq, head = L.seq_dim(layout), L.head_dim_index(layout)
     mesh = placements = None
     for name, tensor in tensors.items():
@@ -478,12 +433,8 @@ def cp_sharding(tensors: dict[str, Any], layout: str) -> CPSharding:
     return CPSharding(mesh, placements, cp_dims, head_shards)
 
 
-# ---------------------------------------------------------------- the backward's arguments, sinks, refusals
-
-
 def sharded_like(value: Any, name: str, mesh, placements) -> DTensor:
-    """``value`` as a DTensor with the query's sharding (an incoming gradient may come
-    replicated, e.g. from a sum)."""
+    """With the query's sharding: an incoming gradient may come replicated, e.g. from a sum."""
     if not isinstance(value, DTensor):
         raise TypeError(f"cp_cache: npu_fusion_attention_grad_v3 needs {name} as a DTensor, got {describe(value)}")
     if value.device_mesh != mesh:
@@ -494,7 +445,6 @@ def sharded_like(value: Any, name: str, mesh, placements) -> DTensor:
 
 
 def local_tensor(value: Any, name: str) -> Tensor:
-    """The local tensor of a DTensor argument (a plain tensor passes through)."""
     if isinstance(value, DTensor):
         return value._local_tensor  # as ``CallSpec.local``
     if isinstance(value, Tensor):
@@ -503,8 +453,7 @@ def local_tensor(value: Any, name: str) -> Tensor:
 
 
 def local_sink(sink: Any, head_num: int, mesh, head_shards: int) -> Optional[Tensor]:
-    """The attention sinks of the call as this rank's tensor [head_num] (None without): a plain
-    floating tensor, or a DTensor replicated on the query's mesh. ``head_num``: the op's."""
+    """This rank's sinks from a plain tensor or one replicated on the query's mesh; ``head_num``: the op's."""
     if sink is None:
         return None
     if not isinstance(sink, Tensor) or not sink.dtype.is_floating_point or tuple(sink.shape) != (head_num,):
@@ -523,9 +472,7 @@ def local_sink(sink: Any, head_num: int, mesh, head_shards: int) -> Optional[Ten
 
 
 def sink_grad_like(sink: Any, dsink: Tensor, cp_dims: tuple[int, ...]) -> Tensor:
-    """The sink's gradient as its argument came: this rank's share as it is for a plain tensor;
-    for a replicated DTensor, a DTensor ``Partial`` on the CP dimensions (the ranks' shares sum to
-    the gradient) and replicated on the others (their ranks computed the same rows)."""
+    """For a replicated sink, ``Partial`` on the CP dimensions and replicated on the others (same rows)."""
     if not isinstance(sink, DTensor):
         return dsink
     mesh = sink.device_mesh
@@ -534,10 +481,7 @@ def sink_grad_like(sink: Any, dsink: Tensor, cp_dims: tuple[int, ...]) -> Tensor
 
 
 def share_refusal(direction: str, a: dict[str, Any], error: BaseException) -> None:
-    """This rank's refusal of the call whose bound arguments are ``a`` joins the ranks' agreement on it
-    (when the arguments name its CP groups and are not traced: no collective while tracing), so every
-    rank refuses: raises the agreed error where the ranks' refusals differ, else returns and the caller
-    raises its own."""
+    """Shares the refusal with the CP ranks (not while tracing); raises the agreed error where the refusals differ."""
     tensors = {n: a[n] for n in _QKV}
     try:
         groups = list(cp_sharding(tensors, a["input_layout"]).groups)
@@ -545,7 +489,6 @@ def share_refusal(direction: str, a: dict[str, Any], error: BaseException) -> No
         groups = []
     if groups:
         from torch._subclasses.fake_tensor import FakeTensor
-
         if any(t._local_tensor.is_meta or isinstance(t._local_tensor, FakeTensor) for t in tensors.values()):
             groups = []
     agreement.agree_on_refusal(direction, groups, error)

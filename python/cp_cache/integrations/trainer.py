@@ -1,13 +1,7 @@
-"""cp_cache's context parallelism in Hugging Face's ``Trainer``: docs/transformers.md.
-
-``ContextParallelMixin`` (in front of any Trainer subclass; ``ContextParallelTrainer`` is it with
-``Trainer``) runs each step inside ``cp_cache.context_parallel(mesh, buffers=[...])`` with every
-per-token entry sharded (``shift_labels`` made first) and a packed batch laid out by its documents.
-The CP mesh: accelerate's "cp" dimension (cp_cache replaces its torch-ring preparation, which refuses
-sliding windows and drops masks), or, with ``cp_size=N`` where accelerate has no CP (DDP, CPU), a
-``("dp_replicate", "cp")`` mesh given to accelerate, whose data loaders then feed each CP group the
-same batches.
-"""
+"""cp_cache's context parallelism in Hugging Face's ``Trainer`` (docs/transformers.md): each step runs inside
+``cp_cache.context_parallel(mesh, buffers=[...])``, per-token entries sharded, a packed batch laid out by its
+documents. The mesh: accelerate's "cp" dimension (its torch-ring preparation replaced: it refuses sliding windows
+and drops masks), or with ``cp_size=N`` a ``("dp_replicate", "cp")`` mesh given to accelerate (DDP, CPU)."""
 
 from __future__ import annotations
 
@@ -29,8 +23,6 @@ _MESH_DIMS = ("dp_replicate", "cp")  # the mesh cp_size= builds: accelerate's na
 
 
 class ContextParallelMixin:
-    """Runs each Trainer step under ``cp_cache.context_parallel`` (see the module's docstring)."""
-
     def __init__(self, *args: Any, cp_size: Optional[int] = None, **kwargs: Any) -> None:
         if cp_size is not None and (not isinstance(cp_size, int) or cp_size < 1):
             raise ValueError(f"cp_size={cp_size!r} must be a positive integer")
@@ -47,9 +39,7 @@ class ContextParallelMixin:
         return self.cp_mesh.size() if self.cp_mesh is not None else super().get_cp_size()
 
     def _cp_mesh(self):
-        """The 1-D CP mesh: accelerate's "cp" dimension, or one cp_cache builds over the processes."""
         from torch.distributed.device_mesh import init_device_mesh
-
         accelerator, cp_size = self.accelerator, self.cp_size_requested
         config = getattr(accelerator, "parallelism_config", None)
         if config is not None and config.cp_enabled:
@@ -121,8 +111,7 @@ def _per_token(name: str, value: Any, ids: torch.Tensor) -> bool:
 
 
 def _documents(inputs: dict) -> Optional[torch.Tensor]:
-    """A packed batch's cumulative document ends (``cu_seq_lens_q``, leading 0), or None (dense).
-    Without them, position ids that restart give them, added to the inputs (a host read per step)."""
+    """A packed batch's ``cu_seq_lens_q`` (else made from restarting position ids, a host read); None: dense."""
     given = inputs.get("cu_seq_lens_q")
     if given is not None:
         return given

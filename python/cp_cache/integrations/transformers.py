@@ -1,13 +1,7 @@
-"""cp_cache as an attention implementation of Hugging Face transformers (5.x): docs/transformers.md.
-
-``register()`` adds "cp_cache" to transformers' ``AttentionInterface`` (and a mask hook so that no
-dense mask is built). ``attention_forward`` calls ``torch.ops.npu.npu_fusion_attention_v3`` on each
-layer's local q/k/v ``[B, N, S, D]``: inside ``cp_cache.context_parallel(mesh, buffers=[...])`` as
-DTensors sharded as the buffers were (cp_cache's handlers run it), outside as they are. The mask is
-the one the model asks for: causal from ``module.is_causal``, ``sliding_window`` as a band, packed
-documents from ``cu_seq_lens_q/k``; ``s_aux`` is the sink. What the op cannot express raises naming
-it, never a silently different mask. Only ``register()`` imports transformers.
-"""
+"""cp_cache as an attention implementation of Hugging Face transformers 5.x (docs/transformers.md): ``register()``
+adds it to ``AttentionInterface`` (with a mask hook: no dense mask). ``attention_forward`` calls the NPU op on each
+layer's local q/k/v, inside ``cp_cache.context_parallel`` as DTensors sharded as the buffers were. The mask is the
+one the model asks for; what the op cannot express raises. Only ``register()`` imports transformers."""
 
 from __future__ import annotations
 
@@ -39,15 +33,13 @@ def register() -> None:
     """Register "cp_cache" in transformers' attention and mask interfaces (idempotent)."""
     from transformers import AttentionInterface
     from transformers.masking_utils import AttentionMaskInterface
-
     AttentionInterface.register(NAME, attention_forward)
     AttentionMaskInterface.register(NAME, mask_hook)
 
 
 def mask_hook(batch_size: int, q_length: int, kv_length: int, *args, attention_mask: Optional[Tensor] = None,
               **kwargs) -> Optional[Tensor]:
-    """transformers' mask function for "cp_cache": none. A 2-D padding mask that masks nothing is dropped (a
-    host read); any other goes on to ``attention_forward``, which refuses it."""
+    """None: a 2-D mask that masks nothing is dropped (a host read); any other reaches ``attention_forward``."""
     if attention_mask is not None and attention_mask.dim() == 2 and bool(attention_mask.all()):
         return None
     return attention_mask
@@ -56,7 +48,6 @@ def mask_hook(batch_size: int, q_length: int, kv_length: int, *args, attention_m
 @dataclass(frozen=True)
 class _Sharding:
     """Where the local sequence sits in the global one."""
-
     mesh: Any  # None: single process
     held: Optional[Tensor]  # the global positions of the local tokens (CPU int64); None: KV cache
     seq: int  # the global sequence length
@@ -69,8 +60,7 @@ def attention_forward(module: torch.nn.Module, query: Tensor, key: Tensor, value
                       attention_mask: Optional[Tensor], scaling: Optional[float] = None, dropout: float = 0.0,
                       sliding_window: Optional[int] = None, s_aux: Optional[Tensor] = None,
                       **kwargs) -> tuple[Tensor, None]:
-    """transformers' attention function for "cp_cache": q ``[B, N, S, D]``, k/v ``[B, Nkv, S, D|Dv]``
-    -> ``(out [B, S, N, Dv], None)``."""
+    """The attention function: q ``[B, N, S, D]``, k/v ``[B, Nkv, S, D|Dv]`` -> ``(out [B, S, N, Dv], None)``."""
     mesh = active_mesh()
     if mesh is None and in_cp_region():
         raise RuntimeError("cp_cache attention: a CP region entered through torch's context_parallel() is active; "
@@ -220,9 +210,8 @@ _POSITIONS_HINT = ("Under cp_cache.context_parallel pass position_ids among its 
 
 def _check_positions(position_ids: Tensor, sharding: _Sharding, documents: Optional[tuple[int, ...]],
                      compiling: bool) -> None:
-    """RoPE reads ``position_ids``, the mask follows the tokens' places: they must agree, else a packed batch
-    without cu_seq_lens (or unsharded position_ids) would silently get another mask. Compiled: an
-    assertion in the graph, failing when it runs."""
+    """RoPE reads ``position_ids``, the mask follows the tokens' places: they must agree, else the mask would
+    silently differ. Compiled: an assertion in the graph, failing when it runs."""
     held = expected = sharding.held
     if documents is not None:
         starts, ends = torch.tensor(documents[:-1]), torch.tensor(documents[1:])
@@ -260,9 +249,8 @@ def _document_mask(documents: tuple[int, ...], causal: bool, window: Optional[in
 
 def _call(query: Tensor, key: Tensor, value: Tensor, causal: bool, window: Optional[int],
           documents: Optional[tuple[int, ...]], sharding: _Sharding, options: dict) -> Tensor:
-    """``_op`` on q/k/v: causal / window as the op's band; packed documents as TND ``[T, N, D]`` with their
-    cumulative ends where the buffers were laid out by the region's documents or contiguously (the band inside
-    each document), else BNSD with an explicit [S, S] mask. Returns ``[B, S, N, Dv]``."""
+    """Packed documents as TND ``[T, N, D]`` where the buffers were laid out by the region's documents or
+    contiguously, else BNSD with an explicit [S, S] mask. Returns ``[B, S, N, Dv]``."""
     packed = documents is not None and (sharding.documents is not None or sharding.mesh is None
                                         or not sharding.load_balance)
     if documents is not None and not packed:
@@ -292,9 +280,8 @@ def _sharded(t: Tensor, sharding: _Sharding, seq_dim: int) -> Tensor:
         return DTensor.from_local(t, sharding.mesh, [Shard(seq_dim)], run_check=False)
     shape = list(t.shape)
     shape[seq_dim] = sharding.seq
-    stride = tuple(math.prod(shape[i + 1:]) for i in range(len(shape)))
     return DTensor.from_local(t, sharding.mesh, [Shard(seq_dim)], run_check=False, shape=torch.Size(shape),
-                              stride=stride)
+                              stride=tuple(math.prod(shape[i + 1:]) for i in range(len(shape))))
 
 
 def _op() -> Callable:

@@ -1,15 +1,9 @@
 """The "torch" step kernel: torch's own fused attention, the default where the NPU op does not exist.
-
-CPU: ``aten._scaled_dot_product_flash_attention_for_cpu`` and its backward (output and logsumexp, GQA
-natively, causal left-up). A band runs in row tiles, each against the key span its rows' band holds
-with a small additive mask (never the block's S x S); a given mask is the block's additive mask.
-CUDA: ``aten._flash_attention_forward`` / ``_backward`` for half precision (causal, the band as
-``window_size_left/right``, a step's packed segments as ``cum_seq_q/k``, dropout replayed from the
-``rng_state`` it returns); ``aten._scaled_dot_product_efficient_attention`` otherwise (float32, MLA,
-given masks, a band beside the diagonal), with the mask as an additive bias. Rows that see no key get
-LSE -inf. Refused: dropout on CPU (the kernel has no seed to replay); on CPU a V head size other than
-Q/K's runs the reference kernel's math.
-"""
+CPU: ``_scaled_dot_product_flash_attention_for_cpu`` (GQA natively, causal left-up); a band in row tiles,
+each against its rows' key span with a small additive mask (never S x S); dropout refused (no seed to
+replay); MLA by the reference math. CUDA: ``_flash_attention_forward`` in half precision (causal,
+windows, packed segments, dropout replayed from its ``rng_state``), else memory-efficient attention
+with an additive mask. Rows that see no key get LSE -inf."""
 
 from __future__ import annotations
 

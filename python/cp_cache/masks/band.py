@@ -1,11 +1,8 @@
-"""A band (sliding window): query i sees keys i - pre_tockens <= j <= i + next_tockens (sparse_mode
-4 with the compressed mask; a causal window of w keys is (w - 1, 0)). Under packed documents the
-band is inside each document (sparse_mode 7 / 8: only in the last / first, the others causal).
-
-Each (query chunk, key chunk) pair is skipped where the band misses it, full where it covers it,
-else a band task shifted by the chunks' global offsets; with contiguous shards the ring stops after
-the last hop any rank needs (``hops_needed``).
-"""
+"""A band (sliding window): query i sees keys i - pre_tockens <= j <= i + next_tockens (sparse_mode 4;
+a causal window of w keys is (w - 1, 0)); under packed documents inside each document (7 / 8: only in
+the last / first, the others causal). A chunk pair the band misses is skipped, one it covers is full,
+else a band task shifted by the chunks' offsets; on contiguous shards the ring stops after the last
+hop any rank needs."""
 
 from __future__ import annotations
 

@@ -1,12 +1,8 @@
-"""Causal attention: query i sees keys j <= i (sparse_mode 2 left-up, 3 right-down for packed
-documents, with the compressed 2048x2048 mask).
-
-The ring's rules are torch's: on contiguous shards step 0 is the causal diagonal block, a block
-from a lower rank is full, from a higher rank skipped; on head-tail shards (chunks r and 2W-1-r of
-2W) step 0 is causal over the local block, a lower rank's block is seen by every local query
-through its first half ("kv_head"), a higher rank's fully by the second half of the queries
-("q_tail"). Packed documents follow the same rules per document.
-"""
+"""Causal attention: query i sees keys j <= i (sparse_mode 2 left-up; 3 right-down for packed documents).
+torch's ring rules: contiguous shards: step 0 causal, a lower rank's block full, a higher rank's
+skipped; head-tail shards (chunks r and 2W-1-r of 2W): step 0 causal over the local block, a lower
+rank's block seen by every query through its first half ("kv_head"), a higher rank's by the second
+half of the queries ("q_tail"). Packed documents follow the same rules per document."""
 
 from __future__ import annotations
 
