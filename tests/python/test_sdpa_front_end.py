@@ -6,7 +6,9 @@ test_attention.py: is_causal, load balancing with causal, compiled with aot_eage
 forward only; q/k/v [8, 8, 64 per rank, 32]; buffers sharded in place, ``context_parallel_unshard``)
 at W = 2 and 4, each equal to one process's SDPA within a bound from float32's own error against
 float64 measured in the same run. Also: cp_cache's op on plain tensors (one process) against float64
-for every mask kind, layout and packed documents; enable()/disable() route SDPA and give it back."""
+for every mask kind, layout and packed documents; enable()/disable() route SDPA and give it back; and
+transformers models with attn_implementation="cp_cache" (a sliding window, packed documents, sinks,
+bf16 autocast) training under CP on that op equal to one process with "eager"."""
 
 from __future__ import annotations
 
@@ -18,6 +20,8 @@ import torch.nn.functional as F
 
 from cp_cache.testing.multiprocess import run_ranks
 from cp_cache.testing.reference import error_bound, rel_err
+
+import transformers_cases as tc
 
 B, N, S_LOCAL, D = 8, 8, 64, 32
 
@@ -101,6 +105,10 @@ def _rank(rank: int, world: int) -> dict:
         bounds = {n: error_bound(rel_err(ref[key][n].double(), truth[key][n])) for n in errors}
         out[case.name] = dict(errors=errors, bounds=bounds, calls=got["calls"], live=got["live"])
     out["stale_graph"] = _stale_graph(mesh, q.float(), k.float(), v.float())
+    from cp_cache.integrations.transformers import register
+
+    register()
+    out["train"] = {case.name: tc.train_cp(case, mesh) for case in MODELS}
     cp_cache.enable()
     out["sdpa_routed"] = F.scaled_dot_product_attention is sdpa.scaled_dot_product_attention
     cp_cache.disable()
@@ -127,14 +135,27 @@ def _stale_graph(mesh, q, k, v) -> tuple[str, str]:
 
 
 _RESULTS: dict = {}
+# transformers models on cp_cache's own op (no NPU op in the ranks)
+MODELS = [tc.Case("qwen3", "qwen3"), tc.Case("packed_gemma3", "gemma3", packed=True, documents=True),
+          tc.Case("gpt_oss", "gpt_oss"), tc.Case("qwen3_bf16", "qwen3", autocast=True)]
+
+
+def _results(world: int) -> list:
+    if world not in _RESULTS:
+        _RESULTS[world] = run_ranks(_rank, world, timeout=900.0)
+    return _RESULTS[world]
+
+
+@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("case", MODELS, ids=lambda c: c.name)
+def test_transformers_models_train_on_the_torch_kernel(world, case):
+    tc.check_training(_results(world), case, tc.train_single(case))
 
 
 @pytest.mark.parametrize("world", [2, 4])
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
 def test_torch_ring_cases_through_sdpa(world, case):
-    if world not in _RESULTS:
-        _RESULTS[world] = run_ranks(_rank, world, timeout=900.0)
-    for rank, res in enumerate(_RESULTS[world]):
+    for rank, res in enumerate(_results(world)):
         r = res[case.name]
         assert r["calls"] == 1 and r["live"] == 0, (rank, r)  # cp_cache's op ran the call, nothing stays alive
         for name, err in r["errors"].items():

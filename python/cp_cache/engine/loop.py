@@ -406,6 +406,12 @@ def _agreed(plan: CallPlan, agreement, lengths: Optional[list], k: Tensor, v: Te
     return _Ring(k, v, lengths, seq_dim, **where), exchange
 
 
+def _agree_first(k: Tensor, v: Tensor) -> bool:
+    """Whether to wait for the agreement before step 0, so that stage 1 travels during it: where compute is
+    synchronous (CPU) and the block is large enough that its transfer, not the agreement's latency, costs."""
+    return k.device.type == "cpu" and k.nbytes + v.nbytes > SMALL_EXCHANGE_BYTES
+
+
 def forward_ring(plan: CallPlan, groups, k: Tensor, v: Tensor, seq_dim: int, last: int, compute, agreement, *,
                  mask_rows: Optional[Tensor] = None, lengths: Optional[list] = None) -> tuple[list[RingStep], Traffic]:
     """Steps 0..``last``, ``compute(i, cur_k, cur_v) -> (part, rng)`` on the block held."""
@@ -415,7 +421,7 @@ def forward_ring(plan: CallPlan, groups, k: Tensor, v: Tensor, seq_dim: int, las
     kv = exchange = None
     keep = plan.keep_kv
     try:
-        if k.device.type == "cpu":  # synchronous compute: agree first, so that stage 1 travels during step 0
+        if _agree_first(k, v):
             kv, exchange = _agreed(plan, agreement, lengths, k, v, seq_dim, mask_rows, traffic, keep=keep,
                                    group=group, rank=rank, size=size)
         for i in range(last + 1):
@@ -451,7 +457,7 @@ def backward_ring(plan: CallPlan, groups, k: Tensor, v: Tensor, seq_dim: int, la
     kv = exchange = None
     traffic = Traffic()
     try:
-        if k.device.type == "cpu":  # as in forward_ring
+        if _agree_first(k, v):
             kv, exchange = _agreed(plan, agreement, lengths, k, v, seq_dim, mask_rows, traffic, kept=kept,
                                    partials=partials, group=group, rank=rank, size=size)
         for i in range(last + 1):

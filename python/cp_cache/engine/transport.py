@@ -67,10 +67,10 @@ class Transfer:
         self.nbytes = sum([t.nbytes for t in send])
         self.received_bytes = sum([t.nbytes for t in recv])
         self.recv = recv
-        ops = [dist.P2POp(dist.isend, t, dist.get_global_rank(group, to), group, tag + j)
-               for j, t in enumerate(self._sent)]
-        ops += [dist.P2POp(dist.irecv, r, dist.get_global_rank(group, source), group, tag + j)
-                for j, r in enumerate(self._landing)]
+        ops = [dist.P2POp(dist.irecv, r, dist.get_global_rank(group, source), group, tag + j)
+               for j, r in enumerate(self._landing)]
+        ops += [dist.P2POp(dist.isend, t, dist.get_global_rank(group, to), group, tag + j)
+                for j, t in enumerate(self._sent)]
         self._works = dist.batch_isend_irecv(ops) if ops else []  # NCCL, HCCL: a stage's ops in one batch
 
     @classmethod

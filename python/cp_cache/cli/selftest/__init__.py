@@ -1,8 +1,8 @@
 """Check every CP algorithm and feature on this machine's devices against one-device attention.
 
 The first command to run on a new cluster. Launched by torchrun it runs in the launched
-processes on whatever they find: NPUs with torch_npu (hccl), CUDA GPUs with the plain-torch
-step kernel (nccl), else CPUs with the emulator (gloo). Not launched, it spawns ``--ranks`` CPU
+processes on whatever they find: NPUs with torch_npu (hccl), CUDA GPUs with torch's fused kernels
+(the "torch" step kernel, nccl), else CPUs with the emulator (gloo). Not launched, it spawns ``--ranks`` CPU
 ranks (default 2) with the emulator, gloo on loopback.
 
 Every case runs through the public API (``cp_cache.enable(algorithm=...)``,

@@ -61,6 +61,7 @@ def make_env(rank: int, world: int, kind: str, opts: dict) -> Env:
         return Env(rank, world, torch.device("npu", local), "torch_npu", **common)
     install_npu_emulator(route_sdpa=False)
     if kind == "cuda":
-        return Env(rank, world, torch.device("cuda", local), "emulator", kernel="reference", fused_merge=False,
+        # the NPU op's entry emulated; every step on torch's own fused kernels (flash / memory-efficient)
+        return Env(rank, world, torch.device("cuda", local), "emulator", kernel="torch", fused_merge=False,
                    one_device="dense", **common)
     return Env(rank, world, torch.device("cpu"), "emulator", **common)
