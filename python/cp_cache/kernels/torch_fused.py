@@ -221,10 +221,11 @@ def _flash_backward(q, k, v, dout, out, lse, cum, max_len, scale, keep_prob, mas
 
 
 def _varlen(actual_seq_lens, device) -> tuple[tuple[Tensor, Tensor], tuple[int, int]]:
-    """The segments' cumulative ends as the flash kernel takes them (int32, leading 0, on the device)."""
-    ends = [torch.cat([t.new_zeros(1), t]).to(device=device, dtype=torch.int32) for t in actual_seq_lens]
-    longest = [int((t[1:] - t[:-1]).max()) if t.numel() > 1 else 0 for t in (x.cpu() for x in ends)]
-    return (ends[0], ends[1]), (longest[0], longest[1])
+    """The segments' cumulative ends as the flash kernel takes them (int32, leading 0, on the device), and
+    the longest segments, read from the host tensors the op's contract gives (no device read)."""
+    ends = [torch.cat([t.new_zeros(1), t]) for t in actual_seq_lens]
+    longest = [int(torch.diff(t).max()) if t.numel() > 1 else 0 for t in ends]
+    return tuple(t.to(device=device, dtype=torch.int32) for t in ends), (longest[0], longest[1])
 
 
 def _flash_varlen_forward(q, k, v, actual_seq_lens, scale, keep_prob, mask: StepMask) -> StepForward:
