@@ -5,7 +5,7 @@ registers handlers bound to it; nothing else carries configuration to the handle
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Optional
 
 from .documents import check_capacity
@@ -53,6 +53,10 @@ class CPConfig:
             check_choice("kernel", self.kernel, kernel_names(), "step kernel (cp_cache.kernels.register adds one)")
         check_choice("algorithm", self.algorithm, ALGORITHMS)
         check_choice("documents", self.documents, DOCUMENT_PLACEMENTS, "document placement")
+
+    def for_own_op(self) -> "CPConfig":
+        """The configuration cp_cache's own op (``op.py``) runs: the "torch" kernel unless one is configured."""
+        return self if self.kernel else replace(self, kernel="torch")
 
 
 def resolve_config(policy: str | None = None, *, kernel: str | None = None, fused_merge: bool | None = None,

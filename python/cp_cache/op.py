@@ -7,8 +7,6 @@ tensors the op runs the same strategies on one rank.
 
 from __future__ import annotations
 
-import dataclasses
-
 import torch
 
 from . import layout as L
@@ -26,8 +24,7 @@ _SCHEMAS = {name: torch._C.parse_schema(s) for name, s in (("forward", FORWARD),
 
 def _config() -> CPConfig:
     from .dispatch import active_config  # the enabled configuration, else the defaults
-    config = active_config() or CPConfig()
-    return config if config.kernel else dataclasses.replace(config, kernel="torch")
+    return (active_config() or CPConfig()).for_own_op()
 
 
 def _forward(*args, **kwargs):

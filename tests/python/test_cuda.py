@@ -16,7 +16,8 @@ from cp_cache.testing.reference import error_bound, rel_err
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device here")
 
 MASKS = {"none": StepMask("none"), "causal": StepMask("causal"), "band": StepMask("band", 24, 0),
-         "band_beside": StepMask("band", -2, 8), "given": None}
+         "band_beside": StepMask("band", -2, 8),
+         "band_minus_one": StepMask("band", -1, 8), "given": None}  # flash's -1 means "no limit": not flash
 
 
 def _allowed(kind: str, sq: int, sk: int, given):

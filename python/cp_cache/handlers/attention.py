@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import threading
 import time
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass
 from typing import Any, Callable, Optional, Protocol
 
 import torch
@@ -55,7 +55,7 @@ class AttentionHandlers:
     def __init__(self, config: CPConfig, call_log: "CallLog"):
         self.config = config
         # cp_cache's own op runs torch's fused kernels unless a kernel is configured
-        self.configs = {"npu": config, "cp_cache": config if config.kernel else replace(config, kernel="torch")}
+        self.configs = {"npu": config, "cp_cache": config.for_own_op()}
         self.call_log = call_log
         self.registration: Optional[Registration] = None  # set by cp_cache.dispatch; None: every CP call
         self.forward_handler = self.forward

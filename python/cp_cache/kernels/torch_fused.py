@@ -17,7 +17,7 @@ from torch import Tensor
 from .. import layout as L
 from ..masks import StepMask, masked_positions
 from ..npu_ops import INT_MAX
-from .base import StepForward, segments_backward, segments_forward
+from .base import StepForward, repeat_kv_heads, segments_backward, segments_forward, sum_kv_heads
 from .reference import ReferenceKernel
 
 __all__ = ["TorchKernel"]
@@ -190,10 +190,10 @@ def _window(mask: StepMask) -> tuple[Optional[int], Optional[int]]:
 
 def _flash_takes(q: Tensor, v: Tensor, mask: StepMask) -> bool:
     """Whether the flash kernel serves this call: half precision, V's head size Q/K's, a head size
-    it takes, and a mask it expresses (none, causal, a band that holds its diagonal)."""
-    left, right = _window(mask)
+    it takes, and a mask it expresses (none, causal, a band that holds its diagonal: its window -1 means
+    unlimited, so a band of pre or next -1 is not one)."""
     return (q.dtype in _FLASH_DTYPES and q.size(-1) == v.size(-1) and q.size(-1) % 8 == 0 and q.size(-1) <= 256
-            and mask.kind != "given" and (left is None or (left >= -1 and right >= -1)))
+            and mask.kind != "given" and (mask.kind != "band" or min(mask.pre_tockens, mask.next_tockens) >= 0))
 
 
 def _flash_forward(q, k, v, cum, max_len, scale, keep_prob, mask: StepMask):
@@ -253,7 +253,7 @@ def _efficient_bias(mask: StepMask, q: Tensor, k: Tensor) -> Optional[Tensor]:
 
 def _efficient_forward(q, k, v, mask: StepMask, scale, keep_prob):
     groups = q.size(1) // k.size(1)
-    k, v = (t.repeat_interleave(groups, 1) if groups > 1 else t for t in (k, v))
+    k, v = repeat_kv_heads(k, groups), repeat_kv_heads(v, groups)
     bias = _efficient_bias(mask, q, k)
     out, lse, seed, offset = torch.ops.aten._scaled_dot_product_efficient_attention(
         q, k, v, bias, True, 1.0 - keep_prob, mask.kind == "causal", scale=float(scale))
@@ -265,9 +265,8 @@ def _efficient_forward(q, k, v, mask: StepMask, scale, keep_prob):
 
 
 def _efficient_backward(q, k, v, dout, out, lse, mask: StepMask, scale, keep_prob, seed, offset):
-    nkv = k.size(1)
-    groups = q.size(1) // nkv
-    k, v = (t.repeat_interleave(groups, 1) if groups > 1 else t for t in (k, v))
+    groups = q.size(1) // k.size(1)
+    k, v = repeat_kv_heads(k, groups), repeat_kv_heads(v, groups)
     bias = _efficient_bias(mask, q, k)
     padded = math.ceil(q.size(2) / 32) * 32  # the kernel's LSE rows
     lse = F.pad(lse.float().masked_fill(torch.isneginf(lse), _INF), (0, padded - q.size(2)))
@@ -276,6 +275,4 @@ def _efficient_backward(q, k, v, dout, out, lse, mask: StepMask, scale, keep_pro
         dout.to(q.dtype), q, k, v, bias, out.to(q.dtype), lse, empty if seed is None else seed,
         empty if offset is None else offset, 1.0 - keep_prob, [True, True, True, False], mask.kind == "causal",
         scale=float(scale))
-    if groups > 1:
-        dk, dv = (g.view(g.size(0), nkv, groups, *g.shape[2:]).sum(2) for g in (dk, dv))
-    return dq, dk, dv
+    return dq, sum_kv_heads(dk, groups), sum_kv_heads(dv, groups)
