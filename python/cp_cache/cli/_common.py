@@ -87,6 +87,14 @@ def pyplot():
     return plt
 
 
+def save_figure(fig, path, dpi: int = 110) -> bool:
+    """Lay out, write and close ``fig``; True: a figure was written."""
+    fig.tight_layout()
+    fig.savefig(path, dpi=dpi)
+    pyplot().close(fig)
+    return True
+
+
 def fmt_bytes(n: float) -> str:
     n = float(n)
     for unit in ("B", "KiB", "MiB", "GiB"):

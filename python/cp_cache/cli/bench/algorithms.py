@@ -12,7 +12,7 @@ from __future__ import annotations
 import math
 import statistics
 
-from .._common import cp_session, fmt_bytes, pyplot, table
+from .._common import cp_session, fmt_bytes, pyplot, save_figure, table
 from .shared import Section
 
 __all__ = ["SECTION", "algorithms_rank"]
@@ -140,10 +140,7 @@ def plot(report: dict, path) -> bool:
     r0 = rows[0]
     fig.suptitle(f"ring vs Ulysses vs hybrid, causal, S={r0['seq']}, D={r0['head_dim']}, fp32 "
                  "(CPU, emulator kernel, gloo loopback)")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return True
+    return save_figure(fig, path)
 
 
 SECTION = Section(

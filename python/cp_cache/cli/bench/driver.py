@@ -9,7 +9,7 @@ import platform
 import time
 from pathlib import Path
 
-from .._common import fmt_bytes, launch, pyplot
+from .._common import fmt_bytes, launch, pyplot, save_figure
 from .registry import SECTIONS, by_name
 from .shared import Section, collect, common_plan
 
@@ -152,7 +152,4 @@ def _plot_panels(report: dict, panels: list, path: Path) -> bool:
         ax.set_visible(False)
     fig.suptitle("cp_cache benchmarks (" + ("quick, " if report["meta"]["quick"] else "")
                  + f"torch {report['meta']['torch']}, {report['meta']['ops']} ops)")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return True
+    return save_figure(fig, path)

@@ -52,7 +52,7 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
-from .._common import cp_session, pyplot, table
+from .._common import cp_session, pyplot, save_figure, table
 from .shared import Section, several_ranks
 
 __all__ = ["SECTION", "SYSTEMS", "torch_npu_release"]
@@ -339,10 +339,7 @@ def plot_overhead(report: dict, path) -> bool:
     o = rows[0]["shape"]
     fig.suptitle(f"host overhead per attention call: causal head-tail, B={o['batch']}, N={o['heads']}, "
                  f"{o['seq_per_rank']} tokens per rank, D={o['head_dim']}, fp32 (CPU, emulator kernel)")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return True
+    return save_figure(fig, path)
 
 
 SECTION = Section(

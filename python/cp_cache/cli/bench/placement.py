@@ -24,7 +24,7 @@ import itertools
 import time
 from typing import Sequence
 
-from .._common import pyplot, table
+from .._common import pyplot, save_figure, table
 from .shared import Section
 
 __all__ = ["MIXES", "SMALL_MIXES", "SECTION", "draw_uniform", "placement_rows", "small_mix_rows", "timing_row"]
@@ -214,10 +214,7 @@ def plot_placement(report: dict, path) -> bool:
             ax.xaxis.set_major_formatter(ScalarFormatter())
             ax.xaxis.set_minor_formatter(NullFormatter())
             ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return True
+    return save_figure(fig, path)
 
 
 SECTION = Section(

@@ -17,7 +17,7 @@ import itertools
 import statistics
 import time
 
-from .._common import pyplot, table
+from .._common import pyplot, save_figure, table
 from .shared import Section, several_ranks
 
 __all__ = ["SECTION"]
@@ -223,10 +223,7 @@ def draw_torch_kernel(report: dict, path) -> bool:
     ax.set_title(f"torch's fused kernel, {rows[0]['device']}, S={rows[0]['seq']}, N={rows[0]['heads']}, "
                  f"D={rows[0]['head_dim']}")
     ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return True
+    return save_figure(fig, path)
 
 
 SECTION = Section(

@@ -16,7 +16,7 @@ from __future__ import annotations
 import math
 import statistics
 
-from .._common import pyplot, table
+from .._common import pyplot, save_figure, table
 from .shared import Section, largest_world_only
 
 __all__ = ["CASES", "SECTION", "traffic_rank", "summary"]
@@ -221,10 +221,7 @@ def plot(report: dict, path) -> bool:
     r0 = rows[0]
     fig.suptitle(f"K/V traffic at W={r0['world_size']}, N={r0['heads']}, D={r0['head_dim']}, S={r0['seq']}, fp32 "
                  "(torch.distributed byte counts)")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return True
+    return save_figure(fig, path)
 
 
 SECTION = Section(

@@ -8,7 +8,7 @@ from __future__ import annotations
 import math
 import statistics
 
-from .._common import cp_session, fmt_bytes, pyplot, table
+from .._common import cp_session, fmt_bytes, pyplot, save_figure, table
 from .shared import Section, largest_world_only
 
 __all__ = ["SECTION"]
@@ -121,10 +121,7 @@ def plot_windows(report: dict, path) -> bool:
     ax_time.set_ylabel("forward + backward ms per call (median)")
     w = rows[0]
     fig.suptitle(f"band attention at W={w['world_size']}, S_local={w['s_local']} (CPU, emulator kernel)")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return True
+    return save_figure(fig, path)
 
 
 SECTION = Section(

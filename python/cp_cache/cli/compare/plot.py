@@ -6,7 +6,7 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
-from .._common import pyplot
+from .._common import pyplot, save_figure
 from .catalogue import CASES, DROPOUT_CASE, DROPOUT_OK_BELOW, DROPOUT_ONLY, SHORT
 
 MIB = 1 << 20
@@ -26,10 +26,7 @@ def plot(report: dict, path: Path) -> bool:
     fig.suptitle(f"CP attention systems on the NPU emulator (torch {report['meta']['torch']}"
                  + (", quick" if report["meta"]["plan"]["quick"] else "")
                  + f"); resources at B={r['batch']} N={r['heads']} S={r['seq']} D={r['head_dim']} fp32 causal")
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-    return True
+    return save_figure(fig, path, dpi=100)
 
 
 def _correctness_grid(res: dict, systems: list, names: list):
