@@ -213,6 +213,17 @@ def ring_forward(query: Tensor, key: Tensor, value: Tensor, mask_rows: Optional[
                          actual_seq_kvlen, sink)
 
 
+def _with_call_inputs(call: CallPlan, query: Tensor, actual_seq_qlen: Optional[Tensor],
+                      actual_seq_kvlen: Optional[Tensor], sink: Optional[Tensor]) -> CallPlan:
+    """The plan with this call's documents read, checked against the sink the op got."""
+    if actual_seq_qlen is not None or actual_seq_kvlen is not None:
+        call = read_documents(call, actual_seq_qlen, actual_seq_kvlen, query.size(0))
+    if (sink is not None) != call.sink or (sink is not None and tuple(sink.shape) != (call.head_num,)):
+        raise ValueError(f"cp_cache: the plan says sink={call.sink} for {call.head_num} local heads, the op got "
+                         f"sink={describe(sink)}")
+    return call
+
+
 def forward_local(query: Tensor, key: Tensor, value: Tensor, mask_rows: Optional[Tensor], process_groups: list,
                   call: CallPlan, policy: str, actual_seq_qlen: Optional[Tensor] = None,
                   actual_seq_kvlen: Optional[Tensor] = None,
@@ -220,11 +231,7 @@ def forward_local(query: Tensor, key: Tensor, value: Tensor, mask_rows: Optional
     """``ring_forward`` on groups and plan as objects, without the caller's autocast."""
     started = time.perf_counter()
     try:
-        if actual_seq_qlen is not None or actual_seq_kvlen is not None:
-            call = read_documents(call, actual_seq_qlen, actual_seq_kvlen, query.size(0))
-        if (sink is not None) != call.sink or (sink is not None and tuple(sink.shape) != (call.head_num,)):
-            raise ValueError(f"cp_cache: the plan says sink={call.sink} for {call.head_num} local heads, the op got "
-                             f"sink={describe(sink)}")
+        call = _with_call_inputs(call, query, actual_seq_qlen, actual_seq_kvlen, sink)
         strategy = strategy_for(call, sink)
         checked = strategy.check_forward(call, query, key, value, mask_rows)
     except CHECK_ERRORS as error:  # every rank raises: the ranks' error, or where they agree each its own
@@ -269,11 +276,7 @@ def backward_local(dy: Tensor, query: Tensor, key: Tensor, value: Tensor, out: T
     started = time.perf_counter()
     recorded, steps = None, []
     try:
-        if actual_seq_qlen is not None or actual_seq_kvlen is not None:
-            called = read_documents(called, actual_seq_qlen, actual_seq_kvlen, query.size(0))
-        if (sink is not None) != called.sink or (sink is not None and tuple(sink.shape) != (called.head_num,)):
-            raise ValueError(f"cp_cache: the plan says sink={called.sink} for {called.head_num} local heads, the op "
-                             f"got sink={describe(sink)}")
+        called = _with_call_inputs(called, query, actual_seq_qlen, actual_seq_kvlen, sink)
         text, steps, cache_id = step_cache.claim(seed, policy)  # no reference to the cache outlives this call
         recorded = CallPlan.decode(text)
         mismatch = recorded.backward_mismatch(called)
