@@ -199,3 +199,74 @@ def test_a_registered_kernel_runs_and_ranks_that_differ_raise_together():
         kind, message = res["differ"]
         assert kind == "RuntimeError" and "kernel: rank 0 'torch', rank 1 'reference'" in message, res
     assert results[0]["differ"] == results[1]["differ"]
+
+
+_GPU_MASKS_LAYOUTS = [(m, lay) for m in ("none", "causal", "band", "band_beside", "band_minus_one", "given")
+                      for lay in ("BNSD", "BSND", "TND") if (m, lay) != ("given", "TND")]  # given: dense calls'
+
+
+@pytest.mark.parametrize("keep_prob", [1.0, 0.9], ids=["no_dropout", "dropout"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["flash", "efficient"])
+@pytest.mark.parametrize("mask_kind,layout", _GPU_MASKS_LAYOUTS)
+@pytest.mark.parametrize("heads", [(4, 4, 64), (4, 2, 64), (4, 4, 32)], ids=["mha", "gqa", "mla"])
+def test_torch_kernel_gpu_calls_on_meta_tensors(heads, mask_kind, layout, dtype, keep_prob):
+    """The GPU branch (flash or memory-efficient attention) on meta tensors, which take it: torch's own
+    meta functions check every argument the kernel passes and the shapes it returns; any host read of a
+    device value raises. A GPU session runs the numerics (test_cuda.py)."""
+    nq, nkv, dv = heads
+    mask = {"band": StepMask("band", 24, 0), "band_beside": StepMask("band", -2, 8),
+            "band_minus_one": StepMask("band", -1, 8),
+            "given": StepMask("given", block=torch.zeros(48, 64, dtype=torch.bool, device="meta"))}.get(
+                mask_kind, StepMask(mask_kind))
+    sq, sk = 48, 48 if mask_kind == "causal" else 64
+    if layout == "TND":
+        sizes = [(sq, nq, 64), (sk, nkv, 64), (sk, nkv, dv), (sq, nq, dv)]
+        lens = dict(actual_seq_lens=(torch.tensor([20, sq]), torch.tensor([20 + sk - sq, sk])))
+    else:
+        sizes = [(2, n, s, e) if layout == "BNSD" else (2, s, n, e)
+                 for n, s, e in ((nq, sq, 64), (nkv, sk, 64), (nkv, sk, dv), (nq, sq, dv))]
+        lens = {}
+    q, k, v, dout = (torch.empty(size, dtype=dtype, device="meta") for size in sizes)
+    kw = dict(layout=layout, head_num=nq, scale=0.125, keep_prob=keep_prob, mask=mask, **lens)
+    kernel = get_kernel("torch")
+    fwd = kernel.forward(q, k, v, **kw)
+    lse_shape = (sq, nq) if layout == "TND" else (2, nq, sq)
+    assert fwd.out.shape == dout.shape and fwd.out.dtype == dtype
+    assert fwd.lse.shape == lse_shape and fwd.lse.dtype == torch.float32
+    assert (fwd.seed is not None) == (keep_prob < 1.0)
+    grads = kernel.backward(q, k, v, dout, fwd.out, fwd.lse, seed=fwd.seed, offset=fwd.offset, **kw)
+    assert [g.shape for g in grads] == [q.shape, k.shape, v.shape]
+
+
+def test_segment_calls_replay_each_segments_dropout():
+    """A kernel without TND runs packed segments one call each; each call's dropout is replayed in its
+    backward. out = P v with P the kept probabilities, so <out, dout> = <v, dv> holds only when the
+    backward drops what the forward dropped: checked against the same identity without dropout, and
+    failing with the segments' seeds swapped."""
+    from cp_cache import emulator
+    from cp_cache.kernels import segments_backward, segments_forward
+
+    installed = emulator.emulator_installed()
+    emulator.install_npu_emulator(route_sdpa=False)
+    try:
+        g = torch.Generator().manual_seed(3)
+        ends = torch.tensor([9, 20, 32])
+        q, k, v, dout = (torch.randn(32, 2, 16, generator=g) for _ in range(4))
+        kernel = get_kernel("npu")
+
+        def identity_error(keep_prob, swap=False):
+            kw = dict(actual_seq_lens=(ends, ends), mask=StepMask("causal"), head_num=2, scale=0.25,
+                      keep_prob=keep_prob)
+            fwd = segments_forward(kernel, q, k, v, **kw)
+            seed, offset = (t.flip(0) if swap else t for t in (fwd.seed, fwd.offset))
+            dv = segments_backward(kernel, q, k, v, dout, fwd.out, fwd.lse, seed=seed, offset=offset, **kw)[2]
+            terms = (fwd.out.double() * dout, v.double() * dv)
+            return abs(float(terms[0].sum() - terms[1].sum())), float(terms[0].abs().sum())
+
+        error, size = identity_error(1.0)
+        bound = 10 * error + 8 * torch.finfo(torch.float32).eps * size
+        assert identity_error(0.5)[0] <= bound
+        assert identity_error(0.5, swap=True)[0] > bound
+    finally:
+        if not installed:
+            emulator.uninstall_npu_emulator()

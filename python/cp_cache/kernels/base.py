@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import itertools
+
 from dataclasses import dataclass
 from typing import Optional, Protocol, runtime_checkable
 
@@ -33,25 +35,30 @@ def _segment_lengths(actual_seq_lens) -> tuple[list[int], list[int]]:
 
 def segments_forward(kernel, q, k, v, *, actual_seq_lens, mask: StepMask, layout=None, **kw) -> StepForward:
     """A step's packed segments ([T, N, D], cumulative ends ``actual_seq_lens``) for a kernel without
-    them: one call each, a batch of one in BSND; out [T, N, Dv], LSE [T, N]."""
+    them: one call each, a batch of one in BSND; out [T, N, Dv], LSE [T, N]; each call's dropout seed and
+    offset stacked, one row per segment."""
     q_lens, kv_lens = _segment_lengths(actual_seq_lens)
-    outs, lses = [], []
+    outs, lses, rngs = [], [], []
     for qs, ks, vs in zip(q.split(q_lens), k.split(kv_lens), v.split(kv_lens)):
         res = kernel.forward(qs.unsqueeze(0), ks.unsqueeze(0), vs.unsqueeze(0), mask=mask, layout="BSND", **kw)
         outs.append(res.out.squeeze(0))
         lses.append(res.lse.squeeze(0).transpose(0, 1))
-    return StepForward(out=torch.cat(outs), lse=torch.cat(lses), seed=None, offset=None)
+        if res.seed is not None:
+            rngs.append((res.seed, res.offset))
+    seed, offset = (torch.stack(t) for t in zip(*rngs)) if rngs else (None, None)
+    return StepForward(out=torch.cat(outs), lse=torch.cat(lses), seed=seed, offset=offset)
 
 
 def segments_backward(kernel, q, k, v, dout, out, lse, *, actual_seq_lens, mask: StepMask, layout=None, seed=None,
                       offset=None, **kw):
-    """``segments_forward``'s gradients, segment by segment (no dropout to replay)."""
+    """``segments_forward``'s gradients, segment by segment, each replaying its own dropout."""
     q_lens, kv_lens = _segment_lengths(actual_seq_lens)
     grads = ([], [], [])
-    for qs, ks, vs, ds, os_, ls in zip(q.split(q_lens), k.split(kv_lens), v.split(kv_lens), dout.split(q_lens),
-                                       out.split(q_lens), lse.split(q_lens)):
+    rngs = zip(seed, offset) if seed is not None else itertools.repeat((None, None))
+    for qs, ks, vs, ds, os_, ls, (s, o) in zip(q.split(q_lens), k.split(kv_lens), v.split(kv_lens),
+                                               dout.split(q_lens), out.split(q_lens), lse.split(q_lens), rngs):
         res = kernel.backward(qs.unsqueeze(0), ks.unsqueeze(0), vs.unsqueeze(0), ds.unsqueeze(0), os_.unsqueeze(0),
-                              ls.transpose(0, 1).unsqueeze(0), mask=mask, layout="BSND", seed=None, offset=None, **kw)
+                              ls.transpose(0, 1).unsqueeze(0), mask=mask, layout="BSND", seed=s, offset=o, **kw)
         for acc, g in zip(grads, res):
             acc.append(g.squeeze(0))
     return tuple(torch.cat(g) for g in grads)

@@ -37,16 +37,16 @@ class TorchKernel:
     def forward(self, q, k, v, *, layout, head_num, scale, keep_prob, mask: StepMask,
                 actual_seq_lens=None) -> StepForward:
         if layout == L.TND:
-            if q.is_cuda and _flash_takes(q, v, mask):
+            if _gpu(q) and _flash_takes(q, v, mask):
                 return _flash_varlen_forward(q, k, v, actual_seq_lens, scale, keep_prob, mask)
             return segments_forward(self, q, k, v, actual_seq_lens=actual_seq_lens, mask=mask, head_num=head_num,
                                     scale=scale, keep_prob=keep_prob)
         _check_dropout(q, keep_prob)
-        if not q.is_cuda and _mla(q, k, v, layout, head_num):
+        if not _gpu(q) and _mla(q, k, v, layout, head_num):
             return _REFERENCE.forward(q, k, v, layout=layout, head_num=head_num, scale=scale, keep_prob=keep_prob,
                                       mask=mask)
         qb, kb, vb = _bnsd(q, k, v, layout, head_num)
-        if not q.is_cuda:
+        if not _gpu(q):
             out, lse = _cpu_forward(qb, kb, vb, mask, scale)
             return StepForward(out=L.from_bnsd(out, layout), lse=lse, seed=None, offset=None)
         if _flash_takes(q, v, mask):
@@ -59,18 +59,18 @@ class TorchKernel:
     def backward(self, q, k, v, dout, out, lse, *, layout, head_num, scale, keep_prob, mask: StepMask,
                  seed: Optional[Tensor] = None, offset: Optional[Tensor] = None, actual_seq_lens=None):
         if layout == L.TND:
-            if q.is_cuda and _flash_takes(q, v, mask):
+            if _gpu(q) and _flash_takes(q, v, mask):
                 return _flash_varlen_backward(q, k, v, dout, out, lse, actual_seq_lens, scale, keep_prob, mask,
                                               seed, offset)
             return segments_backward(self, q, k, v, dout, out, lse, actual_seq_lens=actual_seq_lens, mask=mask,
                                      head_num=head_num, scale=scale, keep_prob=keep_prob)
         _check_dropout(q, keep_prob)
-        if not q.is_cuda and _mla(q, k, v, layout, head_num):
+        if not _gpu(q) and _mla(q, k, v, layout, head_num):
             return _REFERENCE.backward(q, k, v, dout, out, lse, layout=layout, head_num=head_num, scale=scale,
                                        keep_prob=keep_prob, mask=mask)
         qb, kb, vb = _bnsd(q, k, v, layout, head_num)
         dob, ob = (L.to_bnsd(t, layout, head_num) for t in (dout, out))
-        if not q.is_cuda:
+        if not _gpu(q):
             grads = _cpu_backward(qb, kb, vb, dob.to(qb.dtype), ob.to(qb.dtype), lse.float(), mask, scale)
         elif _flash_takes(q, v, mask):
             grads = _flash_backward(*(t.transpose(1, 2) for t in (qb, kb, vb, dob, ob)), lse, None, None, scale,
@@ -81,8 +81,13 @@ class TorchKernel:
         return tuple(L.from_bnsd(g, layout) for g in grads)
 
 
+def _gpu(q: Tensor) -> bool:
+    """Whether the GPU kernels serve ``q``: any device but the CPU (meta tensors check their shapes)."""
+    return q.device.type != "cpu"
+
+
 def _check_dropout(q: Tensor, keep_prob: float) -> None:
-    if keep_prob != 1.0 and not q.is_cuda:
+    if keep_prob != 1.0 and not _gpu(q):
         raise NotImplementedError(f"the torch step kernel does not implement dropout (keep_prob={keep_prob}) on "
                                   "CPU: torch's fused CPU attention has no seed to replay in the backward; use "
                                   "keep_prob=1.0, or the npu kernel")
