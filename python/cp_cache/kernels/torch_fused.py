@@ -7,6 +7,7 @@ with an additive mask. Rows that see no key get LSE -inf."""
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Optional
 
@@ -104,62 +105,72 @@ def _bnsd(q: Tensor, k: Tensor, v: Tensor, layout: str, head_num: int) -> tuple[
     return L.to_bnsd(q, layout, head_num), L.to_bnsd(k, layout, nkv), L.to_bnsd(v, layout, nkv)
 
 
-def _bias(masked: Tensor, dtype) -> Tensor:
-    """An additive mask: -inf where ``masked`` (True = masked out), else 0."""
-    return torch.zeros(masked.shape, dtype=dtype, device=masked.device).masked_fill(masked, -_INF)
+def _additive(masked: Optional[Tensor], dtype) -> tuple[Optional[Tensor], Optional[Tensor]]:
+    """A mask (True = masked out) as the kernel's additive mask (-inf where masked) and its rows that see
+    no key; (None, None) for no mask."""
+    if masked is None:
+        return None, None
+    return torch.zeros(masked.shape, dtype=dtype, device=masked.device).masked_fill(masked, -_INF), masked.all(-1)
 
 
 # ---------------------------------------------------------------- CPU
 
 
-def _band_tiles(mask: StepMask, sq: int, sk: int) -> list:
-    """(rows start, rows end, keys start, keys end, bool mask or None) per tile of the rows that see some
-    key under a band anchored at the bottom-right corner: a row sees keys low..high, both growing with
-    the row, so a tile's keys are one span."""
+@functools.lru_cache(maxsize=16)  # a model's few band blocks; its interior tiles share one mask
+def _band_tiles(pre: int, nxt: int, sq: int, sk: int, dtype) -> tuple:
+    """(rows start, rows end, keys start, keys end, additive mask, rows that see no key) per tile of the
+    rows that see some key under a band anchored at the bottom-right corner: a row sees keys low..high,
+    both growing with the row, so a tile's keys are one span."""
     i, d = torch.arange(sq), sk - sq
-    low = (i - mask.pre_tockens + d).clamp(min=0) if mask.pre_tockens < INT_MAX else torch.zeros_like(i)
-    high = (i + mask.next_tockens + d).clamp(max=sk - 1) if mask.next_tockens < INT_MAX else torch.full_like(i, sk - 1)
+    low = (i - pre + d).clamp(min=0) if pre < INT_MAX else torch.zeros_like(i)
+    high = (i + nxt + d).clamp(max=sk - 1) if nxt < INT_MAX else torch.full_like(i, sk - 1)
     live = (low <= high).nonzero().flatten()
     if live.numel() == 0:
-        return []
+        return ()
     first, last = int(live[0]), int(live[-1])
     # rows per tile: a quarter of the band's width, within [64, 512] (measured at S = 8192: each tile
     # computes its rows' key span, so wide tiles waste work and narrow ones pay per-call costs)
     tile = min(max(int((high - low)[first:last + 1].max()) // 4, _TILE_MIN), _TILE_MAX)
-    tiles = []
+    tiles, shared = [], {}
     for a in range(first, last + 1, tile):
         b = min(a + tile, last + 1)
         k0, k1 = int(low[a]), int(high[b - 1]) + 1
-        cols = torch.arange(k0, k1).view(1, -1)
-        masked = (cols < low[a:b].view(-1, 1)) | (cols > high[a:b].view(-1, 1))
-        tiles.append((a, b, k0, k1, masked if bool(masked.any()) else None))
-    return tiles
+        lows, highs = low[a:b].view(-1, 1) - k0, high[a:b].view(-1, 1) - k0
+        cols = torch.arange(k1 - k0).view(1, -1)
+        masked = (cols < lows) | (cols > highs)
+        key = (k1 - k0, tuple(lows.flatten().tolist()), tuple(highs.flatten().tolist()))
+        additive = shared.setdefault(key, _additive(masked, dtype)) if bool(masked.any()) else (None, None)
+        tiles.append((a, b, k0, k1, *additive))
+    return tuple(tiles)
 
 
-def _cpu_call(q, k, v, is_causal: bool, masked: Optional[Tensor], scale: float) -> tuple[Tensor, Tensor]:
-    bias = None if masked is None else _bias(masked, q.dtype)
+def _cpu_call(q, k, v, is_causal: bool, bias: Optional[Tensor], dead: Optional[Tensor], scale: float):
     out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, is_causal, attn_mask=bias,
                                                                           scale=float(scale))
-    if masked is not None:  # rows that see no key: the kernel gives LSE 0
-        lse = lse.masked_fill(masked.all(-1).expand_as(lse), -_INF)
+    if dead is not None:  # rows that see no key: the kernel gives LSE 0
+        lse = lse.masked_fill(dead.expand_as(lse), -_INF)
     return out, lse.float()
 
 
+def _cpu_mask(mask: StepMask, q: Tensor, sk: int) -> tuple[Optional[Tensor], Optional[Tensor]]:
+    """A dense call's additive mask and dead rows: a given mask's, else none."""
+    if mask.kind != "given":
+        return None, None
+    return _additive(masked_positions(mask, q.size(2), sk, q.device), q.dtype)
+
+
 def _cpu_forward(q: Tensor, k: Tensor, v: Tensor, mask: StepMask, scale: float) -> tuple[Tensor, Tensor]:
-    sq, sk = q.size(2), k.size(2)
     if mask.kind != "band":
-        masked = masked_positions(mask, sq, sk, q.device) if mask.kind == "given" else None
-        return _cpu_call(q, k, v, mask.kind == "causal", masked, scale)
+        return _cpu_call(q, k, v, mask.kind == "causal", *_cpu_mask(mask, q, k.size(2)), scale)
     out = q.new_zeros(*q.shape[:3], v.size(-1))
     lse = torch.full(q.shape[:3], -_INF, dtype=torch.float32, device=q.device)
-    for a, b, k0, k1, masked in _band_tiles(mask, sq, sk):
-        out[:, :, a:b], lse[:, :, a:b] = _cpu_call(q[:, :, a:b], k[:, :, k0:k1], v[:, :, k0:k1], False, masked,
+    for a, b, k0, k1, bias, dead in _band_tiles(mask.pre_tockens, mask.next_tockens, q.size(2), k.size(2), q.dtype):
+        out[:, :, a:b], lse[:, :, a:b] = _cpu_call(q[:, :, a:b], k[:, :, k0:k1], v[:, :, k0:k1], False, bias, dead,
                                                    scale)
     return out, lse
 
 
-def _cpu_grad(dout, q, k, v, out, lse, is_causal: bool, masked: Optional[Tensor], scale: float):
-    bias = None if masked is None else _bias(masked, q.dtype)
+def _cpu_grad(dout, q, k, v, out, lse, is_causal: bool, bias: Optional[Tensor], scale: float):
     # rows that saw no key: their probabilities are 0 whatever finite LSE they get
     lse = torch.where(torch.isneginf(lse), torch.zeros_like(lse), lse)
     return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
@@ -167,15 +178,13 @@ def _cpu_grad(dout, q, k, v, out, lse, is_causal: bool, masked: Optional[Tensor]
 
 
 def _cpu_backward(q, k, v, dout, out, lse, mask: StepMask, scale: float) -> tuple[Tensor, Tensor, Tensor]:
-    sq, sk = q.size(2), k.size(2)
     if mask.kind != "band":
-        masked = masked_positions(mask, sq, sk, q.device) if mask.kind == "given" else None
-        return _cpu_grad(dout, q, k, v, out, lse, mask.kind == "causal", masked, scale)
+        return _cpu_grad(dout, q, k, v, out, lse, mask.kind == "causal", _cpu_mask(mask, q, k.size(2))[0], scale)
     dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
     dk, dv = (torch.zeros(t.shape, dtype=torch.float32, device=t.device) for t in (k, v))
-    for a, b, k0, k1, masked in _band_tiles(mask, sq, sk):
+    for a, b, k0, k1, bias, _ in _band_tiles(mask.pre_tockens, mask.next_tockens, q.size(2), k.size(2), q.dtype):
         grads = _cpu_grad(dout[:, :, a:b], q[:, :, a:b], k[:, :, k0:k1], v[:, :, k0:k1], out[:, :, a:b],
-                          lse[:, :, a:b], False, masked, scale)
+                          lse[:, :, a:b], False, bias, scale)
         dq[:, :, a:b] += grads[0]
         dk[:, :, k0:k1] += grads[1]
         dv[:, :, k0:k1] += grads[2]
