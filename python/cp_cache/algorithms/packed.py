@@ -124,7 +124,7 @@ class PackedDocuments:
         if log.isEnabledFor(logging.DEBUG):  # the parts' list is built only to be logged
             log.debug("packed documents forward rank %d/%d: parts %s, %s", plan.rank, plan.world_size,
                       [s.part for s in steps], traffic)
-        return ForwardResult(out=acc_out.to(q.dtype), lse=acc_lse, steps=steps, **traffic.fields())
+        return ForwardResult(out=acc_out.to(q.dtype), lse=acc_lse, steps=steps, **vars(traffic))
 
     def backward(self, plan: CallPlan, dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
                  steps: list[RingStep], *, groups: Sequence = (), kernel: StepKernel,
@@ -150,7 +150,7 @@ class PackedDocuments:
             return partials
         dk, dv, traffic = backward_ring(plan, groups, k, v, 0, plan.world_size - 1, compute, agreement, steps,
                                         lengths=_ring_lengths(plan, cu))
-        return BackwardResult(dq=dq.to(q.dtype), dk=dk.to(k.dtype), dv=dv.to(v.dtype), **traffic.fields())
+        return BackwardResult(dq=dq.to(q.dtype), dk=dk.to(k.dtype), dv=dv.to(v.dtype), **vars(traffic))
 
 
 PACKED = PackedDocuments()

@@ -109,8 +109,7 @@ class Ring:
             log.debug("ring forward rank %d/%d: parts %s, %s", plan.rank, plan.world_size, [s.part for s in steps],
                       traffic)
         acc_out, acc_lse = acc or _empty_accumulators(checked.out, lse_shape, q.device)
-        return ForwardResult(out=acc_out.to(q.dtype), lse=acc_lse, steps=steps, lengths=traffic.lengths,
-                             **traffic.fields())
+        return ForwardResult(out=acc_out.to(q.dtype), lse=acc_lse, steps=steps, **vars(traffic))
 
     def backward(self, plan: CallPlan, dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
                  steps: list[RingStep], *, groups: Sequence = (), kernel: StepKernel,
@@ -136,8 +135,7 @@ class Ring:
         dk, dv, traffic = backward_ring(plan, groups, k, v, seq_dim, checked.last, compute, agreement, steps,
                                         mask_rows=mask)
         log.debug("ring backward rank %d/%d: %s", plan.rank, plan.world_size, traffic)
-        return BackwardResult(dq=dq.to(q.dtype), dk=dk.to(k.dtype), dv=dv.to(v.dtype), lengths=traffic.lengths,
-                              **traffic.fields())
+        return BackwardResult(dq=dq.to(q.dtype), dk=dk.to(k.dtype), dv=dv.to(v.dtype), **vars(traffic))
 
     def fake(self, plan: CallPlan, q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
         return empty_outputs(plan, q, k, v)

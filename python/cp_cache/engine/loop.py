@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import functools
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Callable, Optional
 
 import torch
@@ -93,46 +93,29 @@ class RingStep:
 
 
 @dataclass(kw_only=True)
-class _Accounted:
+class Traffic:
     """What a run moved and spent on this rank; a backward's bounds count the K/V rows and the dK/dV rows back."""
-    bytes_sent: int
-    compute_seconds: float = 0.0  # kernels, merges and accumulation
-    wait_seconds: float = 0.0  # blocked on a receive: communication the compute did not hide
-    lengths: Optional[list] = None  # every rank's (local query length, local K/V length)
+    bytes_sent: int = 0
     bytes_received: int = 0
     bytes_lower_bound: Optional[int] = None  # the least this rank must send (None: not computed)
     bytes_received_lower_bound: Optional[int] = None  # the least it must receive
+    compute_seconds: float = 0.0  # kernels, merges and accumulation
+    wait_seconds: float = 0.0  # blocked on a receive: communication the compute did not hide
 
 
 @dataclass
-class ForwardResult(_Accounted):
+class ForwardResult(Traffic):
     out: Tensor
     lse: Tensor
     steps: list[RingStep]
 
 
 @dataclass
-class BackwardResult(_Accounted):
+class BackwardResult(Traffic):
     dq: Tensor
     dk: Tensor
     dv: Tensor
     dsink: Optional[Tensor] = None  # the attention sink's gradient over this rank's rows (algorithms/sinks.py)
-
-
-@dataclass
-class Traffic:
-    sent: int = 0
-    received: int = 0
-    sent_bound: Optional[int] = None
-    received_bound: Optional[int] = None
-    compute_seconds: float = field(default=0.0, repr=False)
-    wait_seconds: float = field(default=0.0, repr=False)
-    lengths: Optional[list] = field(default=None, repr=False)
-
-    def fields(self) -> dict:
-        return dict(bytes_sent=self.sent, bytes_received=self.received, bytes_lower_bound=self.sent_bound,
-                    bytes_received_lower_bound=self.received_bound, compute_seconds=self.compute_seconds,
-                    wait_seconds=self.wait_seconds)
 
 
 def _row_bytes(k: Tensor, v: Tensor, seq_dim: int, itemsize: Optional[int] = None) -> int:
@@ -146,12 +129,12 @@ def _bounds(traffic: Traffic, exchange: ExchangePlan, k: Tensor, v: Tensor, seq_
             partial_itemsize: Optional[int] = None) -> None:
     """The least bytes: the K/V rows (none if kept); with ``partial_itemsize`` (backward) their partials back."""
     kv = 0 if kv_kept else _row_bytes(k, v, seq_dim)
-    traffic.sent_bound = exchange.rows_sent * kv
-    traffic.received_bound = exchange.rows_received * kv
+    traffic.bytes_lower_bound = exchange.rows_sent * kv
+    traffic.bytes_received_lower_bound = exchange.rows_received * kv
     if partial_itemsize:
         grad = _row_bytes(k, v, seq_dim, partial_itemsize)
-        traffic.sent_bound += exchange.rows_received * grad
-        traffic.received_bound += exchange.rows_sent * grad
+        traffic.bytes_lower_bound += exchange.rows_received * grad
+        traffic.bytes_received_lower_bound += exchange.rows_sent * grad
 
 
 class _Blocks:
@@ -389,10 +372,10 @@ def _agreed_first(compute, agreement, k: Tensor, v: Tensor):
 
 
 def _agreed(plan: CallPlan, agreement, lengths: Optional[list], k: Tensor, v: Tensor, seq_dim: int,
-            mask_rows: Optional[Tensor], traffic: Traffic, *, keep: bool = False, kept: Optional[list] = None,
+            mask_rows: Optional[Tensor], *, keep: bool = False, kept: Optional[list] = None,
             partials: torch.dtype = torch.float32, **where) -> tuple[_Blocks, ExchangePlan]:
     agreed = agreement.lengths()
-    traffic.lengths = lengths = agreed if lengths is None else lengths
+    lengths = agreed if lengths is None else lengths
     group, state = where["group"], None
     if plan.world_size > 1:
         state = group_state(group)
@@ -420,10 +403,11 @@ def forward_ring(plan: CallPlan, groups, k: Tensor, v: Tensor, seq_dim: int, las
     traffic = Traffic()
     kv = exchange = None
     keep = plan.keep_kv
+    agreed = functools.partial(_agreed, plan, agreement, lengths, k, v, seq_dim, mask_rows, keep=keep, group=group,
+                               rank=rank, size=size)
     try:
         if _agree_first(k, v):
-            kv, exchange = _agreed(plan, agreement, lengths, k, v, seq_dim, mask_rows, traffic, keep=keep,
-                                   group=group, rank=rank, size=size)
+            kv, exchange = agreed()
         for i in range(last + 1):
             cur_k, cur_v = (k, v) if kv is None else kv.current
             if kv is not None:
@@ -434,15 +418,14 @@ def forward_ring(plan: CallPlan, groups, k: Tensor, v: Tensor, seq_dim: int, las
             traffic.compute_seconds += time.perf_counter() - started
             del cur_k, cur_v
             if kv is None:
-                kv, exchange = _agreed(plan, agreement, lengths, k, v, seq_dim, mask_rows, traffic, keep=keep,
-                                       group=group, rank=rank, size=size)
+                kv, exchange = agreed()
                 kv.post_next(0, last)
             traffic.wait_seconds += kv.advance()
     except BaseException:
         if kv is not None:
             kv.drain()
         raise
-    traffic.sent, traffic.received = kv.sent, kv.received
+    traffic.bytes_sent, traffic.bytes_received = kv.sent, kv.received
     _bounds(traffic, exchange, k, v, seq_dim)
     return steps, traffic
 
@@ -456,10 +439,11 @@ def backward_ring(plan: CallPlan, groups, k: Tensor, v: Tensor, seq_dim: int, la
     partials = k.dtype if plan.grad_partials == "input" else torch.float32
     kv = exchange = None
     traffic = Traffic()
+    agreed = functools.partial(_agreed, plan, agreement, lengths, k, v, seq_dim, mask_rows, kept=kept,
+                               partials=partials, group=group, rank=rank, size=size)
     try:
         if _agree_first(k, v):
-            kv, exchange = _agreed(plan, agreement, lengths, k, v, seq_dim, mask_rows, traffic, kept=kept,
-                                   partials=partials, group=group, rank=rank, size=size)
+            kv, exchange = agreed()
         for i in range(last + 1):
             cur_k, cur_v = (k, v) if kv is None else kv.current
             if kv is not None:
@@ -468,8 +452,7 @@ def backward_ring(plan: CallPlan, groups, k: Tensor, v: Tensor, seq_dim: int, la
             kv_grads = compute(i, cur_k, cur_v) if kv is not None else _agreed_first(compute, agreement, k, v)
             computed = time.perf_counter()
             if kv is None:
-                kv, exchange = _agreed(plan, agreement, lengths, k, v, seq_dim, mask_rows, traffic, kept=kept,
-                                       partials=partials, group=group, rank=rank, size=size)
+                kv, exchange = agreed()
                 kv.post_next(0, last)
             held = kv.for_block(i, cur_k, cur_v)
             received = time.perf_counter()
@@ -488,7 +471,7 @@ def backward_ring(plan: CallPlan, groups, k: Tensor, v: Tensor, seq_dim: int, la
         raise
     (dk, dv), waited = _timed(kv.home)
     traffic.wait_seconds += waited
-    traffic.sent, traffic.received = kv.sent, kv.received
+    traffic.bytes_sent, traffic.bytes_received = kv.sent, kv.received
     _bounds(traffic, exchange, k, v, seq_dim, kv_kept=kept is not None, partial_itemsize=partials.itemsize)
     return dk, dv, traffic
 
