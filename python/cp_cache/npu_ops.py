@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import enum
 import logging
+import math
 import threading
 from typing import Any
 
@@ -110,6 +111,24 @@ def band_arguments(device: torch.device | str, pre_tockens: int, next_tockens: i
     """Query i sees keys i - ``pre_tockens`` .. i + ``next_tockens`` (a causal window of w: (w - 1, 0))."""
     return dict(atten_mask=causal_mask(device), sparse_mode=int(SparseMode.BAND), pre_tockens=pre_tockens,
                 next_tockens=next_tockens)
+
+
+def sdpa_arguments(query: Tensor, key: Tensor, attn_mask: Tensor | None, dropout_p: float, is_causal: bool,
+                   scale: float | None) -> dict:
+    """SDPA's arguments (BNSD) as the v3 op's, the way torch_npu maps them: scale 1/sqrt(D) unless given,
+    keep_prob 1 - dropout_p, ``is_causal`` as sparse_mode 2, a bool ``attn_mask`` (True = attend) inverted
+    and broadcast to [1 or B, 1 or N, Sq, Skv]."""
+    args = dict(scale=float(scale) if scale is not None else 1.0 / math.sqrt(query.size(-1)),
+                keep_prob=1.0 - float(dropout_p))
+    if is_causal:
+        args.update(causal_arguments(query.device))
+    elif attn_mask is not None:
+        mask = attn_mask.reshape((1,) * (4 - attn_mask.dim()) + tuple(attn_mask.shape))
+        heads = query.size(1) if mask.size(1) != 1 else 1
+        batch = query.size(0) if mask.size(0) != 1 or heads != 1 else 1
+        args.update(atten_mask=torch.logical_not(mask.expand(batch, heads, query.size(2), key.size(2))).contiguous(),
+                    sparse_mode=int(SparseMode.MASK))
+    return args
 
 
 def is_compressed_mask(mask: Tensor) -> bool:

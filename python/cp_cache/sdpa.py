@@ -6,19 +6,15 @@ The function is named ``scaled_dot_product_attention``: torch's ``context_parall
 
 from __future__ import annotations
 
-import logging
-import math
-
 import torch
 import torch.nn.functional as F
 from torch.distributed.tensor import DTensor, Shard
 
-from .npu_ops import SparseMode, autocast_inputs, causal_arguments, causal_mask, describe
+from .npu_ops import autocast_inputs, causal_mask, describe, sdpa_arguments
 from .op import forward_op
 
 __all__ = ["scaled_dot_product_attention", "install", "uninstall"]
 
-log = logging.getLogger("cp_cache")
 _ORIGINAL = F.scaled_dot_product_attention
 
 
@@ -31,17 +27,13 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
     if query.size(1) != key.size(1) and not enable_gqa:
         raise ValueError(f"scaled_dot_product_attention: query has {query.size(1)} heads and key {key.size(1)}; "
                          "pass enable_gqa=True for grouped-query attention")
-    kwargs = dict(scale=float(scale) if scale is not None else 1.0 / math.sqrt(query.size(-1)),
-                  keep_prob=1.0 - float(dropout_p))
     if is_causal and attn_mask is not None:
         raise ValueError("scaled_dot_product_attention: pass attn_mask or is_causal=True, not both")
-    if is_causal:
-        kwargs.update(causal_arguments(query.device))
-    elif attn_mask is not None:
-        if attn_mask.dtype != torch.bool:
-            raise NotImplementedError(f"cp_cache's SDPA under context parallelism takes is_causal or a bool "
-                                      f"attn_mask (True = attend), not attn_mask={describe(attn_mask)}")
-        kwargs.update(atten_mask=~attn_mask, sparse_mode=int(SparseMode.MASK))
+    if attn_mask is not None and (attn_mask.dtype != torch.bool or attn_mask.dim() != 4):
+        raise ValueError(f"scaled_dot_product_attention under context parallelism takes a bool attn_mask (True = "
+                         f"attend) as [B or 1, N or 1, S, S], sharded with the queries (a buffer of the CP region, "
+                         f"seq dim 2: torch's wrapper shards it so); got attn_mask={describe(attn_mask)}")
+    kwargs = sdpa_arguments(query, key, attn_mask, dropout_p, is_causal, scale)
     query, key, value = autocast_inputs(query, key, value)  # as SDPA's own autocast casts them
     return forward_op(query, key, value, query.size(1), "BNSD", **kwargs)[0]
 

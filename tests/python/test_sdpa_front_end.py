@@ -5,7 +5,8 @@ agreement on torch's fused CPU kernel. torch's own ring test cases (test/distrib
 test_attention.py: is_causal, load balancing with causal, compiled with aot_eager and fullgraph,
 forward only; q/k/v [8, 8, 64 per rank, 32]; buffers sharded in place, ``context_parallel_unshard``)
 at W = 2 and 4, each equal to one process's SDPA within a bound from float32's own error against
-float64 measured in the same run. Also: cp_cache's op on plain tensors (one process) against float64
+float64 measured in the same run; so is a bool attn_mask sharded with the queries (a 3-D one, which
+torch's wrapper would shard on its key dim, is refused). Also: cp_cache's op on plain tensors (one process) against float64
 for every mask kind, layout and packed documents; enable()/disable() route SDPA and give it back; and
 transformers models with attn_implementation="cp_cache" (a sliding window, packed documents, sinks,
 bf16 autocast) training under CP on that op equal to one process with "eager"."""
@@ -49,14 +50,14 @@ def _inputs(world: int, dtype):
     return [torch.rand(B, N, world * S_LOCAL, D, generator=g, dtype=torch.float64) for _ in range(4)]
 
 
-def _one_process(q, k, v, dout, case: Case, dtype) -> dict:
+def _one_process(q, k, v, dout, case: Case, dtype, attn_mask=None) -> dict:
     q, k, v = (t.detach().to(dtype).requires_grad_() for t in (q, k, v))
-    out = F.scaled_dot_product_attention(q, k, v, is_causal=case.is_causal)
+    out = F.scaled_dot_product_attention(q, k, v, is_causal=case.is_causal, attn_mask=attn_mask)
     out.backward(dout.to(dtype))
     return {"out": out.detach(), "dq": q.grad, "dk": k.grad, "dv": v.grad}
 
 
-def _cp(mesh, q, k, v, dout, case: Case) -> dict:
+def _cp(mesh, q, k, v, dout, case: Case, attn_mask=None) -> dict:
     import cp_cache
     from torch.distributed.tensor.experimental._context_parallel._attention import (_cp_options,
                                                                                     context_parallel_unshard)
@@ -64,17 +65,18 @@ def _cp(mesh, q, k, v, dout, case: Case) -> dict:
     _cp_options.enable_load_balance = case.load_balance
     torch._dynamo.reset()  # a compiled graph holds the layout it was traced with (the next test)
     cq, ck, cv, cd = (t.detach().clone() for t in (q, k, v, dout))
+    buffers = (cq, ck, cv, cd) if attn_mask is None else (cq, ck, cv, cd, attn_mask := attn_mask.clone())
     before = cp_cache.call_stats()["forward"]["calls"]
-    with cp_cache.context_parallel(mesh, buffers=(cq, ck, cv, cd), buffer_seq_dims=(2, 2, 2, 2)):
+    with cp_cache.context_parallel(mesh, buffers=buffers, buffer_seq_dims=(2,) * len(buffers)):
         fn = (torch.compile(F.scaled_dot_product_attention, fullgraph=True, backend="aot_eager") if case.compiled
               else F.scaled_dot_product_attention)
         for t in (cq, ck, cv):
             t.requires_grad = True
         if case.forward_only:
             with torch.no_grad():
-                out = fn(cq, ck, cv, is_causal=case.is_causal)
+                out = fn(cq, ck, cv, is_causal=case.is_causal, attn_mask=attn_mask)
         else:
-            out = fn(cq, ck, cv, is_causal=case.is_causal)
+            out = fn(cq, ck, cv, is_causal=case.is_causal, attn_mask=attn_mask)
             out.backward(cd)
         names = ["out"] + ([] if case.forward_only else ["dq", "dk", "dv"])
         local = [out] + ([] if case.forward_only else [cq.grad, ck.grad, cv.grad])
@@ -84,6 +86,16 @@ def _cp(mesh, q, k, v, dout, case: Case) -> dict:
     res["calls"] = cp_cache.call_stats()["forward"]["calls"] - before
     res["live"] = cp_cache.stats()["live_entries"]
     return res
+
+
+MASKED = [Case(False, lb, comp, False) for lb, comp in ((False, False), (True, False), (True, True))]
+
+
+def _allowed(seq: int) -> torch.Tensor:
+    """A window of 24 before each query and a random fifth of the rest (True = attend), [1, 1, S, S]."""
+    i, j = torch.arange(seq).view(-1, 1), torch.arange(seq).view(1, -1)
+    sprinkled = torch.rand(seq, seq, generator=torch.Generator().manual_seed(3)) < 0.2
+    return (((i - j >= 0) & (i - j < 24)) | sprinkled).view(1, 1, seq, seq)
 
 
 def _rank(rank: int, world: int) -> dict:
@@ -104,7 +116,15 @@ def _rank(rank: int, world: int) -> dict:
         errors = {n: rel_err(got[n].double(), truth[key][n]) for n in ("out", "dq", "dk", "dv") if n in got}
         bounds = {n: error_bound(rel_err(ref[key][n].double(), truth[key][n])) for n in errors}
         out[case.name] = dict(errors=errors, bounds=bounds, calls=got["calls"], live=got["live"])
+    for case in MASKED:  # a bool attn_mask [1, 1, S, S], sharded with the queries as a buffer
+        allowed = _allowed(world * S_LOCAL)
+        truth_m, ref_m = (_one_process(q, k, v, dout, case, dtype, allowed) for dtype in (torch.float64, torch.float32))
+        got = _cp(mesh, q.float(), k.float(), v.float(), dout.float(), case, attn_mask=allowed)
+        errors = {n: rel_err(got[n].double(), truth_m[n]) for n in ("out", "dq", "dk", "dv")}
+        bounds = {n: error_bound(rel_err(ref_m[n].double(), truth_m[n])) for n in errors}
+        out[f"mask-{case.name}"] = dict(errors=errors, bounds=bounds, calls=got["calls"], live=got["live"])
     out["stale_graph"] = _stale_graph(mesh, q.float(), k.float(), v.float())
+    out["mask_3d"] = _mask_3d(mesh, q.float(), k.float(), v.float())
     from cp_cache.integrations.transformers import register
 
     register()
@@ -134,6 +154,17 @@ def _stale_graph(mesh, q, k, v) -> tuple[str, str]:
     return outcome
 
 
+def _mask_3d(mesh, q, k, v) -> tuple[str, str]:
+    """A [1, S, S] mask, which torch's CP wrapper would shard on its key dim: refused, naming it."""
+    import cp_cache
+    from cp_cache.testing.multiprocess import capture
+
+    cq, ck, cv = (t.clone() for t in (q, k, v))
+    seq = q.size(2)
+    with cp_cache.context_parallel(mesh, buffers=(cq, ck, cv), buffer_seq_dims=(2, 2, 2)):
+        return capture(lambda: F.scaled_dot_product_attention(cq, ck, cv, attn_mask=_allowed(seq).view(1, seq, seq)))
+
+
 _RESULTS: dict = {}
 # transformers models on cp_cache's own op (no NPU op in the ranks)
 MODELS = [tc.Case("qwen3", "qwen3"), tc.Case("packed_gemma3", "gemma3", packed=True, documents=True),
@@ -153,16 +184,18 @@ def test_transformers_models_train_on_the_torch_kernel(world, case):
 
 
 @pytest.mark.parametrize("world", [2, 4])
-@pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
-def test_torch_ring_cases_through_sdpa(world, case):
+@pytest.mark.parametrize("name", [c.name for c in CASES] + [f"mask-{c.name}" for c in MASKED])
+def test_torch_ring_cases_through_sdpa(world, name):
     for rank, res in enumerate(_results(world)):
-        r = res[case.name]
+        r = res[name]
         assert r["calls"] == 1 and r["live"] == 0, (rank, r)  # cp_cache's op ran the call, nothing stays alive
-        for name, err in r["errors"].items():
-            assert err <= r["bounds"][name], (world, rank, case.name, name, r)
+        for tensor, err in r["errors"].items():
+            assert err <= r["bounds"][tensor], (world, rank, name, tensor, r)
         assert res["sdpa_routed"] and res["sdpa_restored"]
         kind, message = res["stale_graph"]
         assert kind == "RuntimeError" and "traced with torch's CP load balancing on" in message, res["stale_graph"]
+        kind, message = res["mask_3d"]
+        assert kind == "ValueError" and "bool attn_mask (True = attend) as [B or 1, N or 1, S, S]" in message, res["mask_3d"]
 
 
 # ---------------------------------------------------------------- one process: cp_cache's op on plain tensors

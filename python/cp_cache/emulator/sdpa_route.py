@@ -10,13 +10,12 @@ attention silently run locally per rank.
 from __future__ import annotations
 
 import logging
-import math
 from typing import Any, Optional
 
 import torch
 import torch.nn.functional as F
 
-from ..npu_ops import SparseMode, autocast_inputs, causal_mask
+from ..npu_ops import autocast_inputs, causal_mask, sdpa_arguments
 
 __all__ = ["scaled_dot_product_attention", "install_route", "uninstall_route", "routed"]
 
@@ -36,20 +35,6 @@ def _local_device(x: Any) -> Optional[torch.device]:
     if not isinstance(x, torch.Tensor):
         return None
     return x.device
-
-
-def _npu_mask_from_bool(attn_mask: torch.Tensor, B: int, N: int, Sq: int, Skv: int) -> torch.Tensor:
-    """A torch bool mask (True = attend) as an NPU mask (True = masked out) of a supported shape."""
-    m = attn_mask
-    while m.dim() < 4:
-        m = m.unsqueeze(0)
-    if m.size(1) != 1:
-        shape = (B, N, Sq, Skv)
-    elif m.size(0) != 1:
-        shape = (B, 1, Sq, Skv)
-    else:
-        shape = (1, 1, Sq, Skv)
-    return torch.logical_not(m.expand(shape)).contiguous()
 
 
 def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False,
@@ -75,15 +60,7 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
     nq, nkv = query.size(1), key.size(1)
     if nq != nkv and not enable_gqa:
         return call_original()  # torch's own error
-    B, Sq, Skv, D = query.size(0), query.size(2), key.size(2), query.size(3)
-    kwargs = dict(
-        scale=float(scale) if scale is not None else 1.0 / math.sqrt(D),
-        keep_prob=1.0 - float(dropout_p),
-    )
-    if is_causal:
-        kwargs.update(atten_mask=causal_mask(devices[0]), sparse_mode=int(SparseMode.LEFT_UP_CAUSAL), next_tockens=0)
-    elif attn_mask is not None:
-        kwargs.update(atten_mask=_npu_mask_from_bool(attn_mask, B, nq, Sq, Skv), sparse_mode=int(SparseMode.MASK))
+    kwargs = sdpa_arguments(query, key, attn_mask, dropout_p, is_causal, scale)
     query, key, value = autocast_inputs(query, key, value)  # aten's SDPA is cast before torch_npu's kernel
     out = torch.ops.npu.npu_fusion_attention_v3(query, key, value, nq, "BNSD", **kwargs)
     return out[0]
