@@ -43,10 +43,12 @@ class Case:
     policy: str = "handle"
     backend: str = "aot_eager"
     whole: bool = False  # compile the whole model (checkpointing inside the compiled region), not each block
+    kernel: str = "npu"
 
     @property
     def name(self) -> str:
-        return f"{self.backend}-{self.policy}-{self.checkpoint}-p{self.dropout}" + ("-whole" if self.whole else "")
+        return (f"{self.backend}-{self.policy}-{self.checkpoint}-p{self.dropout}" + ("-whole" if self.whole else "")
+                + ("" if self.kernel == "npu" else f"-{self.kernel}"))
 
 
 CASES = [
@@ -62,6 +64,8 @@ CASES = [
     Case(dropout=DROPOUT, checkpoint="non_reentrant", whole=True),
     Case(dropout=DROPOUT, checkpoint="non_reentrant", policy="stack", whole=True),
     Case(dropout=DROPOUT, checkpoint="non_reentrant", backend="inductor", whole=True),
+    # the NPU op's handler on torch's kernel: inductor checks the outputs' strides against the op's fake
+    Case(checkpoint="non_reentrant", backend="inductor", whole=True, kernel="torch"),
 ]
 
 
@@ -132,7 +136,7 @@ def _train_case(case: Case, mesh, world: int) -> dict:
     from cp_cache.testing.models import loss_fn, make_batch
 
     _quiet_compile()
-    cp_cache.enable(case.policy)
+    cp_cache.enable(case.policy, kernel=case.kernel)
     eager = _model(case.dropout, case.checkpoint)
     compiled = copy.deepcopy(eager)
     reference = copy.deepcopy(eager)  # one process, whole sequence, dropout off

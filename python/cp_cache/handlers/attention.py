@@ -247,7 +247,7 @@ def forward_local(query: Tensor, key: Tensor, value: Tensor, mask_rows: Optional
         ring_seconds = time.perf_counter() - started
         seed = step_cache.seed_slot(policy, call, result.steps)
     CALL_LOG.record("forward", result, started, ring_seconds, fused_merge=call.fused_merge)
-    return result.out, result.lse, seed
+    return result.out.contiguous(), result.lse.contiguous(), seed  # as the op's fake: a kernel's may be views
 
 
 @ring_forward.register_fake
