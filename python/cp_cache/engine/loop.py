@@ -101,6 +101,7 @@ class Traffic:
     bytes_received_lower_bound: Optional[int] = None  # the least it must receive
     compute_seconds: float = 0.0  # kernels, merges and accumulation
     wait_seconds: float = 0.0  # blocked on a receive: communication the compute did not hide
+    lengths: Optional[list] = None  # every rank's (local query length, local K/V length), as the ranks agreed
 
 
 @dataclass
@@ -142,11 +143,11 @@ class _Blocks:
     ``for_block`` gives step i's accumulators, ``pass_on`` sends them (seconds blocked), ``home``: the own block's."""
     def __init__(self, k: Tensor, v: Tensor, lengths: list, seq_dim: int, *, group, rank: int, size: int):
         self._own = [k.contiguous(), v.contiguous()]
-        self._lengths, self._dim, self._group, self._rank, self._size = lengths, seq_dim, group, rank, size
+        self.lengths, self._dim, self._group, self._rank, self._size = lengths, seq_dim, group, rank, size
         self.sent = self.received = 0
 
     def block_shapes(self, source: int) -> list[torch.Size]:
-        return [with_length(t, self._dim, self._lengths[source][1]) for t in self._own]
+        return [with_length(t, self._dim, self.lengths[source][1]) for t in self._own]
 
 
 class _Ring(_Blocks):
@@ -425,7 +426,7 @@ def forward_ring(plan: CallPlan, groups, k: Tensor, v: Tensor, seq_dim: int, las
         if kv is not None:
             kv.drain()
         raise
-    traffic.bytes_sent, traffic.bytes_received = kv.sent, kv.received
+    traffic.bytes_sent, traffic.bytes_received, traffic.lengths = kv.sent, kv.received, kv.lengths
     _bounds(traffic, exchange, k, v, seq_dim)
     return steps, traffic
 
@@ -471,7 +472,7 @@ def backward_ring(plan: CallPlan, groups, k: Tensor, v: Tensor, seq_dim: int, la
         raise
     (dk, dv), waited = _timed(kv.home)
     traffic.wait_seconds += waited
-    traffic.bytes_sent, traffic.bytes_received = kv.sent, kv.received
+    traffic.bytes_sent, traffic.bytes_received, traffic.lengths = kv.sent, kv.received, kv.lengths
     _bounds(traffic, exchange, k, v, seq_dim, kv_kept=kept is not None, partial_itemsize=partials.itemsize)
     return dk, dv, traffic
 
