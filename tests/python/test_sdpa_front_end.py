@@ -168,7 +168,8 @@ def _mask_3d(mesh, q, k, v) -> tuple[str, str]:
 _RESULTS: dict = {}
 # transformers models on cp_cache's own op (no NPU op in the ranks)
 MODELS = [tc.Case("qwen3", "qwen3"), tc.Case("packed_gemma3", "gemma3", packed=True, documents=True),
-          tc.Case("gpt_oss", "gpt_oss"), tc.Case("qwen3_bf16", "qwen3", autocast=True)]
+          tc.Case("gpt_oss", "gpt_oss"), tc.Case("qwen3_bf16", "qwen3", autocast=True),
+          tc.Case("packed_gemma3_bf16", "gemma3", packed=True, documents=True, autocast=True)]
 
 
 def _results(world: int) -> list:

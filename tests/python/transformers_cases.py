@@ -191,16 +191,17 @@ def train_cp(case: Case, mesh) -> dict:
     return out
 
 
-def errors(cp: dict, single: dict) -> list[dict]:
+def errors(cp: dict, single: dict, autocast: bool = False) -> list[dict]:
     """Per step: the CP run's and the float32 reference's loss and gradient errors against the
     float64 truth, and their bounds (error_bound of the reference's worst error so far: the
-    steps compound the rounding)."""
+    steps compound the rounding; under bf16 ``autocast`` its worst over the run: one step's
+    bf16 error is a draw, small by chance on some machines)."""
     rows = []
     for step in range(len(cp["loss"])):
-        truth = single["truth_loss"][step]
-        ref_loss = max(abs(a - b) for a, b in zip(single["ref_loss"][:step + 1], single["truth_loss"][:step + 1]))
+        truth, upto = single["truth_loss"][step], len(cp["loss"]) if autocast else step + 1
+        ref_loss = max(abs(a - b) for a, b in zip(single["ref_loss"][:upto], single["truth_loss"][:upto]))
         ref_grad = max(max(rel_err(a, b) for a, b in zip(r, t))
-                       for r, t in zip(single["ref_grads"][:step + 1], single["truth_grads"][:step + 1]))
+                       for r, t in zip(single["ref_grads"][:upto], single["truth_grads"][:upto]))
         rows.append(dict(
             loss=abs(cp["loss"][step] - truth), loss_bound=error_bound(ref_loss, scale=abs(truth)),
             grad=max(rel_err(a, b) for a, b in zip(cp["grads"][step], single["truth_grads"][step])),
@@ -218,7 +219,7 @@ def check_training(per_rank: list[dict], case: Case, single: dict) -> list[dict]
     layers = 2
     for r, res in enumerate(per_rank):
         cp = res["train"][case.name]
-        for step, row in enumerate(errors(cp, single)):
+        for step, row in enumerate(errors(cp, single, case.autocast)):
             assert row["loss"] <= row["loss_bound"], (case.name, r, step, row)
             assert row["grad"] <= row["grad_bound"], (case.name, r, step, row)
         assert cp["calls"] == [layers] * case.steps, (case.name, r, cp["calls"])
@@ -231,7 +232,7 @@ def check_training(per_rank: list[dict], case: Case, single: dict) -> list[dict]
             assert (cp["graphs"], cp["graph_breaks"]) == ([1] * case.steps, 0), (case.name, r, cp)
         assert cp["loss"] == per_rank[0]["train"][case.name]["loss"], (case.name, r)
     assert single["ref_loss"][-1] != single["ref_loss"][0]  # the optimizer stepped
-    return errors(per_rank[0]["train"][case.name], single)
+    return errors(per_rank[0]["train"][case.name], single, case.autocast)
 
 
 def check_outside_cp(case: Case) -> None:
