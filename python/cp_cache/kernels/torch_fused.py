@@ -59,12 +59,14 @@ class TorchKernel:
 
     def backward(self, q, k, v, dout, out, lse, *, layout, head_num, scale, keep_prob, mask: StepMask,
                  seed: Optional[Tensor] = None, offset: Optional[Tensor] = None, actual_seq_lens=None):
+        if keep_prob < 1.0 and seed is None and _gpu(q):  # else a silent wrong gradient
+            raise ValueError(f"torch step kernel backward: keep_prob={keep_prob} needs its forward's seed, got None")
         if layout == L.TND:
             if _gpu(q) and _flash_takes(q, v, mask):
                 return _flash_varlen_backward(q, k, v, dout, out, lse, actual_seq_lens, scale, keep_prob, mask,
                                               seed, offset)
             return segments_backward(self, q, k, v, dout, out, lse, actual_seq_lens=actual_seq_lens, mask=mask,
-                                     head_num=head_num, scale=scale, keep_prob=keep_prob)
+                                     head_num=head_num, scale=scale, keep_prob=keep_prob, seed=seed, offset=offset)
         _check_dropout(q, keep_prob)
         if not _gpu(q) and _mla(q, k, v, layout, head_num):
             return _REFERENCE.backward(q, k, v, dout, out, lse, layout=layout, head_num=head_num, scale=scale,
@@ -154,9 +156,7 @@ def _cpu_call(q, k, v, is_causal: bool, bias: Optional[Tensor], dead: Optional[T
 
 def _cpu_mask(mask: StepMask, q: Tensor, sk: int) -> tuple[Optional[Tensor], Optional[Tensor]]:
     """A dense call's additive mask and dead rows: a given mask's, else none."""
-    if mask.kind != "given":
-        return None, None
-    return _additive(masked_positions(mask, q.size(2), sk, q.device), q.dtype)
+    return _additive(masked_positions(mask, q.size(2), sk, q.device) if mask.kind == "given" else None, q.dtype)
 
 
 def _cpu_forward(q: Tensor, k: Tensor, v: Tensor, mask: StepMask, scale: float) -> tuple[Tensor, Tensor]:
