@@ -14,9 +14,9 @@ from torch import Tensor
 
 from ..documents import document_pieces
 from . import band, causal, given, none
-from .base import NONE, BlockTask, MaskSpec, Segment, StepMask, VarlenCall, VarlenStep, chunks
+from .base import NONE, BlockTask, MaskSpec, Segment, StepMask, VarlenCall, VarlenStep
 
-__all__ = ["MaskSpec", "StepMask", "BlockTask", "NONE", "Segment", "VarlenCall", "VarlenStep", "KINDS", "chunks",
+__all__ = ["MaskSpec", "StepMask", "BlockTask", "NONE", "Segment", "VarlenCall", "VarlenStep", "KINDS",
            "plan_step", "hops_needed", "document_step", "step_pairs", "needed_keys", "npu_arguments", "masked_positions"]
 
 KINDS = {"none": none, "causal": causal, "band": band, "given": given}

@@ -14,11 +14,10 @@ from torch import Tensor
 
 from ..npu_ops import INT_MAX, band_arguments
 from . import causal
-from .base import NONE, BlockTask, MaskSpec, Segment, StepMask, VarlenCall, VarlenStep, block_positions, chunks
+from .base import NONE, BlockTask, MaskSpec, Segment, StepMask, VarlenCall, VarlenStep, block_positions, chunk_tasks
 
 __all__ = ["band_task", "plan_step", "hops_needed", "needed", "some_query_within", "document_needed",
            "document_step", "pairs", "npu_arguments", "masked"]
-
 
 
 def _shift(tockens: int, by: int) -> int:
@@ -43,13 +42,8 @@ def band_task(q_chunk, kv_chunk, pre: int, nxt: int) -> Optional[BlockTask]:
 
 def plan_step(rank: int, index: int, world_size: int, load_balance: bool, spec: MaskSpec, q_len: int,
               kv_len: int, mask_rows=None) -> tuple[str, list[BlockTask]]:
-    source = (rank - index) % world_size
-    tasks = []
-    for q_chunk in chunks(rank, world_size, q_len, load_balance):
-        for kv_chunk in chunks(source, world_size, kv_len, load_balance):
-            task = band_task(q_chunk, kv_chunk, spec.pre_tockens, spec.next_tockens)
-            if task is not None:
-                tasks.append(task)
+    tasks = chunk_tasks(functools.partial(band_task, pre=spec.pre_tockens, nxt=spec.next_tockens), rank, index,
+                        world_size, q_len, kv_len, load_balance)
     return ("band" if tasks else "skip"), tasks
 
 

@@ -4,6 +4,7 @@ kernel calls: segments (one document's query rows x K/V rows) in calls that shar
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -13,7 +14,7 @@ from torch import Tensor
 from ..npu_ops import INT_MAX
 from ..placement import sequence_pieces
 
-__all__ = ["MaskSpec", "StepMask", "BlockTask", "NONE", "Segment", "VarlenCall", "VarlenStep", "chunks",
+__all__ = ["MaskSpec", "StepMask", "BlockTask", "NONE", "Segment", "VarlenCall", "VarlenStep", "chunk_tasks",
            "block_positions", "span"]
 
 
@@ -89,9 +90,14 @@ class BlockTask:
     mask: StepMask
 
 
-def chunks(rank: int, world_size: int, length: int, load_balance: bool) -> list[tuple[int, int, int]]:
-    """(local start, global start, length) of the chunks a rank holds (``placement.sequence_pieces``)."""
-    return [(p.local, p.start, p.length) for p in sequence_pieces(rank, world_size, length, load_balance)]
+def chunk_tasks(task, rank: int, index: int, world_size: int, q_len: int, kv_len: int,
+                load_balance: bool) -> list[BlockTask]:
+    """``task(q_chunk, kv_chunk)`` for each pair of this rank's query chunks and step ``index``'s key chunks,
+    each (local start, global start, length) (``placement.sequence_pieces``); the pairs it misses (None) left out."""
+    def held(r: int, length: int) -> list[tuple[int, int, int]]:
+        return [(p.local, p.start, p.length) for p in sequence_pieces(r, world_size, length, load_balance)]
+    pairs = itertools.product(held(rank, q_len), held((rank - index) % world_size, kv_len))
+    return [t for t in itertools.starmap(task, pairs) if t is not None]
 
 
 def block_positions(sq: int, sk: int, device) -> tuple[Tensor, Tensor]:

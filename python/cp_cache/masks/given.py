@@ -5,19 +5,19 @@ needs depend on the mask's values: ``columns`` reads them once per call (one hos
 
 from __future__ import annotations
 
+import functools
 from typing import Optional
 
 import torch
 from torch import Tensor
 
 from ..npu_ops import SparseMode
-from .base import NONE, BlockTask, MaskSpec, StepMask, chunks
+from .base import NONE, BlockTask, MaskSpec, StepMask, chunk_tasks
 
 __all__ = ["plan_step", "columns", "pairs", "npu_arguments", "masked"]
 
 
-
-def _task(mask_rows: Tensor, q_chunk, kv_chunk, spec: MaskSpec) -> Optional[BlockTask]:
+def _task(q_chunk, kv_chunk, mask_rows: Tensor, spec: MaskSpec) -> Optional[BlockTask]:
     (q_local, q_global, lq), (k_local, k_global, lk) = q_chunk, kv_chunk
     block = mask_rows[..., q_local:q_local + lq, k_global:k_global + lk]
     masked_out = block.bool()
@@ -36,13 +36,8 @@ def _task(mask_rows: Tensor, q_chunk, kv_chunk, spec: MaskSpec) -> Optional[Bloc
 def plan_step(rank: int, index: int, world_size: int, load_balance: bool, spec: MaskSpec, q_len: int,
               kv_len: int, mask_rows: Tensor) -> tuple[str, list[BlockTask]]:
     """``mask_rows``: the mask's rows of this rank's queries, in local order, over the whole sequence."""
-    source = (rank - index) % world_size
-    tasks = []
-    for q_chunk in chunks(rank, world_size, q_len, load_balance):
-        for kv_chunk in chunks(source, world_size, kv_len, load_balance):
-            task = _task(mask_rows, q_chunk, kv_chunk, spec)
-            if task is not None:
-                tasks.append(task)
+    tasks = chunk_tasks(functools.partial(_task, mask_rows=mask_rows, spec=spec), rank, index, world_size, q_len,
+                        kv_len, load_balance)
     return ("masked" if tasks else "skip"), tasks
 
 

@@ -11,7 +11,6 @@ from .base import NONE, BlockTask, MaskSpec, StepMask
 __all__ = ["plan_step", "needed", "document_needed", "pairs", "npu_arguments", "masked"]
 
 
-
 def plan_step(rank, index, world_size, load_balance, spec: MaskSpec, q_len: int, kv_len: int, mask_rows=None):
     return "full", [BlockTask((0, q_len), (0, kv_len), NONE)]
 
