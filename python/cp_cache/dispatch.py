@@ -15,11 +15,12 @@ from typing import Iterator
 import torch
 from torch.distributed.tensor import DTensor
 
-from . import _C, sdpa
+from . import _C, mixers, sdpa
 from .config import CPConfig, resolve_config
 from .handlers import AttentionHandlers
 from .handlers.attention import CALL_LOG
 from .kernels.npu import available as npu_available
+from .mixers import region as regions
 
 __all__ = ["enable", "disable", "enabled", "active_config", "active_mesh", "call_stats", "context_parallel",
            "in_cp_region"]
@@ -100,6 +101,7 @@ class _Registration:
             self.previous_enable()
         if _registered is self:
             self.overlay()
+            mixers.set_active(True)
 
     def _exit_cp(self) -> None:
         self.depth = max(self.depth - 1, 0)  # at 0: an exit whose entry came before cp_cache.enable()
@@ -108,19 +110,10 @@ class _Registration:
             self.previous_disable()
         if _registered is self:
             self.overlay()
+            mixers.set_active(self.depth > 0)
 
 
 _registered: _Registration | None = None
-
-
-@dataclasses.dataclass(frozen=True)
-class _Region:
-    mesh: object
-    documents: tuple[tuple[int, ...], str] | None  # the packed documents its buffers were laid out by: ends, placement
-
-
-# The cp_cache.context_parallel() regions entered and not yet left, innermost last.
-_active_regions: list[_Region] = []
 
 
 def _forget_restored(wrapped) -> None:
@@ -156,6 +149,8 @@ def enable(policy: str | None = None, *, kernel: str | None = None, fused_merge:
             previous.unregister()
         _registered = _Registration(handlers)  # wraps the switches it finds
     _registered.overlay()
+    mixers.install()
+    mixers.set_active(_registered.depth > 0)
     log.info("cp_cache enabled: %s, ops=%s", config, sorted(str(op) for op in handlers.table()))
 
 
@@ -165,6 +160,7 @@ def disable() -> None:
     if _registered is not None:
         registration, _registered = _registered, None
         registration.unregister()
+    mixers.uninstall()
     sdpa.uninstall()
     dropped = _C.default_store().clear()
     stats = _C.default_store().stats()
@@ -186,12 +182,12 @@ def active_config() -> CPConfig | None:
 
 def active_mesh():
     """The innermost ``cp_cache.context_parallel()`` region's mesh, or None (torch's alone is not seen)."""
-    return _active_regions[-1].mesh if _active_regions else None
+    return getattr(regions.active(), "mesh", None)
 
 
 def active_documents() -> tuple[tuple[int, ...], str] | None:
     """(cumulative ends, placement) the innermost region laid its buffers out by, or None."""
-    return _active_regions[-1].documents if _active_regions else None
+    return getattr(regions.active(), "documents", None)
 
 
 def in_cp_region() -> bool:
@@ -212,9 +208,10 @@ def call_stats() -> dict[str, dict]:
 @contextlib.contextmanager
 def context_parallel(mesh, *, buffers: list[torch.Tensor] | None = None, buffer_seq_dims: list[int] | None = None,
                      no_restore_buffers: set[torch.Tensor] | None = None, algorithm: str | None = None,
-                     documents=None) -> Iterator[None]:
+                     documents=None, model: torch.nn.Module | None = None) -> Iterator[None]:
     """torch's ``context_parallel()`` with cp_cache enabled inside. ``documents``: a packed batch's cumulative ends
-    (e.g. ``cu_seq_lens_q``): the buffers are laid out by ``shard_documents`` (restored on exit)."""
+    (e.g. ``cu_seq_lens_q``): the buffers are laid out by ``shard_documents`` (restored on exit). ``model``: checked
+    on entry (every layer that mixes tokens served, else refused); any model run inside is checked as it starts."""
     from torch.distributed.tensor.experimental import context_parallel as torch_context_parallel
     outer_config = active_config()  # None: cp_cache is enabled for the block only
     if outer_config is None:
@@ -224,25 +221,33 @@ def context_parallel(mesh, *, buffers: list[torch.Tensor] | None = None, buffer_
             log.warning("cp_cache: torch's CP dispatcher switches were replaced after cp_cache.enable() "
                         "(torch_npu imported late?); enabling again on top of them")
         enable(**dataclasses.asdict(dataclasses.replace(outer_config, algorithm=algorithm or outer_config.algorithm)))
-    entered = len(_active_regions)
+    entered = len(regions.ACTIVE)
     try:
-        region = _Region(mesh, _region_documents(documents, mesh))
-        _active_regions.append(region)
+        if model is not None:
+            mixers.check_model(model)
+        placed = _region_documents(documents, mesh)
+        seq_dims = regions.buffer_seq_dims(buffers or [], buffer_seq_dims)
         if buffers and documents is not None:
-            with _documents_buffers(region, buffers, buffer_seq_dims, no_restore_buffers), _dispatcher_only(mesh):
+            with _documents_buffers(mesh, placed, buffers, seq_dims, no_restore_buffers) as sharded, \
+                    _dispatcher_only(mesh):
+                regions.ACTIVE.append(regions.Region(mesh, placed, sharded, active_config().algorithm))
                 yield
         elif buffers:
-            _check_sequence_lengths(mesh, buffers, buffer_seq_dims)
-            with torch_context_parallel(mesh, buffers=buffers, buffer_seq_dims=buffer_seq_dims,
+            _check_sequence_lengths(mesh, buffers, seq_dims)
+            region = regions.Region(mesh, None, regions.sharded_buffers(buffers, seq_dims, mesh.size()),  # unsharded
+                                     active_config().algorithm)
+            with torch_context_parallel(mesh, buffers=buffers, buffer_seq_dims=seq_dims,
                                         no_restore_buffers=no_restore_buffers):
                 wrapped = torch.nn.functional.scaled_dot_product_attention
+                regions.ACTIVE.append(region)
                 yield
             _forget_restored(wrapped)
         else:
             with _dispatcher_only(mesh):
+                regions.ACTIVE.append(regions.Region(mesh, placed, (), active_config().algorithm))
                 yield
     finally:
-        del _active_regions[entered:]  # this region, once entered
+        del regions.ACTIVE[entered:]  # this region, once entered
         _leave(outer_config)
 
 
@@ -272,7 +277,6 @@ def _check_sequence_lengths(mesh, buffers, seq_dims) -> None:
     from .layout import load_balance_enabled
     world = mesh.size()
     chunks = 2 * world if load_balance_enabled() else world
-    seq_dims = list(seq_dims) if seq_dims is not None else [0] * len(buffers)
     for index, (buffer, dim) in enumerate(zip(buffers, seq_dims)):
         length = buffer.size(dim)
         if length % chunks:
@@ -304,21 +308,18 @@ def _region_documents(documents, mesh) -> tuple[tuple[int, ...], str] | None:
 
 
 @contextlib.contextmanager
-def _documents_buffers(region: _Region, buffers, seq_dims, no_restore) -> Iterator[None]:
+def _documents_buffers(mesh, placed, buffers, seq_dims, no_restore) -> Iterator[tuple]:
     """Each buffer replaced in place by this rank's shard, put back on exit unless in ``no_restore``."""
     from .packing import shard_documents
-    seq_dims = list(seq_dims) if seq_dims is not None else [0] * len(buffers)
-    if len(seq_dims) != len(buffers):
-        raise ValueError(f"context_parallel: buffer_seq_dims={seq_dims} must give one dimension for each of the "
-                         f"{len(buffers)} buffers")
-    ends, placement = region.documents
-    shards = [shard_documents(b, ends, region.mesh, dim, placement=placement) for b, dim in zip(buffers, seq_dims)]
+    ends, placement = placed
+    shards = [shard_documents(b, ends, mesh, dim, placement=placement) for b, dim in zip(buffers, seq_dims)]
+    sharded = regions.sharded_buffers(buffers, seq_dims, mesh.size(), [t.size(d) for t, d in zip(shards, seq_dims)])
     kept = [None if no_restore and b in no_restore else b.clone() for b in buffers]
     for buffer, shard in zip(buffers, shards):
         buffer.resize_(shard.shape)
         buffer.copy_(shard)
     try:
-        yield
+        yield sharded
     finally:
         for buffer, original in zip(buffers, kept):
             if original is not None:

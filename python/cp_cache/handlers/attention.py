@@ -18,6 +18,7 @@ from torch.utils._python_dispatch import _get_current_dispatch_mode as _current_
 
 from .. import layout as L
 from .. import step_cache
+from ..mixers import region
 from ..algorithms import HYBRID, PACKED, PACKED_ULYSSES, RING, ULYSSES, WithCapacity, WithSink
 from ..config import CPConfig
 from ..documents import read_documents
@@ -95,7 +96,10 @@ class AttentionHandlers:
         a = bind_arguments(op_call._schema, args, kwargs)
         if not self._runs(a, backward=False):
             return self._pass_on(op_call, args, kwargs)
+        region.count_attention_call()
         try:
+            qkv = {n: a[n] for n in ("query", "key", "value")}
+            region.check_sequence_fits(qkv, L.seq_dim(a["input_layout"]), str(op_call))
             call = read_call(a, self.configs[op_call.namespace])
         except CHECK_ERRORS as error:
             share_refusal("forward", a, error)

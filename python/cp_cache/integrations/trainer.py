@@ -91,7 +91,7 @@ class ContextParallelMixin:
         documents = _documents(inputs)
         buffers = [value for name, value in inputs.items() if _per_token(name, value, ids)]
         return functools.partial(context_parallel, self.cp_mesh, buffers=buffers, buffer_seq_dims=[1] * len(buffers),
-                                 no_restore_buffers=set(buffers), documents=documents), inputs
+                                 no_restore_buffers=set(buffers), documents=documents, model=model), inputs
 
 
 class ContextParallelTrainer(ContextParallelMixin, Trainer):

@@ -1,0 +1,8 @@
+"""Every layer that mixes tokens under CP besides the attention floors (DESIGN §20): the kinds of sequence mixer
+(``kinds``), the region's guard that serves or refuses each (``guard``), and each served kind's own module."""
+
+from .guard import Found, check_model, install, refusal, scan, set_active, uninstall
+from .kinds import KINDS, Kind, kind_of
+
+__all__ = ["Found", "Kind", "KINDS", "check_model", "install", "kind_of", "refusal", "scan", "set_active",
+           "uninstall"]

@@ -1,0 +1,91 @@
+"""Gated DeltaNet under CP (Qwen3.5, Qwen3-Next, OLMo-hybrid and their kin): the delta rule's state carried
+across ranks in one of two forms.
+
+- "state" (``algorithm`` ring or hybrid): each rank runs its chunks from a zero state and, in the same pass, the
+  identity carried as extra value columns, which gives each chunk's transition M [Dk, Dk] and every token's read
+  of the incoming state; the summaries (M, final state) are gathered and chained in sequence order, and each
+  chunk adds its tokens' read of the state that enters it. O(heads Dk (Dk + Dv)) per chunk crosses ranks.
+- "heads" (``ulysses``): an all-to-all from sequence shards to head shards, one kernel call on the whole
+  sequence for H/W value heads, and back (H divisible by W).
+``auto`` takes "heads" where the value heads divide W (measured faster: docs/hybrid.md), else "state"."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from .delta_rule import chunk_gated_delta_rule
+from .heads import to_heads, to_sequence
+from .sequence import ShardedSequence, chain, gather
+
+__all__ = ["delta_rule_under_cp", "form_for"]
+
+
+def form_for(algorithm: str, v_heads: int, world: int) -> str:
+    if algorithm == "ulysses":
+        if v_heads % world:
+            raise ValueError(f"cp_cache: algorithm='ulysses' shards Gated DeltaNet's {v_heads} value heads over "
+                             f"W={world} ranks, which needs W to divide them; use algorithm='ring' or 'auto'")
+        return "heads"
+    if algorithm == "auto" and v_heads % world == 0:
+        return "heads"
+    return "state"
+
+
+def delta_rule_under_cp(query: Tensor, key: Tensor, value: Tensor, g: Tensor, beta: Tensor, seq: ShardedSequence,
+                        *, algorithm: str = "ring", scale: Optional[float] = None,
+                        use_qk_l2norm: bool = False) -> Tensor:
+    """The local ``[B, L, ...]`` shards of ``chunk_gated_delta_rule``'s inputs -> the local output, exact."""
+    options = dict(scale=scale, use_qk_l2norm=use_qk_l2norm)
+    if form_for(algorithm, value.size(2), seq.world) == "heads":
+        return _by_heads(query, key, value, g, beta, seq, options)
+    return _by_state(query, key, value, g, beta, seq, options)
+
+
+def _by_state(query, key, value, g, beta, seq: ShardedSequence, options: dict) -> Tensor:
+    batch, _, v_heads, v_dim = value.shape
+    k_dim = key.size(-1)
+    outs, operators, transitions, finals = [], [], [], []
+    for chunk in seq.mine:
+        rows = slice(chunk.local, chunk.local + chunk.length)
+        q, k, v, g_c, b_c = (t[:, rows] for t in (query.float(), key, value, g, beta))  # float32 out
+        initial = None
+        if chunk.continues:  # the identity as extra columns: the chunk's transition and its tokens' read of it
+            v = torch.cat([v.float(), v.new_zeros(*v.shape[:-1], k_dim, dtype=torch.float32)], dim=-1)
+            eye = torch.eye(k_dim, device=v.device).expand(batch, v_heads, k_dim, k_dim)
+            initial = torch.cat([eye.new_zeros(batch, v_heads, k_dim, v_dim), eye], dim=-1)
+        out, final = chunk_gated_delta_rule(q, k, v, g_c, b_c, initial_state=initial, segments=chunk.pieces,
+                                            **options)
+        outs.append(out[..., :v_dim])
+        operators.append(out[..., v_dim:] if chunk.continues else None)
+        finals.append(final[..., :v_dim])
+        transitions.append(final[..., v_dim:] if chunk.continues else final.new_zeros(batch, v_heads, k_dim, k_dim))
+    summaries, zero = gather(seq, [torch.cat([m, c], dim=-1) for m, c in zip(transitions, finals)])
+    entering = chain(seq, [s[..., :k_dim] for s in summaries], [s[..., k_dim:] for s in summaries],
+                     lambda transition, state: transition @ state)
+    for i, state in enumerate(entering):
+        if state is not None:
+            outs[i] = outs[i] + torch.einsum("blhk,bhkv->blhv", operators[i], state)
+    return (torch.cat(outs, dim=1) + zero).to(query.dtype)
+
+
+def _by_heads(query, key, value, g, beta, seq: ShardedSequence, options: dict) -> Tensor:
+    v_heads, k_heads = value.size(2), key.size(2)
+    if k_heads % seq.world or (v_heads // seq.world) % (v_heads // k_heads):  # q/k heads do not split with v's
+        query, key = (t.repeat_interleave(v_heads // k_heads, dim=2) for t in (query, key))
+    q, k, v, g_h, b_h = to_heads(seq, [query, key, value, g.unsqueeze(-1), beta.unsqueeze(-1)])
+    ends = _document_lengths(seq)
+    out, _ = chunk_gated_delta_rule(q, k, v, g_h.squeeze(-1), b_h.squeeze(-1), segments=ends, **options)
+    return to_sequence(seq, out)
+
+
+def _document_lengths(seq: ShardedSequence) -> list[int]:
+    lengths = []
+    for chunk in seq.chunks:
+        pieces = list(chunk.pieces)
+        if chunk.continues and lengths:
+            lengths[-1] += pieces.pop(0)
+        lengths += pieces
+    return lengths
