@@ -11,16 +11,21 @@ across ranks in one of two forms.
 
 from __future__ import annotations
 
+import functools
 from typing import Optional
 
 import torch
 from torch import Tensor
 
+from . import region, sequence
 from .delta_rule import chunk_gated_delta_rule
 from .heads import to_heads, to_sequence
-from .sequence import ShardedSequence, chain, gather
+from .kinds import SERVERS
+from .sequence import ShardedSequence, chain, document_ends, gather, lengths_of
+from .serving import FunctionServer
+from .short_conv import served_conv
 
-__all__ = ["delta_rule_under_cp", "form_for"]
+__all__ = ["delta_rule_under_cp", "form_for", "served_rule"]
 
 
 def form_for(algorithm: str, v_heads: int, world: int) -> str:
@@ -89,3 +94,33 @@ def _document_lengths(seq: ShardedSequence) -> list[int]:
             lengths[-1] += pieces.pop(0)
         lengths += pieces
     return lengths
+
+
+def served_rule(original):
+    """cp_cache's ``torch_chunk_gated_delta_rule`` (transformers' signature)."""
+
+    @functools.wraps(original)
+    def torch_chunk_gated_delta_rule(query, key, value, g, beta, chunk_size=64, initial_state=None,
+                                     output_final_state=False, use_qk_l2norm_in_kernel=False, cu_seqlens=None,
+                                     **kwargs):
+        ends = document_ends(cu_seqlens)
+        seq = sequence.current(query.size(1), ends)
+        if seq is not None:
+            if initial_state is not None or output_final_state:
+                raise NotImplementedError("cp_cache: Gated DeltaNet with a cache (initial_state, output_final_state) "
+                                          "under context parallelism is not supported; train with use_cache=False")
+            return delta_rule_under_cp(query, key, value, g, beta, seq, algorithm=region.active().algorithm,
+                                       use_qk_l2norm=use_qk_l2norm_in_kernel), None
+        region.refuse_without_region("a Gated DeltaNet")
+        if ends is None:
+            return original(query, key, value, g=g, beta=beta, chunk_size=chunk_size, initial_state=initial_state,
+                            output_final_state=output_final_state, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
+                            **kwargs)
+        out, final = chunk_gated_delta_rule(query, key, value, g, beta, initial_state=initial_state,
+                                            segments=lengths_of(ends), use_qk_l2norm=use_qk_l2norm_in_kernel)
+        return out, final if output_final_state else None
+
+    return torch_chunk_gated_delta_rule
+
+
+SERVERS["gated_delta"] = FunctionServer({"causal_conv1d_fn": served_conv, "torch_chunk_gated_delta_rule": served_rule})

@@ -24,7 +24,6 @@ __all__ = ["Found", "scan", "check_model", "install", "uninstall", "set_active",
 # module -> its Found, or _NEUTRAL (mixes no tokens, or is part of a mixer found above it)
 _VERDICTS: "weakref.WeakKeyDictionary[torch.nn.Module, Any]" = weakref.WeakKeyDictionary()
 _NEUTRAL = object()
-_ACTIVE = [False]
 _LAYER_KIND_FIELDS = ("layer_types", "layers_block_type", "block_types", "hybrid_override_pattern")
 # upfront checks skip these towers: their layers see image or audio features, not the sharded sequence
 _TOWERS = re.compile(r"(^|\.)\w*(vision|visual|audio|speech|image)\w*(\.|$)")
@@ -47,6 +46,11 @@ class Found:
 
 def refusal(found: Found, implementation: Optional[str] = None, reached: bool = True) -> NotImplementedError:
     """The error for a mixer no kind serves, or an attention module that does not reach cp_cache."""
+    if found.kind.name in SERVERS:
+        return NotImplementedError(
+            f"cp_cache: {found.where()} is {found.kind.what}, which cp_cache serves under context parallelism where "
+            f"the layer's forward calls {', '.join(SERVERS[found.kind.name].names)} for its token mixing; this "
+            "one's does not, so it is refused (it would compute on this rank's shard alone).")
     if found.kind is not ATTENTION:
         return NotImplementedError(
             f"cp_cache: {found.where()} is {found.kind.what}, which mixes tokens along the sequence; inside a CP "
@@ -84,14 +88,22 @@ def scan(root: torch.nn.Module) -> list[Found]:
 
 
 def check_model(model: torch.nn.Module) -> None:
-    """Refuses a model with a mixer no kind serves, or attention cp_cache does not serve (towers aside)."""
+    """Serves every mixer a kind serves; refuses a mixer no kind serves, or attention cp_cache does not serve
+    (towers aside)."""
     for found in scan(model):
         if _TOWERS.search(found.path):
             continue
+        module = _module_at(model, found.path)
         if found.kind is ATTENTION:
-            _check_attention(_module_at(model, found.path), found)
-        elif found.kind.name not in SERVERS:
+            _check_attention(module, found)
+        elif not _served(module, found):
             raise refusal(found)
+
+
+def _served(module: torch.nn.Module, found: Found) -> bool:
+    """The kind's server readies the module (it returns False where the module's forward is not one it knows)."""
+    server = SERVERS.get(found.kind.name)
+    return server is not None and server(module)
 
 
 def _module_at(model: torch.nn.Module, path: str) -> torch.nn.Module:
@@ -131,7 +143,7 @@ _calls = _Calls()
 
 
 def _before(module: torch.nn.Module, args: Any) -> None:
-    if torch.compiler.is_compiling() or not _ACTIVE[0]:
+    if torch.compiler.is_compiling() or not region.in_cp():
         return
     verdict = _VERDICTS.get(module)
     if verdict is None:  # a model starting: every mixer in it is checked now
@@ -142,7 +154,7 @@ def _before(module: torch.nn.Module, args: Any) -> None:
     if verdict.kind is ATTENTION:
         _check_attention(module, verdict)
         _calls.open.append((module, region.attention_calls()))
-    elif verdict.kind.name not in SERVERS:
+    elif not _served(module, verdict):
         raise refusal(verdict)
 
 
@@ -172,9 +184,9 @@ def uninstall() -> None:
 
 def set_active(active: bool) -> None:
     """On at a CP region's entry, off at its exit."""
-    if active == _ACTIVE[0]:
+    if active == region.in_cp():
         return
-    _ACTIVE[0] = active
+    region.set_in_cp(active)
     _calls.open.clear()
     _patch_flex(active)
 

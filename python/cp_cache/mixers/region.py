@@ -10,8 +10,8 @@ from typing import Any, Optional
 
 import torch
 
-__all__ = ["ShardedBuffer", "Region", "ACTIVE", "active", "buffer_seq_dims", "sharded_buffers", "check_sequence_fits",
-           "count_attention_call", "attention_calls"]
+__all__ = ["ShardedBuffer", "Region", "ACTIVE", "active", "in_cp", "set_in_cp", "refuse_without_region",
+           "buffer_seq_dims", "sharded_buffers", "check_sequence_fits", "count_attention_call", "attention_calls"]
 
 
 @dataclass(frozen=True)
@@ -43,6 +43,25 @@ ACTIVE: list[Region] = []
 
 def active() -> Optional[Region]:
     return ACTIVE[-1] if ACTIVE else None
+
+
+_IN_CP = [False]  # inside a CP region, cp_cache's or torch's own (cp_cache enabled)
+
+
+def in_cp() -> bool:
+    return _IN_CP[0]
+
+
+def set_in_cp(inside: bool) -> None:
+    _IN_CP[0] = inside
+
+
+def refuse_without_region(what: str) -> None:
+    """Inside torch's own CP region cp_cache knows neither the mesh nor the layout a mixer needs."""
+    if _IN_CP[0] and active() is None:
+        raise RuntimeError(f"cp_cache: {what} inside a CP region entered through torch's context_parallel() alone: "
+                           "enter it with cp_cache.context_parallel(mesh, buffers=[...]) so that the layer knows "
+                           "its mesh and layout")
 
 
 def buffer_seq_dims(buffers, seq_dims) -> list[int]:

@@ -23,7 +23,7 @@ from ..documents import document_positions, sequence_positions
 from . import region
 
 __all__ = ["Chunk", "ShardedSequence", "current", "sharded_sequence", "gather", "chain", "left_context",
-           "piece_starts"]
+           "piece_starts", "document_ends", "lengths_of"]
 
 
 @dataclass(frozen=True)
@@ -74,9 +74,29 @@ def current(local_length: int, ends: Optional[Sequence[int]] = None) -> Optional
         raise NotImplementedError(f"cp_cache: sequence mixers under a {mesh.ndim}-D CP mesh ({mesh}) are not "
                                   "supported; use a 1-D CP mesh")
     placed = here.documents
-    given = None if ends is None else tuple(int(e) for e in ends if int(e) > 0)
     return sharded_sequence(mesh.size(), mesh.get_local_rank(), local_length, L.load_balance_enabled(),
-                            placed, given, mesh.get_group())
+                            placed, None if ends is None else tuple(ends), mesh.get_group())
+
+
+_LAST_READ: list = [None, None, None]  # the last cumulative lengths read off a tensor: (tensor, version, ends)
+
+
+def document_ends(cumulative: Any) -> Optional[tuple[int, ...]]:
+    """The cumulative document ends a packed batch gives (``cu_seq_lens_q``: a leading 0, a list or a CPU
+    tensor), without the 0; None: none given. Every layer of a forward passes the same tensor: read once."""
+    if cumulative is None:
+        return None
+    if isinstance(cumulative, Tensor):
+        if _LAST_READ[0] is cumulative and _LAST_READ[1] == cumulative._version:
+            return _LAST_READ[2]
+        ends = tuple(int(e) for e in cumulative.tolist() if int(e) > 0)  # host data by contract (DESIGN §10)
+        _LAST_READ[:] = [cumulative, cumulative._version, ends]
+        return ends
+    return tuple(int(e) for e in cumulative if int(e) > 0)
+
+
+def lengths_of(ends: Sequence[int]) -> tuple[int, ...]:
+    return tuple(b - a for a, b in zip((0, *ends[:-1]), ends))
 
 
 @functools.lru_cache(maxsize=64)

@@ -11,9 +11,12 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from .sequence import ShardedSequence, left_context, piece_starts
+from . import region, sequence
+from .kinds import SERVERS
+from .sequence import ShardedSequence, document_ends, left_context, lengths_of, piece_starts
+from .serving import FunctionServer
 
-__all__ = ["causal_conv_under_cp", "causal_conv_documents", "activation"]
+__all__ = ["causal_conv_under_cp", "causal_conv_documents", "activation", "served_conv"]
 
 
 def activation(name: Optional[str]):
@@ -72,3 +75,27 @@ def _finish(out: Tensor, bias: Optional[Tensor], act: Optional[str], dtype: torc
         out = out + bias[:, None]
     fn = activation(act)
     return (out if fn is None else fn(out)).to(dtype)
+
+
+def served_conv(original):
+    """cp_cache's ``causal_conv1d_fn(hidden_states [B, C, L], weight [C, K], bias, activation, **kwargs)``."""
+
+    @functools.wraps(original)
+    def causal_conv1d_fn(hidden_states, weight, bias=None, activation=None, **kwargs):
+        ends = document_ends(kwargs.get("cu_seq_lens_q"))
+        seq = sequence.current(hidden_states.size(-1), ends)
+        if seq is not None:
+            if kwargs.get("seq_idx") is not None and ends is None and region.active().documents is None:
+                raise NotImplementedError("cp_cache: a short convolution under context parallelism with documents "
+                                          "given as seq_idx alone: pass the batch's cu_seq_lens_q, or its documents "
+                                          "to cp_cache.context_parallel(..., documents=)")
+            return causal_conv_under_cp(hidden_states, weight, bias, seq, activation)
+        region.refuse_without_region("a short convolution")
+        if ends is not None and len(ends) > 1:
+            return causal_conv_documents(hidden_states, weight, bias, lengths_of(ends), activation)
+        return original(hidden_states, weight, bias, activation=activation, **kwargs)
+
+    return causal_conv1d_fn
+
+
+SERVERS["short_conv"] = FunctionServer({"causal_conv1d_fn": served_conv})

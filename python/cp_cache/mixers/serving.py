@@ -1,0 +1,35 @@
+"""How a served mixer kind reaches a model: the functions the mixer's forward calls for its token mixing (globals of
+its modeling module, e.g. ``causal_conv1d_fn``) replaced by cp_cache's, which run the CP form inside a cp_cache
+region and the model's own function elsewhere (packed documents kept apart). The model's code runs as written."""
+
+from __future__ import annotations
+
+import inspect
+from typing import Callable
+
+import torch
+
+__all__ = ["FunctionServer"]
+
+
+class FunctionServer:
+    """Serves a module whose forward calls every function named in ``replacements`` (name -> a maker taking the
+    model's function and returning cp_cache's); idempotent."""
+
+    def __init__(self, replacements: dict[str, Callable[[Callable], Callable]]):
+        self.replacements = replacements
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        return tuple(self.replacements)
+
+    def __call__(self, module: torch.nn.Module) -> bool:
+        namespace = inspect.unwrap(type(module).forward).__globals__
+        if any(name not in namespace for name in self.replacements):
+            return False
+        for name, make in self.replacements.items():
+            if not hasattr(namespace[name], "cp_cache_serves"):
+                served = make(namespace[name])
+                served.cp_cache_serves = namespace[name]
+                namespace[name] = served
+        return True
