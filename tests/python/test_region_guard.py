@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 
 import cp_cache
+from cp_cache.testing.hybrid_models import make_hybrid_model
 from cp_cache.testing.multiprocess import capture, run_ranks
 from cp_cache.testing.reference import error_bound, rel_err
 
@@ -142,10 +143,7 @@ def _model_cases(mesh) -> dict:
         return run
 
     eager = tf.LlamaForCausalLM._from_config(tf.LlamaConfig(**common), attn_implementation="eager")
-    hybrid = tf.Qwen3_5ForCausalLM._from_config(tf.Qwen3_5TextConfig(
-        head_dim=8, linear_num_key_heads=2, linear_num_value_heads=2, linear_key_head_dim=8,
-        linear_value_head_dim=8, layer_types=["full_attention", "linear_attention"], **common),
-        attn_implementation="cp_cache")
+    hybrid = make_hybrid_model("minimax", "cp_cache")  # lightning attention, which no kind serves
     x = torch.randn(1, 16 * mesh.size(), DIM)
     toy = ToyAttention()
 
@@ -187,9 +185,9 @@ REFUSALS = {
     "sdpa_local_mask": ("ValueError", ("attn_mask of shape", "this rank's shard", "attn_implementation='cp_cache'")),
     "eager_attention": ("NotImplementedError", ("LlamaForCausalLM layer 0", "attn_implementation='eager'",
                                                 "model.layers.0.self_attn")),
-    "hybrid_starting": ("NotImplementedError", ("Qwen3_5ForCausalLM layer 1", "'linear_attention'",
-                                                "Qwen3_5GatedDeltaNet", "model.layers.1.linear_attn")),
-    "hybrid_given": ("NotImplementedError", ("Qwen3_5ForCausalLM layer 1", "'linear_attention'")),
+    "hybrid_starting": ("NotImplementedError", ("MiniMaxForCausalLM layer 0", "'linear_attention'",
+                                                "MiniMaxLightningAttention", "model.layers.0.self_attn")),
+    "hybrid_given": ("NotImplementedError", ("MiniMaxForCausalLM layer 0", "'linear_attention'")),
     "own_attention": ("NotImplementedError", ("ToyAttention", "without reaching cp_cache's attention")),
     "flex_local": ("NotImplementedError", ("flex_attention", "_ContextParallel", "scaled_dot_product_attention")),
 }
