@@ -18,7 +18,7 @@ import torch.nn.functional as F
 
 import cp_cache
 from cp_cache.testing.hybrid_models import FAMILIES, VOCAB, make_hybrid_model
-from cp_cache.testing.multiprocess import run_ranks
+from cp_cache.testing.multiprocess import capture, run_ranks
 from cp_cache.testing.reference import FACTOR, error_bound, rel_err
 
 SEQ = 48  # divisible by 2W for W = 2, 3, 4
@@ -39,6 +39,7 @@ class Case:
     layout: str = "head_tail"
     autocast: bool = False
     algorithm: str = "ring"
+    batch_seed: int = 0
 
     @property
     def packed(self) -> bool:
@@ -65,7 +66,7 @@ CASES = SWEEP + _random_net()
 
 
 def _batch(case: Case) -> dict:
-    g = torch.Generator().manual_seed(len(case.family))
+    g = torch.Generator().manual_seed(len(case.family) + case.batch_seed)
     ids = torch.randint(3, VOCAB, (1, SEQ), generator=g)
     lengths = DOCUMENTS if case.packed else (SEQ,)
     positions = torch.cat([torch.arange(n) for n in lengths])[None]
@@ -124,7 +125,45 @@ def _rank(rank: int, world: int, cases: list) -> dict:
     from cp_cache.integrations.transformers import register
     register()
     mesh = init_device_mesh("cpu", (world,))
-    return {case.name: _under_cp(mesh, case) for case in cases}
+    results = {case.name: _under_cp(mesh, case) for case in cases}
+    results["lifetime"] = _lifetime(mesh)
+    return results
+
+
+def _lifetime(mesh) -> dict:
+    """Qwen3.5 (packed documents) with gradient checkpointing: two batches forward, then both backward (F0 F1 B0
+    B1); then an evaluation forward without grad. The summed gradients, the logits, the caches left alive."""
+    case = Case("qwen3_5", mesh.size(), "documents")
+    model = make_hybrid_model(case.family, "cp_cache")
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    batches = [_batch(case), _batch(Case("qwen3_5", mesh.size(), "documents", batch_seed=1))]
+    losses = []
+    for batch in batches:
+        count = int((batch["shift_labels"] != -100).sum())
+        buffers = [batch["input_ids"], batch["position_ids"], batch["shift_labels"]]
+        with cp_cache.context_parallel(mesh, buffers=buffers, buffer_seq_dims=[1, 1, 1],
+                                       documents=batch["cu_seq_lens_q"], no_restore_buffers=set(buffers)):
+            losses.append(_loss(model, batch, count))
+    alive_between = cp_cache.stats()["live_entries"]
+    for batch, loss in zip(batches, losses):
+        with cp_cache.context_parallel(mesh, documents=batch["cu_seq_lens_q"]):
+            loss.backward()  # the recompute of the checkpointed layers runs inside a region
+    grads = _flat_grads(model, torch.float32)
+    torch.distributed.all_reduce(grads, group=mesh.get_group())
+    batch = _batch(case)
+    count, buffers = int((batch["shift_labels"] != -100).sum()), [batch[k] for k in ("input_ids", "position_ids",
+                                                                                      "shift_labels")]
+    with cp_cache.context_parallel(mesh, buffers=buffers, buffer_seq_dims=[1, 1, 1], documents=batch["cu_seq_lens_q"],
+                                   no_restore_buffers=set(buffers)):
+        loss = _loss(model, batch, count)
+    outside = capture(loss.backward)  # the checkpointed layers recomputed outside the region
+    batch = _batch(case)
+    with torch.no_grad(), cp_cache.context_parallel(mesh, buffers=[batch["input_ids"], batch["position_ids"]],
+                                                    buffer_seq_dims=[1, 1], documents=batch["cu_seq_lens_q"]):
+        logits = model.eval()(**{k: v for k, v in batch.items() if k != "shift_labels"}).logits
+        held = cp_cache.document_layout(batch["cu_seq_lens_q"][1:].tolist(), mesh.size())[mesh.get_local_rank()]
+    return {"grads": grads, "logits": logits, "held": held, "alive_between": alive_between,
+            "live": cp_cache.stats()["live_entries"], "outside": outside}
 
 
 def _one_process(case: Case, dtype) -> dict:
@@ -176,3 +215,35 @@ def _check(case: Case) -> str:
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
 def test_equal_to_one_process_or_refused(case):
     print(case.name, _check(case))
+
+
+def _logits_per_document(batch: dict, dtype) -> torch.Tensor:
+    model = make_hybrid_model("qwen3_5", "eager").to(dtype).eval()
+    ends = torch.tensor(DOCUMENTS).cumsum(0).tolist()
+    with torch.no_grad():
+        return torch.cat([model(input_ids=batch["input_ids"][:, a:b], position_ids=batch["position_ids"][:, a:b])
+                          .logits for a, b in zip([0] + ends[:-1], ends)], dim=1).double()
+
+
+def test_pipeline_order_recompute_and_evaluation():
+    """Qwen3.5 under checkpointing: F0 F1 B0 B1 equals one process's two backwards, and a backward outside the
+    region (its recompute would run sharded layers as whole ones) is refused; an evaluation forward equals one
+    process's logits; no step cache lives between a checkpointed forward and its backward, or after."""
+    first, second = Case("qwen3_5", 2, "documents"), Case("qwen3_5", 2, "documents", batch_seed=1)
+    truth = [_one_process(c, torch.float64) for c in (first, second)]
+    reference = [_one_process(c, torch.float32) for c in (first, second)]
+    logits_truth, logits_reference = (_logits_per_document(_batch(first), dtype)
+                                      for dtype in (torch.float64, torch.float32))
+    for rank, res in enumerate(_results(2)):
+        life = res["lifetime"]
+        assert life["live"] == 0 and life["alive_between"] == 0, life
+        summed = truth[0]["grads"] + truth[1]["grads"]
+        error = rel_err(life["grads"].double(), summed)
+        bound = error_bound(rel_err(reference[0]["grads"] + reference[1]["grads"], summed))
+        assert error <= bound, (rank, error, bound)
+        held = life["held"]
+        error = rel_err(life["logits"].double(), logits_truth[:, held])
+        bound = error_bound(rel_err(logits_reference[:, held], logits_truth[:, held]))
+        assert error <= bound, (rank, error, bound)
+        kind, message = life["outside"]
+        assert kind == "RuntimeError" and "recomputed by a backward outside the CP region" in message, (rank, message)

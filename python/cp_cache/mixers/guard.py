@@ -142,8 +142,16 @@ class _Calls(threading.local):
 _calls = _Calls()
 
 
+# the mixers and attention modules that last ran inside a CP region (a checkpoint may recompute them)
+_RAN_IN_REGION: "weakref.WeakSet[torch.nn.Module]" = weakref.WeakSet()
+
+
 def _before(module: torch.nn.Module, args: Any) -> None:
-    if torch.compiler.is_compiling() or not region.in_cp():
+    if torch.compiler.is_compiling():
+        return
+    if not region.in_cp():
+        if _RAN_IN_REGION and module in _RAN_IN_REGION:
+            _outside_region(module)
         return
     verdict = _VERDICTS.get(module)
     if verdict is None:  # a model starting: every mixer in it is checked now
@@ -151,11 +159,22 @@ def _before(module: torch.nn.Module, args: Any) -> None:
         verdict = _VERDICTS[module]
     if verdict is _NEUTRAL:
         return
+    _RAN_IN_REGION.add(module)
     if verdict.kind is ATTENTION:
         _check_attention(module, verdict)
         _calls.open.append((module, region.attention_calls()))
     elif not _served(module, verdict):
         raise refusal(verdict)
+
+
+def _outside_region(module: torch.nn.Module) -> None:
+    """A module that ran inside a CP region runs again outside: fine as a new forward, but a backward's recompute
+    (activation checkpointing) would redo a sharded layer as if it held the whole sequence."""
+    if torch._C._current_graph_task_id() >= 0:
+        raise RuntimeError(f"cp_cache: {_VERDICTS[module].where()} is recomputed by a backward outside the CP region "
+                           "it ran in (activation checkpointing): it would compute on this rank's shard as if it held "
+                           "the whole sequence. Run the backward inside the region (cp_cache.context_parallel).")
+    _RAN_IN_REGION.discard(module)
 
 
 def _after(module: torch.nn.Module, args: Any, output: Any) -> None:
