@@ -1,7 +1,6 @@
-"""cp_cache: context-parallel ring attention for Ascend NPUs with a native step-cache store.
-
-``cp_cache.emulator`` (the NPU ops on CPU) and ``cp_cache.testing`` are loaded only when asked for.
-"""
+"""cp_cache: context-parallel ring attention (Ascend NPUs, torch's kernels) with a native step-cache store.
+``import cp_cache`` is light (the store and cp_cache's op; no dynamo, no DTensor): ``enable()``, the region, the
+helpers, ``cp_cache.emulator`` and ``cp_cache.testing`` load on first use."""
 
 from __future__ import annotations
 
@@ -15,14 +14,13 @@ _C = native.load()  # refuses an extension built against another torch, naming b
 from ._C import StepCache, StepCacheStore
 from . import op  # noqa: F401  (defines torch.ops.cp_cache.fusion_attention)
 from .config import CPConfig
-from .dispatch import active_config, active_mesh, call_stats, context_parallel, disable, enable, enabled
-from .packing import document_layout, pad_documents, shard_documents, unshard_documents
-from .sharding import shard_sequence, unshard_sequence
 
-__all__ = ["CPConfig", "StepCache", "StepCacheStore", "active_config", "active_mesh", "call_stats",
-           "context_parallel", "current_graph_task_id", "disable", "document_layout", "enable", "enabled",
-           "pad_documents", "reset_peak", "shard_documents", "shard_sequence", "stats", "store",
-           "unshard_documents", "unshard_sequence"]
+_LAZY = {name: module for module, names in (
+    ("dispatch", ("active_config", "active_mesh", "call_stats", "context_parallel", "disable", "enable", "enabled")),
+    ("packing", ("document_layout", "pad_documents", "shard_documents", "unshard_documents")),
+    ("sharding", ("shard_sequence", "unshard_sequence"))) for name in names}
+__all__ = sorted(["CPConfig", "StepCache", "StepCacheStore", "current_graph_task_id", "reset_peak", "stats", "store",
+                  *_LAZY])
 
 
 def store() -> StepCacheStore:
@@ -32,12 +30,12 @@ def store() -> StepCacheStore:
 
 def stats() -> dict:
     """Counters of the process-wide store (docs/api.md)."""
-    return _C.default_store().stats()
+    return store().stats()
 
 
 def reset_peak() -> None:
     """Restart peak_entries / peak_bytes from the current live values."""
-    _C.default_store().reset_peak()
+    store().reset_peak()
 
 
 def current_graph_task_id() -> int:
@@ -46,7 +44,10 @@ def current_graph_task_id() -> int:
 
 
 def __getattr__(name: str):
-    # ``cp_cache.emulator`` and ``cp_cache.testing`` after a bare ``import cp_cache``: loaded on first use
-    if name in ("emulator", "testing"):
-        return importlib.import_module(f".{name}", __name__)
-    raise AttributeError(f"module 'cp_cache' has no attribute {name!r}")
+    # on first use: the API (it loads DTensor and dynamo) and the submodules (cp_cache.emulator, .testing, ...)
+    try:
+        module = importlib.import_module(f".{_LAZY.get(name, name)}", __name__)
+    except ModuleNotFoundError as e:  # no such submodule; one that a submodule needs is raised as it is
+        raise AttributeError(f"module 'cp_cache' has no attribute {name!r}") if e.name == f"{__name__}.{name}" else e
+    globals()[name] = value = getattr(module, name) if name in _LAZY else module
+    return value

@@ -1,9 +1,6 @@
 """``torch.ops.cp_cache.fusion_attention`` and its grad: the NPU v3 ops' schemas and derivative under another
-name, for machines without them (CPU and CUDA), called by the SDPA front end and the transformers integration.
-
-Inside a CP region DTensor hands a call to cp_cache's handlers (step kernel by default "torch"); on plain
-tensors the op runs the same strategies on one rank.
-"""
+name for machines without them (CPU, CUDA), called by the SDPA front end and the transformers integration. In a CP
+region DTensor hands a call to the handlers (step kernel by default "torch"); on plain tensors it runs on one rank."""
 
 from __future__ import annotations
 
@@ -11,8 +8,6 @@ import torch
 
 from . import layout as L
 from .config import CPConfig
-from .handlers.attention import backward_local, forward_local
-from .handlers.spec import read_local
 from .npu_ops import FORWARD_V3, GRAD_V3, bind_arguments, define_attention_ops, lse_from_stats, stats_views_from_lse
 
 __all__ = ["FORWARD", "GRAD", "forward_op", "grad_op"]
@@ -22,24 +17,26 @@ GRAD = GRAD_V3.replace("npu_fusion_attention_grad_v3(", "fusion_attention_grad("
 _SCHEMAS = {name: torch._C.parse_schema(s) for name, s in (("forward", FORWARD), ("grad", GRAD))}
 
 
-def _config() -> CPConfig:
+def _call(a: dict, backward: bool = False):
     from .dispatch import active_config  # the enabled configuration, else the defaults
-    return (active_config() or CPConfig()).for_own_op()
+    from .handlers.spec import read_local  # at the first call: DTensor and dynamo stay unloaded till then
+    config = (active_config() or CPConfig()).for_own_op()
+    return config, read_local(a, config, backward=backward)
 
 
 def _forward(*args, **kwargs):
+    from .handlers.attention import forward_local
     a = bind_arguments(_SCHEMAS["forward"], args, kwargs)
-    config = _config()
-    call = read_local(a, config)
+    config, call = _call(a)
     q, k, v = a["query"], a["key"], a["value"]
     out, lse, seed = forward_local(q, k, v, call.mask, [], call.plan, config.policy, *call.lengths, call.sink)
     return out, *stats_views_from_lse(lse), q.new_empty(0), seed, torch.ones(1, dtype=torch.int64)
 
 
 def _grad(*args, **kwargs):
+    from .handlers.attention import backward_local
     a = bind_arguments(_SCHEMAS["grad"], args, kwargs)
-    config = _config()
-    call = read_local(a, config, backward=True)
+    config, call = _call(a, backward=True)
     lse = lse_from_stats(a["softmax_max"], a["softmax_sum"])
     dq, dk, dv, dsink = backward_local(a["dy"], a["query"], a["key"], a["value"], a["attention_in"], lse, a["seed"],
                                        call.mask, [], call.plan, config.policy, *call.lengths, call.sink)

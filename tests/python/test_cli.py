@@ -10,6 +10,7 @@ fresh ``python -m cp_cache``-as-``runpy`` interpreter for all the light ones, an
 
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -179,8 +180,10 @@ def _accuracy_bound(a: dict) -> float:
 def test_doctor_reports_versions_extension_and_ops(light_commands):
     code, text = light_commands["doctor"]
     assert code == 0, text
-    for expected in ("python", "torch", "torch_npu", "native extension", "policy", "attention ops"):
+    for expected in ("python", "torch", "torch_npu", "native extension", "policy", "step kernel", "attention ops"):
         assert expected in text, text
+    # no NPU op in the suite's processes: the kernel that will serve is torch's, and the line says why
+    assert re.search(r'step kernel +"torch": no NPU op here', text) and "install_npu_emulator()" in text, text
     assert f"built against torch {torch.__version__}" in text, text
     assert "all good" in text
 

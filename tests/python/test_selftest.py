@@ -32,7 +32,7 @@ def run_selftest(capsys, monkeypatch):
 
 
 def _rows(text: str) -> dict:
-    """{case: result} from the printed table."""
+    """{case: result} from a printed table."""
     rows = {}
     for case in selftest.cases(2):
         line = next((ln for ln in text.splitlines() if ln.startswith(case.name + "  ")), None)
@@ -42,16 +42,28 @@ def _rows(text: str) -> dict:
 
 
 def test_selftest_passes_on_two_spawned_cpu_ranks(run_selftest):
+    """Not launched: the path a user of this machine gets (cp_cache's op on torch's kernels; dropout refused on
+    CPU, so not run), then the NPU path over the emulator; both pass."""
     code, text = run_selftest("--repeats", "1")
     assert code == 0, text
-    assert "2 ranks on cpu (emulator attention ops" in text and "spawned, gloo on loopback" in text, text
+    assert "cp_cache selftest: 2 ranks on cpu" in text and "spawned, gloo on loopback; 2 paths" in text, text
     header = next(ln for ln in text.splitlines() if ln.startswith("case "))
     for column in ("check", "error", "bound", "ms/call", "sent", "K/V lower bound", "sent/bound", "result"):
         assert column in header, header
-    rows = _rows(text)
+    torch_path, npu_path = text.split("\npath 2: ", 1)
+    assert "path 1: torch's fused kernels through cp_cache's op" in torch_path, torch_path
+    assert "(cp_cache attention ops, torch step kernel)" in torch_path, torch_path
+    assert "the NPU path, its ops emulated on CPU (emulator attention ops, npu step kernel)" in npu_path, npu_path
+    for name, result in _rows(torch_path).items():
+        assert result.startswith("n/a [") if "dropout" in name else result == "ok", (name, result)
+    rows = _rows(npu_path)
     for name, result in rows.items():
         assert result == "ok", (name, result)
-    assert re.search(rf"^verdict: PASS: {len(rows)} of {len(rows)} cases passed on 2 ranks on cpu", text, re.M), text
+    dropout = sum("dropout" in name for name in rows)
+    assert re.search(rf"^verdict: PASS: {len(rows) - dropout} of {len(rows)} cases passed on 2 ranks on cpu "
+                     r"\(cp_cache ops, torch step kernel\); not run: .*dropout", text, re.M), text
+    assert re.search(rf"^verdict: PASS: {len(rows)} of {len(rows)} cases passed on 2 ranks on cpu \(emulator ops",
+                     text, re.M), text
     assert "hybrid" not in text  # W = 2 does not factor into two CP sizes >= 2
 
 

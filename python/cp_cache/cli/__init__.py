@@ -25,7 +25,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0])
     commands = parser.add_subparsers(dest="command", metavar="{demo,bench,compare,doctor,selftest}")
     for module in (demo, bench, compare, doctor, selftest):
-        sub = commands.add_parser(module.NAME, help=module.HELP, description=module.__doc__)
+        sub = commands.add_parser(module.NAME, help=module.HELP, description=getattr(module, "DESCRIPTION", module.__doc__),
+                                  formatter_class=argparse.RawDescriptionHelpFormatter if hasattr(module, "DESCRIPTION")
+                                  else argparse.HelpFormatter)
         module.add_arguments(sub)
         sub.set_defaults(run=module.run)
     args = parser.parse_args(argv)

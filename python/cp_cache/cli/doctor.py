@@ -8,7 +8,7 @@ import platform
 import sys
 
 NAME = "doctor"
-HELP = "versions, native extension, policy, NPU ops or emulator, and what to do when something is missing"
+HELP = "versions, native extension, the step kernel that will serve here and why, and what to do about what is missing"
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -37,6 +37,7 @@ def run(args: argparse.Namespace) -> int:
     import cp_cache
 
     _policy_check(todo)
+    _kernel_check(todo)
     _attention_ops_check(todo)
     _optional_packages_check(todo)
     _merge_check(todo)
@@ -81,7 +82,7 @@ def _torch_npu_check(torch, todo: list[str]) -> None:
         _check("torch_npu", False, f"import failed: {npu_error}", todo,
                "fix the torch_npu install (CANN environment: source set_env.sh) or uninstall it to use the emulator")
     else:
-        _check("torch_npu", None, "not installed (CPU: the emulator stands in for the NPU ops)", todo)
+        _check("torch_npu", None, "not installed (no NPU ops: torch's kernels serve, below)", todo)
 
 
 def _extension_check(todo: list[str]) -> bool:
@@ -112,8 +113,26 @@ def _policy_check(todo: list[str]) -> None:
         _check("policy", False, str(e), todo, f"set {POLICY_ENV}=handle or {POLICY_ENV}=stack")
 
 
+def _kernel_check(todo: list[str]) -> None:
+    """The step kernel ``cp_cache.enable()`` picks on this machine, and why."""
+    import torch
+
+    from cp_cache.kernels.npu import available
+
+    if available():
+        _check("step kernel", True, '"npu": torch.ops.npu.npu_fusion_attention_v3 exists (torch_npu); '
+               "F.scaled_dot_product_attention reaches it through torch_npu's route", todo)
+        return
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    where = (f"{gpus} CUDA GPU(s) visible: flash / memory-efficient attention, dropout included; on CPU"
+             if gpus else "no CUDA GPU visible; on CPU")
+    _check("step kernel", True, '"torch": no NPU op here (torch.ops.npu.npu_fusion_attention_v3 does not exist), '
+           f"so torch's own fused kernels serve ({where} aten._scaled_dot_product_flash_attention_for_cpu, no "
+           "dropout); F.scaled_dot_product_attention and the transformers integration run cp_cache's own op", todo)
+
+
 def _attention_ops_check(todo: list[str]) -> None:
-    """The real NPU attention ops, or the emulator that stands in for them."""
+    """The real NPU attention ops, or the emulator that can stand in for them (the NPU path on CPU)."""
     from cp_cache.emulator import emulator_installed, install_npu_emulator, uninstall_npu_emulator
     from cp_cache.kernels.npu import available
 
@@ -124,11 +143,12 @@ def _attention_ops_check(todo: list[str]) -> None:
             installed = install_npu_emulator(route_sdpa=False)
             if installed:
                 uninstall_npu_emulator()
-            _check("attention ops", None, "no real NPU ops: the CPU emulator installs and will be used "
-                   "(cp_cache.emulator.install_npu_emulator())", todo)
+            _check("attention ops", None, "no NPU ops; the NPU path on CPU is available: "
+                   'cp_cache.emulator.install_npu_emulator() before the CP region makes "npu" serve (dropout on CPU '
+                   "included, slower)", todo)
         except Exception as e:  # noqa: BLE001
-            _check("attention ops", False, f"neither the real ops nor the emulator: {e}", todo,
-                   "import torch_npu on Ascend, or check the torch version (2.13 to 2.15 supported)")
+            _check("attention ops", False, f"no NPU ops, and the emulator does not install: {e}", todo,
+                   "check the torch version (2.13 to 2.15 supported); import torch_npu on Ascend")
 
 
 def _optional_packages_check(todo: list[str]) -> None:
@@ -150,7 +170,7 @@ def _optional_packages_check(todo: list[str]) -> None:
 def _merge_check(todo: list[str]) -> None:
     """Which merge the ring uses for its steps: the fused op or the float32 merge."""
     from cp_cache.config import FUSED_MERGE_ENV, resolve_config
-    from cp_cache.emulator import emulator_installed, install_npu_emulator, uninstall_npu_emulator
+    from cp_cache.emulator import emulator_installed
     from cp_cache.engine.merge import OP_NAME, fused_merge_available
 
     try:
@@ -158,19 +178,13 @@ def _merge_check(todo: list[str]) -> None:
     except ValueError as e:
         _check("ring merge", False, str(e), todo, f"set {FUSED_MERGE_ENV}=0 or {FUSED_MERGE_ENV}=1")
         return
-    installed_here = not emulator_installed() and install_npu_emulator(route_sdpa=False)
-    try:
-        available = fused_merge_available()
-    finally:
-        if installed_here:
-            uninstall_npu_emulator()
-    source = "emulated" if installed_here or emulator_installed() else "torch_npu"
-    if not wanted:
-        detail = f"float32 merge in plain torch ({FUSED_MERGE_ENV}=0)"
-    elif available:
-        detail = f"fused: torch.ops.npu.{OP_NAME} ({source})"
+    if not fused_merge_available():  # the merge the default path uses here: no NPU op, no fused merge
+        detail = (f"float32 merge in plain torch (torch.ops.npu.{OP_NAME} exists with torch_npu or the emulator)"
+                  if wanted else f"float32 merge in plain torch ({FUSED_MERGE_ENV}=0)")
+    elif wanted:
+        detail = f"fused: torch.ops.npu.{OP_NAME} ({'emulated' if emulator_installed() else 'torch_npu'})"
     else:
-        detail = f"float32 merge in plain torch (torch.ops.npu.{OP_NAME} does not exist)"
+        detail = f"float32 merge in plain torch ({FUSED_MERGE_ENV}=0)"
     _check("ring merge", None, detail, todo)
 
 

@@ -3,7 +3,8 @@
 The first command to run on a new cluster. Launched by torchrun it runs in the launched
 processes on whatever they find: NPUs with torch_npu (hccl), CUDA GPUs with torch's fused kernels
 (the "torch" step kernel, nccl), else CPUs with the emulator (gloo). Not launched, it spawns ``--ranks`` CPU
-ranks (default 2) with the emulator, gloo on loopback.
+ranks (default 2, gloo on loopback) twice: the path a user of this machine gets without an NPU (cp_cache's op on
+the "torch" kernel; dropout n/a on CPU), then the NPU path over the emulator.
 
 Every case runs through the public API (``cp_cache.enable(algorithm=...)``,
 ``torch.ops.npu.npu_fusion_attention_v3`` on DTensors laid out by ``shard_sequence`` /
@@ -37,8 +38,8 @@ HELP = "check every algorithm and feature on this machine's devices against one-
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--ranks", type=int, default=2, help="CPU ranks spawned with the emulator when not launched "
-                   "by torchrun (default 2; 4 or more also runs hybrid)")
+    p.add_argument("--ranks", type=int, default=2, help="CPU ranks spawned when not launched by torchrun (default "
+                   "2; 4 or more also runs hybrid)")
     p.add_argument("--repeats", type=int, default=3, help="timed calls per case after the checked one (default 3)")
     p.add_argument("--cases", default="", metavar="TEXT",
                    help="run only the cases whose name contains TEXT (default: all)")
@@ -70,6 +71,11 @@ def _launched(fn, kind: str, opts: dict) -> list | None:
         dist.destroy_process_group()
 
 
+PATHS = {"npu": "NPUs, torch_npu's op", "cuda": "CUDA GPUs, torch's fused kernels",
+         "torch": "torch's fused kernels through cp_cache's op: what SDPA and transformers get without an NPU",
+         "cpu": "the NPU path, its ops emulated on CPU"}
+
+
 def run(args: argparse.Namespace) -> int:
     from ...testing.multiprocess import run_ranks
 
@@ -77,20 +83,25 @@ def run(args: argparse.Namespace) -> int:
     opts = dict(inject=args.inject_error, repeats=args.repeats, cases=args.cases)
     started = time.perf_counter()
     if launched:
-        results = _launched(selftest_rank, pick_device(True), opts)
-        if results is None:
+        kind = pick_device(True)
+        results = {kind: _launched(selftest_rank, kind, opts)}
+        if results[kind] is None:
             return 0
-    else:
+    else:  # this machine's CPU ranks: the path a user without an NPU gets, then the NPU path emulated
         os.environ.setdefault("TORCH_DEVICE_BACKEND_AUTOLOAD", "0")  # spawned CPU ranks: no torch_npu
-        results = run_ranks(selftest_rank, args.ranks, "cpu", opts, timeout=900.0)
-    info, world = results[0], len(results)
-    rows = info["rows"]
+        results = {kind: run_ranks(selftest_rank, args.ranks, kind, opts, timeout=900.0) for kind in ("torch", "cpu")}
+    first = next(iter(results.values()))[0]
     how = "torchrun" if launched else "spawned, gloo on loopback"
-    print(f"cp_cache selftest: {world} ranks on {info['device']} ({info['ops']} attention ops, "
-          f"{info['kernel']} step kernel, torch {info['torch']}, {how})")
+    print(f"cp_cache selftest: {len(next(iter(results.values())))} ranks on {first['device']}, torch {first['torch']}, "
+          f"{how}; {len(results)} path{'s' if len(results) > 1 else ''}")
     print(LEGEND)
-    print(report(rows))
-    ok, text = verdict(rows, world, info)
-    print(f"\nverdict: {text}")
+    verdicts = []
+    for number, (kind, ranks) in enumerate(results.items(), 1):
+        info = ranks[0]
+        print(f"path {number}: {PATHS[kind]} ({info['ops']} attention ops, {info['kernel']} step kernel)")
+        print(report(info["rows"]) + "\n")
+        verdicts.append(verdict(info["rows"], len(ranks), info))
+    for ok, text in verdicts:
+        print(f"verdict: {text}")
     print(f"total {time.perf_counter() - started:.1f} s")
-    return 0 if ok else 1
+    return 0 if all(ok for ok, _ in verdicts) else 1

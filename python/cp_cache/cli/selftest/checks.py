@@ -17,11 +17,16 @@ INJECTED = 1e-3  # --inject-error: every checked output off by this much of its 
 # ---------------------------------------------------------------- the CP call
 
 
-def cp_forward(prob: Problem, env: Env, q, k, v, sink=None):
+def attention_op(env: Env):
+    """The op a user of this path calls: cp_cache's own (what SDPA and transformers reach without an NPU) or the
+    NPU v3 op (torch_npu's, or the emulator's)."""
     import torch
 
-    return torch.ops.npu.npu_fusion_attention_v3(q, k, v, prob.nq, prob.case.layout, sink=sink,
-                                                 **op_kwargs(prob, env.device))
+    return torch.ops.cp_cache.fusion_attention if env.ops == "cp_cache" else torch.ops.npu.npu_fusion_attention_v3
+
+
+def cp_forward(prob: Problem, env: Env, q, k, v, sink=None):
+    return attention_op(env)(q, k, v, prob.nq, prob.case.layout, sink=sink, **op_kwargs(prob, env.device))
 
 
 def sink_leaf(prob: Problem, device):
@@ -102,7 +107,7 @@ def one_device(prob: Problem, env: Env) -> dict:
     layout = prob.case.layout
     q, k, v = (to_layout(t, layout).to(env.device).clone().requires_grad_() for t in (prob.q, prob.k, prob.v))
     sink = sink_leaf(prob, env.device)
-    out = torch.ops.npu.npu_fusion_attention_v3(q, k, v, prob.nq, layout, sink=sink, **op_kwargs(prob, env.device))
+    out = attention_op(env)(q, k, v, prob.nq, layout, sink=sink, **op_kwargs(prob, env.device))
     grads = torch.autograd.grad(out[0], [q, k, v] + ([sink] if sink is not None else []),
                                 to_layout(prob.dout, layout).to(env.device))
     lse = lse_from_stats(out[1], out[2]).detach().cpu().double()
@@ -218,8 +223,8 @@ def run_case(case: Case, env: Env) -> Row:
 
     check = "directional" if case.dropout else "fwd+bwd"
     row = Row(case.name, check)
-    if case.dropout and env.kernel == "reference":
-        row.status, row.note = "n/a", "the plain-torch step kernel (CUDA) has no dropout"
+    if case.dropout and (env.kernel == "reference" or (env.kernel == "torch" and env.device.type == "cpu")):
+        row.status, row.note = "n/a", f"the {env.kernel} step kernel has no dropout on {env.device.type} (refused)"
         return row
     try:
         cp_cache.enable(algorithm=case.algorithm, kernel=env.kernel, fused_merge=env.fused_merge)

@@ -15,7 +15,7 @@ class Env:
     rank: int
     world: int
     device: object  # torch.device
-    ops: str  # torch_npu | emulator
+    ops: str  # torch_npu | emulator | cp_cache (cp_cache's own op: the path without NPU ops)
     kernel: str | None = None  # the step kernel cp_cache.enable() gets (CUDA: "reference")
     fused_merge: bool | None = None
     one_device: str = "op"  # the float32 reference: "op" (the op on plain tensors) or "dense" (torch)
@@ -35,7 +35,8 @@ class Env:
 
 
 def pick_device(launched: bool) -> str:
-    """npu (torch_npu sees an NPU), cuda, or cpu under torchrun; always cpu when spawned."""
+    """npu (torch_npu sees an NPU), cuda, or cpu under torchrun; always cpu when spawned (where run() checks two
+    paths: kind "torch", cp_cache's op on torch's kernels, and "cpu", the emulated NPU op)."""
     import torch
 
     from .._common import npu_present
@@ -59,6 +60,8 @@ def make_env(rank: int, world: int, kind: str, opts: dict) -> Env:
     common = dict(inject=opts["inject"], repeats=opts["repeats"], cpu_group=cpu_group)
     if kind == "npu":
         return Env(rank, world, torch.device("npu", local), "torch_npu", **common)
+    if kind == "torch":  # CPU ranks without the NPU ops: cp_cache's own op on torch's fused kernels
+        return Env(rank, world, torch.device("cpu"), "cp_cache", kernel="torch", fused_merge=False, **common)
     install_npu_emulator(route_sdpa=False)
     if kind == "cuda":
         # the NPU op's entry emulated; every step on torch's own fused kernels (flash / memory-efficient)
