@@ -110,7 +110,8 @@ def test_torch_kernel_refuses_dropout_naming_itself():
     q = torch.randn(1, 2, 4, 8)
     kind, message = capture(lambda: get_kernel("torch").forward(q, q, q, layout="BNSD", head_num=2, scale=0.3,
                                                                 keep_prob=0.9, mask=StepMask("none")))
-    assert kind == "NotImplementedError" and "torch step kernel" in message and "keep_prob=0.9" in message
+    assert kind == "NotImplementedError" and 'the "torch" kernel' in message and "keep_prob=0.9" in message
+    assert "dropout_p=0.1" in message  # SDPA's name for it: the front end most callers use
 
 
 class _Counted:

@@ -91,9 +91,10 @@ def _gpu(q: Tensor) -> bool:
 
 def _check_dropout(q: Tensor, keep_prob: float) -> None:
     if keep_prob != 1.0 and not _gpu(q):
-        raise NotImplementedError(f"the torch step kernel does not implement dropout (keep_prob={keep_prob}) on "
-                                  "CPU: torch's fused CPU attention has no seed to replay in the backward; use "
-                                  "keep_prob=1.0, or the npu kernel")
+        raise NotImplementedError(f"dropout on CPU (SDPA's dropout_p={1 - keep_prob:.4g}, the op's keep_prob="
+                                  f"{keep_prob:.4g}): the \"torch\" kernel serving here (torch's fused CPU attention) has "
+                                  "no seed to replay in the backward. Here: dropout_p=0.0 (transformers: attention_dropout"
+                                  "=0.0), or cp_cache.emulator.install_npu_emulator() before the CP region (replays it on CPU)")
 
 
 def _mla(q: Tensor, k: Tensor, v: Tensor, layout: str, head_num: int) -> bool:
