@@ -132,6 +132,10 @@ def enable(policy: str | None = None, *, kernel: str | None = None, fused_merge:
     config = resolve_config(policy, kernel=kernel, fused_merge=fused_merge, algorithm=algorithm, exchange=exchange,
                             documents=documents, keep_kv=keep_kv, grad_partials=grad_partials,
                             document_capacity=document_capacity)
+    if config.kernel == "npu" and not npu_available():
+        raise RuntimeError("cp_cache.enable(kernel='npu') needs torch.ops.npu.npu_fusion_attention_v3: import torch_npu "
+                           "(Ascend) or call cp_cache.emulator.install_npu_emulator() (CPU) first, or leave kernel=None "
+                           "for torch's fused kernels")
     handlers = AttentionHandlers(config, CALL_LOG)
     if not npu_available():  # SDPA to cp_cache's own op, on torch's fused kernels (torch_npu routes it on an NPU)
         sdpa.install()

@@ -1,7 +1,8 @@
 """Refusals in the caller's words, on the path a user without an NPU gets (torch's kernels, no emulator):
 SDPA's ``dropout_p`` on CPU under CP is refused on every rank naming ``dropout_p`` and the ways out on that
 machine, and the way out named (the emulator) then runs the same call; a transformers model's attention dropout
-gets the same message, naming ``attention_dropout``. (A length that fits none of the region's buffers, naming the
+gets the same message, naming ``attention_dropout``; ``enable(kernel="npu")`` without the NPU op is refused
+at once, naming the ways to get it. (A length that fits none of the region's buffers, naming the
 buffers and their sequence dims: tests/python/test_region_guard.py.)"""
 
 from __future__ import annotations
@@ -38,6 +39,11 @@ def _rank(rank: int, world: int) -> dict:
             F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=0.1)
 
     out = {"sdpa": _message(sdpa)}
+    try:
+        cp_cache.enable(kernel="npu")  # no NPU op here: refused at once, not at the first call
+        out["npu_kernel"] = "not refused"
+    except RuntimeError as error:
+        out["npu_kernel"] = str(error)
     from transformers import LlamaConfig, LlamaForCausalLM
     from cp_cache.integrations.transformers import register
 
@@ -94,3 +100,9 @@ def test_the_kernel_says_it_to_a_direct_caller():
     message = _message(lambda: get_kernel("torch").forward(q, q, q, layout="BNSD", head_num=2, scale=0.3,
                                                            keep_prob=0.75, mask=StepMask("none")))
     assert "keep_prob=0.75" in message and "dropout_p=0.25" in message, message
+
+
+def test_the_npu_kernel_without_its_op_is_refused_by_enable(results):
+    for rank, res in enumerate(results):
+        message = res["npu_kernel"]
+        assert "kernel='npu'" in message and "install_npu_emulator()" in message, (rank, message)
