@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import logging
 from typing import Iterator
 
@@ -22,8 +23,7 @@ from .handlers.attention import CALL_LOG
 from .kernels.npu import available as npu_available
 from .mixers import region as regions
 
-__all__ = ["enable", "disable", "enabled", "active_config", "active_mesh", "call_stats", "context_parallel",
-           "in_cp_region"]
+__all__ = ["enable", "disable", "enabled", "active_config", "active_mesh", "call_stats", "context_parallel"]
 
 log = logging.getLogger("cp_cache")
 
@@ -153,8 +153,7 @@ def enable(policy: str | None = None, *, kernel: str | None = None, fused_merge:
             previous.unregister()
         _registered = _Registration(handlers)  # wraps the switches it finds
     _registered.overlay()
-    mixers.install()
-    mixers.set_active(_registered.depth > 0)
+    mixers.install(active=_registered.depth > 0)
     log.info("cp_cache enabled: %s, ops=%s", config, sorted(str(op) for op in handlers.table()))
 
 
@@ -194,11 +193,6 @@ def active_documents() -> tuple[tuple[int, ...], str] | None:
     return getattr(regions.active(), "documents", None)
 
 
-def in_cp_region() -> bool:
-    """A CP region, cp_cache's or torch's, while cp_cache is enabled."""
-    return _registered is not None and _registered.depth > 0
-
-
 def registered_handlers() -> AttentionHandlers | None:
     """Tests check which handler a table holds."""
     return None if _registered is None else _registered.handlers
@@ -231,24 +225,24 @@ def context_parallel(mesh, *, buffers: list[torch.Tensor] | None = None, buffer_
             mixers.check_model(model)
         placed = _region_documents(documents, mesh)
         seq_dims = regions.buffer_seq_dims(buffers or [], buffer_seq_dims)
+        region = functools.partial(regions.Region, mesh, placed, algorithm=active_config().algorithm)
         if buffers and documents is not None:
             with _documents_buffers(mesh, placed, buffers, seq_dims, no_restore_buffers) as sharded, \
                     _dispatcher_only(mesh):
-                regions.ACTIVE.append(regions.Region(mesh, placed, sharded, active_config().algorithm))
+                regions.ACTIVE.append(region(sharded))
                 yield
         elif buffers:
             _check_sequence_lengths(mesh, buffers, seq_dims)
-            region = regions.Region(mesh, None, regions.sharded_buffers(buffers, seq_dims, mesh.size()),  # unsharded
-                                     active_config().algorithm)
+            unsharded = region(regions.sharded_buffers(buffers, seq_dims, mesh.size()))  # before torch shards them
             with torch_context_parallel(mesh, buffers=buffers, buffer_seq_dims=seq_dims,
                                         no_restore_buffers=no_restore_buffers):
                 wrapped = torch.nn.functional.scaled_dot_product_attention
-                regions.ACTIVE.append(region)
+                regions.ACTIVE.append(unsharded)
                 yield
             _forget_restored(wrapped)
         else:
             with _dispatcher_only(mesh):
-                regions.ACTIVE.append(regions.Region(mesh, placed, (), active_config().algorithm))
+                regions.ACTIVE.append(region())
                 yield
     finally:
         del regions.ACTIVE[entered:]  # this region, once entered

@@ -12,7 +12,7 @@ from torch.distributed.tensor import DTensor, Shard
 
 from .npu_ops import autocast_inputs, causal_mask, describe, sdpa_arguments
 from .op import forward_op
-from .mixers.region import check_sequence_fits
+from .mixers.region import check_sequence_fits, in_cp
 
 __all__ = ["scaled_dot_product_attention", "install", "uninstall"]
 
@@ -21,8 +21,7 @@ _ORIGINAL = F.scaled_dot_product_attention
 
 def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
                                  enable_gqa=False):
-    from .dispatch import in_cp_region  # at call time: dispatch installs this route
-    if not (isinstance(query, DTensor) and Shard(2) in query.placements and in_cp_region()):
+    if not (isinstance(query, DTensor) and Shard(2) in query.placements and in_cp()):
         return _ORIGINAL(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal,
                          scale=scale, enable_gqa=enable_gqa)
     if query.size(1) != key.size(1) and not enable_gqa:

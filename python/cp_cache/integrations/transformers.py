@@ -16,7 +16,8 @@ from torch import Tensor
 from torch.distributed.tensor import DTensor, Shard
 
 from .. import layout as L
-from ..dispatch import active_documents, active_mesh, in_cp_region
+from ..dispatch import active_documents, active_mesh
+from ..mixers.region import in_cp
 from ..engine.agreement import CHECK_ERRORS, agree_on_refusal
 from ..documents import document_positions, sequence_positions
 from ..npu_ops import SparseMode, autocast_inputs, band_arguments, causal_arguments, describe
@@ -62,7 +63,7 @@ def attention_forward(module: torch.nn.Module, query: Tensor, key: Tensor, value
                       **kwargs) -> tuple[Tensor, None]:
     """The attention function: q ``[B, N, S, D]``, k/v ``[B, Nkv, S, D|Dv]`` -> ``(out [B, S, N, Dv], None)``."""
     mesh = active_mesh()
-    if mesh is None and in_cp_region():
+    if mesh is None and in_cp():
         raise RuntimeError("cp_cache attention: a CP region entered through torch's context_parallel() is active; "
                            "enter it with cp_cache.context_parallel(mesh, buffers=[...]) so that the attention "
                            "knows its mesh")

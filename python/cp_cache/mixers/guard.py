@@ -188,12 +188,14 @@ def _after(module: torch.nn.Module, args: Any, output: Any) -> None:
 _hooks: list = []
 
 
-def install() -> None:
-    """Idempotent. The hooks stay for the process's life and act only inside CP regions: removed and added again
-    at every region (cp_cache enabled for one region), their new keys would make Dynamo recompile each step."""
+def install(active: bool) -> None:
+    """Idempotent; ``active``: inside a CP region now. The hooks stay for the process's life and act only inside
+    CP regions: removed and added again at every region (cp_cache enabled for one region), their new keys would
+    make Dynamo recompile each step."""
     if not _hooks:
         _hooks.append(torch.nn.modules.module.register_module_forward_pre_hook(_before))
         _hooks.append(torch.nn.modules.module.register_module_forward_hook(_after))
+    set_active(active)
 
 
 def uninstall() -> None:
