@@ -13,12 +13,13 @@ carries through a chunk only when no run starts inside it.
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import Sequence
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+
+from .runs import autocast_off, run_masks
 
 __all__ = ["chunk_gated_delta_rule"]
 
@@ -47,14 +48,14 @@ def chunk_gated_delta_rule(query: Tensor, key: Tensor, value: Tensor, g: Tensor,
     solver = solver or ("solve_triangular" if query.device.type in ("cpu", "cuda") else "substitution")
     if solver not in SOLVERS:
         raise ValueError(f"chunk_gated_delta_rule: solver {solver!r} is not one of {SOLVERS}")
-    with _autocast_off(query.device.type):
+    with autocast_off(query.device.type):
         query, key = (x.float().repeat_interleave(v_heads // k_heads, dim=2) for x in (query, key))
         if use_qk_l2norm:
             query, key = _l2norm(query), _l2norm(key)
         query = query * (k_dim**-0.5 if scale is None else scale)
         padded = -(-length // chunk_size) * chunk_size
         q, k, v, g_c, beta_c = (_to_chunks(x.float(), chunk_size, padded) for x in (query, key, value, g, beta))
-        masks = _run_masks(segments or [length], padded, chunk_size, q.device)
+        masks = run_masks(segments or [length], padded, chunk_size, q.device)
         if initial_state is None:
             state = q.new_zeros(batch * v_heads, k_dim, v_dim)
         else:
@@ -86,13 +87,6 @@ def _check_inputs(query, key, value, g, beta, initial_state, segments, chunk_siz
         raise ValueError("chunk_gated_delta_rule: " + "; ".join(problems))
 
 
-def _autocast_off(device_type: str):
-    """The caller may run under bf16 autocast; a device without autocast (meta) needs nothing."""
-    if torch.amp.is_autocast_available(device_type):
-        return torch.autocast(device_type=device_type, enabled=False)
-    return contextlib.nullcontext()
-
-
 def _l2norm(x: Tensor) -> Tensor:
     return x * torch.rsqrt((x * x).sum(dim=-1, keepdim=True) + 1e-6)
 
@@ -104,24 +98,6 @@ def _to_chunks(x: Tensor, chunk_size: int, padded: int) -> Tensor:
     x = F.pad(x, [0, 0] * len(rest) + [0, 0, 0, padded - length]).view(batch, -1, chunk_size, heads, *rest)
     x = x.permute(1, 0, 3, 2, *range(4, x.dim()))
     return x.reshape(-1, batch * heads, chunk_size, *rest)
-
-
-def _run_masks(segments: Sequence[int], padded: int, chunk_size: int, device) -> tuple[Tensor, ...]:
-    """Per chunk, from the runs: pairs (i, j <= i) in one run [N, C, C]; tokens that read the
-    incoming state, tokens that write the outgoing one [N, C]; whether the incoming state carries
-    through [N]. The padding belongs to the last run."""
-    lengths = [int(n) for n in segments]
-    lengths[-1] += padded - sum(lengths)
-    run = torch.repeat_interleave(torch.arange(len(lengths), device=device), torch.tensor(lengths, device=device),
-                                  output_size=padded)
-    run = run.view(-1, chunk_size)
-    incoming_run = torch.cat([run[:1, :1], run[:-1, -1:]])
-    causal = torch.ones(chunk_size, chunk_size, dtype=torch.bool, device=device).tril()
-    same_run = (run.unsqueeze(-1) == run.unsqueeze(-2)) & causal
-    reads = (run == incoming_run).float()
-    writes = (run == run[:, -1:]).float()
-    carries = (run[:, -1] == incoming_run[:, 0]).float()
-    return same_run, reads, writes, carries
 
 
 def _chunked_delta_rule(q, k, v, g, beta, state, masks, solver):
