@@ -24,7 +24,9 @@ from cp_cache.testing.reference import FACTOR, error_bound, rel_err
 SEQ = 48  # divisible by 2W for W = 2, 3, 4
 DOCUMENTS = (5, 19, 11, 13)  # one shorter than a rank's chunk at W = 4, one over three ranks
 # the families whose every token mixer cp_cache serves under CP (the others must be refused)
-SERVED = ("qwen3_5", "qwen3_5_moe", "qwen3_next", "olmo_hybrid", "lara_mini", "lfm2", "lfm2_moe", "lfm3")
+SERVED = ("qwen3_5", "qwen3_5_moe", "qwen3_next", "olmo_hybrid", "lara_mini", "lfm2", "lfm2_moe", "lfm3",
+          "bamba", "granitemoehybrid", "nemotron_h", "zamba2", "falcon_h1", "mamba2", "jamba", "zamba", "mamba",
+          "falcon_mamba")
 LAYOUTS = ("contiguous", "head_tail", "documents", "documents_head_tail")
 # A float32 run errs up to FACTOR (the suite's 20) times the one-process float32 error; under bf16 autocast both
 # runs round alike (gradients measured within 1.6x of each other), so 4x, which a layer computed on the shard
@@ -50,7 +52,7 @@ class Case:
         return f"{self.family}-W{self.world}-{self.layout}{'-bf16' if self.autocast else ''}-{self.algorithm}"
 
 
-def _random_net(seed: int = 0, count: int = 16) -> list[Case]:
+def _random_net(seed: int = 0, count: int = 24) -> list[Case]:
     """Ulysses (attention's and the mixers') only where W divides the tiny models' 4 heads."""
     rng = random.Random(seed)
     cases = []

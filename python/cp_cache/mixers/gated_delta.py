@@ -19,24 +19,13 @@ from torch import Tensor
 
 from . import region, sequence
 from .delta_rule import chunk_gated_delta_rule
-from .heads import to_heads, to_sequence
+from .heads import by_heads, to_heads, to_sequence
 from .kinds import SERVERS
-from .sequence import ShardedSequence, chain, document_ends, gather, lengths_of
+from .sequence import ShardedSequence, chain, document_ends, document_lengths, gather, lengths_of
 from .serving import FunctionServer
 from .short_conv import served_conv
 
-__all__ = ["delta_rule_under_cp", "form_for", "served_rule"]
-
-
-def form_for(algorithm: str, v_heads: int, world: int) -> str:
-    if algorithm == "ulysses":
-        if v_heads % world:
-            raise ValueError(f"cp_cache: algorithm='ulysses' shards Gated DeltaNet's {v_heads} value heads over "
-                             f"W={world} ranks, which needs W to divide them; use algorithm='ring' or 'auto'")
-        return "heads"
-    if algorithm == "auto" and v_heads % world == 0:
-        return "heads"
-    return "state"
+__all__ = ["delta_rule_under_cp", "served_rule"]
 
 
 def delta_rule_under_cp(query: Tensor, key: Tensor, value: Tensor, g: Tensor, beta: Tensor, seq: ShardedSequence,
@@ -44,7 +33,7 @@ def delta_rule_under_cp(query: Tensor, key: Tensor, value: Tensor, g: Tensor, be
                         use_qk_l2norm: bool = False) -> Tensor:
     """The local ``[B, L, ...]`` shards of ``chunk_gated_delta_rule``'s inputs -> the local output, exact."""
     options = dict(scale=scale, use_qk_l2norm=use_qk_l2norm)
-    if form_for(algorithm, value.size(2), seq.world) == "heads":
+    if by_heads(algorithm, value.size(2), seq.world, "a Gated DeltaNet"):
         return _by_heads(query, key, value, g, beta, seq, options)
     return _by_state(query, key, value, g, beta, seq, options)
 
@@ -81,19 +70,9 @@ def _by_heads(query, key, value, g, beta, seq: ShardedSequence, options: dict) -
     if k_heads % seq.world or (v_heads // seq.world) % (v_heads // k_heads):  # q/k heads do not split with v's
         query, key = (t.repeat_interleave(v_heads // k_heads, dim=2) for t in (query, key))
     q, k, v, g_h, b_h = to_heads(seq, [query, key, value, g.unsqueeze(-1), beta.unsqueeze(-1)])
-    ends = _document_lengths(seq)
-    out, _ = chunk_gated_delta_rule(q, k, v, g_h.squeeze(-1), b_h.squeeze(-1), segments=ends, **options)
+    out, _ = chunk_gated_delta_rule(q, k, v, g_h.squeeze(-1), b_h.squeeze(-1), segments=document_lengths(seq),
+                                    **options)
     return to_sequence(seq, out)
-
-
-def _document_lengths(seq: ShardedSequence) -> list[int]:
-    lengths = []
-    for chunk in seq.chunks:
-        pieces = list(chunk.pieces)
-        if chunk.continues and lengths:
-            lengths[-1] += pieces.pop(0)
-        lengths += pieces
-    return lengths
 
 
 def served_rule(original):

@@ -17,6 +17,7 @@ from typing import Any, Optional
 import torch
 
 from . import region
+from .sequence import document_ends
 from .kinds import ATTENTION, SERVED_ATTENTION, SERVERS, Kind, kind_of, served_summary
 
 __all__ = ["Found", "scan", "check_model", "install", "uninstall", "set_active", "refusal"]
@@ -90,6 +91,7 @@ def scan(root: torch.nn.Module) -> list[Found]:
 def check_model(model: torch.nn.Module) -> None:
     """Serves every mixer a kind serves; refuses a mixer no kind serves, or attention cp_cache does not serve
     (towers aside)."""
+    _note_documents_of(model)
     for found in scan(model):
         if _TOWERS.search(found.path):
             continue
@@ -98,6 +100,22 @@ def check_model(model: torch.nn.Module) -> None:
             _check_attention(module, found)
         elif not _served(module, found):
             raise refusal(found)
+
+
+_NOTING: "weakref.WeakSet[torch.nn.Module]" = weakref.WeakSet()
+
+
+def _note_documents_of(model: torch.nn.Module) -> None:
+    """Each transformers model in ``model`` notes the packed documents it is called with (``cu_seq_lens_q``)."""
+    for module in model.modules():
+        if hasattr(module, "base_model_prefix") and module not in _NOTING:
+            module.register_forward_pre_hook(_note_documents, with_kwargs=True)
+            _NOTING.add(module)
+
+
+def _note_documents(module: torch.nn.Module, args: Any, kwargs: dict) -> None:
+    if region.in_cp() and not torch.compiler.is_compiling() and kwargs.get("cu_seq_lens_q") is not None:
+        region.note_call_documents(document_ends(kwargs["cu_seq_lens_q"]))
 
 
 def _served(module: torch.nn.Module, found: Found) -> bool:

@@ -11,6 +11,7 @@ from typing import Any, Optional
 import torch
 
 __all__ = ["ShardedBuffer", "Region", "ACTIVE", "active", "in_cp", "set_in_cp", "refuse_without_region",
+           "note_call_documents", "call_documents",
            "buffer_seq_dims", "sharded_buffers", "check_sequence_fits", "count_attention_call", "attention_calls"]
 
 
@@ -54,6 +55,20 @@ def in_cp() -> bool:
 
 def set_in_cp(inside: bool) -> None:
     _IN_CP[0] = inside
+    _CALL_DOCUMENTS[0] = None
+
+
+# the packed documents (cumulative ends) the model running inside the region was called with: the mixers whose
+# forward is not handed them (Mamba's) read them here
+_CALL_DOCUMENTS: list = [None]
+
+
+def note_call_documents(ends: Optional[tuple[int, ...]]) -> None:
+    _CALL_DOCUMENTS[0] = ends
+
+
+def call_documents() -> Optional[tuple[int, ...]]:
+    return _CALL_DOCUMENTS[0]
 
 
 def refuse_without_region(what: str) -> None:

@@ -23,7 +23,7 @@ from ..documents import document_positions, sequence_positions
 from . import region
 
 __all__ = ["Chunk", "ShardedSequence", "current", "sharded_sequence", "gather", "chain", "left_context",
-           "piece_starts", "document_ends", "lengths_of"]
+           "piece_starts", "document_ends", "lengths_of", "document_lengths"]
 
 
 @dataclass(frozen=True)
@@ -65,7 +65,8 @@ class ShardedSequence:
 
 def current(local_length: int, ends: Optional[Sequence[int]] = None) -> Optional[ShardedSequence]:
     """The active CP region's sequence of ``local_length`` local tokens, with the documents ending at ``ends``
-    (global cumulative ends, as the call's ``cu_seq_lens_q``; else the region's own, else one document)."""
+    (global cumulative ends, as the call's ``cu_seq_lens_q``; else those the model was called with, else the
+    region's own, else one document)."""
     here = region.active()
     if here is None:
         return None
@@ -74,6 +75,7 @@ def current(local_length: int, ends: Optional[Sequence[int]] = None) -> Optional
         raise NotImplementedError(f"cp_cache: sequence mixers under a {mesh.ndim}-D CP mesh ({mesh}) are not "
                                   "supported; use a 1-D CP mesh")
     placed = here.documents
+    ends = ends or region.call_documents()
     return sharded_sequence(mesh.size(), mesh.get_local_rank(), local_length, L.load_balance_enabled(),
                             placed, None if ends is None else tuple(ends), mesh.get_group())
 
@@ -134,6 +136,17 @@ def _chunks(rank: int, held: list[int], ends: tuple[int, ...]) -> list[Chunk]:
         chunks.append(Chunk(rank, len(chunks), first, span[0], pieces, span[0] not in starts))
         first = i
     return chunks
+
+
+def document_lengths(seq: ShardedSequence) -> list[int]:
+    """The lengths of the documents of the whole sequence, in order."""
+    lengths = []
+    for chunk in seq.chunks:
+        pieces = list(chunk.pieces)
+        if chunk.continues and lengths:
+            lengths[-1] += pieces.pop(0)
+        lengths += pieces
+    return lengths
 
 
 def piece_starts(chunk: Chunk) -> list[int]:

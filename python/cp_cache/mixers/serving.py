@@ -14,10 +14,11 @@ __all__ = ["FunctionServer"]
 
 class FunctionServer:
     """Serves a module whose forward calls every function named in ``replacements`` (name -> a maker taking the
-    model's function and returning cp_cache's); idempotent."""
+    model's function and returning cp_cache's), and those of ``optional`` it calls; idempotent."""
 
-    def __init__(self, replacements: dict[str, Callable[[Callable], Callable]]):
-        self.replacements = replacements
+    def __init__(self, replacements: dict[str, Callable[[Callable], Callable]],
+                 optional: dict[str, Callable[[Callable], Callable]] | None = None):
+        self.replacements, self.optional = replacements, optional or {}
 
     @property
     def names(self) -> tuple[str, ...]:
@@ -27,8 +28,8 @@ class FunctionServer:
         namespace = inspect.unwrap(type(module).forward).__globals__
         if any(name not in namespace for name in self.replacements):
             return False
-        for name, make in self.replacements.items():
-            if not hasattr(namespace[name], "cp_cache_serves"):
+        for name, make in {**self.replacements, **self.optional}.items():
+            if name in namespace and not hasattr(namespace[name], "cp_cache_serves"):
                 served = make(namespace[name])
                 served.cp_cache_serves = namespace[name]
                 namespace[name] = served
