@@ -7,7 +7,7 @@ across ranks in one of two forms.
   chunk adds its tokens' read of the state that enters it. O(heads Dk (Dk + Dv)) per chunk crosses ranks.
 - "heads" (``ulysses``): an all-to-all from sequence shards to head shards, one kernel call on the whole
   sequence for H/W value heads, and back (H divisible by W).
-``auto`` takes "heads" where the value heads divide W (measured faster: docs/hybrid.md), else "state"."""
+``auto`` takes "heads" where W divides the value heads (measured a little faster: docs/hybrid.md), else "state"."""
 
 from __future__ import annotations
 
@@ -33,7 +33,7 @@ def delta_rule_under_cp(query: Tensor, key: Tensor, value: Tensor, g: Tensor, be
                         use_qk_l2norm: bool = False) -> Tensor:
     """The local ``[B, L, ...]`` shards of ``chunk_gated_delta_rule``'s inputs -> the local output, exact."""
     options = dict(scale=scale, use_qk_l2norm=use_qk_l2norm)
-    if by_heads(algorithm, value.size(2), seq.world, "a Gated DeltaNet"):
+    if by_heads(algorithm, value.size(2), seq.world, "a Gated DeltaNet", auto=True):
         return _by_heads(query, key, value, g, beta, seq, options)
     return _by_state(query, key, value, g, beta, seq, options)
 

@@ -14,13 +14,14 @@ from .sequence import ShardedSequence
 __all__ = ["by_heads", "to_heads", "to_sequence"]
 
 
-def by_heads(algorithm: str, heads: int, world: int, what: str) -> bool:
-    """Whether a mixer of ``heads`` heads runs in the head form: "ulysses" (W must divide the heads), or "auto"
-    where W divides them (the head form measured faster: docs/hybrid.md); "ring" and "hybrid": the state form."""
+def by_heads(algorithm: str, heads: int, world: int, what: str, auto: bool) -> bool:
+    """Whether a mixer of ``heads`` heads runs in the head form: under "ulysses" (W must divide the heads), and
+    under "auto" where ``auto`` (the kind's head form measured the better one: docs/hybrid.md) and W divides them;
+    "ring" and "hybrid": the state form."""
     if algorithm == "ulysses" and heads % world:
         raise ValueError(f"cp_cache: algorithm='ulysses' shards {what}'s {heads} heads over W={world} ranks, which "
                          "needs W to divide them; use algorithm='ring' or 'auto'")
-    return algorithm in ("ulysses", "auto") and heads % world == 0
+    return (algorithm == "ulysses" or algorithm == "auto" and auto) and heads % world == 0
 
 
 @functools.lru_cache(maxsize=64)

@@ -1,9 +1,10 @@
 """Mamba (Mamba-1) under CP (Jamba, Zamba, Mamba, Falcon-Mamba): the selective scan's state carried across ranks.
 The decay is diagonal, one per channel and state entry, so a chunk's summary is its final state from zero and its
-decay [Dch, N]: "state" form (ring, hybrid) gathers and chains them, each chunk adding its tokens' read of the
-state entering it (before the gate); "channels" form (ulysses) shards the channels over the ranks (B and C, shared
-by every channel, go to every rank whole) for one scan of the whole sequence. The models hand the scan no packed
-documents: it takes those the model was called with. mamba_ssm's fused path is turned off inside a region."""
+decay [Dch, N]: "state" form (ring, hybrid; auto: within 10% of the other's time and 0.6x its memory) gathers and
+chains them, each chunk adding its tokens' read of the state entering it (before the gate); "channels" form
+(ulysses) shards the channels over the ranks (B and C, shared by every channel, go to every rank whole). The
+models hand the scan no packed documents: it takes those the model was called with. mamba_ssm's fused path is
+turned off inside a region."""
 
 from __future__ import annotations
 
@@ -32,7 +33,7 @@ def selective_scan_under_cp(u: Tensor, delta: Tensor, A: Tensor, B: Tensor, C: T
                             algorithm: str = "ring") -> Tensor:
     """``selective_scan``'s local shards ([batch, Dch, L] and [batch, N, L]) -> the local output, exact."""
     options = dict(D=D, delta_bias=delta_bias, delta_softplus=delta_softplus)
-    if by_heads(algorithm, u.size(1), seq.world, "a Mamba layer's channels"):
+    if by_heads(algorithm, u.size(1), seq.world, "a Mamba layer's channels", auto=False):
         return _by_channels(u, delta, A, B, C, z, seq, options)
     discrete = delta if delta_bias is None else delta + delta_bias.to(delta.dtype)[..., None]
     discrete = F.softplus(discrete) if delta_softplus else discrete

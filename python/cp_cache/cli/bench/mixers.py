@@ -1,6 +1,7 @@
-"""The ``mixers`` section of ``python -m cp_cache bench``: a recurrent mixer layer under CP beside one process on the
-same kernel, in one run on the same ranks: a Gated DeltaNet layer (its short conv, K = 4, on q/k/v, then the delta
-rule; 4 value and key heads, d_k = d_v = 128) in both CP forms ("state": the chunks' summaries chained; "heads": the
+"""The ``mixers`` section of ``python -m cp_cache bench``: recurrent mixer layers under CP beside one process on the
+same kernels, in one run on the same ranks: a Gated DeltaNet layer (its short conv, K = 4, on q/k/v, then the delta
+rule; 4 value and key heads, d_k = d_v = 128) and a Mamba-2 layer (its conv on x/B/C, then the SSD scan; 8 heads,
+d_head 64, d_state 128, one group), each in both CP forms ("state": the chunks' summaries chained; "heads": the
 head all-to-all), one sequence of S tokens in head-tail shards, forward and forward + backward, float32, one
 thread per rank (its own core) and one for the one process. ``efficiency`` = one process's time / (W x the CP
 form's): 1.0 is the ideal W x. Also per layer and rank: the bytes the form sends to other ranks in the forward
@@ -31,22 +32,40 @@ def _timed(fn, repeats: int) -> float:
     return statistics.median(times)
 
 
-def _inputs(cfg: dict):
+def _inputs(layer: str, cfg: dict):
     import torch
     g = torch.Generator().manual_seed(0)
     s, h, d = cfg["seq"], cfg["heads"], cfg["head_dim"]
-    return {"qkv": torch.randn(1, 3 * h * d, s, generator=g), "weight": torch.randn(3 * h * d, 4, generator=g) * 0.5,
-            "g": -torch.rand(1, s, h, generator=g) * 0.1, "beta": torch.rand(1, s, h, generator=g),
-            "dout": torch.randn(1, s, h, d, generator=g)}
+    channels = {"gated_delta": 3 * h * d, "mamba2": h * d + 2 * cfg.get("state", 0), "mamba1": h * d}[layer]
+    made = {"mixed": torch.randn(1, channels, s, generator=g), "weight": torch.randn(channels, 4, generator=g) * 0.5}
+    if layer == "gated_delta":
+        return made | {"g": -torch.rand(1, s, h, generator=g) * 0.1, "beta": torch.rand(1, s, h, generator=g),
+                       "dout": torch.randn(1, s, h, d, generator=g)}
+    if layer == "mamba2":
+        return made | {"dt": torch.rand(1, s, h, generator=g) * 0.1, "A": -torch.rand(h, generator=g) - 0.5,
+                       "D": torch.randn(h, generator=g), "dout": torch.randn(1, s, h, d, generator=g)}
+    n = cfg["state"]
+    return made | {"delta": torch.randn(1, channels, s, generator=g), "B": torch.randn(1, n, s, generator=g),
+                   "C": torch.randn(1, n, s, generator=g), "z": torch.randn(1, channels, s, generator=g),
+                   "A": -torch.rand(channels, n, generator=g) * 4, "D": torch.randn(channels, generator=g),
+                   "bias": torch.randn(channels, generator=g), "dout": torch.randn(1, channels, s, generator=g)}
 
 
-def _layer(x: dict, cfg: dict, conv, rule, backward: bool):
-    """The conv on q/k/v, then the delta rule (l2-normalised q/k, as the models run it)."""
+def _layer(layer: str, x: dict, cfg: dict, conv, mix, backward: bool, track: bool = False):
+    """The conv, then the recurrent core (the delta rule with l2-normalised q/k, the SSD scan, the selective scan),
+    as the models run them; ``track``: a forward that autograd records (what a training step keeps for its
+    backward)."""
     h, d = cfg["heads"], cfg["head_dim"]
-    qkv = x["qkv"].detach().requires_grad_(backward)
-    mixed = conv(qkv, x["weight"]).transpose(1, 2)
-    q, k, v = (t.reshape(1, mixed.size(1), h, d) for t in mixed.split(h * d, dim=-1))
-    out = rule(q, k, v, x["g"], x["beta"])
+    mixed = conv(x["mixed"].detach().requires_grad_(backward or track), x["weight"])
+    if layer == "mamba1":
+        out = mix(mixed, x["delta"], x["A"], x["B"], x["C"], x["D"], x["z"], x["bias"])
+    elif layer == "gated_delta":
+        mixed = mixed.transpose(1, 2)
+        q, k, v = (t.reshape(1, mixed.size(1), h, d) for t in mixed.split(h * d, dim=-1))
+        out = mix(q, k, v, x["g"], x["beta"])
+    else:
+        xs, B, C = mixed.transpose(1, 2).split([h * d, cfg["state"], cfg["state"]], dim=-1)
+        out = mix(xs.reshape(1, xs.size(1), h, d), x["dt"], x["A"], B[:, :, None], C[:, :, None], x["D"])
     if backward:
         out.backward(x["dout"])
     return out
@@ -97,29 +116,55 @@ def _attention_bytes(cfg: dict, mesh, world: int) -> int:
 
     import cp_cache
     from ...npu_ops import causal_arguments
-    s, d = cfg["seq"] // world, cfg["head_dim"]
+    s, d = cfg["seq"] // world, 128
     with cp_cache.context_parallel(mesh):
         q, k, v = (DTensor.from_local(torch.randn(1, n, s, d), mesh, [Shard(2)]) for n in (8, 2, 2))
         torch.ops.cp_cache.fusion_attention(q, k, v, 8, "BNSD", scale=d ** -0.5, **causal_arguments("cpu"))
         return int(cp_cache.call_stats()["forward"]["bytes_sent"])
 
 
-def _single_row(cfg: dict, x: dict) -> dict:
+def _single_row(layer: str, cfg: dict, x: dict) -> dict:
     from ...mixers.delta_rule import chunk_gated_delta_rule
+    from ...mixers.selective_scan import selective_scan
     from ...mixers.short_conv import causal_conv_documents
+    from ...mixers.ssd import ssd_scan
 
     def conv(t, w):
         return causal_conv_documents(t, w, None, (t.size(-1),), "silu")
 
-    def rule(q, k, v, g, beta):
-        return chunk_gated_delta_rule(q, k, v, g, beta, use_qk_l2norm=True)[0]
+    def mix(*args):
+        if layer == "gated_delta":
+            return chunk_gated_delta_rule(*args, use_qk_l2norm=True)[0]
+        if layer == "mamba1":
+            return selective_scan(*args[:5], D=args[5], z=args[6], delta_bias=args[7], delta_softplus=True)[0]
+        return ssd_scan(*args[:5], D=args[5])[0]
 
     row = {}
     for backward in (False, True):
         name = "forward_backward" if backward else "forward"
-        row[f"{name}_single_s"] = _timed(lambda: _layer(x, cfg, conv, rule, backward), cfg["repeats"])
-    row["saved_single_bytes"] = _saved_bytes(lambda: _layer(x, cfg, conv, rule, False))
+        row[f"{name}_single_s"] = _timed(lambda: _layer(layer, x, cfg, conv, mix, backward), cfg["repeats"])
+    row["saved_single_bytes"] = _saved_bytes(lambda: _layer(layer, x, cfg, conv, mix, False, track=True))
     return row
+
+
+def _cp_mix(layer: str, seq, algorithm: str):
+    from ...mixers.gated_delta import delta_rule_under_cp
+    from ...mixers.mamba1 import selective_scan_under_cp
+    from ...mixers.mamba2 import ssd_under_cp
+
+    def mix(*args):
+        if layer == "gated_delta":
+            return delta_rule_under_cp(*args, seq, algorithm=algorithm, use_qk_l2norm=True)
+        if layer == "mamba1":
+            return selective_scan_under_cp(*args[:5], seq, D=args[5], z=args[6], delta_bias=args[7],
+                                           delta_softplus=True, algorithm=algorithm)
+        return ssd_under_cp(*args, seq, algorithm)
+    return mix
+
+
+def _heads(layer: str, cfg: dict) -> int:
+    """What the head form shards: heads, or Mamba's channels."""
+    return cfg["heads"] * cfg["head_dim"] if layer == "mamba1" else cfg["heads"]
 
 
 def mixers_rank(plan: dict, rank: int, world: int, mesh) -> list[dict]:
@@ -127,42 +172,43 @@ def mixers_rank(plan: dict, rank: int, world: int, mesh) -> list[dict]:
     import torch.distributed as dist
 
     import cp_cache
-    from ...mixers import sequence
-    from ...mixers.gated_delta import delta_rule_under_cp
-    from ...mixers.short_conv import causal_conv_under_cp
     from ...documents import sequence_positions
+    from ...mixers import sequence
+    from ...mixers.short_conv import causal_conv_under_cp
 
     torch.set_num_threads(1)
-    cfg = plan["mixers"]
-    full = _inputs(cfg)
-    single = _single_row(cfg, full) if rank == 0 else {}
-    dist.barrier()
-    held = sequence_positions(rank, world, cfg["seq"] // world, True)
-    local = {n: (t.index_select(2 if n == "qkv" else 1, held) if n != "weight" else t) for n, t in full.items()}
     rows = []
-    for form, algorithm in FORMS.items():
-        if form == "heads" and cfg["heads"] % world:
-            continue
-        with cp_cache.context_parallel(mesh, algorithm=algorithm):
-            seq = sequence.current(held.numel())
+    for layer, cfg in plan["mixers"].items():
+        full = _inputs(layer, cfg)
+        single = _single_row(layer, cfg, full) if rank == 0 else {}
+        dist.barrier()
+        held = sequence_positions(rank, world, cfg["seq"] // world, True)
+        seq_dim = {"mixed": 2} if layer != "mamba1" else {n: 2 for n in ("mixed", "delta", "B", "C", "z", "dout")}
+        local = {n: t if t.dim() < 3 else t.index_select(seq_dim.get(n, 1), held) for n, t in full.items()}
+        for form, algorithm in FORMS.items():
+            if form == "heads" and _heads(layer, cfg) % world:
+                continue
+            with cp_cache.context_parallel(mesh, algorithm=algorithm):
+                seq = sequence.current(held.numel())
+                mix = _cp_mix(layer, seq, algorithm)
 
-            def conv(t, w):
-                return causal_conv_under_cp(t, w, None, seq, "silu")
+                def conv(t, w):
+                    return causal_conv_under_cp(t, w, None, seq, "silu")
 
-            def rule(q, k, v, g, beta):
-                return delta_rule_under_cp(q, k, v, g, beta, seq, algorithm=algorithm, use_qk_l2norm=True)
+                def run(backward: bool, track: bool = False):
+                    return _layer(layer, local, cfg, conv, mix, backward, track)
 
-            row = dict(layer="gated_delta", form=form, world_size=world, seq=cfg["seq"], heads=cfg["heads"],
-                       head_dim=cfg["head_dim"], **single)
-            for backward in (False, True):
-                name = "forward_backward" if backward else "forward"
-                row[f"{name}_cp_s"] = _timed(lambda: _layer(local, cfg, conv, rule, backward), cfg["repeats"])
-                if single:
-                    row[f"{name}_efficiency"] = single[f"{name}_single_s"] / (world * row[f"{name}_cp_s"])
-            row["sent_bytes"] = _sent_bytes(lambda: _layer(local, cfg, conv, rule, False))
-            row["saved_cp_bytes"] = _saved_bytes(lambda: _layer(local, cfg, conv, rule, False))
-        row["attention_sent_bytes"] = _attention_bytes(cfg, mesh, world)
-        rows.append(row)
+                row = dict(layer=layer, form=form, world_size=world, seq=cfg["seq"], heads=cfg["heads"],
+                           head_dim=cfg["head_dim"], **single)
+                for backward in (False, True):
+                    name = "forward_backward" if backward else "forward"
+                    row[f"{name}_cp_s"] = _timed(lambda: run(backward), cfg["repeats"])
+                    if single:
+                        row[f"{name}_efficiency"] = single[f"{name}_single_s"] / (world * row[f"{name}_cp_s"])
+                row["sent_bytes"] = _sent_bytes(lambda: run(False))
+                row["saved_cp_bytes"] = _saved_bytes(lambda: run(False, track=True))
+            row["attention_sent_bytes"] = _attention_bytes(cfg, mesh, world)
+            rows.append(row)
     return rows
 
 
@@ -196,17 +242,21 @@ def draw_mixers(report: dict, path) -> bool:
                 va="bottom", fontsize=8)
     ax.set_xticks(list(x), labels)
     ax.set_ylabel("seconds per forward + backward (rank 0)")
-    ax.set_title(f"recurrent mixer layers, CPU, S={rows[0]['seq']}")
+    ax.set_title(f"recurrent mixer layers under CP, CPU, S={rows[0]['seq']}")
     ax.legend(fontsize=8)
     return save_figure(fig, path)
 
 
 SECTION = Section(
     name="mixers",
-    about="recurrent mixer layers under CP (a Gated DeltaNet layer, both CP forms) beside one process on the same "
-          "kernel: efficiency against the ideal W x, bytes sent beside an attention layer's, bytes kept",
-    quick=dict(mixers=dict(seq=256, heads=4, head_dim=16, repeats=1)),
-    full=dict(mixers=dict(seq=8192, heads=4, head_dim=128, repeats=3)),
+    about="recurrent mixer layers under CP (Gated DeltaNet and Mamba-2, both CP forms) beside one process on the same "
+          "kernels: efficiency against the ideal W x, bytes sent beside an attention layer's, bytes kept",
+    quick=dict(mixers=dict(gated_delta=dict(seq=256, heads=4, head_dim=16, repeats=1),
+                           mamba2=dict(seq=256, heads=4, head_dim=16, state=16, repeats=1),
+                           mamba1=dict(seq=256, heads=4, head_dim=16, state=8, repeats=1))),
+    full=dict(mixers=dict(gated_delta=dict(seq=8192, heads=4, head_dim=128, repeats=5),
+                          mamba2=dict(seq=8192, heads=8, head_dim=64, state=128, repeats=5),
+                          mamba1=dict(seq=8192, heads=4, head_dim=64, state=16, repeats=3))),
     rank=mixers_rank, runs_at=lambda plan, world: world == 2, all_ranks=False, summary=print_mixers,
     plots=(("bench_mixers.png", draw_mixers),),
 )
