@@ -217,8 +217,8 @@ def print_mixers(report: dict) -> None:
     if not rows:
         return
     print("\nrecurrent mixer layers under CP (rank 0; seconds; efficiency = one process / (W x CP); MiB per layer)")
-    lines = [[f"{r['layer']} {r['form']} W={r['world_size']}", f"{r['forward_single_s']:.3f}", f"{r['forward_cp_s']:.3f}",
-              f"{r['forward_efficiency']:.2f}", f"{r['forward_backward_single_s']:.3f}",
+    lines = [[f"{r['layer']} {r['form']} W={r['world_size']}", f"{r['forward_single_s']:.3f}",
+              f"{r['forward_cp_s']:.3f}", f"{r['forward_efficiency']:.2f}", f"{r['forward_backward_single_s']:.3f}",
               f"{r['forward_backward_cp_s']:.3f}", f"{r['forward_backward_efficiency']:.2f}",
               f"{r['sent_bytes'] / 2**20:.2f}", f"{r['attention_sent_bytes'] / 2**20:.2f}",
               f"{r['saved_cp_bytes'] / 2**20:.1f} / {r['saved_single_bytes'] / 2**20:.1f}"] for r in rows]
