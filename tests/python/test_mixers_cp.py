@@ -157,7 +157,34 @@ def _rank(rank: int, world: int) -> dict:
         x = _inputs(_total(layout, world), seed=10 * world + i)
         for algorithm in ("ring", "ulysses") if V_HEADS % world == 0 else ("ring",):
             res[(layout.name, algorithm)] = _under_cp(mesh, layout, x, algorithm)
+    res["registered"] = _registered_kernels(mesh, world)
     return res
+
+
+def _registered_kernels(mesh, world: int) -> dict:
+    """Kernels registered for each kind and named by CP_CACHE_MIXER_KERNELS serve the CP forms: each counts its
+    calls and runs cp_cache's own."""
+    import os
+    from cp_cache.mixers import kernels
+    calls = {kind: 0 for kind in ("gated_delta", "ssd", "selective")}
+
+    def counting(kind):
+        own = kernels.kernel(kind)
+
+        def run(*args, **kwargs):
+            calls[kind] += 1
+            return own(*args, **kwargs)
+        return run
+
+    for kind in calls:
+        kernels.register(kind, "counting", counting(kind), replace=True)
+    os.environ["CP_CACHE_MIXER_KERNELS"] = "gated_delta=counting,ssd=counting,selective=counting"
+    try:
+        layout = _layouts(world)[1]
+        result = _under_cp(mesh, layout, _inputs(_total(layout, world), seed=10 * world + 1), "ring")
+    finally:
+        del os.environ["CP_CACHE_MIXER_KERNELS"]
+    return {"calls": calls, "result": result}
 
 
 _RESULTS: dict[int, list] = {}
@@ -189,3 +216,23 @@ def test_layer_under_cp_equals_one_process(world, layout, algorithm):
         got = got.index_select(seq_dim, torch.argsort(held))
         error, bound = rel_err(got.double(), truth[name]), error_bound(rel_err(single[name].double(), truth[name]))
         assert error <= bound, (case, name, error, bound)
+
+
+@pytest.mark.parametrize("world", WORLDS)
+def test_registered_kernels_serve_the_cp_forms(world):
+    for rank, res in enumerate(_results(world)):
+        got, own = res["registered"], res[("head_tail", "ring")]
+        assert all(n > 0 for n in got["calls"].values()), (rank, got["calls"])
+        for name in own:
+            assert torch.equal(got["result"][name], own[name]), (rank, name)
+
+
+def test_kernel_registry_refuses_what_it_cannot_serve(monkeypatch):
+    from cp_cache.mixers import kernels
+    with pytest.raises(ValueError, match="kind='mamba3'"):
+        kernels.register("mamba3", "x", lambda *a: a)
+    with pytest.raises(ValueError, match="named 'torch' exists"):
+        kernels.register("ssd", "torch", lambda *a: a)
+    monkeypatch.setenv("CP_CACHE_MIXER_KERNELS", "ssd=missing")
+    with pytest.raises(ValueError, match="names the ssd kernel 'missing'; registered: torch"):
+        kernels.kernel("ssd")

@@ -18,8 +18,8 @@ import torch
 from torch import Tensor
 
 from . import region, sequence
-from .delta_rule import chunk_gated_delta_rule
 from .heads import by_heads, to_heads, to_sequence
+from .kernels import kernel
 from .kinds import SERVERS
 from .sequence import ShardedSequence, chain, document_ends, document_lengths, gather, lengths_of
 from .serving import FunctionServer
@@ -50,7 +50,7 @@ def _by_state(query, key, value, g, beta, seq: ShardedSequence, options: dict) -
             v = torch.cat([v.float(), v.new_zeros(*v.shape[:-1], k_dim, dtype=torch.float32)], dim=-1)
             eye = torch.eye(k_dim, device=v.device).expand(batch, v_heads, k_dim, k_dim)
             initial = torch.cat([eye.new_zeros(batch, v_heads, k_dim, v_dim), eye], dim=-1)
-        out, final = chunk_gated_delta_rule(q, k, v, g_c, b_c, initial_state=initial, segments=chunk.pieces,
+        out, final = kernel("gated_delta")(q, k, v, g_c, b_c, initial_state=initial, segments=chunk.pieces,
                                             **options)
         outs.append(out[..., :v_dim])
         operators.append(out[..., v_dim:] if chunk.continues else None)
@@ -70,7 +70,7 @@ def _by_heads(query, key, value, g, beta, seq: ShardedSequence, options: dict) -
     if k_heads % seq.world or (v_heads // seq.world) % (v_heads // k_heads):  # q/k heads do not split with v's
         query, key = (t.repeat_interleave(v_heads // k_heads, dim=2) for t in (query, key))
     q, k, v, g_h, b_h = to_heads(seq, [query, key, value, g.unsqueeze(-1), beta.unsqueeze(-1)])
-    out, _ = chunk_gated_delta_rule(q, k, v, g_h.squeeze(-1), b_h.squeeze(-1), segments=document_lengths(seq),
+    out, _ = kernel("gated_delta")(q, k, v, g_h.squeeze(-1), b_h.squeeze(-1), segments=document_lengths(seq),
                                     **options)
     return to_sequence(seq, out)
 
@@ -95,7 +95,7 @@ def served_rule(original):
             return original(query, key, value, g=g, beta=beta, chunk_size=chunk_size, initial_state=initial_state,
                             output_final_state=output_final_state, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
                             **kwargs)
-        out, final = chunk_gated_delta_rule(query, key, value, g, beta, initial_state=initial_state,
+        out, final = kernel("gated_delta")(query, key, value, g, beta, initial_state=initial_state,
                                             segments=lengths_of(ends), use_qk_l2norm=use_qk_l2norm_in_kernel)
         return out, final if output_final_state else None
 

@@ -17,9 +17,10 @@ from torch import Tensor
 
 from . import region, sequence
 from .heads import by_heads, to_heads, to_sequence
+from .kernels import kernel
 from .kinds import SERVERS
 from .mamba2 import unfused_inside_regions
-from .selective_scan import selective_scan, selective_state_read, selective_transition
+from .selective_scan import selective_state_read, selective_transition
 from .sequence import ShardedSequence, chain, document_lengths, gather
 from .serving import FunctionServer
 from .short_conv import served_conv
@@ -40,7 +41,7 @@ def selective_scan_under_cp(u: Tensor, delta: Tensor, A: Tensor, B: Tensor, C: T
     outs, finals = [], []
     for chunk in seq.mine:
         rows = slice(chunk.local, chunk.local + chunk.length)
-        out, final = selective_scan(u[..., rows].float(), delta[..., rows], A, B[..., rows], C[..., rows],
+        out, final = kernel("selective")(u[..., rows].float(), delta[..., rows], A, B[..., rows], C[..., rows],
                                     z=None if z is None else z[..., rows], segments=chunk.pieces, **options)
         outs.append(out)
         finals.append(torch.cat([selective_transition(discrete[..., rows], A, chunk.pieces), final], dim=-1))
@@ -67,7 +68,7 @@ def _by_channels(u, delta, A, B, C, z, seq: ShardedSequence, options: dict) -> T
     B_h, C_h = (t.squeeze(2).transpose(1, 2) for t in moved[-2:])
     mine = slice(seq.rank * (channels // world), (seq.rank + 1) * (channels // world))
     D, bias = (None if t is None else t[mine] for t in (options["D"], options["delta_bias"]))
-    out, _ = selective_scan(u_h.float(), delta_h, A[mine], B_h, C_h, D=D, z=z_h, delta_bias=bias,
+    out, _ = kernel("selective")(u_h.float(), delta_h, A[mine], B_h, C_h, D=D, z=z_h, delta_bias=bias,
                             delta_softplus=options["delta_softplus"], segments=document_lengths(seq))
     return to_sequence(seq, out.transpose(1, 2).unsqueeze(-1)).squeeze(-1).transpose(1, 2).to(u.dtype)
 

@@ -18,11 +18,12 @@ from torch import Tensor
 
 from . import region, sequence
 from .heads import by_heads, to_heads, to_sequence
+from .kernels import kernel
 from .kinds import SERVERS
 from .sequence import ShardedSequence, chain, document_ends, document_lengths, gather, lengths_of
 from .serving import FunctionServer
 from .short_conv import served_conv
-from .ssd import ssd_scan, ssd_state_read, ssd_transition
+from .ssd import ssd_state_read, ssd_transition
 
 __all__ = ["ssd_under_cp", "served_chunk_scan"]
 
@@ -35,7 +36,8 @@ def ssd_under_cp(x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor, D: Opti
     outs, finals = [], []
     for chunk in seq.mine:
         rows = slice(chunk.local, chunk.local + chunk.length)
-        out, final = ssd_scan(x[:, rows].float(), dt[:, rows], A, B[:, rows], C[:, rows], D=D, segments=chunk.pieces)
+        out, final = kernel("ssd")(x[:, rows].float(), dt[:, rows], A, B[:, rows], C[:, rows], D=D,
+                                   segments=chunk.pieces)
         decay = ssd_transition(dt[:, rows], A, chunk.pieces)
         outs.append(out)
         finals.append(torch.cat([decay[..., None], final.flatten(2)], dim=-1))  # [batch, H, 1 + P N]
@@ -56,7 +58,7 @@ def _by_heads(x, dt, A, B, C, D, seq: ShardedSequence) -> Tensor:
         B, C = (t.repeat_interleave(heads // groups, dim=2) for t in (B, C))
     x_h, dt_h, B_h, C_h = to_heads(seq, [x.float(), dt.unsqueeze(-1), B, C])
     mine = slice(seq.rank * (heads // seq.world), (seq.rank + 1) * (heads // seq.world))
-    out, _ = ssd_scan(x_h, dt_h.squeeze(-1), A[mine], B_h, C_h, D=None if D is None else D[mine],
+    out, _ = kernel("ssd")(x_h, dt_h.squeeze(-1), A[mine], B_h, C_h, D=None if D is None else D[mine],
                       segments=document_lengths(seq))
     return to_sequence(seq, out)
 
@@ -84,8 +86,9 @@ def served_chunk_scan(original):
                 return original(hidden_states, dt, A, B, C, chunk_size, D=D, dt_bias=dt_bias,
                                 initial_states=initial_states, dt_softplus=dt_softplus, dt_limit=dt_limit,
                                 return_final_states=return_final_states, **kwargs)
-            out, final = ssd_scan(hidden_states.float(), discretised(dt, dt_bias, dt_softplus, dt_limit), A, B, C, D=D,
-                                  initial_state=initial_states, segments=lengths_of(ends))
+            discrete = discretised(dt, dt_bias, dt_softplus, dt_limit)
+            out, final = kernel("ssd")(hidden_states.float(), discrete, A, B, C, D=D, initial_state=initial_states,
+                                       segments=lengths_of(ends))
             return (out, final) if return_final_states else out
         if initial_states is not None or return_final_states:
             raise NotImplementedError("cp_cache: a Mamba-2 layer with a cache (initial_states, return_final_states) "
