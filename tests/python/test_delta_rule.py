@@ -19,14 +19,12 @@ import torch.nn.functional as F
 from transformers.models.qwen3_5.modeling_qwen3_5 import torch_chunk_gated_delta_rule
 
 from cp_cache.mixers.delta_rule import chunk_gated_delta_rule
-from cp_cache.testing.reference import error_bound, rel_err
+from cp_cache.testing import scans
 
 NAMES = ("query", "key", "value", "g", "beta", "initial_state")
-# Measured on these cases: the function errs up to 2.7x as much as transformers' float32 chunked
-# one (a state and a key gradient without the l2 norm); a wrong mask or a lost reset errs by 1e-2 or more.
-# The floor (4 eps) keeps a reference that happens to round exactly from making a bound 0.
-FACTOR = 8.0
-EPS_FLOOR = 4.0
+# The bounds' factor (scans.FACTOR, 8): measured on these cases: the function errs up to 2.7x as much as transformers'
+# float32 chunked one (a state and a key gradient without the l2 norm); a wrong mask or a lost reset errs by 1e-2 or
+# more.
 
 
 @dataclass(frozen=True)
@@ -126,12 +124,6 @@ def _ours(inputs: dict, case: Case, solver: str | None = None) -> tuple[torch.Te
         chunk_size=case.chunk_size, solver=solver)
 
 
-def _results(fn, inputs: dict, case: Case, weights: tuple, dtype=torch.float32) -> dict:
-    """fn's out, final state and gradients of sum(out * w_out) + sum(state * w_state)."""
-    leaves = {name: x.detach().to(dtype, copy=True).requires_grad_() for name, x in inputs.items() if x is not None}
-    out, state = fn({**inputs, **leaves}, case)
-    ((out * weights[0]).sum() + (state * weights[1]).sum()).backward()
-    return {"out": out.detach(), "state": state.detach(), **{name: x.grad for name, x in leaves.items()}}
 
 
 def _weights(case: Case) -> tuple:
@@ -140,61 +132,48 @@ def _weights(case: Case) -> tuple:
             torch.randn(case.batch, case.v_heads, case.k_dim, case.v_dim, generator=gen))
 
 
-def _errors(result: dict, truth: dict) -> dict:
-    return {name: rel_err(result[name].double(), truth[name]) for name in truth}
 
 
-_MEASURED: dict = {}
 
 
-def _truth_and_bounds(case_name: str) -> tuple[dict, dict, dict]:
-    """Inputs, the float64 truth and the bound per quantity (cached per case: the truth is slow)."""
-    if case_name not in _MEASURED:
-        case = CASES[case_name]
-        inputs, weights = _inputs(case), _weights(case)
-        truth = _results(_truth, inputs, case, weights, torch.float64)
-        reference = _errors(_results(_transformers, inputs, case, weights), truth)
-        bounds = {name: error_bound(err, factor=FACTOR, floor=EPS_FLOOR) for name, err in reference.items()}
-        _MEASURED[case_name] = inputs, truth, bounds
-    return _MEASURED[case_name]
 
 
-def _assert_within(errors: dict, bounds: dict, what: str) -> None:
-    over = {name: (f"{errors[name]:.2e}", f"{bounds[name]:.2e}") for name in errors if errors[name] > bounds[name]}
-    assert not over, f"{what}: error over its bound (error, bound): {over}"
 
+
+
+MEASURED = scans.Measured(CASES, _inputs, _weights, _truth, _transformers)
 
 @pytest.mark.parametrize("solver", ["solve_triangular", "substitution"])
 @pytest.mark.parametrize("case_name", list(CASES))
 def test_against_float64_recurrence(case_name, solver):
     case = CASES[case_name]
-    inputs, truth, bounds = _truth_and_bounds(case_name)
-    result = _results(lambda x, c: _ours(x, c, solver), inputs, case, _weights(case))
+    inputs, truth, bounds = MEASURED(case_name)
+    result = scans.results(lambda x, c: _ours(x, c, solver), inputs, case, _weights(case))
     assert result["out"].dtype == torch.float32 and result["state"].dtype == torch.float32
-    _assert_within(_errors(result, truth), bounds, f"{case_name}/{solver}")
+    scans.assert_within(scans.errors(result, truth), bounds, f"{case_name}/{solver}")
 
 
 @pytest.mark.parametrize("case_name", ["gqa_dk_ne_dv", "runs", "many_short_runs"])
 def test_substitution_equals_solve_triangular(case_name):
     case = CASES[case_name]
-    inputs, _, bounds = _truth_and_bounds(case_name)
+    inputs, _, bounds = MEASURED(case_name)
     weights = _weights(case)
-    solved = _results(lambda x, c: _ours(x, c, "solve_triangular"), inputs, case, weights)
-    substituted = _results(lambda x, c: _ours(x, c, "substitution"), inputs, case, weights)
-    _assert_within(_errors(substituted, {k: v.double() for k, v in solved.items()}), bounds, case_name)
+    solved = scans.results(lambda x, c: _ours(x, c, "solve_triangular"), inputs, case, weights)
+    substituted = scans.results(lambda x, c: _ours(x, c, "substitution"), inputs, case, weights)
+    scans.assert_within(scans.errors(substituted, {k: v.double() for k, v in solved.items()}), bounds, case_name)
 
 
 def test_bf16_autocast_keeps_float32_accuracy():
     case = CASES["runs"]
-    inputs, truth, bounds = _truth_and_bounds("runs")
+    inputs, truth, bounds = MEASURED("runs")
 
     def under_autocast(x, c):
         with torch.autocast("cpu", dtype=torch.bfloat16):
             return _ours(x, c)
 
-    result = _results(under_autocast, inputs, case, _weights(case))
+    result = scans.results(under_autocast, inputs, case, _weights(case))
     assert result["out"].dtype == torch.float32
-    _assert_within(_errors(result, truth), bounds, "bf16 autocast")
+    scans.assert_within(scans.errors(result, truth), bounds, "bf16 autocast")
 
 
 def test_bf16_inputs_give_bf16_output():
@@ -208,24 +187,24 @@ def test_bf16_inputs_give_bf16_output():
 @pytest.mark.parametrize("case_name", ["gqa_dk_ne_dv", "shorter_than_chunk", "mha_square"])
 def test_equals_transformers_on_one_run(case_name):
     case = CASES[case_name]
-    inputs, _, bounds = _truth_and_bounds(case_name)
+    inputs, _, bounds = MEASURED(case_name)
     weights = _weights(case)
-    ours = _results(_ours, inputs, case, weights)
-    theirs = _results(_transformers, inputs, case, weights)
-    _assert_within(_errors(ours, {k: v.double() for k, v in theirs.items()}), bounds, case_name)
+    ours = scans.results(_ours, inputs, case, weights)
+    theirs = scans.results(_transformers, inputs, case, weights)
+    scans.assert_within(scans.errors(ours, {k: v.double() for k, v in theirs.items()}), bounds, case_name)
 
 
 @pytest.mark.parametrize("split", [64, 75])
 def test_two_halves_chained_equal_the_whole(split):
     case = CASES["gqa_dk_ne_dv"]
-    inputs, _, bounds = _truth_and_bounds("gqa_dk_ne_dv")
+    inputs, _, bounds = MEASURED("gqa_dk_ne_dv")
     head, tail = ({name: x if name == "initial_state" else x[:, part] for name, x in inputs.items()}
                   for part in (slice(0, split), slice(split, None)))
     out_head, state = _ours(head, replace(case, length=split))
     out_tail, final = _ours({**tail, "initial_state": state}, replace(case, length=case.length - split))
     whole, whole_final = _ours(inputs, case)
     chained = {"out": torch.cat([out_head, out_tail], 1).double(), "state": final.double()}
-    _assert_within(_errors(chained, {"out": whole.double(), "state": whole_final.double()}), bounds, "halves")
+    scans.assert_within(scans.errors(chained, {"out": whole.double(), "state": whole_final.double()}), bounds, "halves")
 
 
 def _summary(inputs: dict, case: Case) -> tuple[torch.Tensor, torch.Tensor]:
@@ -241,10 +220,10 @@ def _summary(inputs: dict, case: Case) -> tuple[torch.Tensor, torch.Tensor]:
 
 def test_transition_matrix_in_extra_value_columns():
     case = replace(CASES["runs"], segments=None)
-    inputs, _, bounds = _truth_and_bounds("runs")
+    inputs, _, bounds = MEASURED("runs")
     contribution, transition = _summary(inputs, case)
     _, final = _ours(inputs, case)
-    _assert_within(_errors({"state": (transition @ inputs["initial_state"] + contribution).double()},
+    scans.assert_within(scans.errors({"state": (transition @ inputs["initial_state"] + contribution).double()},
                            {"state": final.double()}), bounds, "transition")
     # a run starting after the first token zeroes the state, so S0 no longer matters
     _, transition = _summary(inputs, CASES["runs"])

@@ -21,15 +21,12 @@ import torch.nn.functional as F
 from transformers.models.mamba.modeling_mamba import mamba_selective_scan, mamba_selective_state_update
 
 from cp_cache.mixers.selective_scan import selective_scan, selective_state_read, selective_transition
-from cp_cache.testing.reference import error_bound, rel_err
+from cp_cache.testing import scans
 
 NAMES = ("u", "delta", "A", "B", "C", "D", "z", "delta_bias", "initial_state")
-# Measured on these cases over 6 seeds: the function errs up to 3.8x as much as transformers' float32
-# recurrence, 4.7x on A's gradient (sums over every token, their rounding a draw): at most 0.3 of the bound
-# with the floor. A wrong mask or a lost reset errs by 1e-2 or more. The floor (4 eps) keeps a reference
-# that happens to round exactly from making a bound 0.
-FACTOR = 8.0
-EPS_FLOOR = 4.0
+# The bounds' factor (scans.FACTOR, 8): measured on these cases over 6 seeds: the function errs up to 3.8x as much as
+# transformers' float32 recurrence, 4.7x on A's gradient (sums over every token, their rounding a draw): at most 0.3
+# of the bound with the floor. A wrong mask or a lost reset errs by 1e-2 or more.
 
 
 @dataclass(frozen=True)
@@ -158,12 +155,6 @@ def _transformers_scan(inputs: dict, case: Case) -> tuple[torch.Tensor, torch.Te
                                 return_last_state=True)
 
 
-def _results(fn, inputs: dict, case: Case, weights: tuple, dtype=torch.float32) -> dict:
-    """fn's out, final state and gradients of sum(out * w_out) + sum(state * w_state)."""
-    leaves = {name: x.detach().to(dtype, copy=True).requires_grad_() for name, x in inputs.items() if x is not None}
-    out, state = fn({**inputs, **leaves}, case)
-    ((out * weights[0]).sum() + (state * weights[1]).sum()).backward()
-    return {"out": out.detach(), "state": state.detach(), **{name: x.grad for name, x in leaves.items()}}
 
 
 def _weights(case: Case) -> tuple:
@@ -172,50 +163,37 @@ def _weights(case: Case) -> tuple:
             torch.randn(case.batch, case.channels, case.state_dim, generator=gen))
 
 
-def _errors(result: dict, truth: dict) -> dict:
-    return {name: rel_err(result[name].double(), truth[name]) for name in truth}
 
 
-_MEASURED: dict = {}
 
 
-def _truth_and_bounds(case_name: str) -> tuple[dict, dict, dict]:
-    """Inputs, the float64 truth and the bound per quantity (cached per case: the truth is slow)."""
-    if case_name not in _MEASURED:
-        case = CASES[case_name]
-        inputs, weights = _inputs(case), _weights(case)
-        truth = _results(_truth, inputs, case, weights, torch.float64)
-        reference = _errors(_results(_transformers, inputs, case, weights), truth)
-        bounds = {name: error_bound(err, factor=FACTOR, floor=EPS_FLOOR) for name, err in reference.items()}
-        _MEASURED[case_name] = inputs, truth, bounds
-    return _MEASURED[case_name]
 
 
-def _assert_within(errors: dict, bounds: dict, what: str) -> None:
-    over = {name: (f"{errors[name]:.2e}", f"{bounds[name]:.2e}") for name in errors if errors[name] > bounds[name]}
-    assert not over, f"{what}: error over its bound (error, bound): {over}"
 
+
+
+MEASURED = scans.Measured(CASES, _inputs, _weights, _truth, _transformers)
 
 @pytest.mark.parametrize("case_name", list(CASES))
 def test_against_float64_recurrence(case_name):
     case = CASES[case_name]
-    inputs, truth, bounds = _truth_and_bounds(case_name)
-    result = _results(_ours, inputs, case, _weights(case))
+    inputs, truth, bounds = MEASURED(case_name)
+    result = scans.results(_ours, inputs, case, _weights(case))
     assert result["out"].dtype == torch.float32 and result["state"].dtype == torch.float32
-    _assert_within(_errors(result, truth), bounds, case_name)
+    scans.assert_within(scans.errors(result, truth), bounds, case_name)
 
 
 def test_bf16_autocast_keeps_float32_accuracy():
     case = CASES["runs"]
-    inputs, truth, bounds = _truth_and_bounds("runs")
+    inputs, truth, bounds = MEASURED("runs")
 
     def under_autocast(x, c):
         with torch.autocast("cpu", dtype=torch.bfloat16):
             return _ours(x, c)
 
-    result = _results(under_autocast, inputs, case, _weights(case))
+    result = scans.results(under_autocast, inputs, case, _weights(case))
     assert result["out"].dtype == torch.float32
-    _assert_within(_errors(result, truth), bounds, "bf16 autocast")
+    scans.assert_within(scans.errors(result, truth), bounds, "bf16 autocast")
 
 
 def test_bf16_inputs_give_bf16_output():
@@ -229,25 +207,25 @@ def test_bf16_inputs_give_bf16_output():
 @pytest.mark.parametrize("case_name", ["shorter_than_chunk", "no_state_no_softplus"])
 def test_equals_transformers_on_one_run(case_name):
     case = CASES[case_name]
-    inputs, _, bounds = _truth_and_bounds(case_name)
+    inputs, _, bounds = MEASURED(case_name)
     weights = _weights(case)
-    ours = _results(_ours, inputs, case, weights)
-    theirs = _results(_transformers_scan, inputs, case, weights)
-    _assert_within(_errors(ours, {k: v.double() for k, v in theirs.items()}), bounds, case_name)
+    ours = scans.results(_ours, inputs, case, weights)
+    theirs = scans.results(_transformers_scan, inputs, case, weights)
+    scans.assert_within(scans.errors(ours, {k: v.double() for k, v in theirs.items()}), bounds, case_name)
 
 
 
 def test_non_contiguous_inputs():
     """The models pass strided views (B and C transposed from [batch, L, N])."""
     case = CASES["groups"]
-    inputs, _, bounds = _truth_and_bounds("groups")
+    inputs, _, bounds = MEASURED("groups")
     strided = {name: x if x is None or x.dim() < 3 else x.transpose(1, -1).contiguous().transpose(1, -1)
                for name, x in inputs.items()}
     assert not strided["B"].is_contiguous()
     out, state = _ours(strided, case)
     expected_out, expected_state = _ours(inputs, case)
     expected = {"out": expected_out.double(), "state": expected_state.double()}
-    _assert_within(_errors({"out": out, "state": state}, expected), bounds, "strided")
+    scans.assert_within(scans.errors({"out": out, "state": state}, expected), bounds, "strided")
 
 def _split_runs(case: Case, split: int) -> tuple:
     """The runs of tokens [0, split) and [split, L), and whether a run starts at split."""
@@ -261,7 +239,7 @@ def _split_runs(case: Case, split: int) -> tuple:
 @pytest.mark.parametrize("case_name, split", [("gated", 64), ("groups", 75), ("runs", 60), ("runs", 41)])
 def test_two_halves_chained_equal_the_whole(case_name, split):
     case = CASES[case_name]
-    inputs, _, bounds = _truth_and_bounds(case_name)
+    inputs, _, bounds = MEASURED(case_name)
     head, tail = ({name: x if x is None or x.dim() < 3 or name == "initial_state" else x[..., part]
                    for name, x in inputs.items()} for part in (slice(0, split), slice(split, None)))
     head_runs, tail_runs, new_run = _split_runs(case, split)
@@ -270,7 +248,7 @@ def test_two_halves_chained_equal_the_whole(case_name, split):
                             replace(case, length=case.length - split, segments=tail_runs))
     whole, whole_final = _ours(inputs, case)
     chained = {"out": torch.cat([out_head, out_tail], -1).double(), "state": final.double()}
-    _assert_within(_errors(chained, {"out": whole.double(), "state": whole_final.double()}), bounds, "halves")
+    scans.assert_within(scans.errors(chained, {"out": whole.double(), "state": whole_final.double()}), bounds, "halves")
 
 
 def _with_helpers(inputs: dict, case: Case) -> tuple[torch.Tensor, torch.Tensor]:
@@ -287,11 +265,11 @@ def _with_helpers(inputs: dict, case: Case) -> tuple[torch.Tensor, torch.Tensor]
 @pytest.mark.parametrize("case_name", ["gated", "groups", "runs", "strong_decay"])
 def test_state_read_and_transition_match_the_kernel(case_name):
     case = CASES[case_name]
-    inputs, _, bounds = _truth_and_bounds(case_name)
+    inputs, _, bounds = MEASURED(case_name)
     weights = _weights(case)
-    helped = _results(_with_helpers, inputs, case, weights)
-    kernel = _results(_ours, inputs, case, weights)
-    _assert_within(_errors(helped, {k: v.double() for k, v in kernel.items()}), bounds, case_name)
+    helped = scans.results(_with_helpers, inputs, case, weights)
+    kernel = scans.results(_ours, inputs, case, weights)
+    scans.assert_within(scans.errors(helped, {k: v.double() for k, v in kernel.items()}), bounds, case_name)
     if case.segments:  # a run starting after the first token zeroes the state: S0 no longer reaches the end
         assert selective_transition(_discretised(inputs, case), inputs["A"], case.segments).abs().max() == 0
 
