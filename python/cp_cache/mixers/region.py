@@ -1,7 +1,9 @@
 """The CP regions ``cp_cache.context_parallel()`` entered and not yet left: each one's mesh, the documents its buffers
 were laid out by, and what it sharded (each buffer's sequence dim, local and global length), so that an attention
-call can be checked against the shapes the region gave out. Also the count of CP attention calls served, which
-the region's guard reads to tell an attention module that never reached cp_cache."""
+call can be checked against the shapes the region gave out. Also what the recurrent mixers and the guard read:
+whether any CP region is entered (cp_cache's, or torch's with cp_cache enabled), the packed documents the running
+model was called with, and the count of CP attention calls served (an attention module that never reached
+cp_cache is told by it)."""
 
 from __future__ import annotations
 
@@ -11,8 +13,8 @@ from typing import Any, Optional
 import torch
 
 __all__ = ["ShardedBuffer", "Region", "ACTIVE", "active", "in_cp", "set_in_cp", "refuse_without_region",
-           "note_call_documents", "call_documents",
-           "buffer_seq_dims", "sharded_buffers", "check_sequence_fits", "count_attention_call", "attention_calls"]
+           "note_call_documents", "call_documents", "buffer_seq_dims", "sharded_buffers", "check_sequence_fits",
+           "count_attention_call", "attention_calls"]
 
 
 @dataclass(frozen=True)
