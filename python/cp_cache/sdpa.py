@@ -12,7 +12,7 @@ from torch.distributed.tensor import DTensor, Shard
 
 from .npu_ops import autocast_inputs, causal_mask, describe, sdpa_arguments
 from .op import forward_op
-from .mixers.region import check_sequence_fits, in_cp
+from .mixers.region import check_mask_fits, in_cp
 
 __all__ = ["scaled_dot_product_attention", "install", "uninstall"]
 
@@ -33,7 +33,7 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
         raise ValueError(f"scaled_dot_product_attention under context parallelism takes a bool attn_mask (True = "
                          f"attend) as [B or 1, N or 1, S, S], sharded with the queries (a buffer of the CP region, "
                          f"seq dim 2: torch's wrapper shards it so); got attn_mask={describe(attn_mask)}")
-    check_sequence_fits(dict(query=query, key=key, value=value), 2, "scaled_dot_product_attention", attn_mask)
+    check_mask_fits(attn_mask, key.size(2), "scaled_dot_product_attention")  # q/k/v: the handler checks them
     kwargs = sdpa_arguments(query, key, attn_mask, dropout_p, is_causal, scale)
     query, key, value = autocast_inputs(query, key, value)  # as SDPA's own autocast casts them
     return forward_op(query, key, value, query.size(1), "BNSD", **kwargs)[0]

@@ -99,7 +99,7 @@ class AttentionHandlers:
         region.count_attention_call()
         try:
             qkv = {n: a[n] for n in ("query", "key", "value")}
-            region.check_sequence_fits(qkv, L.seq_dim(a["input_layout"]), str(op_call))
+            region.check_sequence_fits(qkv, L.seq_dim(a["input_layout"]), f"the CP attention call ({op_call})")
             call = read_call(a, self.configs[op_call.namespace])
         except CHECK_ERRORS as error:
             share_refusal("forward", a, error)

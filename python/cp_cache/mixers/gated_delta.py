@@ -21,7 +21,7 @@ from . import region, sequence
 from .heads import by_heads, to_heads, to_sequence
 from .kernels import kernel
 from .kinds import SERVERS
-from .sequence import ShardedSequence, chain, document_ends, document_lengths, gather, lengths_of
+from .sequence import ShardedSequence, by_state, document_ends, document_lengths, lengths_of
 from .serving import FunctionServer
 from .short_conv import served_conv
 
@@ -41,28 +41,23 @@ def delta_rule_under_cp(query: Tensor, key: Tensor, value: Tensor, g: Tensor, be
 def _by_state(query, key, value, g, beta, seq: ShardedSequence, options: dict) -> Tensor:
     batch, _, v_heads, v_dim = value.shape
     k_dim = key.size(-1)
-    outs, operators, transitions, finals = [], [], [], []
-    for chunk in seq.mine:
-        rows = slice(chunk.local, chunk.local + chunk.length)
+
+    def run(chunk, rows):
         q, k, v, g_c, b_c = (t[:, rows] for t in (query.float(), key, value, g, beta))  # float32 out
-        initial = None
-        if chunk.continues:  # the identity as extra columns: the chunk's transition and its tokens' read of it
-            v = torch.cat([v.float(), v.new_zeros(*v.shape[:-1], k_dim, dtype=torch.float32)], dim=-1)
-            eye = torch.eye(k_dim, device=v.device).expand(batch, v_heads, k_dim, k_dim)
-            initial = torch.cat([eye.new_zeros(batch, v_heads, k_dim, v_dim), eye], dim=-1)
+        if not chunk.continues:  # starts a document: nothing to read
+            out, final = kernel("gated_delta")(q, k, v, g_c, b_c, segments=chunk.pieces, **options)
+            return out, final.new_zeros(batch, v_heads, k_dim, k_dim), final, None
+        # the identity as extra value columns: the chunk's transition and its tokens' read of the state entering it
+        v = torch.cat([v.float(), v.new_zeros(*v.shape[:-1], k_dim, dtype=torch.float32)], dim=-1)
+        eye = torch.eye(k_dim, device=v.device).expand(batch, v_heads, k_dim, k_dim)
+        initial = torch.cat([eye.new_zeros(batch, v_heads, k_dim, v_dim), eye], dim=-1)
         out, final = kernel("gated_delta")(q, k, v, g_c, b_c, initial_state=initial, segments=chunk.pieces,
                                             **options)
-        outs.append(out[..., :v_dim])
-        operators.append(out[..., v_dim:] if chunk.continues else None)
-        finals.append(final[..., :v_dim])
-        transitions.append(final[..., v_dim:] if chunk.continues else final.new_zeros(batch, v_heads, k_dim, k_dim))
-    summaries, zero = gather(seq, [torch.cat([m, c], dim=-1) for m, c in zip(transitions, finals)])
-    entering = chain(seq, [s[..., :k_dim] for s in summaries], [s[..., k_dim:] for s in summaries],
-                     lambda transition, state: transition @ state)
-    for i, state in enumerate(entering):
-        if state is not None:
-            outs[i] = outs[i] + torch.einsum("blhk,bhkv->blhv", operators[i], state)
-    return (torch.cat(outs, dim=1) + zero).to(query.dtype)
+        operator = out[..., v_dim:]
+        return (out[..., :v_dim], final[..., v_dim:], final[..., :v_dim],
+                lambda state: torch.einsum("blhk,bhkv->blhv", operator, state))
+
+    return by_state(seq, run, lambda transition, state: transition @ state, dim=1).to(query.dtype)
 
 
 def _by_heads(query, key, value, g, beta, seq: ShardedSequence, options: dict) -> Tensor:

@@ -11,7 +11,6 @@ from __future__ import annotations
 import functools
 from typing import Optional
 
-import torch
 import torch.nn.functional as F
 from torch import Tensor
 
@@ -21,7 +20,7 @@ from .kernels import kernel
 from .kinds import SERVERS
 from .mamba2 import unfused_inside_regions
 from .selective_scan import selective_state_read, selective_transition
-from .sequence import ShardedSequence, chain, document_lengths, gather
+from .sequence import ShardedSequence, by_state, document_lengths
 from .serving import FunctionServer
 from .short_conv import served_conv
 
@@ -38,23 +37,19 @@ def selective_scan_under_cp(u: Tensor, delta: Tensor, A: Tensor, B: Tensor, C: T
         return _by_channels(u, delta, A, B, C, z, seq, options)
     discrete = delta if delta_bias is None else delta + delta_bias.to(delta.dtype)[..., None]
     discrete = F.softplus(discrete) if delta_softplus else discrete
-    outs, finals = [], []
-    for chunk in seq.mine:
-        rows = slice(chunk.local, chunk.local + chunk.length)
+
+    def run(chunk, rows):
+        gate = None if z is None else z[..., rows]
         out, final = kernel("selective")(u[..., rows].float(), delta[..., rows], A, B[..., rows], C[..., rows],
-                                    z=None if z is None else z[..., rows], segments=chunk.pieces, **options)
-        outs.append(out)
-        finals.append(torch.cat([selective_transition(discrete[..., rows], A, chunk.pieces), final], dim=-1))
-    summaries, zero = gather(seq, finals)
-    n = A.size(-1)
-    entering = chain(seq, [s[..., :n] for s in summaries], [s[..., n:] for s in summaries],
-                     lambda decay, state: decay * state)
-    for i, (chunk, state) in enumerate(zip(seq.mine, entering)):
-        if state is not None:
-            rows = slice(chunk.local, chunk.local + chunk.length)
-            read = selective_state_read(discrete[..., rows], A, C[..., rows], state, segments=chunk.pieces)
-            outs[i] = outs[i] + (read if z is None else read * F.silu(z[..., rows].float()))
-    return (torch.cat(outs, dim=-1) + zero).to(u.dtype)
+                                         z=gate, segments=chunk.pieces, **options)
+
+        def read(state):  # before the gate, as the scan's own sum
+            summed = selective_state_read(discrete[..., rows], A, C[..., rows], state, segments=chunk.pieces)
+            return summed if gate is None else summed * F.silu(gate.float())
+
+        return out, selective_transition(discrete[..., rows], A, chunk.pieces), final, read
+
+    return by_state(seq, run, lambda decay, state: decay * state, dim=-1).to(u.dtype)
 
 
 def _by_channels(u, delta, A, B, C, z, seq: ShardedSequence, options: dict) -> Tensor:

@@ -20,7 +20,7 @@ from . import region, sequence
 from .heads import by_heads, to_heads, to_sequence
 from .kernels import kernel
 from .kinds import SERVERS
-from .sequence import ShardedSequence, chain, document_ends, document_lengths, gather, lengths_of
+from .sequence import ShardedSequence, by_state, document_ends, document_lengths, lengths_of
 from .serving import FunctionServer
 from .short_conv import served_conv
 from .ssd import ssd_state_read, ssd_transition
@@ -33,23 +33,14 @@ def ssd_under_cp(x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor, D: Opti
     """``ssd_scan``'s local shards (dt discretised) -> the local output, float32, exact."""
     if by_heads(algorithm, x.size(2), seq.world, "a Mamba-2 layer", auto=False):
         return _by_heads(x, dt, A, B, C, D, seq)
-    outs, finals = [], []
-    for chunk in seq.mine:
-        rows = slice(chunk.local, chunk.local + chunk.length)
+
+    def run(chunk, rows):
         out, final = kernel("ssd")(x[:, rows].float(), dt[:, rows], A, B[:, rows], C[:, rows], D=D,
                                    segments=chunk.pieces)
-        decay = ssd_transition(dt[:, rows], A, chunk.pieces)
-        outs.append(out)
-        finals.append(torch.cat([decay[..., None], final.flatten(2)], dim=-1))  # [batch, H, 1 + P N]
-    summaries, zero = gather(seq, finals)
-    shape = finals[0].shape[:2] + (x.size(-1), -1)
-    entering = chain(seq, [s[..., 0] for s in summaries], [s[..., 1:].reshape(shape) for s in summaries],
-                     lambda decay, state: decay[..., None, None] * state)
-    for i, (chunk, state) in enumerate(zip(seq.mine, entering)):
-        if state is not None:
-            rows = slice(chunk.local, chunk.local + chunk.length)
-            outs[i] = outs[i] + ssd_state_read(dt[:, rows], A, C[:, rows], state, segments=chunk.pieces)
-    return torch.cat(outs, dim=1) + zero
+        return (out, ssd_transition(dt[:, rows], A, chunk.pieces), final,
+                lambda state: ssd_state_read(dt[:, rows], A, C[:, rows], state, segments=chunk.pieces))
+
+    return by_state(seq, run, lambda decay, state: decay[..., None, None] * state, dim=1)
 
 
 def _by_heads(x, dt, A, B, C, D, seq: ShardedSequence) -> Tensor:

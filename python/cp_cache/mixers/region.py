@@ -13,7 +13,8 @@ from typing import Any, Optional
 import torch
 
 __all__ = ["ShardedBuffer", "Region", "ACTIVE", "active", "in_cp", "set_in_cp", "refuse_without_region",
-           "note_call_documents", "call_documents", "buffer_seq_dims", "sharded_buffers", "check_sequence_fits",
+           "note_call_documents", "call_documents", "buffer_seq_dims", "sharded_buffers", "check_mask_fits",
+           "check_sequence_fits",
            "count_attention_call", "attention_calls"]
 
 
@@ -107,17 +108,19 @@ def sharded_buffers(buffers, seq_dims, world: int, local_lengths=None) -> tuple[
                                b.size(dim)) for i, (b, dim) in enumerate(zip(buffers, seq_dims)))
 
 
-def check_sequence_fits(tensors: dict[str, Any], seq_dim: int, what: str, mask: Optional[Any] = None) -> None:
-    """ValueError where a CP call's sequence (local and global length on ``seq_dim``) is none the region's buffers
-    were sharded to: q/k/v taken along another dimension, or K/V left out of the buffers; or where a mask's last
-    dim is not the keys' global length."""
-    keys = tensors["key"].size(seq_dim)
+def check_mask_fits(mask: Any, keys: int, what: str) -> None:
+    """ValueError where a mask's last dim is not the keys' global length: a mask made for this rank's shard."""
     if mask is not None and mask.size(-1) != keys:
         raise ValueError(f"{what} under context parallelism: attn_mask of shape {tuple(mask.shape)} covers "
                          f"{mask.size(-1)} keys, but the keys are {keys} tokens across the CP ranks: a mask made for "
                          "this rank's shard (transformers' 'sdpa' attention makes one for windows, packed documents "
                          "and padding); with transformers use attn_implementation='cp_cache', which passes the "
                          "mask's rule instead of a tensor")
+
+
+def check_sequence_fits(tensors: dict[str, Any], seq_dim: int, what: str) -> None:
+    """ValueError where a CP call's sequence (local and global length on ``seq_dim``) is none the region's buffers
+    were sharded to: q/k/v taken along another dimension, or K/V left out of the buffers."""
     region = active()
     if region is None or not region.buffers:
         return

@@ -11,6 +11,7 @@ Host data only: positions come from the region's layout, documents from the call
 from __future__ import annotations
 
 import functools
+import itertools
 from dataclasses import dataclass
 from typing import Any, Callable, Optional, Sequence
 
@@ -22,7 +23,7 @@ from .. import layout as L
 from ..documents import document_positions, sequence_positions
 from . import region
 
-__all__ = ["Chunk", "ShardedSequence", "current", "sharded_sequence", "gather", "chain", "left_context",
+__all__ = ["Chunk", "ShardedSequence", "current", "sharded_sequence", "gather", "chain", "by_state", "left_context",
            "piece_starts", "document_ends", "lengths_of", "document_lengths"]
 
 
@@ -149,13 +150,9 @@ def document_lengths(seq: ShardedSequence) -> list[int]:
     return lengths
 
 
-def piece_starts(chunk: Chunk) -> list[int]:
-    """The offsets in the chunk where a document starts (a piece after the first)."""
-    offsets, at = [], 0
-    for length in chunk.pieces[:-1]:
-        at += length
-        offsets.append(at)
-    return offsets
+def piece_starts(lengths: Sequence[int]) -> tuple[int, ...]:
+    """Where each run after the first starts, runs of ``lengths`` laid end to end (a chunk's document pieces)."""
+    return tuple(itertools.accumulate(lengths[:-1]))
 
 
 class _Gather(torch.autograd.Function):
@@ -202,6 +199,22 @@ def chain(seq: ShardedSequence, transitions: list[Optional[Tensor]], contributio
         passed = apply(transitions[i], state) if c.passes and state is not None else None
         state = contributions[i] if passed is None else passed + contributions[i]
     return [entering.get(seq.order[(c.rank, c.index)]) for c in seq.mine]
+
+
+def by_state(seq: ShardedSequence, run: Callable, apply: Callable[[Tensor, Tensor], Tensor], dim: int) -> Tensor:
+    """The state form of every recurrent mixer. ``run(chunk, rows)`` runs one of this rank's chunks from a zero
+    state: (its output, its transition, its final state, ``read(state)``: what its tokens add given the state
+    entering it; transitions and final states of one shape each, batch first). Every rank's (transition, final
+    state) are gathered, one tensor per chunk, and chained in sequence order by ``apply(transition, state)``; each
+    chunk adds its read of the state that enters it. The outputs, laid end to end along ``dim``."""
+    runs = [run(c, slice(c.local, c.local + c.length)) for c in seq.mine]
+    transition, final = runs[0][1].shape, runs[0][2].shape
+    summaries, zero = gather(seq, [torch.cat([t.flatten(1), f.flatten(1)], dim=1) for _, t, f, _ in runs])
+    split = transition[1:].numel()
+    entering = chain(seq, [s[:, :split].reshape(transition) for s in summaries],
+                     [s[:, split:].reshape(final) for s in summaries], apply)
+    outs = [out if state is None else out + read(state) for (out, _, _, read), state in zip(runs, entering)]
+    return torch.cat(outs, dim=dim) + zero
 
 
 def left_context(seq: ShardedSequence, x: Tensor, width: int) -> list[Tensor]:

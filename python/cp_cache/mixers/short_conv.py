@@ -38,7 +38,7 @@ def causal_conv_under_cp(x: Tensor, weight: Tensor, bias: Optional[Tensor], seq:
     for chunk, context in zip(seq.mine, contexts):
         part = x[..., chunk.local:chunk.local + chunk.length]
         outs.append(_conv(part if context is None else torch.cat([context, part], dim=-1), weight, width,
-                          tuple(piece_starts(chunk))))
+                          piece_starts(chunk.pieces)))
     return _finish(torch.cat(outs, dim=-1), bias, act, dtype)
 
 
@@ -47,8 +47,7 @@ def causal_conv_documents(x: Tensor, weight: Tensor, bias: Optional[Tensor], len
     """One process: ``x`` [B, C, L] holding documents of ``lengths``, none seeing another."""
     dtype, x = x.dtype, x.to(weight.dtype)
     width = weight.size(-1) - 1
-    starts = tuple(sum(lengths[:i]) for i in range(1, len(lengths)))
-    return _finish(_conv(F.pad(x, (width, 0)), weight, width, starts), bias, act, dtype)
+    return _finish(_conv(F.pad(x, (width, 0)), weight, width, piece_starts(lengths)), bias, act, dtype)
 
 
 def _conv(extended: Tensor, weight: Tensor, width: int, starts: tuple[int, ...]) -> Tensor:
