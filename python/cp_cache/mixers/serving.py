@@ -19,13 +19,21 @@ class FunctionServer:
     def __init__(self, replacements: dict[str, Callable[[Callable], Callable]],
                  optional: dict[str, Callable[[Callable], Callable]] | None = None):
         self.replacements, self.optional = replacements, optional or {}
+        self._served: dict[type, bool] = {}  # by the module's class: its forward's globals are the class's
 
     @property
     def names(self) -> tuple[str, ...]:
         return tuple(self.replacements)
 
     def __call__(self, module: torch.nn.Module) -> bool:
-        namespace = inspect.unwrap(type(module).forward).__globals__
+        """Called before each of the module's forwards inside a region: its class is readied once."""
+        served = self._served.get(type(module))
+        if served is None:
+            served = self._served[type(module)] = self._serve(type(module))
+        return served
+
+    def _serve(self, cls: type) -> bool:
+        namespace = inspect.unwrap(cls.forward).__globals__
         if any(name not in namespace for name in self.replacements):
             return False
         for name, make in {**self.replacements, **self.optional}.items():
